@@ -1,0 +1,97 @@
+//! Chat with a model in its chat format, streaming tokens as they come.
+//!
+//! ```sh
+//! cargo run --release --example chat                      # interactive
+//! cargo run --release --example chat -- --prompt "Hi!"    # one turn
+//! ```
+
+mod common;
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use clap::Parser;
+use common::{B, WithModel, with_model};
+use llama_burn::llama::Llama;
+use llama_burn::sampling::{Sampler, TopP};
+use llama_burn::tokenizer::{ChatMessage, Tokenizer};
+
+#[derive(Parser, Debug)]
+#[command(about = "Chat with a Llama-architecture model")]
+struct Args {
+    /// A .gguf file or a Hugging Face model directory (default: the demo model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Answer this one message and exit (otherwise read messages from stdin).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Largest number of tokens per answer.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f64,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 0.9)]
+    top_p: f64,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Context window to allocate.
+    #[arg(long, default_value_t = 2048)]
+    max_seq_len: usize,
+}
+
+impl WithModel for &Args {
+    type Output = ();
+    fn run<T: Tokenizer>(self, mut llama: Llama<B, T>) -> llama_burn::Result<()> {
+        let format = llama.tokenizer.chat_format().ok_or_else(|| {
+            llama_burn::LlamaError::Tokenizer("this model has no known chat format".into())
+        })?;
+        let mut sampler = Sampler::TopP(TopP::new(self.top_p, self.seed));
+        let mut history: Vec<ChatMessage> = Vec::new();
+        let stdin = std::io::stdin();
+        let mut lines = stdin.lock().lines();
+        loop {
+            let user = match &self.prompt {
+                Some(p) => p.clone(),
+                None => {
+                    print!("> ");
+                    std::io::stdout().flush().ok();
+                    match lines.next() {
+                        Some(Ok(line)) if !line.trim().is_empty() => line,
+                        Some(Ok(_)) => continue,
+                        _ => break,
+                    }
+                }
+            };
+            history.push(ChatMessage::user(&user));
+            let prompt = format.format(&history, true);
+            let mut state = llama.create_generation_state(&prompt, self.max_tokens)?;
+            let mut answer = String::new();
+            loop {
+                let (_, piece, done) = llama.generate_single_token(&mut state, self.temperature, &mut sampler)?;
+                print!("{piece}");
+                std::io::stdout().flush().ok();
+                answer.push_str(&piece);
+                if done {
+                    break;
+                }
+            }
+            println!();
+            history.push(ChatMessage::assistant(&answer));
+            if self.prompt.is_some() {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    if let Err(e) = with_model(args.model.as_deref(), args.max_seq_len, &args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

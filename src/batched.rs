@@ -1,0 +1,229 @@
+//! The batched strategy: many prompts advance together, one forward pass per step.
+//!
+//! Prompts are *left*-padded to a common length and padded keys are masked, so each row
+//! computes exactly what it would alone (RoPE depends only on relative positions). Rows
+//! that finish are dropped from the cache and from later forward passes, so a long row
+//! does not make finished rows keep costing compute.
+
+use burn::tensor::backend::Backend;
+
+use crate::cache::KvCache;
+use crate::error::{LlamaError, Result};
+use crate::llama::{GenerationState, Llama, logits_to_vec};
+use crate::model::Logits;
+use crate::sampling::{Sampler, validate_temperature};
+use crate::tokenizer::Tokenizer;
+
+/// Token id written into padding slots (masked, so its value never matters).
+const PAD_TOKEN: u32 = 0;
+
+/// The state of a batch of requests that advance together: per-row token buffers,
+/// step counts, limits, stop reasons and streaming decoders (one [`GenerationState`]
+/// each, without a cache of its own), and one KV cache with a batch dimension holding
+/// only the rows still running.
+#[derive(Debug)]
+pub struct BatchedGenerationState<B: Backend> {
+    rows: Vec<GenerationState<B>>,
+    /// Rows still in the cache, in cache order.
+    active: Vec<usize>,
+    cache: Option<KvCache<B>>,
+}
+
+/// What one row produced in one batched step.
+pub type RowStep = (u32, String, bool);
+
+impl<B: Backend> BatchedGenerationState<B> {
+    /// Number of rows (requests) in the batch.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Whether the batch has no rows (never true for a state built by [`Llama`]).
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Per-row state: prompt, generated tokens, text, stop reason.
+    pub fn rows(&self) -> &[GenerationState<B>] {
+        &self.rows
+    }
+
+    /// Rows still generating.
+    pub fn active_rows(&self) -> &[usize] {
+        &self.active
+    }
+
+    /// Whether every row has ended.
+    pub fn is_done(&self) -> bool {
+        self.active.is_empty()
+    }
+
+    /// Rows currently held in the batch's KV cache (finished rows are compacted away).
+    pub fn cache_rows(&self) -> usize {
+        self.cache.as_ref().map_or(0, KvCache::batch)
+    }
+
+    /// Bytes held by the batch's KV cache.
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.as_ref().map_or(0, KvCache::allocated_bytes)
+    }
+
+    /// Consumes the batch, returning each row's final state.
+    pub fn into_rows(self) -> Vec<GenerationState<B>> {
+        self.rows
+    }
+}
+
+impl<B: Backend, T: Tokenizer> Llama<B, T> {
+    /// Prepares a batch: tokenizes and validates every prompt (nothing heavier). Each row
+    /// may generate up to `max_tokens` tokens.
+    pub fn create_batched_generation_state<S: AsRef<str>>(
+        &self,
+        prompts: &[S],
+        max_tokens: usize,
+    ) -> Result<BatchedGenerationState<B>> {
+        if prompts.is_empty() {
+            return Err(LlamaError::InvalidBatch("no prompts given".into()));
+        }
+        let ids = prompts
+            .iter()
+            .map(|p| self.encode_prompt(p.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        let limits = vec![max_tokens; ids.len()];
+        self.create_batched_generation_state_from_ids(ids, limits)
+    }
+
+    /// Prepares a batch from token ids with a token budget per row.
+    pub fn create_batched_generation_state_from_ids(
+        &self,
+        prompts: Vec<Vec<u32>>,
+        max_tokens: Vec<usize>,
+    ) -> Result<BatchedGenerationState<B>> {
+        if prompts.is_empty() {
+            return Err(LlamaError::InvalidBatch("no prompts given".into()));
+        }
+        if prompts.len() != max_tokens.len() {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{} prompts but {} token budgets",
+                prompts.len(),
+                max_tokens.len()
+            )));
+        }
+        let rows = prompts
+            .into_iter()
+            .zip(max_tokens)
+            .map(|(ids, max)| self.create_generation_state_from_ids(ids, max))
+            .collect::<Result<Vec<_>>>()?;
+        // Every row must fit the shared column axis: longest prompt + largest budget.
+        let columns = rows.iter().map(|r| r.prompt_tokens().len()).max().unwrap_or(0)
+            + rows.iter().map(GenerationState::max_tokens).max().unwrap_or(0);
+        let max = self.config().max_seq_len;
+        if columns > max {
+            return Err(LlamaError::InvalidBatch(format!(
+                "the longest prompt plus the largest max_tokens needs {columns} positions but \
+                 the context holds {max}; split the batch or lower max_tokens"
+            )));
+        }
+        let active = (0..rows.len()).collect();
+        Ok(BatchedGenerationState {
+            rows,
+            active,
+            cache: None,
+        })
+    }
+
+    /// Advances every running row by one token in a single forward pass (the first call
+    /// processes all prompts). `samplers` has one sampler per row. Returns, per row,
+    /// `Some((token_id, text_piece, done))`, or `None` for rows that had already ended.
+    pub fn generate_batched_single_token(
+        &mut self,
+        state: &mut BatchedGenerationState<B>,
+        temperature: f64,
+        samplers: &mut [Sampler],
+    ) -> Result<Vec<Option<RowStep>>> {
+        validate_temperature(temperature)?;
+        if samplers.len() != state.rows.len() {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{} samplers for {} rows",
+                samplers.len(),
+                state.rows.len()
+            )));
+        }
+        for s in samplers.iter() {
+            s.validate()?;
+        }
+        let mut out: Vec<Option<RowStep>> = vec![None; state.rows.len()];
+        if state.active.is_empty() {
+            return Ok(out);
+        }
+        let input = match state.cache {
+            None => {
+                let width = state
+                    .active
+                    .iter()
+                    .map(|&r| state.rows[r].prompt_tokens().len())
+                    .max()
+                    .unwrap_or(0);
+                let starts: Vec<usize> = state
+                    .active
+                    .iter()
+                    .map(|&r| width - state.rows[r].prompt_tokens().len())
+                    .collect();
+                let mut input = Vec::with_capacity(width * state.active.len());
+                for (&r, &start) in state.active.iter().zip(&starts) {
+                    input.extend(std::iter::repeat_n(PAD_TOKEN, start));
+                    input.extend_from_slice(state.rows[r].prompt_tokens());
+                    state.rows[r].mark_started();
+                }
+                let budget = state.active.iter().map(|&r| state.rows[r].max_tokens()).max().unwrap_or(0);
+                state.cache = Some(self.model.new_cache(starts, width + budget));
+                input
+            }
+            Some(_) => state
+                .active
+                .iter()
+                .map(|&r| state.rows[r].tokens().last().copied().unwrap_or(PAD_TOKEN))
+                .collect(),
+        };
+        let cache = state
+            .cache
+            .as_mut()
+            .ok_or_else(|| LlamaError::Runtime("batch lost its cache".into()))?;
+        let logits = logits_to_vec(self.model.forward(&input, cache, Logits::Last)?)?;
+        let vocab = self.config().vocab_size;
+
+        let mut still_running = Vec::with_capacity(state.active.len());
+        for (slot, &r) in state.active.iter().enumerate() {
+            let row_logits = &logits[slot * vocab..(slot + 1) * vocab];
+            let token = state.rows[r].sample_next(row_logits, temperature, &mut samplers[r])?;
+            let step = self.accept_token(&mut state.rows[r], token);
+            if !step.2 {
+                still_running.push(slot);
+            }
+            out[r] = Some(step);
+        }
+        if still_running.len() != state.active.len() {
+            let next_active: Vec<usize> = still_running.iter().map(|&slot| state.active[slot]).collect();
+            if next_active.is_empty() {
+                state.cache = None;
+            } else if let Some(cache) = state.cache.as_mut() {
+                cache.retain_rows(&still_running)?;
+            }
+            state.active = next_active;
+        }
+        Ok(out)
+    }
+
+    /// Runs a batch until every row has ended.
+    pub fn run_batch_to_end(
+        &mut self,
+        state: &mut BatchedGenerationState<B>,
+        temperature: f64,
+        samplers: &mut [Sampler],
+    ) -> Result<()> {
+        while !state.is_done() {
+            self.generate_batched_single_token(state, temperature, samplers)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,249 @@
+//! The key/value cache.
+//!
+//! One [`KvCache`] holds, for every layer, keys and values shaped
+//! `[batch, kv_heads, capacity, head_dim]`. All rows share the column axis: column `c`
+//! of every row is written in the same forward pass. Rows are *left*-padded: row `r`'s
+//! real tokens occupy columns `start[r]..len`, and its token in column `c` sits at
+//! position `c - start[r]`. Since RoPE scores depend only on relative positions and the
+//! padded columns are masked out, a padded row computes exactly what it would alone.
+//!
+//! A per-request cache is the batch-1 case (`start = [0]`). Capacity grows on demand
+//! (doubling, up to the model's context window) so short requests hold little memory.
+
+use burn::tensor::{Bool, Tensor, TensorData, backend::Backend};
+
+use crate::error::{LlamaError, Result};
+
+/// Keys and values of one layer.
+#[derive(Debug, Clone)]
+struct LayerKv<B: Backend> {
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+}
+
+/// Per-layer key/value tensors for a batch of rows sharing one column axis.
+#[derive(Debug, Clone)]
+pub struct KvCache<B: Backend> {
+    layers: Vec<LayerKv<B>>,
+    starts: Vec<usize>,
+    len: usize,
+    capacity: usize,
+    max_capacity: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// A cache for `starts.len()` rows whose real tokens begin at the given columns
+    /// (left padding), with room for `capacity` columns now and up to `max_capacity`
+    /// after growing.
+    pub fn new(
+        n_layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        starts: Vec<usize>,
+        capacity: usize,
+        max_capacity: usize,
+        device: &B::Device,
+    ) -> Self {
+        let batch = starts.len();
+        let capacity = capacity.clamp(1, max_capacity.max(1));
+        let zeros = || Tensor::<B, 4>::zeros([batch, kv_heads, capacity, head_dim], device);
+        Self {
+            layers: (0..n_layers)
+                .map(|_| LayerKv {
+                    k: zeros(),
+                    v: zeros(),
+                })
+                .collect(),
+            starts,
+            len: 0,
+            capacity,
+            max_capacity: max_capacity.max(1),
+            kv_heads,
+            head_dim,
+        }
+    }
+
+    /// Rows in the cache.
+    pub fn batch(&self) -> usize {
+        self.starts.len()
+    }
+
+    /// Columns written so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing has been written yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Columns allocated now.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Largest number of columns this cache may grow to.
+    pub fn max_capacity(&self) -> usize {
+        self.max_capacity
+    }
+
+    /// First real column of each row (the row's left padding).
+    pub fn starts(&self) -> &[usize] {
+        &self.starts
+    }
+
+    /// Tokens of each row held in the cache (excluding padding).
+    pub fn row_lengths(&self) -> Vec<usize> {
+        self.starts
+            .iter()
+            .map(|&s| self.len.saturating_sub(s))
+            .collect()
+    }
+
+    /// Bytes held by the cache's tensors (f32 elements).
+    pub fn allocated_bytes(&self) -> usize {
+        self.layers.len() * 2 * self.batch() * self.kv_heads * self.capacity * self.head_dim * 4
+    }
+
+    /// Makes room for `additional` more columns, growing the tensors if needed.
+    pub fn reserve(&mut self, additional: usize) -> Result<()> {
+        let needed = self.len + additional;
+        if needed > self.max_capacity {
+            return Err(LlamaError::PromptTooLong {
+                tokens: needed,
+                max: self.max_capacity,
+            });
+        }
+        if needed <= self.capacity {
+            return Ok(());
+        }
+        let new_capacity = needed.max(self.capacity * 2).min(self.max_capacity);
+        let extra = new_capacity - self.capacity;
+        let batch = self.batch();
+        for layer in &mut self.layers {
+            let device = layer.k.device();
+            let pad = Tensor::<B, 4>::zeros([batch, self.kv_heads, extra, self.head_dim], &device);
+            layer.k = Tensor::cat(vec![layer.k.clone(), pad.clone()], 2);
+            layer.v = Tensor::cat(vec![layer.v.clone(), pad], 2);
+        }
+        self.capacity = new_capacity;
+        Ok(())
+    }
+
+    /// Writes `k`, `v` (`[batch, kv_heads, seq, head_dim]`) of `layer` at columns
+    /// `len..len + seq` and returns all keys and values up to the new end. The caller
+    /// must have called [`reserve`](Self::reserve) for `seq` columns, and must call
+    /// [`advance`](Self::advance) once after writing every layer.
+    pub(crate) fn write(
+        &mut self,
+        layer: usize,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let [batch, heads, seq, dim] = k.dims();
+        let (start, end) = (self.len, self.len + seq);
+        let entry = &mut self.layers[layer];
+        let region = [0..batch, 0..heads, start..end, 0..dim];
+        entry.k.inplace(|t| t.slice_assign(region.clone(), k));
+        entry.v.inplace(|t| t.slice_assign(region, v));
+        let filled = [0..batch, 0..heads, 0..end, 0..dim];
+        (entry.k.clone().slice(filled.clone()), entry.v.clone().slice(filled))
+    }
+
+    /// Marks `seq` more columns as written.
+    pub(crate) fn advance(&mut self, seq: usize) {
+        self.len += seq;
+    }
+
+    /// RoPE position of each new token of a `seq`-column chunk, row-major `[batch, seq]`.
+    /// Padding columns get position 0 (they are masked).
+    pub(crate) fn chunk_positions(&self, seq: usize) -> Vec<usize> {
+        let mut out = Vec::with_capacity(self.batch() * seq);
+        for &start in &self.starts {
+            out.extend((self.len..self.len + seq).map(|c| c.saturating_sub(start)));
+        }
+        out
+    }
+
+    /// Attention mask for a `seq`-column chunk, `[batch, 1, groups * seq, len + seq]`,
+    /// `true` where a key must be ignored; the query axis repeats the chunk `groups` times
+    /// (query heads sharing a key/value head are folded into it). A real query sees the
+    /// real keys at or before its column; a padding query sees only itself, so no row is
+    /// fully masked. Returns `None` when nothing needs masking.
+    pub(crate) fn chunk_mask(
+        &self,
+        seq: usize,
+        groups: usize,
+        device: &B::Device,
+    ) -> Option<Tensor<B, 4, Bool>> {
+        let keys = self.len + seq;
+        let no_padding = self.starts.iter().all(|&s| s <= self.len);
+        if seq == 1 && no_padding {
+            return None;
+        }
+        let batch = self.batch();
+        let mut data = Vec::with_capacity(batch * groups * seq * keys);
+        for &start in &self.starts {
+            let mut row_block = Vec::with_capacity(seq * keys);
+            for i in 0..seq {
+                let col = self.len + i;
+                if col < start {
+                    row_block.extend((0..keys).map(|k| k != col));
+                } else {
+                    row_block.extend((0..keys).map(|k| k < start || k > col));
+                }
+            }
+            for _ in 0..groups {
+                data.extend_from_slice(&row_block);
+            }
+        }
+        let mask = TensorData::new(data, [batch, 1, groups * seq, keys]);
+        Some(Tensor::<B, 4, Bool>::from_data(mask, device))
+    }
+
+    /// Keeps only the listed rows (in that order), then drops leading columns that are
+    /// padding for every remaining row. Used to stop spending compute on finished rows.
+    pub fn retain_rows(&mut self, rows: &[usize]) -> Result<()> {
+        if rows.iter().any(|&r| r >= self.batch()) {
+            return Err(LlamaError::InvalidBatch(format!(
+                "row index out of range (batch {})",
+                self.batch()
+            )));
+        }
+        if rows.is_empty() {
+            return Err(LlamaError::InvalidBatch("cannot retain zero rows".into()));
+        }
+        let starts: Vec<usize> = rows.iter().map(|&r| self.starts[r]).collect();
+        let trim = starts.iter().copied().min().unwrap_or(0).min(self.len);
+        let keep_all_rows = rows.len() == self.batch() && rows.iter().enumerate().all(|(i, &r)| i == r);
+        if keep_all_rows && trim == 0 {
+            return Ok(());
+        }
+        for layer in &mut self.layers {
+            let device = layer.k.device();
+            let index = Tensor::<B, 1, burn::tensor::Int>::from_data(
+                TensorData::new(rows.iter().map(|&r| r as i64).collect::<Vec<_>>(), [rows.len()]),
+                &device,
+            );
+            let cols = trim..self.capacity;
+            let select = |t: Tensor<B, 4>| {
+                let t = if keep_all_rows { t } else { t.select(0, index.clone()) };
+                if trim > 0 {
+                    let [b, h, _, d] = t.dims();
+                    t.slice([0..b, 0..h, cols.clone(), 0..d])
+                } else {
+                    t
+                }
+            };
+            layer.k = select(layer.k.clone());
+            layer.v = select(layer.v.clone());
+        }
+        self.starts = starts.iter().map(|s| s - trim).collect();
+        self.len -= trim;
+        self.capacity -= trim;
+        Ok(())
+    }
+}

@@ -1,0 +1,426 @@
+//! Model hyper-parameters: presets for known Llama models, and readers for GGUF metadata
+//! and Hugging Face `config.json`.
+
+use serde::Deserialize;
+
+use crate::error::{LlamaError, Result};
+use crate::loader::gguf::GgufFile;
+
+/// Llama 3.1-style RoPE frequency scaling (as in Llama 3.1 / 3.2 checkpoints).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RopeScaling {
+    /// Overall scaling factor for long wavelengths (8 for Llama 3.1, 32 for 3.2).
+    pub factor: f64,
+    /// Wavelengths longer than `original_max_position / low_freq_factor` are scaled fully.
+    pub low_freq_factor: f64,
+    /// Wavelengths shorter than `original_max_position / high_freq_factor` are kept.
+    pub high_freq_factor: f64,
+    /// Context length the model was pre-trained with.
+    pub original_max_position: usize,
+}
+
+/// How rotary frequencies are adjusted beyond the plain `theta^(-2i/d)` schedule.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeFrequencies {
+    /// Plain RoPE.
+    Plain,
+    /// Llama 3.1-style scaling.
+    Llama3(RopeScaling),
+    /// One divisor per frequency, as GGUF files store them (`rope_freqs.weight`).
+    Factors(Vec<f32>),
+}
+
+/// The hyper-parameters of a Llama-architecture transformer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// Rows of the embedding table.
+    pub vocab_size: usize,
+    /// Model (residual stream) width.
+    pub d_model: usize,
+    /// Number of transformer blocks.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (grouped-query attention when smaller than `n_heads`).
+    pub n_kv_heads: usize,
+    /// Width of one attention head.
+    pub head_dim: usize,
+    /// Hidden width of the SwiGLU feed-forward block.
+    pub ffn_hidden: usize,
+    /// RMSNorm epsilon.
+    pub norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// RoPE frequency adjustments.
+    pub rope_frequencies: RopeFrequencies,
+    /// Whether the output head shares the embedding table.
+    pub tie_embeddings: bool,
+    /// Context length the model was trained for (an upper bound for `max_seq_len`).
+    pub context_length: usize,
+    /// Context window this instance allocates for (prompt + generated tokens).
+    pub max_seq_len: usize,
+}
+
+impl LlamaConfig {
+    fn llama3_family(
+        d_model: usize,
+        n_layers: usize,
+        n_heads: usize,
+        ffn_hidden: usize,
+        rope: RopeFrequencies,
+        tie_embeddings: bool,
+        context_length: usize,
+    ) -> Self {
+        Self {
+            vocab_size: 128_256,
+            d_model,
+            n_layers,
+            n_heads,
+            n_kv_heads: 8,
+            head_dim: d_model / n_heads,
+            ffn_hidden,
+            norm_eps: 1e-5,
+            rope_theta: 500_000.0,
+            rope_frequencies: rope,
+            tie_embeddings,
+            context_length,
+            max_seq_len: context_length,
+        }
+    }
+
+    fn llama3_scaling(factor: f64) -> RopeFrequencies {
+        RopeFrequencies::Llama3(RopeScaling {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8192,
+        })
+    }
+
+    /// Llama 3.2 1B (Instruct or base).
+    pub fn llama3_2_1b() -> Self {
+        Self::llama3_family(2048, 16, 32, 8192, Self::llama3_scaling(32.0), true, 131_072)
+    }
+
+    /// Llama 3.2 3B (Instruct or base).
+    pub fn llama3_2_3b() -> Self {
+        Self::llama3_family(3072, 28, 24, 8192, Self::llama3_scaling(32.0), true, 131_072)
+    }
+
+    /// Llama 3.1 8B (Instruct or base).
+    pub fn llama3_1_8b() -> Self {
+        Self::llama3_family(4096, 32, 32, 14336, Self::llama3_scaling(8.0), false, 131_072)
+    }
+
+    /// Llama 3 8B (Instruct or base).
+    pub fn llama3_8b() -> Self {
+        Self::llama3_family(4096, 32, 32, 14336, RopeFrequencies::Plain, false, 8192)
+    }
+
+    /// TinyLlama 1.1B (chat v1.0).
+    pub fn tiny_llama() -> Self {
+        Self {
+            vocab_size: 32_000,
+            d_model: 2048,
+            n_layers: 22,
+            n_heads: 32,
+            n_kv_heads: 4,
+            head_dim: 64,
+            ffn_hidden: 5632,
+            norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_frequencies: RopeFrequencies::Plain,
+            tie_embeddings: false,
+            context_length: 2048,
+            max_seq_len: 2048,
+        }
+    }
+
+    /// SmolLM2-135M(-Instruct), the demo model.
+    pub fn smollm2_135m() -> Self {
+        Self {
+            vocab_size: 49_152,
+            d_model: 576,
+            n_layers: 30,
+            n_heads: 9,
+            n_kv_heads: 3,
+            head_dim: 64,
+            ffn_hidden: 1536,
+            norm_eps: 1e-5,
+            rope_theta: 100_000.0,
+            rope_frequencies: RopeFrequencies::Plain,
+            tie_embeddings: true,
+            context_length: 8192,
+            max_seq_len: 8192,
+        }
+    }
+
+    /// Sets the context window to allocate for, clamped to at least 1.
+    pub fn with_max_seq_len(mut self, max_seq_len: usize) -> Self {
+        self.max_seq_len = max_seq_len.max(1);
+        self
+    }
+
+    /// Reads the configuration from a GGUF file's `llama.*` metadata. The RoPE factors
+    /// tensor (`rope_freqs.weight`), when present, is read too.
+    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
+        let arch = gguf.architecture()?;
+        if arch != "llama" {
+            return Err(LlamaError::Config(format!(
+                "unsupported architecture `{arch}` (only `llama` is supported)"
+            )));
+        }
+        let key = |name: &str| format!("{arch}.{name}");
+        let usize_key = |name: &str| -> Result<usize> {
+            let v = gguf.get_u64(&key(name))?;
+            usize::try_from(v).map_err(|_| LlamaError::Config(format!("{name} = {v} is too large")))
+        };
+        let d_model = usize_key("embedding_length")?;
+        let n_heads = usize_key("attention.head_count")?;
+        let n_kv_heads = if gguf.get(&key("attention.head_count_kv")).is_some() {
+            usize_key("attention.head_count_kv")?
+        } else {
+            n_heads
+        };
+        let head_dim = if gguf.get(&key("attention.key_length")).is_some() {
+            usize_key("attention.key_length")?
+        } else if n_heads > 0 {
+            d_model / n_heads
+        } else {
+            0
+        };
+        let vocab_size = match gguf.tensor_info("token_embd.weight") {
+            Some(info) => info.shape().first().copied().unwrap_or(0),
+            None => return Err(LlamaError::MissingTensor("token_embd.weight".into())),
+        };
+        let rope_theta = match gguf.get(&key("rope.freq_base")) {
+            Some(_) => f64::from(gguf.get_f32(&key("rope.freq_base"))?),
+            None => 10_000.0,
+        };
+        let norm_eps = match gguf.get(&key("attention.layer_norm_rms_epsilon")) {
+            Some(_) => f64::from(gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?),
+            None => 1e-5,
+        };
+        let rope_frequencies = if gguf.tensor_info("rope_freqs.weight").is_some() {
+            let (_, factors) = gguf.read_tensor_f32("rope_freqs.weight")?;
+            RopeFrequencies::Factors(factors)
+        } else {
+            RopeFrequencies::Plain
+        };
+        let context_length = usize_key("context_length")?;
+        let config = Self {
+            vocab_size,
+            d_model,
+            n_layers: usize_key("block_count")?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn_hidden: usize_key("feed_forward_length")?,
+            norm_eps,
+            rope_theta,
+            rope_frequencies,
+            tie_embeddings: gguf.tensor_info("output.weight").is_none(),
+            context_length,
+            max_seq_len: context_length,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads a Hugging Face `config.json` (Llama architecture).
+    pub fn from_hf_json(json: &str) -> Result<Self> {
+        let raw: HfConfig = serde_json::from_str(json)
+            .map_err(|e| LlamaError::Config(format!("config.json: {e}")))?;
+        if let Some(model_type) = &raw.model_type
+            && model_type != "llama"
+        {
+            return Err(LlamaError::Config(format!(
+                "unsupported model_type `{model_type}` (only `llama` is supported)"
+            )));
+        }
+        let n_heads = raw.num_attention_heads;
+        let rope_frequencies = match raw.rope_scaling {
+            Some(s) if s.rope_type.as_deref().or(s.kind.as_deref()) == Some("llama3") => {
+                RopeFrequencies::Llama3(RopeScaling {
+                    factor: s.factor.unwrap_or(1.0),
+                    low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
+                    high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
+                    original_max_position: s.original_max_position_embeddings.unwrap_or(8192),
+                })
+            }
+            Some(s) => {
+                let kind = s.rope_type.or(s.kind).unwrap_or_default();
+                if kind != "default" {
+                    return Err(LlamaError::Config(format!(
+                        "unsupported rope_scaling type `{kind}`"
+                    )));
+                }
+                RopeFrequencies::Plain
+            }
+            None => RopeFrequencies::Plain,
+        };
+        let config = Self {
+            vocab_size: raw.vocab_size,
+            d_model: raw.hidden_size,
+            n_layers: raw.num_hidden_layers,
+            n_heads,
+            n_kv_heads: raw.num_key_value_heads.unwrap_or(n_heads),
+            head_dim: raw
+                .head_dim
+                .unwrap_or(if n_heads > 0 { raw.hidden_size / n_heads } else { 0 }),
+            ffn_hidden: raw.intermediate_size,
+            norm_eps: raw.rms_norm_eps.unwrap_or(1e-5),
+            rope_theta: raw.rope_theta.unwrap_or(10_000.0),
+            rope_frequencies,
+            tie_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            context_length: raw.max_position_embeddings.unwrap_or(2048),
+            max_seq_len: raw.max_position_embeddings.unwrap_or(2048),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks that the dimensions are consistent.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(LlamaError::Config(msg));
+        if self.vocab_size == 0 || self.d_model == 0 || self.n_layers == 0 {
+            return bad(format!(
+                "vocab_size {}, d_model {} and n_layers {} must all be positive",
+                self.vocab_size, self.d_model, self.n_layers
+            ));
+        }
+        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!(
+                "{} query heads cannot be grouped over {} key/value heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            return bad(format!("head_dim {} must be positive and even", self.head_dim));
+        }
+        if self.ffn_hidden == 0 {
+            return bad("ffn_hidden must be positive".into());
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return bad(format!("rms_norm_eps {} must be positive", self.norm_eps));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+            return bad(format!("rope theta {} must be > 1", self.rope_theta));
+        }
+        if let RopeFrequencies::Factors(f) = &self.rope_frequencies
+            && f.len() != self.head_dim / 2
+        {
+            return bad(format!(
+                "rope_freqs has {} factors, expected head_dim/2 = {}",
+                f.len(),
+                self.head_dim / 2
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rotary inverse frequencies (`head_dim / 2` values) after scaling.
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        let half = self.head_dim / 2;
+        (0..half)
+            .map(|i| {
+                let base = 1.0 / self.rope_theta.powf((2 * i) as f64 / self.head_dim as f64);
+                match &self.rope_frequencies {
+                    RopeFrequencies::Plain => base,
+                    RopeFrequencies::Factors(f) => base / f64::from(f[i]),
+                    RopeFrequencies::Llama3(s) => {
+                        let low_wavelen = s.original_max_position as f64 / s.low_freq_factor;
+                        let high_wavelen = s.original_max_position as f64 / s.high_freq_factor;
+                        let wavelen = 2.0 * std::f64::consts::PI / base;
+                        if wavelen < high_wavelen {
+                            base
+                        } else if wavelen > low_wavelen {
+                            base / s.factor
+                        } else {
+                            let smooth = (s.original_max_position as f64 / wavelen
+                                - s.low_freq_factor)
+                                / (s.high_freq_factor - s.low_freq_factor);
+                            (1.0 - smooth) * base / s.factor + smooth * base
+                        }
+                    }
+                }
+            })
+            .collect()
+    }
+}
+
+#[derive(Deserialize)]
+struct HfRopeScaling {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+#[derive(Deserialize)]
+struct HfConfig {
+    model_type: Option<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    intermediate_size: usize,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<HfRopeScaling>,
+    tie_word_embeddings: Option<bool>,
+    max_position_embeddings: Option<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_are_valid() {
+        for c in [
+            LlamaConfig::llama3_2_1b(),
+            LlamaConfig::llama3_2_3b(),
+            LlamaConfig::llama3_1_8b(),
+            LlamaConfig::llama3_8b(),
+            LlamaConfig::tiny_llama(),
+            LlamaConfig::smollm2_135m(),
+        ] {
+            c.validate().unwrap();
+            assert_eq!(c.rope_inv_freq().len(), c.head_dim / 2);
+        }
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_scales_low_frequencies() {
+        let c = LlamaConfig::llama3_2_1b();
+        let plain = LlamaConfig {
+            rope_frequencies: RopeFrequencies::Plain,
+            ..c.clone()
+        };
+        let (scaled, base) = (c.rope_inv_freq(), plain.rope_inv_freq());
+        assert_eq!(scaled[0], base[0]);
+        let last = base.len() - 1;
+        assert!((scaled[last] - base[last] / 32.0).abs() < 1e-15);
+    }
+
+    #[test]
+    fn hf_config_parses_and_rejects_bad_values() {
+        let json = r#"{"model_type":"llama","vocab_size":49152,"hidden_size":576,
+            "num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,
+            "intermediate_size":1536,"rms_norm_eps":1e-5,"rope_theta":100000.0,
+            "tie_word_embeddings":true,"max_position_embeddings":8192}"#;
+        let c = LlamaConfig::from_hf_json(json).unwrap();
+        assert_eq!(c, LlamaConfig::smollm2_135m());
+        let bad = json.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4");
+        assert!(matches!(LlamaConfig::from_hf_json(&bad), Err(LlamaError::Config(_))));
+        let other = json.replace("\"llama\"", "\"gpt2\"");
+        assert!(matches!(LlamaConfig::from_hf_json(&other), Err(LlamaError::Config(_))));
+        assert!(LlamaConfig::from_hf_json("{").is_err());
+    }
+}

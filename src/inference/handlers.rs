@@ -1,0 +1,113 @@
+//! The two streaming handlers of the job runtime.
+//!
+//! Both take a [`GenerateRequest`], validate it (a bad request fails its own job and
+//! nothing else), and emit one [`TokenOutput`] per generated token, the final stop token
+//! included (with empty text), so the emitted ids are exactly those of
+//! [`Llama::generate`](crate::llama::Llama::generate).
+
+use burn::tensor::backend::Backend;
+
+use super::request::{GenerateRequest, TokenOutput};
+use super::runtime::{CancelToken, In, ModelAccessor, ModelDevice, OutStream};
+use crate::error::{LlamaError, Result};
+use crate::llama::{GenerationState, Llama};
+use crate::sampling::{Sampler, TopP};
+use crate::tokenizer::Tokenizer;
+
+impl<B: Backend, T: Tokenizer> ModelDevice for Llama<B, T> {
+    type Device = B::Device;
+
+    fn devices(&self) -> Vec<B::Device> {
+        vec![self.device().clone()]
+    }
+}
+
+/// The sampler a request asks for: greedy at temperature 0, else top-p with its seed.
+pub fn request_sampler(request: &GenerateRequest) -> Sampler {
+    if request.temperature == 0.0 {
+        Sampler::Argmax
+    } else {
+        Sampler::TopP(TopP::new(request.top_p, request.seed))
+    }
+}
+
+/// Validates `request` against the model and prepares its state.
+fn prepare<B: Backend, T: Tokenizer>(
+    llama: &Llama<B, T>,
+    request: &GenerateRequest,
+) -> Result<GenerationState<B>> {
+    request.validate(llama.config().max_seq_len)?;
+    llama.create_generation_state(&request.prompt, request.max_tokens)
+}
+
+/// The blocking baseline: one `submit` for the whole generation, so the model serves
+/// this request from first to last token before any other job gets a turn.
+pub fn streaming_handler<B: Backend, T: Tokenizer>(
+    In(request): In<GenerateRequest>,
+    model: ModelAccessor<Llama<B, T>>,
+    cancel: CancelToken,
+    output: OutStream<TokenOutput>,
+) -> Result<()> {
+    model.submit(move |llama| {
+        let mut state = prepare(llama, &request)?;
+        let mut sampler = request_sampler(&request);
+        for index in 0.. {
+            if cancel.is_cancelled() {
+                return Err(LlamaError::Cancelled);
+            }
+            let (token_id, token, done) =
+                llama.generate_single_token(&mut state, request.temperature, &mut sampler)?;
+            output.emit(TokenOutput {
+                token,
+                token_id,
+                index,
+            })?;
+            if done {
+                break;
+            }
+        }
+        Ok(())
+    })?
+}
+
+/// The concurrent handler: one `submit` per token. The request's state (with its own
+/// KV cache) lives in this job and visits the model thread for each token, so requests
+/// interleave at token boundaries and none can see another's cache. Cancelling (or
+/// dropping the job's stream) stops it before its next token and frees its cache.
+pub fn concurrent_streaming_handler<B: Backend, T: Tokenizer>(
+    In(request): In<GenerateRequest>,
+    model: ModelAccessor<Llama<B, T>>,
+    cancel: CancelToken,
+    output: OutStream<TokenOutput>,
+) -> Result<()> {
+    let request = std::sync::Arc::new(request);
+    let prepared = {
+        let request = request.clone();
+        model.submit(move |llama| prepare(llama, &request))??
+    };
+    let mut carry = Some((prepared, request_sampler(&request)));
+    for index in 0.. {
+        if cancel.is_cancelled() {
+            return Err(LlamaError::Cancelled);
+        }
+        let (mut state, mut sampler) = carry
+            .take()
+            .ok_or_else(|| LlamaError::Runtime("generation state lost".into()))?;
+        let temperature = request.temperature;
+        let (state, sampler, step) = model.submit(move |llama| {
+            let step = llama.generate_single_token(&mut state, temperature, &mut sampler);
+            (state, sampler, step)
+        })?;
+        let (token_id, token, done) = step?;
+        output.emit(TokenOutput {
+            token,
+            token_id,
+            index,
+        })?;
+        if done {
+            break;
+        }
+        carry = Some((state, sampler));
+    }
+    Ok(())
+}

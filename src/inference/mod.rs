@@ -1,0 +1,15 @@
+//! Serving strategies over one model: the job runtime and its handlers, and batched
+//! generation.
+
+pub mod batch;
+pub mod handlers;
+pub mod request;
+pub mod runtime;
+
+pub use batch::{DEFAULT_MAX_BATCH, generate_batch, generate_batch_with_max};
+pub use handlers::{concurrent_streaming_handler, streaming_handler};
+pub use request::{GenerateRequest, TokenOutput};
+pub use runtime::{
+    CancelToken, Handler, In, Inference, InferenceBuilder, Job, JobBuilder, JobHandle, JobIter,
+    JobStream, ModelAccessor, ModelDevice, ModelHost, NoModel, OutStream,
+};

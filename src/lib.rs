@@ -1,0 +1,22 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod backend;
+pub mod batched;
+pub mod cache;
+pub mod config;
+pub mod demo;
+pub mod error;
+pub mod inference;
+pub mod llama;
+pub mod loader;
+pub mod model;
+pub mod sampling;
+#[path = "stubs/tokenizer.rs"]
+pub mod tokenizer;
+
+pub use batched::BatchedGenerationState;
+pub use error::{LlamaError, Result};
+pub use llama::{GenerationOutput, GenerationState, Llama, LlamaConfig, StopReason};
+pub use sampling::{Sampler, TopK, TopP};

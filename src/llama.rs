@@ -1,0 +1,502 @@
+//! [`Llama`]: a model plus its tokenizer, with the sequential and per-request-state
+//! generation strategies, and the loading entry points on [`LlamaConfig`].
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use burn::tensor::{Tensor, backend::Backend};
+
+pub use crate::config::LlamaConfig;
+use crate::cache::KvCache;
+use crate::error::{LlamaError, Result};
+use crate::loader::gguf::GgufFile;
+use crate::loader::safetensors::SafetensorsSource;
+use crate::loader::{GgufSource, ProgressFn, build_transformer, terminal_progress};
+use crate::model::{Logits, Transformer};
+use crate::sampling::{Sampler, apply_repetition_penalty, validate_temperature};
+use crate::tokenizer::{GgufBpeTokenizer, HfTokenizer, StreamDecoder, Tokenizer};
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced one of its stop tokens.
+    StopToken,
+    /// `max_tokens` tokens were generated.
+    MaxTokens,
+    /// The context window is full.
+    ContextFull,
+    /// The request was cancelled.
+    Cancelled,
+}
+
+/// The result of [`Llama::generate`].
+#[derive(Debug, Clone)]
+pub struct GenerationOutput {
+    /// Generated text (without the stop token).
+    pub text: String,
+    /// Generated token ids (including a final stop token, if one ended generation).
+    pub tokens: Vec<u32>,
+    /// The prompt's token ids.
+    pub prompt_tokens: Vec<u32>,
+    /// Time to process the prompt and pick the first token.
+    pub prompt_time: Duration,
+    /// Time spent generating the remaining tokens.
+    pub decode_time: Duration,
+    /// Why generation ended.
+    pub stop_reason: StopReason,
+}
+
+impl GenerationOutput {
+    /// Decode speed: tokens after the first, per second of decode time.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        let n = self.tokens.len().saturating_sub(1);
+        let secs = self.decode_time.as_secs_f64();
+        if n == 0 || secs == 0.0 { 0.0 } else { n as f64 / secs }
+    }
+}
+
+/// Everything one request needs between tokens: its ids, its own KV cache, its position,
+/// its limits and its streaming decoder. States never share a cache, so requests can be
+/// interleaved token by token without seeing each other.
+#[derive(Debug)]
+pub struct GenerationState<B: Backend> {
+    prompt_tokens: Vec<u32>,
+    tokens: Vec<u32>,
+    cache: Option<KvCache<B>>,
+    max_tokens: usize,
+    stop_reason: Option<StopReason>,
+    decoder: StreamDecoder,
+    text: String,
+    honour_stop_tokens: bool,
+    repetition_penalty: f32,
+    started: Option<Instant>,
+    first_token_at: Option<Instant>,
+    finished_at: Option<Instant>,
+}
+
+impl<B: Backend> GenerationState<B> {
+    /// The prompt's token ids.
+    pub fn prompt_tokens(&self) -> &[u32] {
+        &self.prompt_tokens
+    }
+
+    /// Tokens generated so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Text generated so far (stop token excluded).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Steps taken (tokens generated).
+    pub fn steps(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// The token budget of this request.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    /// Why the request ended, once it has.
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.stop_reason
+    }
+
+    /// Whether the request has ended.
+    pub fn is_done(&self) -> bool {
+        self.stop_reason.is_some()
+    }
+
+    /// Ends the request now (for example on cancellation) and frees its KV cache.
+    pub fn finish(&mut self, reason: StopReason) {
+        if self.stop_reason.is_none() {
+            self.stop_reason = Some(reason);
+            self.finished_at = Some(Instant::now());
+        }
+        self.cache = None;
+    }
+
+    /// Bytes held by this request's KV cache (0 before the first step and after the end).
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.as_ref().map_or(0, KvCache::allocated_bytes)
+    }
+
+    /// Keep generating past stop tokens (until `max_tokens`), as reference
+    /// implementations do when asked for a fixed number of tokens.
+    pub fn ignore_stop_tokens(mut self) -> Self {
+        self.honour_stop_tokens = false;
+        self
+    }
+
+    /// Penalise tokens already in the prompt or output (`penalty` > 1; 1 disables).
+    pub fn with_repetition_penalty(mut self, penalty: f32) -> Result<Self> {
+        if !(penalty.is_finite() && penalty > 0.0) {
+            return Err(LlamaError::invalid("repetition_penalty", penalty, "must be > 0"));
+        }
+        self.repetition_penalty = penalty;
+        Ok(self)
+    }
+
+    /// Records the start of processing (the first step), once.
+    pub(crate) fn mark_started(&mut self) {
+        if self.started.is_none() {
+            self.started = Some(Instant::now());
+        }
+    }
+
+    /// Picks the next token from this request's logits, applying its repetition penalty.
+    pub(crate) fn sample_next(
+        &self,
+        logits: &[f32],
+        temperature: f64,
+        sampler: &mut Sampler,
+    ) -> Result<u32> {
+        if self.repetition_penalty == 1.0 {
+            return sampler.sample(logits, temperature);
+        }
+        let mut logits = logits.to_vec();
+        let history: Vec<u32> = self.prompt_tokens.iter().chain(&self.tokens).copied().collect();
+        apply_repetition_penalty(&mut logits, &history, self.repetition_penalty);
+        sampler.sample(&logits, temperature)
+    }
+
+    /// Time from the first step's start to the first token, once known.
+    pub fn time_to_first_token(&self) -> Option<Duration> {
+        Some(self.first_token_at? - self.started?)
+    }
+
+    /// Time from the first token to the end, once finished.
+    pub fn decode_time(&self) -> Option<Duration> {
+        Some(self.finished_at? - self.first_token_at?)
+    }
+}
+
+/// A Llama-architecture model with its tokenizer, on backend `B`.
+#[derive(Debug)]
+pub struct Llama<B: Backend, T: Tokenizer> {
+    /// The transformer.
+    pub model: Transformer<B>,
+    /// The tokenizer.
+    pub tokenizer: T,
+    device: B::Device,
+}
+
+impl<B: Backend, T: Tokenizer> Llama<B, T> {
+    /// Pairs a model with a tokenizer; fails with [`LlamaError::TokenizerMismatch`] when
+    /// the tokenizer has ids the model has no embedding for.
+    pub fn new(model: Transformer<B>, tokenizer: T) -> Result<Self> {
+        let model_vocab = model.config().vocab_size;
+        if tokenizer.vocab_size() > model_vocab {
+            return Err(LlamaError::TokenizerMismatch {
+                tokenizer_vocab: tokenizer.vocab_size(),
+                model_vocab,
+            });
+        }
+        let device = model.embed.device();
+        Ok(Self {
+            model,
+            tokenizer,
+            device,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        self.model.config()
+    }
+
+    /// The device the model lives on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    /// Encodes a prompt as the model expects it: special tokens written in the text are
+    /// recognised, and BOS is prepended only where the model's metadata says so.
+    pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        let ids = self
+            .tokenizer
+            .encode(prompt, self.tokenizer.add_bos_by_default(), false)?;
+        if ids.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        Ok(ids)
+    }
+
+    /// Checks a prompt length and token budget against the context window.
+    pub fn check_budget(&self, prompt_len: usize, max_tokens: usize) -> Result<()> {
+        let max = self.config().max_seq_len;
+        if prompt_len == 0 {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        if max_tokens == 0 {
+            return Err(LlamaError::invalid("max_tokens", 0, "must be at least 1"));
+        }
+        if max_tokens > max {
+            return Err(LlamaError::invalid(
+                "max_tokens",
+                max_tokens,
+                "exceeds the model's context window",
+            ));
+        }
+        if prompt_len >= max {
+            return Err(LlamaError::PromptTooLong {
+                tokens: prompt_len,
+                max: max - 1,
+            });
+        }
+        Ok(())
+    }
+
+    /// Prepares a request: tokenizes and validates, nothing heavier. The prompt is
+    /// processed by the first [`generate_single_token`](Self::generate_single_token).
+    pub fn create_generation_state(
+        &self,
+        prompt: &str,
+        max_tokens: usize,
+    ) -> Result<GenerationState<B>> {
+        let ids = self.encode_prompt(prompt)?;
+        self.create_generation_state_from_ids(ids, max_tokens)
+    }
+
+    /// Like [`create_generation_state`](Self::create_generation_state), from token ids.
+    pub fn create_generation_state_from_ids(
+        &self,
+        prompt_tokens: Vec<u32>,
+        max_tokens: usize,
+    ) -> Result<GenerationState<B>> {
+        self.check_budget(prompt_tokens.len(), max_tokens)?;
+        let vocab = self.config().vocab_size;
+        if let Some(&bad) = prompt_tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(LlamaError::invalid("token id", bad, "outside the model's vocabulary"));
+        }
+        Ok(GenerationState {
+            prompt_tokens,
+            tokens: Vec::new(),
+            cache: None,
+            max_tokens,
+            stop_reason: None,
+            decoder: StreamDecoder::new(),
+            text: String::new(),
+            honour_stop_tokens: true,
+            repetition_penalty: 1.0,
+            started: None,
+            first_token_at: None,
+            finished_at: None,
+        })
+    }
+
+    /// Generates one token for `state`: on the first call the whole prompt is processed.
+    /// Returns `(token_id, text_piece, done)`; `text_piece` is the newly completed text
+    /// (it can be empty while a multi-byte character is incomplete, and is empty for a
+    /// stop token).
+    pub fn generate_single_token(
+        &mut self,
+        state: &mut GenerationState<B>,
+        temperature: f64,
+        sampler: &mut Sampler,
+    ) -> Result<(u32, String, bool)> {
+        validate_temperature(temperature)?;
+        sampler.validate()?;
+        if state.is_done() {
+            return Err(LlamaError::invalid(
+                "state",
+                "finished",
+                "this generation has already ended",
+            ));
+        }
+        let input: Vec<u32> = match state.tokens.last() {
+            None => {
+                state.mark_started();
+                let capacity = state.prompt_tokens.len() + state.max_tokens;
+                state.cache = Some(self.model.new_cache(vec![0], capacity));
+                state.prompt_tokens.clone()
+            }
+            Some(&last) => vec![last],
+        };
+        let cache = state
+            .cache
+            .as_mut()
+            .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
+        let logits = logits_to_vec(self.model.forward(&input, cache, Logits::Last)?)?;
+        let token = state.sample_next(&logits, temperature, sampler)?;
+        Ok(self.accept_token(state, token))
+    }
+
+    /// Records a sampled token in `state` and decides whether the request is done.
+    pub(crate) fn accept_token(&self, state: &mut GenerationState<B>, token: u32) -> (u32, String, bool) {
+        let now = Instant::now();
+        if state.first_token_at.is_none() {
+            state.first_token_at = Some(now);
+        }
+        state.tokens.push(token);
+        let is_stop = state.honour_stop_tokens && self.tokenizer.stop_ids().contains(&token);
+        let mut piece = if is_stop {
+            String::new()
+        } else {
+            state.decoder.push(&self.tokenizer, token)
+        };
+        let total = state.prompt_tokens.len() + state.tokens.len();
+        let reason = if is_stop {
+            Some(StopReason::StopToken)
+        } else if state.tokens.len() >= state.max_tokens {
+            Some(StopReason::MaxTokens)
+        } else if total >= self.config().max_seq_len {
+            Some(StopReason::ContextFull)
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            piece.push_str(&state.decoder.finish());
+            state.finish(reason);
+        }
+        state.text.push_str(&piece);
+        (token, piece, reason.is_some())
+    }
+
+    /// Sequential strategy: generates up to `max_tokens` tokens for `prompt`, stopping at
+    /// the model's stop tokens. Temperature 0 is greedy.
+    ///
+    /// ```no_run
+    /// # fn main() -> llama_burn::Result<()> {
+    /// use llama_burn::{backend::{DefaultBackend, default_device}, llama::LlamaConfig};
+    /// use llama_burn::sampling::{Sampler, TopP};
+    ///
+    /// let device = default_device();
+    /// let path = llama_burn::demo::demo_model_path()?;
+    /// let mut llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 2048, &device)?;
+    /// let out = llama.generate("What is AI?", 50, 0.7, &mut Sampler::TopP(TopP::new(0.9, 42)))?;
+    /// println!("{} ({:.1} tokens/s)", out.text, out.decode_tokens_per_s());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn generate(
+        &mut self,
+        prompt: &str,
+        max_tokens: usize,
+        temperature: f64,
+        sampler: &mut Sampler,
+    ) -> Result<GenerationOutput> {
+        validate_temperature(temperature)?;
+        sampler.validate()?;
+        let mut state = self.create_generation_state(prompt, max_tokens)?;
+        self.run_to_end(&mut state, temperature, sampler)
+    }
+
+    /// Runs a prepared state until it ends and summarises it.
+    pub fn run_to_end(
+        &mut self,
+        state: &mut GenerationState<B>,
+        temperature: f64,
+        sampler: &mut Sampler,
+    ) -> Result<GenerationOutput> {
+        while !state.is_done() {
+            self.generate_single_token(state, temperature, sampler)?;
+        }
+        Ok(GenerationOutput {
+            text: state.text.clone(),
+            tokens: state.tokens.clone(),
+            prompt_tokens: state.prompt_tokens.clone(),
+            prompt_time: state.time_to_first_token().unwrap_or_default(),
+            decode_time: state.decode_time().unwrap_or_default(),
+            stop_reason: state.stop_reason.unwrap_or(StopReason::MaxTokens),
+        })
+    }
+
+    /// Logits of every position of `tokens` (a fresh, single-row forward pass):
+    /// `[tokens.len(), vocab]` as rows of f32. For scoring and tests.
+    pub fn logits(&self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        let mut cache = self.model.new_cache(vec![0], tokens.len());
+        let logits = self.model.forward(tokens, &mut cache, Logits::All)?;
+        let vocab = self.config().vocab_size;
+        Ok(logits_to_vec(logits)?.chunks(vocab).map(<[f32]>::to_vec).collect())
+    }
+}
+
+/// Copies logits to the host as f32.
+pub(crate) fn logits_to_vec<B: Backend>(logits: Tensor<B, 3>) -> Result<Vec<f32>> {
+    logits
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|e| LlamaError::Runtime(format!("reading logits: {e:?}")))
+}
+
+impl LlamaConfig {
+    /// Loads a GGUF checkpoint (weights dequantized to f32) with its embedded tokenizer,
+    /// allocating for `max_seq_len` tokens of context. Shows progress on a terminal.
+    pub fn load_gguf<B: Backend>(
+        path: impl AsRef<Path>,
+        max_seq_len: usize,
+        device: &B::Device,
+    ) -> Result<Llama<B, GgufBpeTokenizer>> {
+        let path = path.as_ref();
+        let label = format!("loading {}", path.display());
+        let mut progress = terminal_progress(&label);
+        Self::load_gguf_with_progress(path, max_seq_len, device, &mut progress)
+    }
+
+    /// [`load_gguf`](Self::load_gguf) with a progress callback `(done, total)`.
+    pub fn load_gguf_with_progress<B: Backend>(
+        path: impl AsRef<Path>,
+        max_seq_len: usize,
+        device: &B::Device,
+        progress: ProgressFn<'_>,
+    ) -> Result<Llama<B, GgufBpeTokenizer>> {
+        let gguf = GgufFile::open(path)?;
+        let config = Self::from_gguf(&gguf)?.checked_max_seq_len(max_seq_len)?;
+        let tokenizer = GgufBpeTokenizer::from_gguf(&gguf)?;
+        let mut source = GgufSource::new(&gguf, &config);
+        let model = build_transformer(&config, &mut source, device, progress)?;
+        Llama::new(model, tokenizer)
+    }
+
+    /// Loads a Hugging Face model directory (`config.json`, `model.safetensors` or
+    /// shards with `model.safetensors.index.json`, `tokenizer.json`).
+    pub fn load_hf_dir<B: Backend>(
+        dir: impl AsRef<Path>,
+        max_seq_len: usize,
+        device: &B::Device,
+    ) -> Result<Llama<B, HfTokenizer>> {
+        let dir = dir.as_ref();
+        let tokenizer = HfTokenizer::from_dir(dir)?;
+        let label = format!("loading {}", dir.display());
+        let mut progress = terminal_progress(&label);
+        Self::load_hf_dir_with_tokenizer(dir, tokenizer, max_seq_len, device, &mut progress)
+    }
+
+    /// Loads the weights of a Hugging Face model directory and pairs them with the given
+    /// tokenizer (for example a Llama 3 `tokenizer.model`).
+    pub fn load_hf_dir_with_tokenizer<B: Backend, T: Tokenizer>(
+        dir: impl AsRef<Path>,
+        tokenizer: T,
+        max_seq_len: usize,
+        device: &B::Device,
+        progress: ProgressFn<'_>,
+    ) -> Result<Llama<B, T>> {
+        let dir = dir.as_ref();
+        let config_path = dir.join("config.json");
+        let json = std::fs::read_to_string(&config_path).map_err(|e| LlamaError::io(&config_path, e))?;
+        let config = Self::from_hf_json(&json)?.checked_max_seq_len(max_seq_len)?;
+        let mut source = SafetensorsSource::open_dir(dir)?;
+        let model = build_transformer(&config, &mut source, device, progress)?;
+        Llama::new(model, tokenizer)
+    }
+
+    /// Sets `max_seq_len`, refusing 0 and values beyond the trained context.
+    pub fn checked_max_seq_len(self, max_seq_len: usize) -> Result<Self> {
+        if max_seq_len < 2 || max_seq_len > self.context_length {
+            return Err(LlamaError::InvalidParameter {
+                name: "max_seq_len",
+                value: max_seq_len.to_string(),
+                reason: "must be between 2 and the model's trained context length",
+            });
+        }
+        Ok(self.with_max_seq_len(max_seq_len))
+    }
+}

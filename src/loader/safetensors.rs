@@ -1,0 +1,113 @@
+//! Hugging Face checkpoints: `model.safetensors`, or shards listed in
+//! `model.safetensors.index.json`. Files are memory-mapped; F32, F16 and BF16 tensors are
+//! converted to f32.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use super::TensorSource;
+use crate::error::{LlamaError, Result};
+
+/// A set of memory-mapped safetensors files.
+pub struct SafetensorsSource {
+    maps: Vec<Mmap>,
+    /// Tensor name -> index into `maps`.
+    index: HashMap<String, usize>,
+    paths: Vec<PathBuf>,
+}
+
+fn format_error(path: &Path, e: impl std::fmt::Display) -> LlamaError {
+    let msg = format!("{}: {e}", path.display());
+    if msg.contains("too small") || msg.contains("InvalidOffset") || msg.contains("out of bounds") {
+        LlamaError::Truncated(msg)
+    } else {
+        LlamaError::InvalidFormat(msg)
+    }
+}
+
+impl SafetensorsSource {
+    /// Opens the checkpoint in a Hugging Face model directory: the index file if present,
+    /// else `model.safetensors`.
+    pub fn open_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let index_path = dir.join("model.safetensors.index.json");
+        if index_path.is_file() {
+            let text = std::fs::read_to_string(&index_path).map_err(|e| LlamaError::io(&index_path, e))?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format_error(&index_path, e))?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| format_error(&index_path, "no weight_map"))?;
+            let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
+            files.sort();
+            files.dedup();
+            let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+            return Self::open_files(&paths);
+        }
+        Self::open_files(&[dir.join("model.safetensors")])
+    }
+
+    /// Opens the given safetensors files as one checkpoint.
+    pub fn open_files(paths: &[PathBuf]) -> Result<Self> {
+        let mut maps = Vec::with_capacity(paths.len());
+        let mut index = HashMap::new();
+        for (i, path) in paths.iter().enumerate() {
+            let file = std::fs::File::open(path).map_err(|e| LlamaError::io(path, e))?;
+            // SAFETY: the map is read-only; we rely on the checkpoint not being modified
+            // while it is loaded, as every memory-mapping loader does.
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| LlamaError::io(path, e))?;
+            let tensors = SafeTensors::deserialize(&map).map_err(|e| format_error(path, e))?;
+            for name in tensors.names() {
+                index.insert(name.to_string(), i);
+            }
+            maps.push(map);
+        }
+        Ok(Self {
+            maps,
+            index,
+            paths: paths.to_vec(),
+        })
+    }
+}
+
+impl TensorSource for SafetensorsSource {
+    fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn read(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let &file = self
+            .index
+            .get(name)
+            .ok_or_else(|| LlamaError::MissingTensor(name.to_string()))?;
+        let path = &self.paths[file];
+        let tensors = SafeTensors::deserialize(&self.maps[file]).map_err(|e| format_error(path, e))?;
+        let view = tensors.tensor(name).map_err(|e| format_error(path, e))?;
+        let bytes = view.data();
+        let data: Vec<f32> = match view.dtype() {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(LlamaError::UnsupportedTensorType {
+                    name: name.to_string(),
+                    ty: format!("{other:?}"),
+                });
+            }
+        };
+        Ok((view.shape().to_vec(), data))
+    }
+}

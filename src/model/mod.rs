@@ -1,0 +1,259 @@
+//! The Llama transformer as a pure function of (tokens, cache) -> logits.
+//!
+//! No tokenizer, sampling or threading lives here: strategies in [`crate::llama`] and
+//! [`crate::inference`] are thin layers that decide which rows go into a forward pass.
+
+pub mod attention;
+pub mod norm;
+pub mod rope;
+
+use burn::tensor::{Int, Tensor, TensorData, activation::silu, backend::Backend, module::embedding};
+
+use crate::cache::KvCache;
+use crate::config::LlamaConfig;
+use crate::error::{LlamaError, Result};
+use attention::grouped_query_attention;
+use norm::rms_norm;
+use rope::{RopeTable, apply_rope};
+
+/// Weights of one transformer block. Projection matrices are stored `[out, in]` (the
+/// PyTorch layout) and multiplied by their transpose, which is the faster layout for the
+/// small row counts of decoding on CPU.
+#[derive(Debug, Clone)]
+pub struct Block<B: Backend> {
+    /// RMSNorm weight before attention, `[d_model]`.
+    pub attn_norm: Tensor<B, 1>,
+    /// Fused query, key and value projections, `[(n_heads + 2 n_kv_heads) head_dim, d_model]`.
+    pub wqkv: Tensor<B, 2>,
+    /// Attention output projection, `[d_model, n_heads head_dim]`.
+    pub wo: Tensor<B, 2>,
+    /// RMSNorm weight before the feed-forward block, `[d_model]`.
+    pub ffn_norm: Tensor<B, 1>,
+    /// Fused gate and up projections, `[2 ffn_hidden, d_model]`.
+    pub w_gate_up: Tensor<B, 2>,
+    /// Down projection, `[d_model, ffn_hidden]`.
+    pub w_down: Tensor<B, 2>,
+}
+
+/// Which positions' logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position of each row (prompt processing, decoding).
+    Last,
+    /// Every position (scoring, tests).
+    All,
+}
+
+/// The Llama transformer: embeddings, blocks, final norm and output head.
+#[derive(Debug, Clone)]
+pub struct Transformer<B: Backend> {
+    /// Token embeddings, `[vocab, d_model]`.
+    pub embed: Tensor<B, 2>,
+    /// The transformer blocks.
+    pub blocks: Vec<Block<B>>,
+    /// Final RMSNorm weight, `[d_model]`.
+    pub norm: Tensor<B, 1>,
+    /// Output head, `[vocab, d_model]` (the embedding table itself when tied).
+    pub lm_head: Tensor<B, 2>,
+    rope: RopeTable<B>,
+    config: LlamaConfig,
+}
+
+fn linear<B: Backend>(x: Tensor<B, 2>, weight: &Tensor<B, 2>) -> Tensor<B, 2> {
+    x.matmul(weight.clone().transpose())
+}
+
+impl<B: Backend> Transformer<B> {
+    /// Assembles a transformer from weights (see [`crate::loader`] for reading them from
+    /// checkpoints). Checks every shape against `config`.
+    pub fn new(
+        config: LlamaConfig,
+        embed: Tensor<B, 2>,
+        blocks: Vec<Block<B>>,
+        norm: Tensor<B, 1>,
+        lm_head: Option<Tensor<B, 2>>,
+        device: &B::Device,
+    ) -> Result<Self> {
+        config.validate()?;
+        let c = &config;
+        let check = |name: &str, actual: Vec<usize>, expected: Vec<usize>| {
+            if actual == expected {
+                Ok(())
+            } else {
+                Err(LlamaError::ShapeMismatch {
+                    name: name.to_string(),
+                    expected,
+                    actual,
+                })
+            }
+        };
+        check("embed", embed.dims().to_vec(), vec![c.vocab_size, c.d_model])?;
+        check("norm", norm.dims().to_vec(), vec![c.d_model])?;
+        if blocks.len() != c.n_layers {
+            return Err(LlamaError::Config(format!(
+                "{} blocks given, config says {}",
+                blocks.len(),
+                c.n_layers
+            )));
+        }
+        let qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
+        for (i, b) in blocks.iter().enumerate() {
+            check(&format!("blk.{i}.attn_norm"), b.attn_norm.dims().to_vec(), vec![c.d_model])?;
+            check(&format!("blk.{i}.wqkv"), b.wqkv.dims().to_vec(), vec![qkv_rows, c.d_model])?;
+            check(
+                &format!("blk.{i}.wo"),
+                b.wo.dims().to_vec(),
+                vec![c.d_model, c.n_heads * c.head_dim],
+            )?;
+            check(&format!("blk.{i}.ffn_norm"), b.ffn_norm.dims().to_vec(), vec![c.d_model])?;
+            check(
+                &format!("blk.{i}.w_gate_up"),
+                b.w_gate_up.dims().to_vec(),
+                vec![2 * c.ffn_hidden, c.d_model],
+            )?;
+            check(
+                &format!("blk.{i}.w_down"),
+                b.w_down.dims().to_vec(),
+                vec![c.d_model, c.ffn_hidden],
+            )?;
+        }
+        let lm_head = match lm_head {
+            Some(head) => {
+                check("lm_head", head.dims().to_vec(), vec![c.vocab_size, c.d_model])?;
+                head
+            }
+            None => embed.clone(),
+        };
+        Ok(Self {
+            rope: RopeTable::new(&config, device),
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            config,
+        })
+    }
+
+    /// A randomly initialised model (uniform weights scaled by `1/sqrt(fan_in)`, unit
+    /// norms), reproducible from `seed`. Useful to exercise the API without a checkpoint.
+    pub fn random(config: LlamaConfig, seed: u64, device: &B::Device) -> Result<Self> {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        config.validate()?;
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut matrix = |rows: usize, cols: usize| {
+            let bound = 1.0 / (cols as f32).sqrt();
+            let data: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-bound..bound)).collect();
+            Tensor::<B, 2>::from_data(TensorData::new(data, [rows, cols]), device)
+        };
+        let c = &config;
+        let ones = || Tensor::<B, 1>::ones([c.d_model], device);
+        let embed = matrix(c.vocab_size, c.d_model);
+        let blocks = (0..c.n_layers)
+            .map(|_| Block {
+                attn_norm: ones(),
+                wqkv: matrix((c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.d_model),
+                wo: matrix(c.d_model, c.n_heads * c.head_dim),
+                ffn_norm: ones(),
+                w_gate_up: matrix(2 * c.ffn_hidden, c.d_model),
+                w_down: matrix(c.d_model, c.ffn_hidden),
+            })
+            .collect();
+        let lm_head = (!c.tie_embeddings).then(|| matrix(c.vocab_size, c.d_model));
+        Self::new(config.clone(), embed, blocks, ones(), lm_head, device)
+    }
+
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// An empty cache for `starts.len()` rows with the given left padding, with room for
+    /// `capacity` columns (it grows on demand up to the context window).
+    pub fn new_cache(&self, starts: Vec<usize>, capacity: usize) -> KvCache<B> {
+        let c = &self.config;
+        KvCache::new(
+            c.n_layers,
+            c.n_kv_heads,
+            c.head_dim,
+            starts,
+            capacity,
+            c.max_seq_len,
+            &self.embed.device(),
+        )
+    }
+
+    /// Runs `tokens` (row-major `[batch, seq]`, one row per cache row) through the model,
+    /// appending them to `cache` at columns `cache.len()..cache.len() + seq`, and returns
+    /// logits `[batch, seq', vocab]` where `seq'` is 1 for [`Logits::Last`].
+    ///
+    /// Every row's result depends only on that row's own tokens: padding columns are
+    /// masked and positions are relative to each row's start.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache<B>,
+        logits: Logits,
+    ) -> Result<Tensor<B, 3>> {
+        let batch = cache.batch();
+        if batch == 0 || tokens.is_empty() || tokens.len() % batch != 0 {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{} tokens cannot be split over {batch} rows",
+                tokens.len()
+            )));
+        }
+        let seq = tokens.len() / batch;
+        let c = &self.config;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(LlamaError::invalid("token id", bad, "outside the model's vocabulary"));
+        }
+        cache.reserve(seq)?;
+        let device = self.embed.device();
+        let positions = cache.chunk_positions(seq);
+        let (cos, sin) = self.rope.gather(&positions, batch, seq);
+        let groups = c.n_heads / c.n_kv_heads;
+        let mask = cache.chunk_mask(seq, groups, &device);
+
+        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
+        let mut x = embedding(self.embed.clone(), ids).reshape([batch * seq, c.d_model]);
+
+        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps);
+            let qkv = linear(h, &block.wqkv);
+            let rows = batch * seq;
+            let split = |from: usize, width: usize, heads: usize| {
+                qkv.clone()
+                    .slice([0..rows, from..from + width])
+                    .reshape([batch, seq, heads, c.head_dim])
+                    .swap_dims(1, 2)
+            };
+            let q = apply_rope(split(0, q_dim, c.n_heads), &cos, &sin);
+            let k = apply_rope(split(q_dim, kv_dim, c.n_kv_heads), &cos, &sin);
+            let v = split(q_dim + kv_dim, kv_dim, c.n_kv_heads);
+            let attn = grouped_query_attention(q, k, v, cache, layer, mask.as_ref());
+            x = x + linear(attn.reshape([rows, q_dim]), &block.wo);
+
+            let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps);
+            let gate_up = linear(h, &block.w_gate_up);
+            let gate = gate_up.clone().slice([0..rows, 0..c.ffn_hidden]);
+            let up = gate_up.slice([0..rows, c.ffn_hidden..2 * c.ffn_hidden]);
+            x = x + linear(silu(gate) * up, &block.w_down);
+        }
+        cache.advance(seq);
+
+        let (x, out_seq) = match logits {
+            Logits::All => (x, seq),
+            Logits::Last if seq == 1 => (x, 1),
+            Logits::Last => {
+                let x = x
+                    .reshape([batch, seq, c.d_model])
+                    .slice([0..batch, seq - 1..seq, 0..c.d_model])
+                    .reshape([batch, c.d_model]);
+                (x, 1)
+            }
+        };
+        let x = rms_norm(x, &self.norm, c.norm_eps);
+        Ok(linear(x, &self.lm_head).reshape([batch, out_seq, c.vocab_size]))
+    }
+}

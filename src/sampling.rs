@@ -1,0 +1,231 @@
+//! Choosing the next token from logits: greedy, nucleus (top-p) and top-k sampling with
+//! temperature, plus an optional repetition penalty. Seeded samplers reproduce exactly.
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+use crate::error::{LlamaError, Result};
+
+/// Nucleus sampling: sample among the smallest set of tokens whose probability mass
+/// reaches `p`.
+#[derive(Debug, Clone)]
+pub struct TopP {
+    p: f64,
+    rng: StdRng,
+}
+
+impl TopP {
+    /// A nucleus sampler with mass `p` (in `(0, 1]`) and a seed. The value of `p` is
+    /// checked when sampling starts ([`Sampler::validate`]).
+    pub fn new(p: f64, seed: u64) -> Self {
+        Self {
+            p,
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+
+    /// The probability mass kept.
+    pub fn p(&self) -> f64 {
+        self.p
+    }
+}
+
+/// Top-k sampling: sample among the `k` most likely tokens.
+#[derive(Debug, Clone)]
+pub struct TopK {
+    k: usize,
+    rng: StdRng,
+}
+
+impl TopK {
+    /// A top-k sampler with a seed. `k` must be at least 1.
+    pub fn new(k: usize, seed: u64) -> Self {
+        Self {
+            k,
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+}
+
+/// How the next token is chosen.
+///
+/// A temperature of 0 always means greedy decoding, whatever the sampler.
+#[derive(Debug, Clone)]
+pub enum Sampler {
+    /// Always the most likely token (ties go to the lowest id).
+    Argmax,
+    /// Nucleus sampling.
+    TopP(TopP),
+    /// Top-k sampling.
+    TopK(TopK),
+}
+
+impl Sampler {
+    /// Checks the sampler's parameters: top-p in `(0, 1]`, top-k at least 1.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            Sampler::Argmax => Ok(()),
+            Sampler::TopP(t) => validate_top_p(t.p),
+            Sampler::TopK(t) if t.k == 0 => Err(LlamaError::invalid("top_k", t.k, "must be at least 1")),
+            Sampler::TopK(_) => Ok(()),
+        }
+    }
+
+    /// Picks a token from `logits` at `temperature` (0 = greedy).
+    pub fn sample(&mut self, logits: &[f32], temperature: f64) -> Result<u32> {
+        validate_temperature(temperature)?;
+        self.validate()?;
+        if logits.is_empty() {
+            return Err(LlamaError::invalid("logits", "[]", "must not be empty"));
+        }
+        if temperature == 0.0 || matches!(self, Sampler::Argmax) {
+            return Ok(argmax(logits));
+        }
+        let mut candidates: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        // Descending by logit, ties by id, so the order never depends on the sort's internals.
+        candidates.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let (keep, top_p) = match self {
+            Sampler::Argmax => return Ok(argmax(logits)),
+            Sampler::TopK(t) => (t.k.min(candidates.len()), 1.0),
+            Sampler::TopP(t) => (candidates.len(), t.p),
+        };
+        candidates.truncate(keep);
+        let max = f64::from(candidates[0].1);
+        let mut probs: Vec<f64> = candidates
+            .iter()
+            .map(|&(_, l)| ((f64::from(l) - max) / temperature).exp())
+            .collect();
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+        if top_p < 1.0 {
+            let mut mass = 0.0;
+            let mut cut = probs.len();
+            for (i, p) in probs.iter().enumerate() {
+                mass += p;
+                if mass >= top_p {
+                    cut = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(cut);
+        }
+        let rng = match self {
+            Sampler::Argmax => return Ok(argmax(logits)),
+            Sampler::TopK(t) => &mut t.rng,
+            Sampler::TopP(t) => &mut t.rng,
+        };
+        let total: f64 = probs.iter().sum();
+        let mut r = rng.random::<f64>() * total;
+        for (i, p) in probs.iter().enumerate() {
+            r -= p;
+            if r <= 0.0 {
+                return Ok(candidates[i].0);
+            }
+        }
+        Ok(candidates[probs.len() - 1].0)
+    }
+}
+
+/// Index of the largest logit (the first one on ties; NaN is never chosen over a number).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] || logits[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Checks a temperature: finite and non-negative.
+pub fn validate_temperature(temperature: f64) -> Result<()> {
+    if temperature.is_finite() && temperature >= 0.0 {
+        Ok(())
+    } else {
+        Err(LlamaError::invalid(
+            "temperature",
+            temperature,
+            "must be a finite number >= 0 (0 means greedy)",
+        ))
+    }
+}
+
+/// Checks a top-p value: in `(0, 1]`.
+pub fn validate_top_p(p: f64) -> Result<()> {
+    if p > 0.0 && p <= 1.0 {
+        Ok(())
+    } else {
+        Err(LlamaError::invalid("top_p", p, "must be in (0, 1]"))
+    }
+}
+
+/// Divides positive logits (multiplies negative ones) of tokens seen in `history` by
+/// `penalty` (> 1 discourages repetition), as in the CTRL paper.
+pub fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f32) {
+    if penalty == 1.0 {
+        return;
+    }
+    let mut seen = std::collections::HashSet::new();
+    for &t in history {
+        if seen.insert(t)
+            && let Some(l) = logits.get_mut(t as usize)
+        {
+            *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_and_zero_temperature_pick_the_max() {
+        let logits = [0.1, 3.0, 2.0, 3.0];
+        assert_eq!(Sampler::Argmax.sample(&logits, 0.7).unwrap(), 1);
+        assert_eq!(Sampler::TopP(TopP::new(0.9, 1)).sample(&logits, 0.0).unwrap(), 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_top_p_restricts_support() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let run = |seed| {
+            let mut s = Sampler::TopP(TopP::new(0.5, seed));
+            (0..64).map(|_| s.sample(&logits, 1.0).unwrap()).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+        let mut s = Sampler::TopK(TopK::new(2, 3));
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        for _ in 0..100 {
+            let t = s.sample(&logits, 5.0).unwrap() as usize;
+            assert!(t == order[0] || t == order[1]);
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_errors() {
+        let logits = [1.0, 2.0];
+        for t in [f64::NAN, -0.5, f64::INFINITY] {
+            assert!(matches!(
+                Sampler::Argmax.sample(&logits, t),
+                Err(LlamaError::InvalidParameter { name: "temperature", .. })
+            ));
+        }
+        for p in [0.0, -0.1, 1.5, f64::NAN] {
+            assert!(matches!(
+                Sampler::TopP(TopP::new(p, 0)).sample(&logits, 1.0),
+                Err(LlamaError::InvalidParameter { name: "top_p", .. })
+            ));
+        }
+        assert!(Sampler::TopK(TopK::new(0, 0)).validate().is_err());
+    }
+
+    #[test]
+    fn repetition_penalty_lowers_seen_tokens() {
+        let mut logits = [2.0, -1.0, 2.0];
+        apply_repetition_penalty(&mut logits, &[0, 1, 0], 2.0);
+        assert_eq!(logits, [1.0, -2.0, 2.0]);
+    }
+}

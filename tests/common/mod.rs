@@ -1,0 +1,44 @@
+//! Shared helpers for the integration tests: the real demo model on the CPU backend.
+#![allow(dead_code)]
+
+use llama_burn::backend::{DefaultBackend, default_device};
+use llama_burn::llama::{Llama, LlamaConfig};
+use llama_burn::tokenizer::GgufBpeTokenizer;
+
+/// The backend the tests run on.
+pub type B = DefaultBackend;
+/// The demo model type.
+pub type Demo = Llama<B, GgufBpeTokenizer>;
+
+/// Loads the demo model (SmolLM2-135M-Instruct), fetching it on first use.
+pub fn demo(max_seq_len: usize) -> Demo {
+    let path = llama_burn::demo::demo_model_path().expect("demo model available");
+    LlamaConfig::load_gguf::<B>(path, max_seq_len, &default_device()).expect("demo model loads")
+}
+
+/// The reference data produced by Hugging Face transformers.
+pub fn reference() -> serde_json::Value {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/reference.json"))
+        .expect("reference fixture");
+    serde_json::from_str(&text).expect("reference json")
+}
+
+/// A fixed, varied set of prompts of different lengths.
+pub fn prompts() -> Vec<String> {
+    let long = "The history of computing is a story of steady abstraction. ".repeat(20);
+    vec![
+        "Hi".to_string(),
+        "The capital of France is".to_string(),
+        "Write a haiku about the sea.".to_string(),
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n".to_string(),
+        long,
+        "1, 2, 3, 4,".to_string(),
+        "Once upon a time, in a land far away, there lived a".to_string(),
+        "Emoji test 🦀🔥 and".to_string(),
+    ]
+}
+
+/// Converts a JSON array of numbers to ids.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().expect("array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
