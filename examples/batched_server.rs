@@ -50,12 +50,18 @@ impl WithModel for &Args {
         }
         println!("   ({:.2} s)\n", t.elapsed().as_secs_f64());
 
-        println!("== 2. throughput: sequential vs batched, {} prompts x {n} tokens", PROMPTS.len() * 2);
+        println!(
+            "== 2. throughput: sequential vs batched, {} prompts x {n} tokens",
+            PROMPTS.len() * 2
+        );
         let prompts: Vec<&str> = PROMPTS.iter().chain(PROMPTS).copied().collect();
         let t = Instant::now();
         let mut seq_tokens = 0;
         for p in &prompts {
-            seq_tokens += llama.generate(p, n, 0.0, &mut Sampler::Argmax)?.tokens.len();
+            seq_tokens += llama
+                .generate(p, n, 0.0, &mut Sampler::Argmax)?
+                .tokens
+                .len();
         }
         let seq = t.elapsed().as_secs_f64();
         let t = Instant::now();
@@ -77,18 +83,34 @@ impl WithModel for &Args {
         let results = generate_batch(&mut llama, &varied, 16, 0.0, 1.0, 0)?;
         for (p, pieces) in varied.iter().zip(&results) {
             let alone = llama.generate(p, 16, 0.0, &mut Sampler::Argmax)?.text;
-            let same = if alone == pieces.concat() { "same as alone" } else { "DIFFERS from alone" };
-            println!("   [{same}] {:.40}... ->{}", p, pieces.concat().replace('\n', " "));
+            let same = if alone == pieces.concat() {
+                "same as alone"
+            } else {
+                "DIFFERS from alone"
+            };
+            println!(
+                "   [{same}] {:.40}... ->{}",
+                p,
+                pieces.concat().replace('\n', " ")
+            );
         }
         println!();
 
-        println!("== 4. stress: {} rows x {n} tokens in one batch", self.stress);
-        let many: Vec<String> = (0..self.stress).map(|i| format!("Fact {i}: the ocean")).collect();
+        println!(
+            "== 4. stress: {} rows x {n} tokens in one batch",
+            self.stress
+        );
+        let many: Vec<String> = (0..self.stress)
+            .map(|i| format!("Fact {i}: the ocean"))
+            .collect();
         let t = Instant::now();
         let results = generate_batch(&mut llama, &many, n, 0.7, 0.9, 7)?;
         let secs = t.elapsed().as_secs_f64();
         let pieces: usize = results.iter().map(Vec::len).sum();
-        println!("   {pieces} text pieces in {secs:.2} s ({:.1} pieces/s)\n", pieces as f64 / secs);
+        println!(
+            "   {pieces} text pieces in {secs:.2} s ({:.1} pieces/s)\n",
+            pieces as f64 / secs
+        );
 
         println!("== 5. streaming batched output (tokens as each step produces them)");
         let mut state = llama.create_batched_generation_state(&PROMPTS[..2], 12)?;
@@ -97,7 +119,10 @@ impl WithModel for &Args {
             let steps = llama.generate_batched_single_token(&mut state, 0.0, &mut samplers)?;
             let shown: Vec<String> = steps
                 .iter()
-                .map(|s| s.as_ref().map_or("-".to_string(), |(_, piece, _)| format!("{piece:?}")))
+                .map(|s| {
+                    s.as_ref()
+                        .map_or("-".to_string(), |(_, piece, _)| format!("{piece:?}"))
+                })
                 .collect();
             println!("   step: {}", shown.join(" | "));
         }

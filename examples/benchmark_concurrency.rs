@@ -123,7 +123,10 @@ fn summarise(strategy: &str, wall: Duration, traces: &[Trace]) -> serde_json::Va
     })
 }
 
-fn sequential<T: Tokenizer>(llama: &mut Llama<B, T>, reqs: &[GenerateRequest]) -> llama_burn::Result<(Duration, Vec<Trace>)> {
+fn sequential<T: Tokenizer>(
+    llama: &mut Llama<B, T>,
+    reqs: &[GenerateRequest],
+) -> llama_burn::Result<(Duration, Vec<Trace>)> {
     let t0 = Instant::now();
     let mut traces = Vec::new();
     for r in reqs {
@@ -154,7 +157,8 @@ fn batched<T: Tokenizer>(
         let mut samplers: Vec<Sampler> = chunk.iter().map(sampler).collect();
         let temperature = chunk[0].temperature;
         while !state.is_done() {
-            let steps = llama.generate_batched_single_token(&mut state, temperature, &mut samplers)?;
+            let steps =
+                llama.generate_batched_single_token(&mut state, temperature, &mut samplers)?;
             let now = t0.elapsed();
             for (row, step) in steps.into_iter().enumerate() {
                 if let Some((id, _, _)) = step {
@@ -168,8 +172,13 @@ fn batched<T: Tokenizer>(
     Ok((t0.elapsed(), traces))
 }
 
-fn concurrent<T: Tokenizer>(llama: Llama<B, T>, reqs: &[GenerateRequest]) -> llama_burn::Result<(Duration, Vec<Trace>)> {
-    let service = InferenceBuilder::new().with_model(llama).build(concurrent_streaming_handler);
+fn concurrent<T: Tokenizer>(
+    llama: Llama<B, T>,
+    reqs: &[GenerateRequest],
+) -> llama_burn::Result<(Duration, Vec<Trace>)> {
+    let service = InferenceBuilder::new()
+        .with_model(llama)
+        .build(concurrent_streaming_handler);
     let t0 = Instant::now();
     let traces = Arc::new(Mutex::new(vec![Trace::default(); reqs.len()]));
     let consumers: Vec<_> = reqs
@@ -193,7 +202,8 @@ fn concurrent<T: Tokenizer>(llama: Llama<B, T>, reqs: &[GenerateRequest]) -> lla
         })
         .collect();
     for c in consumers {
-        c.join().map_err(|_| llama_burn::LlamaError::Runtime("consumer panicked".into()))??;
+        c.join()
+            .map_err(|_| llama_burn::LlamaError::Runtime("consumer panicked".into()))??;
     }
     let wall = t0.elapsed();
     let traces = traces.lock().map(|t| t.clone()).unwrap_or_default();
@@ -207,7 +217,11 @@ impl WithModel for &Args {
         let wanted: Vec<&str> = self.strategies.split(',').map(str::trim).collect();
         for s in &wanted {
             if !["sequential", "concurrent", "batched"].contains(s) {
-                return Err(llama_burn::LlamaError::invalid("strategies", s, "unknown strategy"));
+                return Err(llama_burn::LlamaError::invalid(
+                    "strategies",
+                    s,
+                    "unknown strategy",
+                ));
             }
         }
         // Warm up (first-touch allocations, thread pools) outside the measurements.

@@ -70,7 +70,8 @@ impl WithModel for &Args {
             let mut state = llama.create_generation_state(&prompt, self.max_tokens)?;
             let mut answer = String::new();
             loop {
-                let (_, piece, done) = llama.generate_single_token(&mut state, self.temperature, &mut sampler)?;
+                let (_, piece, done) =
+                    llama.generate_single_token(&mut state, self.temperature, &mut sampler)?;
                 print!("{piece}");
                 std::io::stdout().flush().ok();
                 answer.push_str(&piece);

@@ -33,7 +33,9 @@ impl WithModel for &Args {
     type Output = ();
     fn run<T: Tokenizer>(self, llama: Llama<B, T>) -> llama_burn::Result<()> {
         let device = llama.device().clone();
-        let inference = InferenceBuilder::new().with_model(llama).build(concurrent_streaming_handler);
+        let inference = InferenceBuilder::new()
+            .with_model(llama)
+            .build(concurrent_streaming_handler);
 
         println!("== 1. single request (baseline)");
         let t = Instant::now();
@@ -48,14 +50,20 @@ impl WithModel for &Args {
         println!("\n   ({:.2} s)\n", t.elapsed().as_secs_f64());
 
         println!("== 2. three concurrent requests (each token is tagged with its request)");
-        let prompts = ["Once upon a time", "The three primary colours are", "def add(a, b):"];
+        let prompts = [
+            "Once upon a time",
+            "The three primary colours are",
+            "def add(a, b):",
+        ];
         let (tx, rx) = mpsc::channel();
         let t = Instant::now();
         let jobs: Vec<_> = prompts
             .iter()
             .enumerate()
             .map(|(i, p)| {
-                let job = inference.infer(GenerateRequest::new(*p).with_max_tokens(16)).spawn();
+                let job = inference
+                    .infer(GenerateRequest::new(*p).with_max_tokens(16))
+                    .spawn();
                 let tx = tx.clone();
                 std::thread::spawn(move || {
                     for token in job.stream.iter() {
@@ -72,7 +80,8 @@ impl WithModel for &Args {
             texts[i].push_str(&piece);
         }
         for j in jobs {
-            j.join().map_err(|_| llama_burn::LlamaError::Runtime("consumer panicked".into()))??;
+            j.join()
+                .map_err(|_| llama_burn::LlamaError::Runtime("consumer panicked".into()))??;
         }
         println!("\n");
         for (p, text) in prompts.iter().zip(&texts) {
@@ -81,7 +90,9 @@ impl WithModel for &Args {
         println!("   ({:.2} s for all three)\n", t.elapsed().as_secs_f64());
 
         println!("== 3. cancellation");
-        let job = inference.infer(GenerateRequest::new("Count slowly: one, two,").with_max_tokens(100)).spawn();
+        let job = inference
+            .infer(GenerateRequest::new("Count slowly: one, two,").with_max_tokens(100))
+            .spawn();
         let mut received = 0;
         for token in job.stream.iter() {
             print!("{}", token.token);
@@ -90,14 +101,20 @@ impl WithModel for &Args {
                 job.cancel();
             }
         }
-        println!("\n   cancelled after {received} tokens: {:?}\n", job.join().err());
+        println!(
+            "\n   cancelled after {received} tokens: {:?}\n",
+            job.join().err()
+        );
 
         println!("== 4. stress: {} requests at once", self.stress);
         let t = Instant::now();
         let jobs: Vec<_> = (0..self.stress)
             .map(|i| {
                 inference
-                    .infer(GenerateRequest::new(format!("Fact number {i} about the ocean:")).with_max_tokens(12))
+                    .infer(
+                        GenerateRequest::new(format!("Fact number {i} about the ocean:"))
+                            .with_max_tokens(12),
+                    )
                     .spawn()
             })
             .collect();
@@ -107,7 +124,10 @@ impl WithModel for &Args {
             job.join()?;
         }
         let secs = t.elapsed().as_secs_f64();
-        println!("   {total} tokens in {secs:.2} s ({:.1} tokens/s), every request completed", total as f64 / secs);
+        println!(
+            "   {total} tokens in {secs:.2} s ({:.1} tokens/s), every request completed",
+            total as f64 / secs
+        );
         Ok(())
     }
 }

@@ -59,7 +59,12 @@ mod chosen {
 
 #[cfg(all(
     feature = "wgpu",
-    not(any(feature = "cuda", feature = "tch-gpu", feature = "tch-cpu", feature = "vulkan"))
+    not(any(
+        feature = "cuda",
+        feature = "tch-gpu",
+        feature = "tch-cpu",
+        feature = "vulkan"
+    ))
 ))]
 mod chosen {
     /// The selected backend.

@@ -115,8 +115,16 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
             .map(|(ids, max)| self.create_generation_state_from_ids(ids, max))
             .collect::<Result<Vec<_>>>()?;
         // Every row must fit the shared column axis: longest prompt + largest budget.
-        let columns = rows.iter().map(|r| r.prompt_tokens().len()).max().unwrap_or(0)
-            + rows.iter().map(GenerationState::max_tokens).max().unwrap_or(0);
+        let columns = rows
+            .iter()
+            .map(|r| r.prompt_tokens().len())
+            .max()
+            .unwrap_or(0)
+            + rows
+                .iter()
+                .map(GenerationState::max_tokens)
+                .max()
+                .unwrap_or(0);
         let max = self.config().max_seq_len;
         if columns > max {
             return Err(LlamaError::InvalidBatch(format!(
@@ -175,7 +183,12 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
                     input.extend_from_slice(state.rows[r].prompt_tokens());
                     state.rows[r].mark_started();
                 }
-                let budget = state.active.iter().map(|&r| state.rows[r].max_tokens()).max().unwrap_or(0);
+                let budget = state
+                    .active
+                    .iter()
+                    .map(|&r| state.rows[r].max_tokens())
+                    .max()
+                    .unwrap_or(0);
                 state.cache = Some(self.model.new_cache(starts, width + budget));
                 input
             }
@@ -203,7 +216,10 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
             out[r] = Some(step);
         }
         if still_running.len() != state.active.len() {
-            let next_active: Vec<usize> = still_running.iter().map(|&slot| state.active[slot]).collect();
+            let next_active: Vec<usize> = still_running
+                .iter()
+                .map(|&slot| state.active[slot])
+                .collect();
             if next_active.is_empty() {
                 state.cache = None;
             } else if let Some(cache) = state.cache.as_mut() {

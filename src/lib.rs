@@ -13,7 +13,7 @@ pub mod llama;
 pub mod loader;
 pub mod model;
 pub mod sampling;
-#[path = "stubs/tokenizer.rs"]
+
 pub mod tokenizer;
 
 pub use batched::BatchedGenerationState;

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{Tensor, backend::Backend};
 
-pub use crate::config::LlamaConfig;
 use crate::cache::KvCache;
+pub use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::loader::gguf::GgufFile;
 use crate::loader::safetensors::SafetensorsSource;
@@ -51,7 +51,11 @@ impl GenerationOutput {
     pub fn decode_tokens_per_s(&self) -> f64 {
         let n = self.tokens.len().saturating_sub(1);
         let secs = self.decode_time.as_secs_f64();
-        if n == 0 || secs == 0.0 { 0.0 } else { n as f64 / secs }
+        if n == 0 || secs == 0.0 {
+            0.0
+        } else {
+            n as f64 / secs
+        }
     }
 }
 
@@ -134,7 +138,11 @@ impl<B: Backend> GenerationState<B> {
     /// Penalise tokens already in the prompt or output (`penalty` > 1; 1 disables).
     pub fn with_repetition_penalty(mut self, penalty: f32) -> Result<Self> {
         if !(penalty.is_finite() && penalty > 0.0) {
-            return Err(LlamaError::invalid("repetition_penalty", penalty, "must be > 0"));
+            return Err(LlamaError::invalid(
+                "repetition_penalty",
+                penalty,
+                "must be > 0",
+            ));
         }
         self.repetition_penalty = penalty;
         Ok(self)
@@ -158,7 +166,12 @@ impl<B: Backend> GenerationState<B> {
             return sampler.sample(logits, temperature);
         }
         let mut logits = logits.to_vec();
-        let history: Vec<u32> = self.prompt_tokens.iter().chain(&self.tokens).copied().collect();
+        let history: Vec<u32> = self
+            .prompt_tokens
+            .iter()
+            .chain(&self.tokens)
+            .copied()
+            .collect();
         apply_repetition_penalty(&mut logits, &history, self.repetition_penalty);
         sampler.sample(&logits, temperature)
     }
@@ -214,16 +227,23 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
     }
 
     /// Encodes a prompt as the model expects it: special tokens written in the text are
-    /// recognised, and BOS is prepended only where the model's metadata says so.
+    /// recognised, and BOS is prepended only where the model's metadata says so (and the
+    /// text does not already start with it).
     pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
         if prompt.is_empty() {
             return Err(LlamaError::EmptyPrompt);
         }
-        let ids = self
-            .tokenizer
-            .encode(prompt, self.tokenizer.add_bos_by_default(), false)?;
+        let mut ids = self.tokenizer.encode(prompt, false, false)?;
         if ids.is_empty() {
             return Err(LlamaError::EmptyPrompt);
+        }
+        // A prompt that already starts with BOS (e.g. a formatted Llama 3 chat) gets no
+        // second one.
+        if self.tokenizer.add_bos_by_default()
+            && let Some(bos) = self.tokenizer.bos_id()
+            && ids[0] != bos
+        {
+            ids.insert(0, bos);
         }
         Ok(ids)
     }
@@ -273,7 +293,11 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
         self.check_budget(prompt_tokens.len(), max_tokens)?;
         let vocab = self.config().vocab_size;
         if let Some(&bad) = prompt_tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(LlamaError::invalid("token id", bad, "outside the model's vocabulary"));
+            return Err(LlamaError::invalid(
+                "token id",
+                bad,
+                "outside the model's vocabulary",
+            ));
         }
         Ok(GenerationState {
             prompt_tokens,
@@ -329,7 +353,11 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
     }
 
     /// Records a sampled token in `state` and decides whether the request is done.
-    pub(crate) fn accept_token(&self, state: &mut GenerationState<B>, token: u32) -> (u32, String, bool) {
+    pub(crate) fn accept_token(
+        &self,
+        state: &mut GenerationState<B>,
+        token: u32,
+    ) -> (u32, String, bool) {
         let now = Instant::now();
         if state.first_token_at.is_none() {
             state.first_token_at = Some(now);
@@ -414,7 +442,10 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
         let mut cache = self.model.new_cache(vec![0], tokens.len());
         let logits = self.model.forward(tokens, &mut cache, Logits::All)?;
         let vocab = self.config().vocab_size;
-        Ok(logits_to_vec(logits)?.chunks(vocab).map(<[f32]>::to_vec).collect())
+        Ok(logits_to_vec(logits)?
+            .chunks(vocab)
+            .map(<[f32]>::to_vec)
+            .collect())
     }
 }
 
@@ -481,7 +512,8 @@ impl LlamaConfig {
     ) -> Result<Llama<B, T>> {
         let dir = dir.as_ref();
         let config_path = dir.join("config.json");
-        let json = std::fs::read_to_string(&config_path).map_err(|e| LlamaError::io(&config_path, e))?;
+        let json =
+            std::fs::read_to_string(&config_path).map_err(|e| LlamaError::io(&config_path, e))?;
         let config = Self::from_hf_json(&json)?.checked_max_seq_len(max_seq_len)?;
         let mut source = SafetensorsSource::open_dir(dir)?;
         let model = build_transformer(&config, &mut source, device, progress)?;

@@ -65,7 +65,9 @@ impl Sampler {
         match self {
             Sampler::Argmax => Ok(()),
             Sampler::TopP(t) => validate_top_p(t.p),
-            Sampler::TopK(t) if t.k == 0 => Err(LlamaError::invalid("top_k", t.k, "must be at least 1")),
+            Sampler::TopK(t) if t.k == 0 => {
+                Err(LlamaError::invalid("top_k", t.k, "must be at least 1"))
+            }
             Sampler::TopK(_) => Ok(()),
         }
     }
@@ -80,8 +82,11 @@ impl Sampler {
         if temperature == 0.0 || matches!(self, Sampler::Argmax) {
             return Ok(argmax(logits));
         }
-        let mut candidates: Vec<(u32, f32)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let mut candidates: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
         // Descending by logit, ties by id, so the order never depends on the sort's internals.
         candidates.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let (keep, top_p) = match self {
@@ -109,20 +114,26 @@ impl Sampler {
             }
             probs.truncate(cut);
         }
+        // Walk the kept candidates in id order, not logit order: then a tiny change in the
+        // logits (another batch composition, another backend) moves the interval
+        // boundaries only a little, instead of swapping near-tied tokens' intervals.
+        candidates.truncate(probs.len());
+        let mut kept: Vec<(u32, f64)> = candidates.iter().map(|c| c.0).zip(probs).collect();
+        kept.sort_unstable_by_key(|&(id, _)| id);
         let rng = match self {
             Sampler::Argmax => return Ok(argmax(logits)),
             Sampler::TopK(t) => &mut t.rng,
             Sampler::TopP(t) => &mut t.rng,
         };
-        let total: f64 = probs.iter().sum();
+        let total: f64 = kept.iter().map(|&(_, p)| p).sum();
         let mut r = rng.random::<f64>() * total;
-        for (i, p) in probs.iter().enumerate() {
+        for &(id, p) in &kept {
             r -= p;
             if r <= 0.0 {
-                return Ok(candidates[i].0);
+                return Ok(id);
             }
         }
-        Ok(candidates[probs.len() - 1].0)
+        Ok(kept[kept.len() - 1].0)
     }
 }
 
@@ -183,7 +194,12 @@ mod tests {
     fn greedy_and_zero_temperature_pick_the_max() {
         let logits = [0.1, 3.0, 2.0, 3.0];
         assert_eq!(Sampler::Argmax.sample(&logits, 0.7).unwrap(), 1);
-        assert_eq!(Sampler::TopP(TopP::new(0.9, 1)).sample(&logits, 0.0).unwrap(), 1);
+        assert_eq!(
+            Sampler::TopP(TopP::new(0.9, 1))
+                .sample(&logits, 0.0)
+                .unwrap(),
+            1
+        );
     }
 
     #[test]
@@ -191,7 +207,9 @@ mod tests {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
         let run = |seed| {
             let mut s = Sampler::TopP(TopP::new(0.5, seed));
-            (0..64).map(|_| s.sample(&logits, 1.0).unwrap()).collect::<Vec<_>>()
+            (0..64)
+                .map(|_| s.sample(&logits, 1.0).unwrap())
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
@@ -210,7 +228,10 @@ mod tests {
         for t in [f64::NAN, -0.5, f64::INFINITY] {
             assert!(matches!(
                 Sampler::Argmax.sample(&logits, t),
-                Err(LlamaError::InvalidParameter { name: "temperature", .. })
+                Err(LlamaError::InvalidParameter {
+                    name: "temperature",
+                    ..
+                })
             ));
         }
         for p in [0.0, -0.1, 1.5, f64::NAN] {

@@ -10,21 +10,38 @@ use llama_burn::model::Logits;
 use llama_burn::sampling::{Sampler, TopP};
 
 fn solo_greedy(llama: &mut Demo, prompt: &str, max_tokens: usize) -> Vec<u32> {
-    llama.generate(prompt, max_tokens, 0.0, &mut Sampler::Argmax).unwrap().tokens
+    llama
+        .generate(prompt, max_tokens, 0.0, &mut Sampler::Argmax)
+        .unwrap()
+        .tokens
 }
 
 #[test]
 fn batch_of_mixed_lengths_matches_each_prompt_alone() {
     let mut llama = demo(1024);
     let prompts = prompts();
-    let lens: Vec<usize> = prompts.iter().map(|p| llama.encode_prompt(p).unwrap().len()).collect();
-    assert!(lens.iter().any(|&l| l == 1) && lens.iter().any(|&l| l >= 200), "lengths {lens:?}");
+    let lens: Vec<usize> = prompts
+        .iter()
+        .map(|p| llama.encode_prompt(p).unwrap().len())
+        .collect();
+    assert!(
+        lens.iter().any(|&l| l == 1) && lens.iter().any(|&l| l >= 200),
+        "lengths {lens:?}"
+    );
     let max_tokens = 24;
-    let mut state = llama.create_batched_generation_state(&prompts, max_tokens).unwrap();
+    let mut state = llama
+        .create_batched_generation_state(&prompts, max_tokens)
+        .unwrap();
     let mut samplers = vec![Sampler::Argmax; prompts.len()];
-    llama.run_batch_to_end(&mut state, 0.0, &mut samplers).unwrap();
+    llama
+        .run_batch_to_end(&mut state, 0.0, &mut samplers)
+        .unwrap();
     for (prompt, row) in prompts.iter().zip(state.rows()) {
-        assert_eq!(row.tokens(), solo_greedy(&mut llama, prompt, max_tokens), "prompt {prompt:?}");
+        assert_eq!(
+            row.tokens(),
+            solo_greedy(&mut llama, prompt, max_tokens),
+            "prompt {prompt:?}"
+        );
     }
 }
 
@@ -32,7 +49,10 @@ fn batch_of_mixed_lengths_matches_each_prompt_alone() {
 fn batched_logits_match_single_row_logits() {
     let llama = demo(1024);
     let prompts = prompts();
-    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| llama.encode_prompt(p).unwrap()).collect();
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| llama.encode_prompt(p).unwrap())
+        .collect();
     let width = ids.iter().map(Vec::len).max().unwrap();
     let starts: Vec<usize> = ids.iter().map(|r| width - r.len()).collect();
     let mut tokens = Vec::new();
@@ -66,9 +86,16 @@ fn batched_logits_match_single_row_logits() {
 fn batch_of_one_equals_sequential_and_rows_stop_independently() {
     let mut llama = demo(512);
     let prompt = "The capital of France is";
-    let mut state = llama.create_batched_generation_state(&[prompt], 16).unwrap();
-    llama.run_batch_to_end(&mut state, 0.0, &mut [Sampler::Argmax]).unwrap();
-    assert_eq!(state.rows()[0].tokens(), solo_greedy(&mut llama, prompt, 16));
+    let mut state = llama
+        .create_batched_generation_state(&[prompt], 16)
+        .unwrap();
+    llama
+        .run_batch_to_end(&mut state, 0.0, &mut [Sampler::Argmax])
+        .unwrap();
+    assert_eq!(
+        state.rows()[0].tokens(),
+        solo_greedy(&mut llama, prompt, 16)
+    );
 
     // Rows with their own budgets and a chat row that ends at its stop token.
     let format = llama.tokenizer.chat_format().unwrap();
@@ -76,19 +103,36 @@ fn batch_of_one_equals_sequential_and_rows_stop_independently() {
     let chat = format.format(&[ChatMessage::user("What is the capital of France?")], true);
     let texts = [chat.as_str(), "Once upon a time", "1, 2, 3, 4,"];
     let budgets = [64, 3, 40];
-    let ids: Vec<Vec<u32>> = texts.iter().map(|t| llama.encode_prompt(t).unwrap()).collect();
-    let mut state = llama.create_batched_generation_state_from_ids(ids, budgets.to_vec()).unwrap();
+    let ids: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| llama.encode_prompt(t).unwrap())
+        .collect();
+    let mut state = llama
+        .create_batched_generation_state_from_ids(ids, budgets.to_vec())
+        .unwrap();
     let mut samplers = vec![Sampler::Argmax; 3];
     let mut cache_rows = Vec::new();
     while !state.is_done() {
-        llama.generate_batched_single_token(&mut state, 0.0, &mut samplers).unwrap();
+        llama
+            .generate_batched_single_token(&mut state, 0.0, &mut samplers)
+            .unwrap();
         cache_rows.push(state.cache_rows());
     }
-    assert_eq!(state.rows()[0].stop_reason(), Some(llama_burn::StopReason::StopToken));
+    assert_eq!(
+        state.rows()[0].stop_reason(),
+        Some(llama_burn::StopReason::StopToken)
+    );
     assert_eq!(state.rows()[1].tokens().len(), 3);
-    assert!(cache_rows.windows(2).all(|w| w[1] <= w[0]) && cache_rows.contains(&2), "{cache_rows:?}");
+    assert!(
+        cache_rows.windows(2).all(|w| w[1] <= w[0]) && cache_rows.contains(&2),
+        "{cache_rows:?}"
+    );
     for ((text, budget), row) in texts.iter().zip(budgets).zip(state.rows()) {
-        assert_eq!(row.tokens(), solo_greedy(&mut llama, text, budget), "prompt {text:?}");
+        assert_eq!(
+            row.tokens(),
+            solo_greedy(&mut llama, text, budget),
+            "prompt {text:?}"
+        );
     }
 }
 
@@ -103,7 +147,12 @@ fn seeded_top_p_batches_reproduce_and_split_batches_agree() {
     // The same rows sampled alone with the seed of their index give the same text.
     for (i, prompt) in prompts.iter().enumerate() {
         let alone = llama
-            .generate(prompt, 12, 0.8, &mut Sampler::TopP(TopP::new(0.9, 42 + i as u64)))
+            .generate(
+                prompt,
+                12,
+                0.8,
+                &mut Sampler::TopP(TopP::new(0.9, 42 + i as u64)),
+            )
             .unwrap();
         assert_eq!(a[i].concat(), alone.text, "row {i}");
     }
@@ -113,7 +162,10 @@ fn seeded_top_p_batches_reproduce_and_split_batches_agree() {
 fn malformed_batches_are_errors() {
     let mut llama = demo(256);
     let none: [&str; 0] = [];
-    assert!(matches!(llama.create_batched_generation_state(&none, 4), Err(LlamaError::InvalidBatch(_))));
+    assert!(matches!(
+        llama.create_batched_generation_state(&none, 4),
+        Err(LlamaError::InvalidBatch(_))
+    ));
     assert!(matches!(
         llama.create_batched_generation_state(&["fine", ""], 4),
         Err(LlamaError::EmptyPrompt)
@@ -123,7 +175,9 @@ fn malformed_batches_are_errors() {
         llama.create_batched_generation_state(&["fine", long.as_str()], 4),
         Err(LlamaError::PromptTooLong { .. })
     ));
-    let mut state = llama.create_batched_generation_state(&["a", "b"], 4).unwrap();
+    let mut state = llama
+        .create_batched_generation_state(&["a", "b"], 4)
+        .unwrap();
     assert!(matches!(
         llama.generate_batched_single_token(&mut state, 0.0, &mut [Sampler::Argmax]),
         Err(LlamaError::InvalidBatch(_))

@@ -20,17 +20,27 @@ fn solo(llama: &mut Demo, request: &GenerateRequest) -> Vec<u32> {
         Sampler::TopP(TopP::new(request.top_p, request.seed))
     };
     llama
-        .generate(&request.prompt, request.max_tokens, request.temperature, &mut sampler)
+        .generate(
+            &request.prompt,
+            request.max_tokens,
+            request.temperature,
+            &mut sampler,
+        )
         .unwrap()
         .tokens
 }
 
 fn concurrent_service() -> Service {
-    InferenceBuilder::new().with_model(demo(1024)).build(concurrent_streaming_handler)
+    InferenceBuilder::new()
+        .with_model(demo(1024))
+        .build(concurrent_streaming_handler)
 }
 
 fn run_all(service: &Service, requests: &[GenerateRequest]) -> Vec<Vec<u32>> {
-    let jobs: Vec<_> = requests.iter().map(|r| service.infer(r.clone()).spawn()).collect();
+    let jobs: Vec<_> = requests
+        .iter()
+        .map(|r| service.infer(r.clone()).spawn())
+        .collect();
     jobs.into_iter()
         .map(|job| {
             let ids: Vec<u32> = job.stream.iter().map(|t| t.token_id).collect();
@@ -43,12 +53,19 @@ fn run_all(service: &Service, requests: &[GenerateRequest]) -> Vec<Vec<u32>> {
 #[test]
 fn eight_interleaved_requests_match_their_solo_runs() {
     let mut llama = demo(1024);
-    let greedy: Vec<GenerateRequest> =
-        prompts().into_iter().map(|p| GenerateRequest::new(p).with_max_tokens(16)).collect();
+    let greedy: Vec<GenerateRequest> = prompts()
+        .into_iter()
+        .map(|p| GenerateRequest::new(p).with_max_tokens(16))
+        .collect();
     let sampled: Vec<GenerateRequest> = greedy
         .iter()
         .enumerate()
-        .map(|(i, r)| r.clone().with_temperature(0.8).with_top_p(0.9).with_seed(100 + i as u64))
+        .map(|(i, r)| {
+            r.clone()
+                .with_temperature(0.8)
+                .with_top_p(0.9)
+                .with_seed(100 + i as u64)
+        })
         .collect();
     let expected_greedy: Vec<_> = greedy.iter().map(|r| solo(&mut llama, r)).collect();
     let expected_sampled: Vec<_> = sampled.iter().map(|r| solo(&mut llama, r)).collect();
@@ -62,9 +79,13 @@ fn eight_interleaved_requests_match_their_solo_runs() {
 /// Spawns a long job, waits for its first token, then runs a short job to completion and
 /// reports whether the long one had finished by then.
 fn long_job_finished_before_short_one(service: &Service) -> bool {
-    let long = service.infer(GenerateRequest::new("Once upon a time").with_max_tokens(40)).spawn();
+    let long = service
+        .infer(GenerateRequest::new("Once upon a time").with_max_tokens(40))
+        .spawn();
     long.stream.recv().expect("first token of the long job");
-    let short = service.infer(GenerateRequest::new("The capital of France is").with_max_tokens(2)).spawn();
+    let short = service
+        .infer(GenerateRequest::new("The capital of France is").with_max_tokens(2))
+        .spawn();
     let short_tokens = short.stream.iter().count();
     short.join().unwrap();
     assert_eq!(short_tokens, 2);
@@ -78,21 +99,35 @@ fn long_job_finished_before_short_one(service: &Service) -> bool {
 #[test]
 fn a_second_request_streams_before_the_first_finishes() {
     let service = concurrent_service();
-    assert!(!long_job_finished_before_short_one(&service), "concurrent handler interleaves");
-    let blocking = InferenceBuilder::new().with_model(demo(1024)).build(streaming_handler);
-    assert!(long_job_finished_before_short_one(&blocking), "blocking handler serialises");
+    assert!(
+        !long_job_finished_before_short_one(&service),
+        "concurrent handler interleaves"
+    );
+    let blocking = InferenceBuilder::new()
+        .with_model(demo(1024))
+        .build(streaming_handler);
+    assert!(
+        long_job_finished_before_short_one(&blocking),
+        "blocking handler serialises"
+    );
 }
 
 #[test]
 fn cancelling_one_job_leaves_the_others_unchanged() {
     let mut llama = demo(1024);
-    let requests: Vec<GenerateRequest> =
-        prompts().into_iter().take(3).map(|p| GenerateRequest::new(p).with_max_tokens(20)).collect();
+    let requests: Vec<GenerateRequest> = prompts()
+        .into_iter()
+        .take(3)
+        .map(|p| GenerateRequest::new(p).with_max_tokens(20))
+        .collect();
     let expected: Vec<_> = requests.iter().map(|r| solo(&mut llama, r)).collect();
     drop(llama);
 
     let service = concurrent_service();
-    let jobs: Vec<_> = requests.iter().map(|r| service.infer(r.clone()).spawn()).collect();
+    let jobs: Vec<_> = requests
+        .iter()
+        .map(|r| service.infer(r.clone()).spawn())
+        .collect();
     // Cancel the middle job after its third token.
     let victim = &jobs[1];
     for _ in 0..3 {
@@ -100,7 +135,10 @@ fn cancelling_one_job_leaves_the_others_unchanged() {
     }
     victim.cancel();
     let after_cancel = victim.stream.iter().count();
-    assert!(after_cancel <= 1, "{after_cancel} tokens arrived after cancel");
+    assert!(
+        after_cancel <= 1,
+        "{after_cancel} tokens arrived after cancel"
+    );
     let mut jobs = jobs.into_iter();
     let first = jobs.next().unwrap();
     let victim = jobs.next().unwrap();
@@ -122,8 +160,12 @@ fn invalid_requests_fail_their_job_and_the_service_keeps_serving() {
         GenerateRequest::new("x").with_max_tokens(1 << 30),
         GenerateRequest::new("x").with_temperature(f64::NAN),
         GenerateRequest::new("x").with_temperature(-1.0),
-        GenerateRequest::new("x").with_temperature(0.5).with_top_p(0.0),
-        GenerateRequest::new("x").with_temperature(0.5).with_top_p(1.5),
+        GenerateRequest::new("x")
+            .with_temperature(0.5)
+            .with_top_p(0.0),
+        GenerateRequest::new("x")
+            .with_temperature(0.5)
+            .with_top_p(1.5),
         GenerateRequest::new("word ".repeat(2000)),
     ];
     for request in bad {
@@ -133,23 +175,32 @@ fn invalid_requests_fail_their_job_and_the_service_keeps_serving() {
         assert!(
             matches!(
                 err,
-                LlamaError::EmptyPrompt | LlamaError::InvalidParameter { .. } | LlamaError::PromptTooLong { .. }
+                LlamaError::EmptyPrompt
+                    | LlamaError::InvalidParameter { .. }
+                    | LlamaError::PromptTooLong { .. }
             ),
             "{request:?}: {err}"
         );
     }
-    let ok = service.infer(GenerateRequest::new("Hello").with_max_tokens(3)).run().unwrap();
+    let ok = service
+        .infer(GenerateRequest::new("Hello").with_max_tokens(3))
+        .run()
+        .unwrap();
     assert_eq!(ok.len(), 3);
 }
 
 #[test]
 fn sixty_four_requests_at_once_all_complete_unmixed() {
     let mut llama = demo(1024);
-    let distinct: Vec<GenerateRequest> =
-        prompts().into_iter().map(|p| GenerateRequest::new(p).with_max_tokens(4)).collect();
+    let distinct: Vec<GenerateRequest> = prompts()
+        .into_iter()
+        .map(|p| GenerateRequest::new(p).with_max_tokens(4))
+        .collect();
     let expected: Vec<_> = distinct.iter().map(|r| solo(&mut llama, r)).collect();
     drop(llama);
-    let requests: Vec<GenerateRequest> = (0..64).map(|i| distinct[i % distinct.len()].clone()).collect();
+    let requests: Vec<GenerateRequest> = (0..64)
+        .map(|i| distinct[i % distinct.len()].clone())
+        .collect();
     let service = concurrent_service();
     let outputs = run_all(&service, &requests);
     assert_eq!(outputs.len(), 64);

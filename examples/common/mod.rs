@@ -21,7 +21,11 @@ pub trait WithModel {
 
 /// Loads `--model PATH` (a `.gguf` file or a Hugging Face directory), or the demo model,
 /// and hands it to `job`.
-pub fn with_model<J: WithModel>(model: Option<&Path>, max_seq_len: usize, job: J) -> Result<J::Output> {
+pub fn with_model<J: WithModel>(
+    model: Option<&Path>,
+    max_seq_len: usize,
+    job: J,
+) -> Result<J::Output> {
     let path: PathBuf = match model {
         Some(p) => p.to_path_buf(),
         None => llama_burn::demo::demo_model_path()?,

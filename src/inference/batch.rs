@@ -38,7 +38,15 @@ pub fn generate_batch<B: Backend, T: Tokenizer, S: AsRef<str>>(
     top_p: f64,
     seed: u64,
 ) -> Result<Vec<Vec<String>>> {
-    generate_batch_with_max(llama, prompts, max_tokens, temperature, top_p, seed, DEFAULT_MAX_BATCH)
+    generate_batch_with_max(
+        llama,
+        prompts,
+        max_tokens,
+        temperature,
+        top_p,
+        seed,
+        DEFAULT_MAX_BATCH,
+    )
 }
 
 /// [`generate_batch`] with an explicit largest batch size.
@@ -67,14 +75,17 @@ pub fn generate_batch_with_max<B: Backend, T: Tokenizer, S: AsRef<str>>(
     let mut results = Vec::with_capacity(prompts.len());
     for (chunk_index, chunk) in ids.chunks(max_batch).enumerate() {
         let first_row = chunk_index * max_batch;
-        let mut state = llama
-            .create_batched_generation_state_from_ids(chunk.to_vec(), vec![max_tokens; chunk.len()])?;
+        let mut state = llama.create_batched_generation_state_from_ids(
+            chunk.to_vec(),
+            vec![max_tokens; chunk.len()],
+        )?;
         let mut samplers: Vec<Sampler> = (0..chunk.len())
             .map(|i| Sampler::TopP(TopP::new(top_p, seed.wrapping_add((first_row + i) as u64))))
             .collect();
         let mut pieces = vec![Vec::new(); chunk.len()];
         while !state.is_done() {
-            let steps = llama.generate_batched_single_token(&mut state, temperature, &mut samplers)?;
+            let steps =
+                llama.generate_batched_single_token(&mut state, temperature, &mut samplers)?;
             for (row, step) in steps.into_iter().enumerate() {
                 if let Some((_, piece, _)) = step
                     && !piece.is_empty()

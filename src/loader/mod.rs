@@ -4,9 +4,7 @@
 //! Hugging Face names as row-major f32 data; [`build_transformer`] assembles the model
 //! from any source, so the two formats cannot drift apart.
 
-#[path = "../stubs/dequant.rs"]
 pub mod dequant;
-#[path = "../stubs/gguf.rs"]
 pub mod gguf;
 pub mod safetensors;
 
@@ -93,34 +91,62 @@ pub fn build_transformer<B: Backend>(
     };
 
     let (d, hd) = (c.d_model, c.head_dim);
-    let embed = tensor2(read("model.embed_tokens.weight", vec![c.vocab_size, d])?, c.vocab_size, d);
+    let embed = tensor2(
+        read("model.embed_tokens.weight", vec![c.vocab_size, d])?,
+        c.vocab_size,
+        d,
+    );
     step(progress);
     let mut blocks = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
         let attn_norm = tensor1(read(&layer_name(i, "input_layernorm.weight"), vec![d])?);
         step(progress);
-        let mut qkv = read(&layer_name(i, "self_attn.q_proj.weight"), vec![c.n_heads * hd, d])?;
+        let mut qkv = read(
+            &layer_name(i, "self_attn.q_proj.weight"),
+            vec![c.n_heads * hd, d],
+        )?;
         step(progress);
-        qkv.extend(read(&layer_name(i, "self_attn.k_proj.weight"), vec![c.n_kv_heads * hd, d])?);
+        qkv.extend(read(
+            &layer_name(i, "self_attn.k_proj.weight"),
+            vec![c.n_kv_heads * hd, d],
+        )?);
         step(progress);
-        qkv.extend(read(&layer_name(i, "self_attn.v_proj.weight"), vec![c.n_kv_heads * hd, d])?);
+        qkv.extend(read(
+            &layer_name(i, "self_attn.v_proj.weight"),
+            vec![c.n_kv_heads * hd, d],
+        )?);
         step(progress);
         let wqkv = tensor2(qkv, (c.n_heads + 2 * c.n_kv_heads) * hd, d);
         let wo = tensor2(
-            read(&layer_name(i, "self_attn.o_proj.weight"), vec![d, c.n_heads * hd])?,
+            read(
+                &layer_name(i, "self_attn.o_proj.weight"),
+                vec![d, c.n_heads * hd],
+            )?,
             d,
             c.n_heads * hd,
         );
         step(progress);
-        let ffn_norm = tensor1(read(&layer_name(i, "post_attention_layernorm.weight"), vec![d])?);
+        let ffn_norm = tensor1(read(
+            &layer_name(i, "post_attention_layernorm.weight"),
+            vec![d],
+        )?);
         step(progress);
-        let mut gate_up = read(&layer_name(i, "mlp.gate_proj.weight"), vec![c.ffn_hidden, d])?;
+        let mut gate_up = read(
+            &layer_name(i, "mlp.gate_proj.weight"),
+            vec![c.ffn_hidden, d],
+        )?;
         step(progress);
-        gate_up.extend(read(&layer_name(i, "mlp.up_proj.weight"), vec![c.ffn_hidden, d])?);
+        gate_up.extend(read(
+            &layer_name(i, "mlp.up_proj.weight"),
+            vec![c.ffn_hidden, d],
+        )?);
         step(progress);
         let w_gate_up = tensor2(gate_up, 2 * c.ffn_hidden, d);
         let w_down = tensor2(
-            read(&layer_name(i, "mlp.down_proj.weight"), vec![d, c.ffn_hidden])?,
+            read(
+                &layer_name(i, "mlp.down_proj.weight"),
+                vec![d, c.ffn_hidden],
+            )?,
             d,
             c.ffn_hidden,
         );
@@ -139,7 +165,11 @@ pub fn build_transformer<B: Backend>(
     let lm_head = if tied {
         None
     } else {
-        let head = tensor2(read("lm_head.weight", vec![c.vocab_size, d])?, c.vocab_size, d);
+        let head = tensor2(
+            read("lm_head.weight", vec![c.vocab_size, d])?,
+            c.vocab_size,
+            d,
+        );
         step(progress);
         Some(head)
     };
@@ -204,7 +234,8 @@ fn unpermute_heads(data: &[f32], heads: usize, cols: usize) -> Vec<f32> {
             for h in 0..2 {
                 let src = head * head_dim + 2 * i + h;
                 let dst = head * head_dim + h * half + i;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }
@@ -249,7 +280,10 @@ mod tests {
         // Two heads of dim 4, one column: HF rows [a0 a1 b0 b1 | c0 c1 d0 d1] where a/b
         // are the halves; llama.cpp interleaves to [a0 b0 a1 b1 | c0 d0 c1 d1].
         let gguf = [0., 2., 1., 3., 4., 6., 5., 7.];
-        assert_eq!(unpermute_heads(&gguf, 2, 1), vec![0., 1., 2., 3., 4., 5., 6., 7.]);
+        assert_eq!(
+            unpermute_heads(&gguf, 2, 1),
+            vec![0., 1., 2., 3., 4., 5., 6., 7.]
+        );
     }
 
     #[test]

@@ -35,14 +35,18 @@ impl SafetensorsSource {
         let dir = dir.as_ref();
         let index_path = dir.join("model.safetensors.index.json");
         if index_path.is_file() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| LlamaError::io(&index_path, e))?;
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| LlamaError::io(&index_path, e))?;
             let json: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| format_error(&index_path, e))?;
             let map = json
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .ok_or_else(|| format_error(&index_path, "no weight_map"))?;
-            let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
+            let mut files: Vec<String> = map
+                .values()
+                .filter_map(|v| v.as_str().map(String::from))
+                .collect();
             files.sort();
             files.dedup();
             let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
@@ -85,7 +89,8 @@ impl TensorSource for SafetensorsSource {
             .get(name)
             .ok_or_else(|| LlamaError::MissingTensor(name.to_string()))?;
         let path = &self.paths[file];
-        let tensors = SafeTensors::deserialize(&self.maps[file]).map_err(|e| format_error(path, e))?;
+        let tensors =
+            SafeTensors::deserialize(&self.maps[file]).map_err(|e| format_error(path, e))?;
         let view = tensors.tensor(name).map_err(|e| format_error(path, e))?;
         let bytes = view.data();
         let data: Vec<f32> = match view.dtype() {

@@ -1,11 +1,6 @@
 //! Grouped-query self-attention over the KV cache.
 
-use burn::tensor::{
-    Tensor,
-    backend::Backend,
-    module::attention,
-    ops::AttentionModuleOptions,
-};
+use burn::tensor::{Tensor, backend::Backend, module::attention, ops::AttentionModuleOptions};
 
 use crate::cache::KvCache;
 

@@ -7,7 +7,9 @@ pub mod attention;
 pub mod norm;
 pub mod rope;
 
-use burn::tensor::{Int, Tensor, TensorData, activation::silu, backend::Backend, module::embedding};
+use burn::tensor::{
+    Int, Tensor, TensorData, activation::silu, backend::Backend, module::embedding,
+};
 
 use crate::cache::KvCache;
 use crate::config::LlamaConfig;
@@ -87,7 +89,11 @@ impl<B: Backend> Transformer<B> {
                 })
             }
         };
-        check("embed", embed.dims().to_vec(), vec![c.vocab_size, c.d_model])?;
+        check(
+            "embed",
+            embed.dims().to_vec(),
+            vec![c.vocab_size, c.d_model],
+        )?;
         check("norm", norm.dims().to_vec(), vec![c.d_model])?;
         if blocks.len() != c.n_layers {
             return Err(LlamaError::Config(format!(
@@ -98,14 +104,26 @@ impl<B: Backend> Transformer<B> {
         }
         let qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
         for (i, b) in blocks.iter().enumerate() {
-            check(&format!("blk.{i}.attn_norm"), b.attn_norm.dims().to_vec(), vec![c.d_model])?;
-            check(&format!("blk.{i}.wqkv"), b.wqkv.dims().to_vec(), vec![qkv_rows, c.d_model])?;
+            check(
+                &format!("blk.{i}.attn_norm"),
+                b.attn_norm.dims().to_vec(),
+                vec![c.d_model],
+            )?;
+            check(
+                &format!("blk.{i}.wqkv"),
+                b.wqkv.dims().to_vec(),
+                vec![qkv_rows, c.d_model],
+            )?;
             check(
                 &format!("blk.{i}.wo"),
                 b.wo.dims().to_vec(),
                 vec![c.d_model, c.n_heads * c.head_dim],
             )?;
-            check(&format!("blk.{i}.ffn_norm"), b.ffn_norm.dims().to_vec(), vec![c.d_model])?;
+            check(
+                &format!("blk.{i}.ffn_norm"),
+                b.ffn_norm.dims().to_vec(),
+                vec![c.d_model],
+            )?;
             check(
                 &format!("blk.{i}.w_gate_up"),
                 b.w_gate_up.dims().to_vec(),
@@ -119,7 +137,11 @@ impl<B: Backend> Transformer<B> {
         }
         let lm_head = match lm_head {
             Some(head) => {
-                check("lm_head", head.dims().to_vec(), vec![c.vocab_size, c.d_model])?;
+                check(
+                    "lm_head",
+                    head.dims().to_vec(),
+                    vec![c.vocab_size, c.d_model],
+                )?;
                 head
             }
             None => embed.clone(),
@@ -142,7 +164,9 @@ impl<B: Backend> Transformer<B> {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut matrix = |rows: usize, cols: usize| {
             let bound = 1.0 / (cols as f32).sqrt();
-            let data: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-bound..bound)).collect();
+            let data: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.random_range(-bound..bound))
+                .collect();
             Tensor::<B, 2>::from_data(TensorData::new(data, [rows, cols]), device)
         };
         let c = &config;
@@ -204,7 +228,11 @@ impl<B: Backend> Transformer<B> {
         let seq = tokens.len() / batch;
         let c = &self.config;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(LlamaError::invalid("token id", bad, "outside the model's vocabulary"));
+            return Err(LlamaError::invalid(
+                "token id",
+                bad,
+                "outside the model's vocabulary",
+            ));
         }
         cache.reserve(seq)?;
         let device = self.embed.device();

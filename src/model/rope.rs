@@ -67,7 +67,11 @@ impl<B: Backend> RopeTable<B> {
 }
 
 /// Rotates `x` (`[batch, heads, seq, head_dim]`) by the gathered angles.
-pub fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Tensor<B, 4> {
+pub fn apply_rope<B: Backend>(
+    x: Tensor<B, 4>,
+    cos: &Tensor<B, 4>,
+    sin: &Tensor<B, 4>,
+) -> Tensor<B, 4> {
     let [b, h, s, d] = x.dims();
     let half = d / 2;
     let x1 = x.clone().slice([0..b, 0..h, 0..s, 0..half]);

@@ -18,8 +18,11 @@ pub fn demo(max_seq_len: usize) -> Demo {
 
 /// The reference data produced by Hugging Face transformers.
 pub fn reference() -> serde_json::Value {
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/reference.json"))
-        .expect("reference fixture");
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/reference.json"
+    ))
+    .expect("reference fixture");
     serde_json::from_str(&text).expect("reference json")
 }
 
@@ -40,5 +43,9 @@ pub fn prompts() -> Vec<String> {
 
 /// Converts a JSON array of numbers to ids.
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().expect("array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
 }
