@@ -12,6 +12,9 @@ pub mod inference;
 pub mod llama;
 pub mod loader;
 pub mod model;
+#[cfg(feature = "pretrained")]
+#[cfg_attr(docsrs, doc(cfg(feature = "pretrained")))]
+pub mod pretrained;
 pub mod sampling;
 
 pub mod tokenizer;

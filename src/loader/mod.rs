@@ -14,7 +14,8 @@ use burn::tensor::{Tensor, TensorData, backend::Backend};
 
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
-use crate::model::{Block, Transformer};
+use crate::model::linear::default_blocks;
+use crate::model::{Block, Projection, Transformer};
 use gguf::GgufFile;
 
 /// A checkpoint that hands out tensors by Hugging Face name (`model.layers.0.self_attn.q_proj.weight`, ...).
@@ -85,6 +86,17 @@ pub fn build_transformer<B: Backend>(
     let tensor2 = |data: Vec<f32>, rows: usize, cols: usize| {
         Tensor::<B, 2>::from_data(TensorData::new(data, [rows, cols]), device)
     };
+    // Projections are stored `[in, out]`: checkpoints hold `[out, in]`, so transpose once.
+    let blocks = default_blocks::<B>();
+    let projection = |data: Vec<f32>, rows: usize, cols: usize| {
+        let mut t = vec![0f32; data.len()];
+        for r in 0..rows {
+            for (c, &value) in data[r * cols..(r + 1) * cols].iter().enumerate() {
+                t[c * rows + r] = value;
+            }
+        }
+        Projection::from_host(&t, [cols, rows], blocks, device)
+    };
     let tensor1 = |data: Vec<f32>| {
         let n = data.len();
         Tensor::<B, 1>::from_data(TensorData::new(data, [n]), device)
@@ -101,23 +113,27 @@ pub fn build_transformer<B: Backend>(
     for i in 0..c.n_layers {
         let attn_norm = tensor1(read(&layer_name(i, "input_layernorm.weight"), vec![d])?);
         step(progress);
-        let mut qkv = read(
+        let mut qk = read(
             &layer_name(i, "self_attn.q_proj.weight"),
             vec![c.n_heads * hd, d],
         )?;
         step(progress);
-        qkv.extend(read(
+        qk.extend(read(
             &layer_name(i, "self_attn.k_proj.weight"),
             vec![c.n_kv_heads * hd, d],
         )?);
         step(progress);
-        qkv.extend(read(
-            &layer_name(i, "self_attn.v_proj.weight"),
-            vec![c.n_kv_heads * hd, d],
-        )?);
+        let wqk = projection(qk, (c.n_heads + c.n_kv_heads) * hd, d);
+        let wv = projection(
+            read(
+                &layer_name(i, "self_attn.v_proj.weight"),
+                vec![c.n_kv_heads * hd, d],
+            )?,
+            c.n_kv_heads * hd,
+            d,
+        );
         step(progress);
-        let wqkv = tensor2(qkv, (c.n_heads + 2 * c.n_kv_heads) * hd, d);
-        let wo = tensor2(
+        let wo = projection(
             read(
                 &layer_name(i, "self_attn.o_proj.weight"),
                 vec![d, c.n_heads * hd],
@@ -131,18 +147,22 @@ pub fn build_transformer<B: Backend>(
             vec![d],
         )?);
         step(progress);
-        let mut gate_up = read(
-            &layer_name(i, "mlp.gate_proj.weight"),
-            vec![c.ffn_hidden, d],
-        )?;
+        let w_gate = projection(
+            read(
+                &layer_name(i, "mlp.gate_proj.weight"),
+                vec![c.ffn_hidden, d],
+            )?,
+            c.ffn_hidden,
+            d,
+        );
         step(progress);
-        gate_up.extend(read(
-            &layer_name(i, "mlp.up_proj.weight"),
-            vec![c.ffn_hidden, d],
-        )?);
+        let w_up = projection(
+            read(&layer_name(i, "mlp.up_proj.weight"), vec![c.ffn_hidden, d])?,
+            c.ffn_hidden,
+            d,
+        );
         step(progress);
-        let w_gate_up = tensor2(gate_up, 2 * c.ffn_hidden, d);
-        let w_down = tensor2(
+        let w_down = projection(
             read(
                 &layer_name(i, "mlp.down_proj.weight"),
                 vec![d, c.ffn_hidden],
@@ -153,10 +173,12 @@ pub fn build_transformer<B: Backend>(
         step(progress);
         blocks.push(Block {
             attn_norm,
-            wqkv,
+            wqk,
+            wv,
             wo,
             ffn_norm,
-            w_gate_up,
+            w_gate,
+            w_up,
             w_down,
         });
     }

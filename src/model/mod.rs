@@ -4,6 +4,7 @@
 //! [`crate::inference`] are thin layers that decide which rows go into a forward pass.
 
 pub mod attention;
+pub mod linear;
 pub mod norm;
 pub mod rope;
 
@@ -15,26 +16,31 @@ use crate::cache::KvCache;
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use attention::grouped_query_attention;
+pub use linear::Projection;
 use norm::rms_norm;
-use rope::{RopeTable, apply_rope};
+use rope::RopeTable;
 
-/// Weights of one transformer block. Projection matrices are stored `[out, in]` (the
-/// PyTorch layout) and multiplied by their transpose, which is the faster layout for the
-/// small row counts of decoding on CPU.
+/// Weights of one transformer block. Projection matrices are stored `[in, out]`, so a
+/// projection is `x @ w` over contiguous memory: on the CPU backend that was 1.5-6x faster
+/// at 8-32 rows than multiplying by the transpose of an `[out, in]` matrix, and equal at 1.
 #[derive(Debug, Clone)]
 pub struct Block<B: Backend> {
     /// RMSNorm weight before attention, `[d_model]`.
     pub attn_norm: Tensor<B, 1>,
-    /// Fused query, key and value projections, `[(n_heads + 2 n_kv_heads) head_dim, d_model]`.
-    pub wqkv: Tensor<B, 2>,
-    /// Attention output projection, `[d_model, n_heads head_dim]`.
-    pub wo: Tensor<B, 2>,
+    /// Fused query and key projections, `[d_model, (n_heads + n_kv_heads) head_dim]`.
+    pub wqk: Projection<B>,
+    /// Value projection, `[d_model, n_kv_heads head_dim]`.
+    pub wv: Projection<B>,
+    /// Attention output projection, `[n_heads head_dim, d_model]`.
+    pub wo: Projection<B>,
     /// RMSNorm weight before the feed-forward block, `[d_model]`.
     pub ffn_norm: Tensor<B, 1>,
-    /// Fused gate and up projections, `[2 ffn_hidden, d_model]`.
-    pub w_gate_up: Tensor<B, 2>,
-    /// Down projection, `[d_model, ffn_hidden]`.
-    pub w_down: Tensor<B, 2>,
+    /// Gate projection, `[d_model, ffn_hidden]`.
+    pub w_gate: Projection<B>,
+    /// Up projection, `[d_model, ffn_hidden]`.
+    pub w_up: Projection<B>,
+    /// Down projection, `[ffn_hidden, d_model]`.
+    pub w_down: Projection<B>,
 }
 
 /// Which positions' logits a forward pass returns.
@@ -61,8 +67,8 @@ pub struct Transformer<B: Backend> {
     config: LlamaConfig,
 }
 
-fn linear<B: Backend>(x: Tensor<B, 2>, weight: &Tensor<B, 2>) -> Tensor<B, 2> {
-    x.matmul(weight.clone().transpose())
+fn linear<B: Backend>(x: Tensor<B, 2>, weight: &Projection<B>) -> Tensor<B, 2> {
+    weight.forward(x)
 }
 
 impl<B: Backend> Transformer<B> {
@@ -102,7 +108,8 @@ impl<B: Backend> Transformer<B> {
                 c.n_layers
             )));
         }
-        let qkv_rows = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim;
+        let qk_rows = (c.n_heads + c.n_kv_heads) * c.head_dim;
+        let kv_rows = c.n_kv_heads * c.head_dim;
         for (i, b) in blocks.iter().enumerate() {
             check(
                 &format!("blk.{i}.attn_norm"),
@@ -110,29 +117,36 @@ impl<B: Backend> Transformer<B> {
                 vec![c.d_model],
             )?;
             check(
-                &format!("blk.{i}.wqkv"),
-                b.wqkv.dims().to_vec(),
-                vec![qkv_rows, c.d_model],
+                &format!("blk.{i}.wqk"),
+                b.wqk.dims().to_vec(),
+                vec![c.d_model, qk_rows],
+            )?;
+            check(
+                &format!("blk.{i}.wv"),
+                b.wv.dims().to_vec(),
+                vec![c.d_model, kv_rows],
             )?;
             check(
                 &format!("blk.{i}.wo"),
                 b.wo.dims().to_vec(),
-                vec![c.d_model, c.n_heads * c.head_dim],
+                vec![c.n_heads * c.head_dim, c.d_model],
             )?;
             check(
                 &format!("blk.{i}.ffn_norm"),
                 b.ffn_norm.dims().to_vec(),
                 vec![c.d_model],
             )?;
-            check(
-                &format!("blk.{i}.w_gate_up"),
-                b.w_gate_up.dims().to_vec(),
-                vec![2 * c.ffn_hidden, c.d_model],
-            )?;
+            for (name, w) in [("w_gate", &b.w_gate), ("w_up", &b.w_up)] {
+                check(
+                    &format!("blk.{i}.{name}"),
+                    w.dims().to_vec(),
+                    vec![c.d_model, c.ffn_hidden],
+                )?;
+            }
             check(
                 &format!("blk.{i}.w_down"),
                 b.w_down.dims().to_vec(),
-                vec![c.d_model, c.ffn_hidden],
+                vec![c.ffn_hidden, c.d_model],
             )?;
         }
         let lm_head = match lm_head {
@@ -162,12 +176,13 @@ impl<B: Backend> Transformer<B> {
         use rand::{Rng, SeedableRng, rngs::StdRng};
         config.validate()?;
         let mut rng = StdRng::seed_from_u64(seed);
-        let mut matrix = |rows: usize, cols: usize| {
-            let bound = 1.0 / (cols as f32).sqrt();
-            let data: Vec<f32> = (0..rows * cols)
+        // `[fan_in, fan_out]`, uniform in +-1/sqrt(fan_in).
+        let mut matrix = |fan_in: usize, fan_out: usize| {
+            let bound = 1.0 / (fan_in as f32).sqrt();
+            let data: Vec<f32> = (0..fan_in * fan_out)
                 .map(|_| rng.random_range(-bound..bound))
                 .collect();
-            Tensor::<B, 2>::from_data(TensorData::new(data, [rows, cols]), device)
+            Tensor::<B, 2>::from_data(TensorData::new(data, [fan_in, fan_out]), device)
         };
         let c = &config;
         let ones = || Tensor::<B, 1>::ones([c.d_model], device);
@@ -175,11 +190,13 @@ impl<B: Backend> Transformer<B> {
         let blocks = (0..c.n_layers)
             .map(|_| Block {
                 attn_norm: ones(),
-                wqkv: matrix((c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.d_model),
-                wo: matrix(c.d_model, c.n_heads * c.head_dim),
+                wqk: Projection::new(matrix(c.d_model, (c.n_heads + c.n_kv_heads) * c.head_dim)),
+                wv: Projection::new(matrix(c.d_model, c.n_kv_heads * c.head_dim)),
+                wo: Projection::new(matrix(c.n_heads * c.head_dim, c.d_model)),
                 ffn_norm: ones(),
-                w_gate_up: matrix(2 * c.ffn_hidden, c.d_model),
-                w_down: matrix(c.d_model, c.ffn_hidden),
+                w_gate: Projection::new(matrix(c.d_model, c.ffn_hidden)),
+                w_up: Projection::new(matrix(c.d_model, c.ffn_hidden)),
+                w_down: Projection::new(matrix(c.ffn_hidden, c.d_model)),
             })
             .collect();
         let lm_head = (!c.tie_embeddings).then(|| matrix(c.vocab_size, c.d_model));
@@ -237,36 +254,30 @@ impl<B: Backend> Transformer<B> {
         cache.reserve(seq)?;
         let device = self.embed.device();
         let positions = cache.chunk_positions(seq);
-        let (cos, sin) = self.rope.gather(&positions, batch, seq);
+        let angles = self.rope.angles(&positions, c.n_heads + c.n_kv_heads);
         let groups = c.n_heads / c.n_kv_heads;
         let mask = cache.chunk_mask(seq, groups, &device);
 
         let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
-        let mut x = embedding(self.embed.clone(), ids).reshape([batch * seq, c.d_model]);
+        let rows = batch * seq;
+        let mut x = embedding(self.embed.clone(), ids).reshape([rows, c.d_model]);
 
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let heads =
+            |t: Tensor<B, 2>, n: usize| t.reshape([batch, seq, n, c.head_dim]).swap_dims(1, 2);
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps);
-            let qkv = linear(h, &block.wqkv);
-            let rows = batch * seq;
-            let split = |from: usize, width: usize, heads: usize| {
-                qkv.clone()
-                    .slice([0..rows, from..from + width])
-                    .reshape([batch, seq, heads, c.head_dim])
-                    .swap_dims(1, 2)
-            };
-            let q = apply_rope(split(0, q_dim, c.n_heads), &cos, &sin);
-            let k = apply_rope(split(q_dim, kv_dim, c.n_kv_heads), &cos, &sin);
-            let v = split(q_dim + kv_dim, kv_dim, c.n_kv_heads);
+            let qk = self.rope.apply(linear(h.clone(), &block.wqk), &angles);
+            let q = heads(qk.clone().slice([0..rows, 0..q_dim]), c.n_heads);
+            let k = heads(qk.slice([0..rows, q_dim..q_dim + kv_dim]), c.n_kv_heads);
+            let v = heads(linear(h, &block.wv), c.n_kv_heads);
             let attn = grouped_query_attention(q, k, v, cache, layer, mask.as_ref());
             x = x + linear(attn.reshape([rows, q_dim]), &block.wo);
 
             let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps);
-            let gate_up = linear(h, &block.w_gate_up);
-            let gate = gate_up.clone().slice([0..rows, 0..c.ffn_hidden]);
-            let up = gate_up.slice([0..rows, c.ffn_hidden..2 * c.ffn_hidden]);
-            x = x + linear(silu(gate) * up, &block.w_down);
+            let gated = silu(linear(h.clone(), &block.w_gate)) * linear(h, &block.w_up);
+            x = x + linear(gated, &block.w_down);
         }
         cache.advance(seq);
 
@@ -282,6 +293,9 @@ impl<B: Backend> Transformer<B> {
             }
         };
         let x = rms_norm(x, &self.norm, c.norm_eps);
-        Ok(linear(x, &self.lm_head).reshape([batch, out_seq, c.vocab_size]))
+        // `(E x^T)^T`: with the head stored `[vocab, d_model]` this was the fastest form
+        // of the output projection at 8-32 rows on the CPU backend (and equal at 1).
+        let logits = self.lm_head.clone().matmul(x.transpose()).transpose();
+        Ok(logits.reshape([batch, out_seq, c.vocab_size]))
     }
 }

@@ -1,5 +1,11 @@
 //! Rotary position embeddings (the "rotate half" layout used by Hugging Face Llama
 //! checkpoints; GGUF weights are converted to it on load).
+//!
+//! RoPE is applied to the 2-D projection output `[rows, heads * head_dim]` with
+//! same-shaped cosine/sine tensors, and the half rotation is a product with a fixed
+//! permutation matrix. Every operation then works on contiguous, equally shaped tensors,
+//! which CPU backends run far faster than broadcasts over strided views; the permutation
+//! product is exact (one term is `1 * x`, the others `0 * y`).
 
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 
@@ -12,18 +18,29 @@ pub struct RopeTable<B: Backend> {
     cos: Tensor<B, 2>,
     /// `[max_seq_len, head_dim]`: `-sin` on the first half, `+sin` on the second.
     sin: Tensor<B, 2>,
+    /// `[head_dim, head_dim]` permutation swapping the two halves of a head.
+    swap_halves: Tensor<B, 2>,
     max_positions: usize,
+    head_dim: usize,
+}
+
+/// Cosines and sines gathered for one forward pass, `[rows, heads * head_dim]`.
+#[derive(Debug, Clone)]
+pub struct RopeAngles<B: Backend> {
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
 }
 
 impl<B: Backend> RopeTable<B> {
     /// Builds the table for positions `0..config.max_seq_len`, in f32 as the reference
     /// implementation does.
     pub fn new(config: &LlamaConfig, device: &B::Device) -> Self {
-        let half = config.head_dim / 2;
+        let head_dim = config.head_dim;
+        let half = head_dim / 2;
         let inv_freq: Vec<f32> = config.rope_inv_freq().iter().map(|&f| f as f32).collect();
         let n = config.max_seq_len;
-        let mut cos = Vec::with_capacity(n * 2 * half);
-        let mut sin = Vec::with_capacity(n * 2 * half);
+        let mut cos = Vec::with_capacity(n * head_dim);
+        let mut sin = Vec::with_capacity(n * head_dim);
         for pos in 0..n {
             let angles: Vec<f32> = inv_freq.iter().map(|&f| pos as f32 * f).collect();
             for _ in 0..2 {
@@ -32,11 +49,18 @@ impl<B: Backend> RopeTable<B> {
             sin.extend(angles.iter().map(|a| -a.sin()));
             sin.extend(angles.iter().map(|a| a.sin()));
         }
-        let shape = [n, 2 * half];
+        // swap[j][i] = 1 where i = (j + half) mod head_dim: (x @ swap)[i] = x[(i + half) mod d].
+        let mut swap = vec![0f32; head_dim * head_dim];
+        for j in 0..head_dim {
+            swap[j * head_dim + (j + half) % head_dim] = 1.0;
+        }
+        let shape = [n, head_dim];
         Self {
             cos: Tensor::from_data(TensorData::new(cos, shape), device),
             sin: Tensor::from_data(TensorData::new(sin, shape), device),
+            swap_halves: Tensor::from_data(TensorData::new(swap, [head_dim, head_dim]), device),
             max_positions: n,
+            head_dim,
         }
     }
 
@@ -45,37 +69,27 @@ impl<B: Backend> RopeTable<B> {
         self.max_positions
     }
 
-    /// Cosines and sines for the given positions (row-major `[batch, seq]`), each shaped
-    /// `[batch, 1, seq, head_dim]` to broadcast over heads.
-    pub fn gather(
-        &self,
-        positions: &[usize],
-        batch: usize,
-        seq: usize,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    /// Cosines and sines for the given positions (one per row), repeated for `heads`
+    /// heads: `[positions.len(), heads * head_dim]`.
+    pub fn angles(&self, positions: &[usize], heads: usize) -> RopeAngles<B> {
         let device = self.cos.device();
         let idx: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
         let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [positions.len()]), &device);
-        let dim = self.cos.dims()[1];
-        let pick = |t: &Tensor<B, 2>| {
-            t.clone()
-                .select(0, idx.clone())
-                .reshape([batch, 1, seq, dim])
-        };
-        (pick(&self.cos), pick(&self.sin))
+        let pick = |t: &Tensor<B, 2>| t.clone().select(0, idx.clone()).repeat_dim(1, heads);
+        RopeAngles {
+            cos: pick(&self.cos),
+            sin: pick(&self.sin),
+        }
     }
-}
 
-/// Rotates `x` (`[batch, heads, seq, head_dim]`) by the gathered angles.
-pub fn apply_rope<B: Backend>(
-    x: Tensor<B, 4>,
-    cos: &Tensor<B, 4>,
-    sin: &Tensor<B, 4>,
-) -> Tensor<B, 4> {
-    let [b, h, s, d] = x.dims();
-    let half = d / 2;
-    let x1 = x.clone().slice([0..b, 0..h, 0..s, 0..half]);
-    let x2 = x.clone().slice([0..b, 0..h, 0..s, half..d]);
-    let rotated = Tensor::cat(vec![x2, x1], 3);
-    x * cos.clone() + rotated * sin.clone()
+    /// Rotates `x` (`[rows, heads * head_dim]`, heads contiguous) by `angles`.
+    pub fn apply(&self, x: Tensor<B, 2>, angles: &RopeAngles<B>) -> Tensor<B, 2> {
+        let [rows, width] = x.dims();
+        let rotated = x
+            .clone()
+            .reshape([rows * width / self.head_dim, self.head_dim])
+            .matmul(self.swap_halves.clone())
+            .reshape([rows, width]);
+        x * angles.cos.clone() + rotated * angles.sin.clone()
+    }
 }
