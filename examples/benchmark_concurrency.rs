@@ -43,6 +43,10 @@ struct Args {
     /// Largest batch for the batched strategy.
     #[arg(long, default_value_t = 32)]
     max_batch: usize,
+    /// Stop requests at the model's stop tokens (by default every request generates
+    /// exactly --max-tokens tokens, as llama.cpp's batched-bench does).
+    #[arg(long)]
+    stop_at_eos: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -71,6 +75,7 @@ fn request(i: usize, args: &Args) -> GenerateRequest {
         .with_temperature(args.temperature)
         .with_top_p(0.9)
         .with_seed(1000 + i as u64)
+        .with_ignore_eos(!args.stop_at_eos)
 }
 
 fn sampler(r: &GenerateRequest) -> Sampler {
@@ -131,6 +136,9 @@ fn sequential<T: Tokenizer>(
     let mut traces = Vec::new();
     for r in reqs {
         let mut state = llama.create_generation_state(&r.prompt, r.max_tokens)?;
+        if r.ignore_eos {
+            state = state.ignore_stop_tokens();
+        }
         let mut s = sampler(r);
         let mut trace = Trace::default();
         while !state.is_done() {
@@ -151,9 +159,15 @@ fn batched<T: Tokenizer>(
     let t0 = Instant::now();
     let mut traces = vec![Trace::default(); reqs.len()];
     for (chunk_index, chunk) in reqs.chunks(max_batch.max(1)).enumerate() {
-        let prompts: Vec<&str> = chunk.iter().map(|r| r.prompt.as_str()).collect();
-        let max_tokens = chunk.iter().map(|r| r.max_tokens).max().unwrap_or(1);
-        let mut state = llama.create_batched_generation_state(&prompts, max_tokens)?;
+        let ids = chunk
+            .iter()
+            .map(|r| llama.encode_prompt(&r.prompt))
+            .collect::<llama_burn::Result<Vec<_>>>()?;
+        let limits = chunk.iter().map(|r| r.max_tokens).collect();
+        let mut state = llama.create_batched_generation_state_from_ids(ids, limits)?;
+        if chunk.iter().all(|r| r.ignore_eos) {
+            state = state.ignore_stop_tokens();
+        }
         let mut samplers: Vec<Sampler> = chunk.iter().map(sampler).collect();
         let temperature = chunk[0].temperature;
         while !state.is_done() {

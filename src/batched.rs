@@ -68,6 +68,16 @@ impl<B: Backend> BatchedGenerationState<B> {
         self.cache.as_ref().map_or(0, KvCache::allocated_bytes)
     }
 
+    /// Keep every row generating past stop tokens until its `max_tokens`.
+    pub fn ignore_stop_tokens(mut self) -> Self {
+        self.rows = self
+            .rows
+            .into_iter()
+            .map(GenerationState::ignore_stop_tokens)
+            .collect();
+        self
+    }
+
     /// Consumes the batch, returning each row's final state.
     pub fn into_rows(self) -> Vec<GenerationState<B>> {
         self.rows

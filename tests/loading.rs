@@ -92,9 +92,12 @@ fn load_hf<T: Tokenizer>(
     )
 }
 
+/// A tensor name with its shape.
+type NamedShape = (String, Vec<usize>);
+
 /// The Hugging Face names and (PyTorch-order) shapes of every tensor of a model with
 /// tied embeddings, in the order `build_transformer` reads them.
-fn hf_tensor_shapes(c: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
+fn hf_tensor_shapes(c: &LlamaConfig) -> Vec<NamedShape> {
     let (d, hd, ff) = (c.d_model, c.head_dim, c.ffn_hidden);
     let mut out = vec![(
         "model.embed_tokens.weight".to_string(),
@@ -151,7 +154,7 @@ impl View for GgufTensor<'_, '_> {
 }
 
 /// Writes the given tensors of the GGUF as one F32 safetensors file.
-fn write_shard(path: &Path, source: &RefCell<GgufSource<'_>>, tensors: &[(String, Vec<usize>)]) {
+fn write_shard(path: &Path, source: &RefCell<GgufSource<'_>>, tensors: &[NamedShape]) {
     let views = tensors.iter().map(|(name, shape)| {
         (
             name.clone(),
@@ -166,7 +169,7 @@ fn write_shard(path: &Path, source: &RefCell<GgufSource<'_>>, tensors: &[(String
 }
 
 /// Writes `model.safetensors.index.json` mapping every tensor of `shards` to its file.
-fn write_index(dir: &Path, shards: &[(&str, &[(String, Vec<usize>)])]) {
+fn write_index(dir: &Path, shards: &[(&str, &[NamedShape])]) {
     let mut weight_map = serde_json::Map::new();
     let mut total_size = 0usize;
     for (file, tensors) in shards {
@@ -346,15 +349,9 @@ fn hf_directory_gives_the_gguf_logits_and_typed_errors() {
     loaded.norm_eps = from_gguf.config().norm_eps;
     assert_eq!(&loaded, from_gguf.config());
 
-    let ids = from_gguf
-        .encode_prompt("The capital of France is Paris, and the capital of Italy is")
-        .expect("encode");
-    assert_eq!(
-        from_hf
-            .encode_prompt("The capital of France is Paris, and the capital of Italy is")
-            .expect("encode"),
-        ids
-    );
+    let prompt = "The capital of France is Paris, and the capital of Italy is";
+    let ids = from_gguf.encode_prompt(prompt).expect("encode");
+    assert_eq!(from_hf.encode_prompt(prompt).expect("encode"), ids);
     let a = from_gguf.logits(&ids).expect("GGUF logits");
     let b = from_hf.logits(&ids).expect("HF logits");
     assert_eq!(a.len(), ids.len());

@@ -37,7 +37,12 @@ fn prepare<B: Backend, T: Tokenizer>(
     request: &GenerateRequest,
 ) -> Result<GenerationState<B>> {
     request.validate(llama.config().max_seq_len)?;
-    llama.create_generation_state(&request.prompt, request.max_tokens)
+    let state = llama.create_generation_state(&request.prompt, request.max_tokens)?;
+    Ok(if request.ignore_eos {
+        state.ignore_stop_tokens()
+    } else {
+        state
+    })
 }
 
 /// The blocking baseline: one `submit` for the whole generation, so the model serves

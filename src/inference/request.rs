@@ -30,6 +30,9 @@ pub struct GenerateRequest {
     pub top_p: f64,
     /// Seed of the request's own random generator, so sampled results reproduce.
     pub seed: u64,
+    /// Keep generating past the model's stop tokens until `max_tokens` (for benchmarks
+    /// and fixed-length generation). Default `false`.
+    pub ignore_eos: bool,
 }
 
 impl GenerateRequest {
@@ -61,6 +64,7 @@ impl GenerateRequest {
             temperature: Self::DEFAULT_TEMPERATURE,
             top_p: Self::DEFAULT_TOP_P,
             seed: Self::DEFAULT_SEED,
+            ignore_eos: false,
         }
     }
 
@@ -89,6 +93,12 @@ impl GenerateRequest {
     #[must_use]
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = seed;
+        self
+    }
+
+    /// Keeps generating past stop tokens until `max_tokens`.
+    pub fn with_ignore_eos(mut self, ignore_eos: bool) -> Self {
+        self.ignore_eos = ignore_eos;
         self
     }
 

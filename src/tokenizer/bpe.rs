@@ -365,6 +365,29 @@ impl GgufBpeTokenizer {
         })
     }
 
+    /// A byte-level tokenizer with one token per byte (ids 0-255) plus
+    /// `<|endoftext|>` (id 256, the stop token) and no merges. It needs no model file,
+    /// which makes it the tokenizer for randomly initialised models in examples and tests.
+    pub fn bytes_only() -> Result<Self> {
+        let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_to_char(b).to_string()).collect();
+        tokens.push("<|endoftext|>".to_string());
+        let mut token_types = vec![1; 256];
+        token_types.push(3);
+        Self::from_gguf_data(GgufTokenizerData {
+            model: "gpt2".into(),
+            pre: Some("gpt2".into()),
+            tokens,
+            token_types,
+            merges: Vec::new(),
+            bos_id: None,
+            eos_id: Some(256),
+            eot_id: None,
+            add_bos: false,
+            add_eos: false,
+            chat_template: None,
+        })
+    }
+
     /// The pre-tokenizer name from the metadata (`tokenizer.ggml.pre`).
     pub fn pre_tokenizer(&self) -> Option<&str> {
         self.pre.as_deref()
@@ -453,15 +476,15 @@ impl Tokenizer for GgufBpeTokenizer {
     }
 }
 
-/// GPT-2's byte-to-character table, written the long way (for tests).
-#[cfg(test)]
+/// GPT-2's byte-to-character table: printable Latin-1 bytes map to themselves, the
+/// others to U+0100 upwards in byte order.
 pub(crate) fn byte_to_char(b: u8) -> char {
     let printable = |x: u8| (33..=126).contains(&x) || (161..=172).contains(&x) || x >= 174;
     if printable(b) {
         return char::from(b);
     }
     let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(256 + rank).unwrap()
+    char::from_u32(256 + rank).unwrap_or(char::REPLACEMENT_CHARACTER)
 }
 
 #[cfg(test)]
