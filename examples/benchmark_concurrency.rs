@@ -6,7 +6,8 @@
 //!     --strategies sequential,concurrent,batched --json
 //! ```
 //!
-//! All requests arrive at once (t = 0); TTFT counts from then, so it includes queueing.
+//! Requests arrive at t = 0, or with `--rate R` as a seeded Poisson process of R requests
+//! per second. TTFT counts from each request's arrival, so it includes queueing.
 
 mod common;
 
@@ -16,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{B, WithModel, model_name, with_model};
-use llama_burn::inference::{GenerateRequest, InferenceBuilder, concurrent_streaming_handler};
+use llama_burn::inference::{
+    ContinuousConfig, GenerateRequest, InferenceBuilder, concurrent_streaming_handler,
+};
 use llama_burn::llama::Llama;
 use llama_burn::sampling::{Sampler, TopP};
 use llama_burn::tokenizer::Tokenizer;
@@ -34,9 +37,16 @@ struct Args {
     /// Tokens per request.
     #[arg(long, default_value_t = 50)]
     max_tokens: usize,
-    /// Comma-separated strategies: sequential, concurrent, batched.
-    #[arg(long, default_value = "sequential,concurrent,batched")]
+    /// Comma-separated strategies: sequential, concurrent, batched, continuous.
+    #[arg(long, default_value = "sequential,concurrent,batched,continuous")]
     strategies: String,
+    /// Poisson arrivals at this many requests per second (seeded); without it, every
+    /// request arrives at t = 0.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Seed of the arrival schedule.
+    #[arg(long, default_value_t = 7)]
+    arrival_seed: u64,
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
@@ -89,8 +99,35 @@ fn sampler(r: &GenerateRequest) -> Sampler {
 /// Token arrival times of one request, relative to the start of the run.
 #[derive(Default, Clone)]
 struct Trace {
+    arrival: Duration,
     ids: Vec<u32>,
     at: Vec<Duration>,
+}
+
+/// When each request arrives, relative to the start of the run.
+fn arrivals(args: &Args) -> Vec<Duration> {
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    let Some(rate) = args.rate.filter(|r| *r > 0.0) else {
+        return vec![Duration::ZERO; args.requests];
+    };
+    let mut rng = StdRng::seed_from_u64(args.arrival_seed);
+    let mut t = 0.0;
+    (0..args.requests)
+        .map(|i| {
+            if i > 0 {
+                let u: f64 = rng.random::<f64>();
+                t += -(1.0 - u).ln() / rate;
+            }
+            Duration::from_secs_f64(t)
+        })
+        .collect()
+}
+
+fn sleep_until(t0: Instant, at: Duration) {
+    let now = t0.elapsed();
+    if at > now {
+        std::thread::sleep(at - now);
+    }
 }
 
 fn percentile(values: &mut [f64], p: f64) -> f64 {
@@ -106,7 +143,7 @@ fn summarise(strategy: &str, wall: Duration, traces: &[Trace]) -> serde_json::Va
     let output_tokens: usize = traces.iter().map(|t| t.ids.len()).sum();
     let mut ttft: Vec<f64> = traces
         .iter()
-        .filter_map(|t| t.at.first())
+        .filter_map(|t| t.at.first().map(|first| first.saturating_sub(t.arrival)))
         .map(|d| d.as_secs_f64() * 1e3)
         .collect();
     let mut tpot: Vec<f64> = traces
@@ -131,16 +168,21 @@ fn summarise(strategy: &str, wall: Duration, traces: &[Trace]) -> serde_json::Va
 fn sequential<T: Tokenizer>(
     llama: &mut Llama<B, T>,
     reqs: &[GenerateRequest],
+    arrive: &[Duration],
 ) -> llama_burn::Result<(Duration, Vec<Trace>)> {
     let t0 = Instant::now();
     let mut traces = Vec::new();
-    for r in reqs {
+    for (r, &arrival) in reqs.iter().zip(arrive) {
+        sleep_until(t0, arrival);
         let mut state = llama.create_generation_state(&r.prompt, r.max_tokens)?;
         if r.ignore_eos {
             state = state.ignore_stop_tokens();
         }
         let mut s = sampler(r);
-        let mut trace = Trace::default();
+        let mut trace = Trace {
+            arrival,
+            ..Trace::default()
+        };
         while !state.is_done() {
             let (id, _, _) = llama.generate_single_token(&mut state, r.temperature, &mut s)?;
             trace.ids.push(id);
@@ -151,14 +193,32 @@ fn sequential<T: Tokenizer>(
     Ok((t0.elapsed(), traces))
 }
 
+/// Static batching: each batch takes every request that has arrived (up to
+/// `max_batch`) and runs until its last row ends; later arrivals wait for the next batch.
 fn batched<T: Tokenizer>(
     llama: &mut Llama<B, T>,
     reqs: &[GenerateRequest],
+    arrive: &[Duration],
     max_batch: usize,
 ) -> llama_burn::Result<(Duration, Vec<Trace>)> {
     let t0 = Instant::now();
-    let mut traces = vec![Trace::default(); reqs.len()];
-    for (chunk_index, chunk) in reqs.chunks(max_batch.max(1)).enumerate() {
+    let mut traces: Vec<Trace> = arrive
+        .iter()
+        .map(|&arrival| Trace {
+            arrival,
+            ..Trace::default()
+        })
+        .collect();
+    let mut next = 0;
+    while next < reqs.len() {
+        sleep_until(t0, arrive[next]);
+        let now = t0.elapsed();
+        let end = (next..reqs.len())
+            .take(max_batch.max(1))
+            .take_while(|&i| arrive[i] <= now)
+            .last()
+            .map_or(next + 1, |i| i + 1);
+        let chunk = &reqs[next..end];
         let ids = chunk
             .iter()
             .map(|r| llama.encode_prompt(&r.prompt))
@@ -176,45 +236,50 @@ fn batched<T: Tokenizer>(
             let now = t0.elapsed();
             for (row, step) in steps.into_iter().enumerate() {
                 if let Some((id, _, _)) = step {
-                    let trace = &mut traces[chunk_index * max_batch + row];
-                    trace.ids.push(id);
-                    trace.at.push(now);
+                    traces[next + row].ids.push(id);
+                    traces[next + row].at.push(now);
                 }
             }
         }
+        next = end;
     }
     Ok((t0.elapsed(), traces))
 }
 
-fn concurrent<T: Tokenizer>(
-    llama: Llama<B, T>,
+/// Runs requests through a job service, spawning each at its arrival time; one consumer
+/// thread per request records token times.
+fn through_service<M: llama_burn::inference::ModelDevice + Send + 'static>(
+    service: &llama_burn::inference::Inference<
+        M,
+        GenerateRequest,
+        llama_burn::inference::TokenOutput,
+    >,
     reqs: &[GenerateRequest],
+    arrive: &[Duration],
 ) -> llama_burn::Result<(Duration, Vec<Trace>)> {
-    let service = InferenceBuilder::new()
-        .with_model(llama)
-        .build(concurrent_streaming_handler);
     let t0 = Instant::now();
     let traces = Arc::new(Mutex::new(vec![Trace::default(); reqs.len()]));
-    let consumers: Vec<_> = reqs
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let job = service.infer(r.clone()).spawn();
-            let traces = traces.clone();
-            std::thread::spawn(move || {
-                let mut trace = Trace::default();
-                for token in job.stream.iter() {
-                    trace.ids.push(token.token_id);
-                    trace.at.push(t0.elapsed());
-                }
-                let result = job.join();
-                if let Ok(mut all) = traces.lock() {
-                    all[i] = trace;
-                }
-                result
-            })
-        })
-        .collect();
+    let mut consumers = Vec::new();
+    for (i, (r, &arrival)) in reqs.iter().zip(arrive).enumerate() {
+        sleep_until(t0, arrival);
+        let job = service.infer(r.clone()).spawn();
+        let traces = traces.clone();
+        consumers.push(std::thread::spawn(move || {
+            let mut trace = Trace {
+                arrival,
+                ..Trace::default()
+            };
+            for token in job.stream.iter() {
+                trace.ids.push(token.token_id);
+                trace.at.push(t0.elapsed());
+            }
+            let result = job.join();
+            if let Ok(mut all) = traces.lock() {
+                all[i] = trace;
+            }
+            result
+        }));
+    }
     for c in consumers {
         c.join()
             .map_err(|_| llama_burn::LlamaError::Runtime("consumer panicked".into()))??;
@@ -230,7 +295,7 @@ impl WithModel for &Args {
         let reqs: Vec<GenerateRequest> = (0..self.requests).map(|i| request(i, self)).collect();
         let wanted: Vec<&str> = self.strategies.split(',').map(str::trim).collect();
         for s in &wanted {
-            if !["sequential", "concurrent", "batched"].contains(s) {
+            if !["sequential", "concurrent", "batched", "continuous"].contains(s) {
                 return Err(llama_burn::LlamaError::invalid(
                     "strategies",
                     s,
@@ -238,6 +303,7 @@ impl WithModel for &Args {
                 ));
             }
         }
+        let arrive = arrivals(self);
         // Warm up (first-touch allocations, thread pools) outside the measurements.
         llama.generate("Warm up", 4, 0.0, &mut Sampler::Argmax)?;
         let mut results = Vec::new();
@@ -258,8 +324,12 @@ impl WithModel for &Args {
             results.push(summary);
         };
         if !self.json {
+            let arrival = match self.rate {
+                Some(r) => format!("Poisson arrivals at {r} requests/s"),
+                None => "all arriving at t = 0".to_string(),
+            };
             println!(
-                "{} requests x {} tokens on {} ({})",
+                "{} requests x {} tokens on {} ({}), {arrival}",
                 self.requests,
                 self.max_tokens,
                 model_name(self.model.as_deref()),
@@ -267,13 +337,32 @@ impl WithModel for &Args {
             );
         }
         if wanted.contains(&"sequential") {
-            report("sequential", sequential(&mut llama, &reqs)?);
+            report("sequential", sequential(&mut llama, &reqs, &arrive)?);
         }
         if wanted.contains(&"batched") {
-            report("batched", batched(&mut llama, &reqs, self.max_batch)?);
+            report(
+                "batched",
+                batched(&mut llama, &reqs, &arrive, self.max_batch)?,
+            );
+        }
+        if wanted.contains(&"continuous") {
+            let config = ContinuousConfig {
+                max_running: self.max_batch,
+                max_waiting: self.requests.max(1),
+                ..ContinuousConfig::default()
+            };
+            let service = InferenceBuilder::new()
+                .with_model(llama)
+                .build_continuous(config)?;
+            report("continuous", through_service(&service, &reqs, &arrive)?);
+            let engine = service.into_model()?;
+            llama = engine.shutdown()?;
         }
         if wanted.contains(&"concurrent") {
-            report("concurrent", concurrent(llama, &reqs)?);
+            let service = InferenceBuilder::new()
+                .with_model(llama)
+                .build(concurrent_streaming_handler);
+            report("concurrent", through_service(&service, &reqs, &arrive)?);
         }
         // Same outputs across strategies is the batch-invariance claim; say so.
         let outputs: Vec<&serde_json::Value> = results.iter().map(|r| &r["outputs"]).collect();
@@ -290,6 +379,7 @@ impl WithModel for &Args {
                     "requests": self.requests,
                     "max_tokens": self.max_tokens,
                     "temperature": self.temperature,
+                    "rate": self.rate,
                     "identical_outputs": identical,
                     "results": results,
                 })

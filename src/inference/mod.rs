@@ -2,11 +2,16 @@
 //! generation.
 
 pub mod batch;
+pub mod continuous;
 pub mod handlers;
 pub mod request;
 pub mod runtime;
 
 pub use batch::{DEFAULT_MAX_BATCH, generate_batch, generate_batch_with_max};
+pub use continuous::{
+    ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, EngineMetrics, Outcome,
+    RequestMetrics, continuous_batching_handler,
+};
 pub use handlers::{concurrent_streaming_handler, streaming_handler};
 pub use request::{GenerateRequest, TokenOutput};
 pub use runtime::{

@@ -196,7 +196,8 @@ mod tests {
             .with_max_tokens(7)
             .with_temperature(0.5)
             .with_top_p(0.25)
-            .with_seed(9);
+            .with_seed(9)
+            .with_ignore_eos(true);
         assert_eq!(
             r,
             GenerateRequest {
@@ -204,7 +205,8 @@ mod tests {
                 max_tokens: 7,
                 temperature: 0.5,
                 top_p: 0.25,
-                seed: 9
+                seed: 9,
+                ignore_eos: true,
             }
         );
         assert!(!r.is_greedy());

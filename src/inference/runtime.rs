@@ -395,13 +395,13 @@ fn model_gone() -> LlamaError {
 /// let host = ModelHost::spawn(String::from("model"))?;
 /// let len = host.accessor().submit(|s| s.len())?;
 /// assert_eq!(len, 5);
-/// host.shutdown()?; // the String is dropped on the model thread
+/// host.shutdown()?; // the model thread has stopped and the String is dropped
 /// # Ok(())
 /// # }
 /// ```
 pub struct ModelHost<M> {
     accessor: ModelAccessor<M>,
-    thread: JoinHandle<()>,
+    thread: JoinHandle<M>,
 }
 
 impl<M: Send + 'static> ModelHost<M> {
@@ -448,7 +448,7 @@ impl<M> ModelHost<M> {
     pub fn shutdown(self) -> Result<()> {
         let Self { accessor, thread } = self;
         drop(accessor);
-        join_model_thread(thread)
+        join_model_thread(thread).map(drop)
     }
 }
 
@@ -461,16 +461,17 @@ impl<M> fmt::Debug for ModelHost<M> {
     }
 }
 
-/// The model thread's body: run tasks until every sender is gone, then drop the model.
-fn host_loop<M>(mut model: M, queue: Receiver<Task<M>>) {
+/// The model thread's body: run tasks until every sender is gone, then hand the model
+/// back to whoever joins the thread.
+fn host_loop<M>(mut model: M, queue: Receiver<Task<M>>) -> M {
     // Each task catches its own closure's panics, so one bad closure cannot stop the loop.
     for task in queue.iter() {
         task(&mut model);
     }
-    drop(model);
+    model
 }
 
-fn join_model_thread(thread: JoinHandle<()>) -> Result<()> {
+fn join_model_thread<M>(thread: JoinHandle<M>) -> Result<M> {
     if thread.thread().id() == thread::current().id() {
         return Err(LlamaError::Runtime(
             "the model thread cannot wait for itself to stop".to_string(),
@@ -567,6 +568,11 @@ impl<M> InferenceBuilder<M> {
     pub fn with_model<N>(self, model: N) -> InferenceBuilder<N> {
         InferenceBuilder { model }
     }
+
+    /// Takes the model back out of the builder (for builders that wrap it first).
+    pub(crate) fn into_model(self) -> M {
+        self.model
+    }
 }
 
 impl<M: ModelDevice + Send + 'static> InferenceBuilder<M> {
@@ -642,7 +648,7 @@ pub struct Inference<M: ModelDevice, I, O> {
 struct Inner<M: ModelDevice, I, O> {
     accessor: ModelAccessor<M>,
     /// `None` if the model thread could not be started.
-    thread: Option<JoinHandle<()>>,
+    thread: Option<JoinHandle<M>>,
     /// The model's devices, or why the model cannot be used.
     devices: std::result::Result<Vec<M::Device>, String>,
     handler: Arc<dyn Handler<M, I, O>>,
@@ -728,9 +734,32 @@ where
         drop(handler);
         drop(devices);
         match thread {
-            Some(thread) => join_model_thread(thread),
+            Some(thread) => join_model_thread(thread).map(drop),
             None => Ok(()),
         }
+    }
+
+    /// Like [`Inference::shutdown`], but hands the model back once its thread stops (for
+    /// example to serve it another way). Fails if other clones of the service exist or
+    /// the model thread is gone.
+    pub fn into_model(self) -> Result<M> {
+        let inner = Arc::try_unwrap(self.inner).map_err(|_| {
+            LlamaError::Runtime("other clones of this inference service are still alive".into())
+        })?;
+        let Inner {
+            accessor,
+            thread,
+            devices,
+            handler,
+            next_job: _,
+            _io,
+        } = inner;
+        drop(accessor);
+        drop(handler);
+        drop(devices);
+        let thread = thread
+            .ok_or_else(|| LlamaError::ModelUnavailable("the model thread never started".into()))?;
+        join_model_thread(thread)
     }
 }
 

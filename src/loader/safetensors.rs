@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::{Dtype, SafeTensorError, SafeTensors};
 
 use super::TensorSource;
 use crate::error::{LlamaError, Result};
@@ -20,8 +20,24 @@ pub struct SafetensorsSource {
 }
 
 fn format_error(path: &Path, e: impl std::fmt::Display) -> LlamaError {
+    LlamaError::InvalidFormat(format!("{}: {e}", path.display()))
+}
+
+/// Maps a safetensors parsing error: a file shorter than its header describes is
+/// `Truncated`, anything else `InvalidFormat`.
+fn parse_error(path: &Path, file_len: usize, e: SafeTensorError) -> LlamaError {
     let msg = format!("{}: {e}", path.display());
-    if msg.contains("too small") || msg.contains("InvalidOffset") || msg.contains("out of bounds") {
+    let cut_short = match &e {
+        SafeTensorError::HeaderTooSmall => true,
+        SafeTensorError::InvalidHeaderLength => {
+            // The 8-byte length prefix points past the end of the file.
+            file_len >= 8
+        }
+        // Also raised for trailing bytes; only a short buffer means truncation.
+        SafeTensorError::MetadataIncompleteBuffer => true,
+        _ => false,
+    };
+    if cut_short {
         LlamaError::Truncated(msg)
     } else {
         LlamaError::InvalidFormat(msg)
@@ -64,7 +80,8 @@ impl SafetensorsSource {
             // SAFETY: the map is read-only; we rely on the checkpoint not being modified
             // while it is loaded, as every memory-mapping loader does.
             let map = unsafe { Mmap::map(&file) }.map_err(|e| LlamaError::io(path, e))?;
-            let tensors = SafeTensors::deserialize(&map).map_err(|e| format_error(path, e))?;
+            let tensors =
+                SafeTensors::deserialize(&map).map_err(|e| parse_error(path, map.len(), e))?;
             for name in tensors.names() {
                 index.insert(name.to_string(), i);
             }
@@ -89,8 +106,8 @@ impl TensorSource for SafetensorsSource {
             .get(name)
             .ok_or_else(|| LlamaError::MissingTensor(name.to_string()))?;
         let path = &self.paths[file];
-        let tensors =
-            SafeTensors::deserialize(&self.maps[file]).map_err(|e| format_error(path, e))?;
+        let tensors = SafeTensors::deserialize(&self.maps[file])
+            .map_err(|e| parse_error(path, self.maps[file].len(), e))?;
         let view = tensors.tensor(name).map_err(|e| format_error(path, e))?;
         let bytes = view.data();
         let data: Vec<f32> = match view.dtype() {
@@ -114,5 +131,43 @@ impl TensorSource for SafetensorsSource {
             }
         };
         Ok((view.shape().to_vec(), data))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cut_files_are_truncated_and_foreign_files_invalid() {
+        let data: Vec<u8> = (0..64u32).flat_map(|x| (x as f32).to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(Dtype::F32, vec![8, 8], &data).unwrap();
+        let bytes = safetensors::serialize([("w", view)], None).unwrap();
+        let dir = std::env::temp_dir().join(format!("llama-burn-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.safetensors");
+        for (cut, truncated) in [(bytes.len() - 1, true), (20, true), (4, true)] {
+            std::fs::write(&path, &bytes[..cut]).unwrap();
+            let err = SafetensorsSource::open_files(std::slice::from_ref(&path))
+                .err()
+                .unwrap();
+            assert_eq!(
+                matches!(err, LlamaError::Truncated(_)),
+                truncated,
+                "cut at {cut}: {err}"
+            );
+        }
+        std::fs::write(&path, b"this is plainly not a safetensors file at all").unwrap();
+        let err = SafetensorsSource::open_files(std::slice::from_ref(&path))
+            .err()
+            .unwrap();
+        assert!(
+            matches!(err, LlamaError::InvalidFormat(_) | LlamaError::Truncated(_)),
+            "{err}"
+        );
+        std::fs::write(&path, &bytes).unwrap();
+        let mut ok = SafetensorsSource::open_files(std::slice::from_ref(&path)).unwrap();
+        assert_eq!(ok.read("w").unwrap().0, vec![8, 8]);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -1,0 +1,299 @@
+//! Continuous batching on the demo model: requests that join and leave a running batch
+//! at any step each produce exactly their solo greedy tokens.
+
+mod common;
+
+use common::{B, Demo, demo, prompts};
+use llama_burn::LlamaError;
+use llama_burn::inference::{
+    ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, GenerateRequest, InferenceBuilder,
+    Outcome,
+};
+use llama_burn::sampling::Sampler;
+use llama_burn::tokenizer::GgufBpeTokenizer;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+type Engine = ContinuousEngine<B, GgufBpeTokenizer>;
+
+fn solo(llama: &mut Demo, prompt: &str, max_tokens: usize) -> Vec<u32> {
+    llama
+        .generate(prompt, max_tokens, 0.0, &mut Sampler::Argmax)
+        .unwrap()
+        .tokens
+}
+
+/// Reads `n` tokens of a job (panics if it ends first).
+fn take(job: &EngineJob, n: usize) -> Vec<u32> {
+    (0..n)
+        .map(|_| match job.events().recv().expect("event") {
+            EngineEvent::Token(t) => t.token_id,
+            EngineEvent::Done(r) => panic!("job ended early: {r:?}"),
+        })
+        .collect()
+}
+
+fn rest(job: EngineJob) -> (Vec<u32>, llama_burn::Result<()>) {
+    let mut ids = Vec::new();
+    for event in job.events().iter() {
+        match event {
+            EngineEvent::Token(t) => ids.push(t.token_id),
+            EngineEvent::Done(r) => return (ids, r.map(|_| ())),
+        }
+    }
+    (
+        ids,
+        Err(LlamaError::ModelUnavailable("channel closed".into())),
+    )
+}
+
+#[test]
+fn staggered_arrivals_and_chunked_prompts_match_solo_runs() {
+    let mut llama = demo(1024);
+    let prompts = prompts();
+    let n = 12;
+    let expected: Vec<Vec<u32>> = prompts.iter().map(|p| solo(&mut llama, p, n)).collect();
+    // A small step budget forces the 200+ token prompt through several prefill chunks
+    // while other rows keep decoding.
+    let config = ContinuousConfig {
+        step_tokens: 40,
+        min_prefill_chunk: 16,
+        ..ContinuousConfig::default()
+    };
+    let engine: Engine = ContinuousEngine::start(llama, config).unwrap();
+    let submit = |i: usize| {
+        engine
+            .submit(GenerateRequest::new(prompts[i].clone()).with_max_tokens(n))
+            .unwrap()
+    };
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut jobs: Vec<(usize, EngineJob)> = Vec::new();
+    for i in 0..3 {
+        jobs.push((i, submit(i)));
+    }
+    // Later arrivals join while the first ones are mid-generation.
+    got[0] = take(&jobs[0].1, 3);
+    for i in 3..6 {
+        jobs.push((i, submit(i)));
+    }
+    got[1] = take(&jobs[1].1, 2);
+    for i in 6..prompts.len() {
+        jobs.push((i, submit(i)));
+    }
+    for (i, job) in jobs {
+        let (tail, result) = rest(job);
+        result.unwrap();
+        got[i].extend(tail);
+    }
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g, e, "prompt {i} ({} chars)", prompts[i].len());
+    }
+    let m = engine.metrics();
+    assert_eq!(m.completed, prompts.len() as u64);
+    assert_eq!(
+        (m.kv_blocks_used, m.running, m.prefilling, m.cache_bytes),
+        (0, 0, 0, 0)
+    );
+}
+
+#[test]
+fn a_newcomer_gets_its_first_token_while_eight_others_run() {
+    let llama = demo(1024);
+    let engine: Engine = ContinuousEngine::start(llama, ContinuousConfig::default()).unwrap();
+    let long: Vec<EngineJob> = prompts()
+        .into_iter()
+        .map(|p| {
+            engine
+                .submit(
+                    GenerateRequest::new(p)
+                        .with_max_tokens(40)
+                        .with_ignore_eos(true),
+                )
+                .unwrap()
+        })
+        .collect();
+    for job in &long {
+        take(job, 1);
+    }
+    let newcomer = engine
+        .submit(GenerateRequest::new("The capital of France is").with_max_tokens(3))
+        .unwrap();
+    take(&newcomer, 1);
+    let m = engine.metrics();
+    assert_eq!(m.completed, 0, "none of the eight had finished");
+    assert!(m.running >= 8, "{m:?}");
+    for job in long {
+        let (tail, result) = rest(job);
+        result.unwrap();
+        assert_eq!(tail.len(), 39);
+    }
+    rest(newcomer).1.unwrap();
+}
+
+#[test]
+fn cancelling_frees_the_cache_at_once_and_a_full_queue_overloads() {
+    let mut llama = demo(1024);
+    let keep_prompt = "Once upon a time";
+    let expected = {
+        let mut state = llama
+            .create_generation_state(keep_prompt, 30)
+            .unwrap()
+            .ignore_stop_tokens();
+        llama
+            .run_to_end(&mut state, 0.0, &mut Sampler::Argmax)
+            .unwrap()
+            .tokens
+    };
+    let config = ContinuousConfig {
+        max_running: 2,
+        max_waiting: 2,
+        ..ContinuousConfig::default()
+    };
+    let engine: Engine = ContinuousEngine::start(llama, config).unwrap();
+    let request = |p: &str, n| {
+        GenerateRequest::new(p)
+            .with_max_tokens(n)
+            .with_ignore_eos(true)
+    };
+    let victim = engine
+        .submit(request("Count to one hundred:", 200))
+        .unwrap();
+    let keeper = engine.submit(request(keep_prompt, 30)).unwrap();
+    let mut kept = take(&keeper, 2);
+    take(&victim, 2);
+    let before = engine.metrics();
+    assert_eq!(before.running, 2);
+
+    // Both slots are busy: two requests wait, the third is refused.
+    let waiting: Vec<EngineJob> = (0..2)
+        .map(|_| engine.submit(request("Hi", 2)).unwrap())
+        .collect();
+    match engine.submit(request("Hi", 2)) {
+        Err(LlamaError::Overloaded { limit: 2, .. }) => {}
+        other => panic!("expected Overloaded, got {other:?}"),
+    }
+
+    victim.cancel();
+    let (_, result) = rest(victim);
+    assert!(matches!(result, Err(LlamaError::Cancelled)), "{result:?}");
+    let after = engine.metrics();
+    assert!(
+        after.kv_blocks_used < before.kv_blocks_used,
+        "{before:?} -> {after:?}"
+    );
+    assert_eq!(after.cancelled, 1);
+
+    let (tail, result) = rest(keeper);
+    result.unwrap();
+    kept.extend(tail);
+    assert_eq!(kept, expected, "the other request is unaffected");
+    for job in waiting {
+        rest(job).1.unwrap();
+    }
+    // The queue drained: work is accepted again.
+    let again = engine.submit(request("Hi", 2)).unwrap();
+    rest(again).1.unwrap();
+    assert_eq!(engine.metrics().kv_blocks_used, 0);
+}
+
+#[test]
+fn many_requests_with_random_lengths_and_cancellations() {
+    let mut llama = demo(1024);
+    let prompts = prompts();
+    let n = 6;
+    let expected: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut s = llama
+                .create_generation_state(p, n)
+                .unwrap()
+                .ignore_stop_tokens();
+            llama
+                .run_to_end(&mut s, 0.0, &mut Sampler::Argmax)
+                .unwrap()
+                .tokens
+        })
+        .collect();
+    let engine: Engine = ContinuousEngine::start(llama, ContinuousConfig::default()).unwrap();
+    let mut rng = StdRng::seed_from_u64(2024);
+    let mut jobs = Vec::new();
+    for i in 0..128 {
+        let p = i % prompts.len();
+        let max_tokens = rng.random_range(1..=n);
+        let job = engine
+            .submit(
+                GenerateRequest::new(prompts[p].clone())
+                    .with_max_tokens(max_tokens)
+                    .with_ignore_eos(true),
+            )
+            .unwrap();
+        let cancel = rng.random_bool(0.25);
+        if cancel {
+            job.cancel();
+        }
+        jobs.push((p, max_tokens, cancel, job));
+    }
+    let (mut completed, mut cancelled) = (0, 0);
+    for (p, max_tokens, cancel, job) in jobs {
+        let (ids, result) = rest(job);
+        match result {
+            Ok(()) => {
+                completed += 1;
+                assert_eq!(
+                    ids,
+                    expected[p][..max_tokens],
+                    "prompt {p}, {max_tokens} tokens"
+                );
+            }
+            Err(LlamaError::Cancelled) => {
+                assert!(cancel, "only cancelled jobs may end as cancelled");
+                cancelled += 1;
+            }
+            Err(e) => panic!("unexpected error {e}"),
+        }
+    }
+    assert!(
+        cancelled > 0 && completed > 64,
+        "{completed} completed, {cancelled} cancelled"
+    );
+    let m = engine.metrics();
+    assert_eq!(m.completed + m.cancelled, 128);
+    assert_eq!(
+        (
+            m.kv_blocks_used,
+            m.running,
+            m.prefilling,
+            m.waiting,
+            m.cache_bytes
+        ),
+        (0, 0, 0, 0, 0)
+    );
+    assert!(m.recent.iter().all(|r| r.outcome != Outcome::Failed));
+}
+
+#[test]
+fn the_job_api_switches_to_continuous_batching_in_one_line() {
+    let mut llama = demo(1024);
+    let expected = solo(&mut llama, "The capital of France is", 8);
+    let inference = InferenceBuilder::new()
+        .with_model(llama)
+        .build_continuous(ContinuousConfig::default())
+        .unwrap();
+    let a = inference
+        .infer(GenerateRequest::new("The capital of France is").with_max_tokens(8))
+        .spawn();
+    let b = inference
+        .infer(GenerateRequest::new("Once upon a time").with_max_tokens(50))
+        .spawn();
+    let ids: Vec<u32> = a.stream.iter().map(|t| t.token_id).collect();
+    a.join().unwrap();
+    assert_eq!(ids, expected);
+    b.stream.recv().expect("first token");
+    b.cancel();
+    assert!(matches!(b.join(), Err(LlamaError::Cancelled)));
+    let bad = inference.infer(GenerateRequest::new("")).spawn();
+    assert!(matches!(bad.join(), Err(LlamaError::EmptyPrompt)));
+    let m = inference
+        .with_model_blocking(|engine| engine.metrics())
+        .unwrap();
+    assert_eq!(m.completed, 1);
+}
