@@ -31,6 +31,8 @@ struct Args {
 
 impl WithModel for &Args {
     type Output = ();
+    // Devices are `Copy` only on the CPU backend; GPU devices must be cloned.
+    #[allow(clippy::clone_on_copy)]
     fn run<T: Tokenizer>(self, llama: Llama<B, T>) -> llama_burn::Result<()> {
         let device = llama.device().clone();
         let inference = InferenceBuilder::new()

@@ -208,10 +208,8 @@ impl LlamaConfig {
         };
         let head_dim = if gguf.get(&key("attention.key_length")).is_some() {
             usize_key("attention.key_length")?
-        } else if n_heads > 0 {
-            d_model / n_heads
         } else {
-            0
+            d_model.checked_div(n_heads).unwrap_or(0)
         };
         let vocab_size = match gguf.tensor_info("token_embd.weight") {
             Some(info) => info.shape().first().copied().unwrap_or(0),
@@ -289,11 +287,9 @@ impl LlamaConfig {
             n_layers: raw.num_hidden_layers,
             n_heads,
             n_kv_heads: raw.num_key_value_heads.unwrap_or(n_heads),
-            head_dim: raw.head_dim.unwrap_or(if n_heads > 0 {
-                raw.hidden_size / n_heads
-            } else {
-                0
-            }),
+            head_dim: raw
+                .head_dim
+                .unwrap_or(raw.hidden_size.checked_div(n_heads).unwrap_or(0)),
             ffn_hidden: raw.intermediate_size,
             norm_eps: raw.rms_norm_eps.unwrap_or(1e-5),
             rope_theta: raw.rope_theta.unwrap_or(10_000.0),
@@ -315,13 +311,13 @@ impl LlamaConfig {
                 self.vocab_size, self.d_model, self.n_layers
             ));
         }
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} query heads cannot be grouped over {} key/value heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head_dim {} must be positive and even",
                 self.head_dim

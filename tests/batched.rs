@@ -25,7 +25,7 @@ fn batch_of_mixed_lengths_matches_each_prompt_alone() {
         .map(|p| llama.encode_prompt(p).unwrap().len())
         .collect();
     assert!(
-        lens.iter().any(|&l| l == 1) && lens.iter().any(|&l| l >= 200),
+        lens.contains(&1) && lens.iter().any(|&l| l >= 200),
         "lengths {lens:?}"
     );
     let max_tokens = 24;

@@ -236,7 +236,7 @@ impl<B: Backend> Transformer<B> {
         logits: Logits,
     ) -> Result<Tensor<B, 3>> {
         let batch = cache.batch();
-        if batch == 0 || tokens.is_empty() || tokens.len() % batch != 0 {
+        if batch == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(batch) {
             return Err(LlamaError::InvalidBatch(format!(
                 "{} tokens cannot be split over {batch} rows",
                 tokens.len()
