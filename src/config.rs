@@ -311,7 +311,10 @@ impl LlamaConfig {
                 self.vocab_size, self.d_model, self.n_layers
             ));
         }
-        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             return bad(format!(
                 "{} query heads cannot be grouped over {} key/value heads",
                 self.n_heads, self.n_kv_heads
