@@ -721,19 +721,7 @@ where
         let Ok(inner) = Arc::try_unwrap(self.inner) else {
             return Ok(());
         };
-        let Inner {
-            accessor,
-            thread,
-            devices,
-            handler,
-            next_job: _,
-            _io,
-        } = inner;
-        // Release everything that could hold the model thread open before waiting on it.
-        drop(accessor);
-        drop(handler);
-        drop(devices);
-        match thread {
+        match inner.release() {
             Some(thread) => join_model_thread(thread).map(drop),
             None => Ok(()),
         }
@@ -746,6 +734,17 @@ where
         let inner = Arc::try_unwrap(self.inner).map_err(|_| {
             LlamaError::Runtime("other clones of this inference service are still alive".into())
         })?;
+        let thread = inner
+            .release()
+            .ok_or_else(|| LlamaError::ModelUnavailable("the model thread never started".into()))?;
+        join_model_thread(thread)
+    }
+}
+
+impl<M: ModelDevice, I, O> Inner<M, I, O> {
+    /// Releases everything that could hold the model thread open (the accessor, the
+    /// handler) and returns the thread to wait on.
+    fn release(self) -> Option<JoinHandle<M>> {
         let Inner {
             accessor,
             thread,
@@ -753,13 +752,11 @@ where
             handler,
             next_job: _,
             _io,
-        } = inner;
+        } = self;
         drop(accessor);
         drop(handler);
         drop(devices);
-        let thread = thread
-            .ok_or_else(|| LlamaError::ModelUnavailable("the model thread never started".into()))?;
-        join_model_thread(thread)
+        thread
     }
 }
 
