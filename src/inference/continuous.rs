@@ -610,7 +610,6 @@ impl<B: Backend, T: Tokenizer> Worker<B, T> {
                 }
             };
             self.blocks_used += blocks;
-            let capacity = state.prompt_tokens().len() + max_tokens;
             self.prefilling.push(Active {
                 id: sub.id,
                 sampler: request_sampler(&sub.request),
@@ -623,7 +622,7 @@ impl<B: Backend, T: Tokenizer> Worker<B, T> {
                 first_token: None,
                 last_token: None,
                 prefilled: 0,
-                cache: Some(self.llama.model.new_cache(vec![0], capacity)),
+                cache: None,
                 state,
             });
         }
@@ -673,6 +672,24 @@ impl<B: Backend, T: Tokenizer> Worker<B, T> {
             .step_tokens
             .saturating_sub(self.running.len())
             .max(self.config.min_prefill_chunk);
+        // Whole prompts at the head of the queue that fit this step's budget are read
+        // together in one padded pass (as the batched strategy does), then join the
+        // running batch with one merge.
+        let mut whole = 0;
+        let mut group_tokens = 0;
+        for active in &self.prefilling {
+            let len = active.state.prompt_tokens().len();
+            if active.prefilled > 0 || group_tokens + len > budget {
+                break;
+            }
+            group_tokens += len;
+            whole += 1;
+        }
+        if whole >= 2 {
+            let group: Vec<Active<B>> = self.prefilling.drain(..whole).collect();
+            budget -= group_tokens;
+            self.prefill_together(group)?;
+        }
         let mut index = 0;
         while index < self.prefilling.len() && budget > 0 {
             let active = &mut self.prefilling[index];
@@ -681,10 +698,10 @@ impl<B: Backend, T: Tokenizer> Worker<B, T> {
             let chunk = (prompt_len - active.prefilled).min(budget);
             let tokens =
                 active.state.prompt_tokens()[active.prefilled..active.prefilled + chunk].to_vec();
+            let capacity = prompt_len + active.state.max_tokens();
             let cache = active
                 .cache
-                .as_mut()
-                .ok_or_else(|| LlamaError::Runtime("prefill without a cache".into()))?;
+                .get_or_insert_with(|| self.llama.model.new_cache(vec![0], capacity));
             let logits = self.llama.model.forward(&tokens, cache, Logits::Last)?;
             active.prefilled += chunk;
             budget -= chunk;
@@ -702,12 +719,66 @@ impl<B: Backend, T: Tokenizer> Worker<B, T> {
                 .cache
                 .take()
                 .ok_or_else(|| LlamaError::Runtime("prefill lost its cache".into()))?;
-            match self.batch.as_mut() {
-                Some(batch) => batch.merge(cache)?,
-                None => self.batch = Some(cache),
-            }
-            self.running.push(active);
+            self.join_batch(cache, vec![active])?;
         }
+        Ok(())
+    }
+
+    /// Reads several whole prompts in one left-padded, masked forward pass, sends each
+    /// its first token, and moves those still generating into the running batch.
+    fn prefill_together(&mut self, mut group: Vec<Active<B>>) -> Result<()> {
+        let width = group
+            .iter()
+            .map(|a| a.state.prompt_tokens().len())
+            .max()
+            .unwrap_or(0);
+        let budget = group
+            .iter()
+            .map(|a| a.state.max_tokens())
+            .max()
+            .unwrap_or(0);
+        let starts: Vec<usize> = group
+            .iter()
+            .map(|a| width - a.state.prompt_tokens().len())
+            .collect();
+        let mut input = Vec::with_capacity(width * group.len());
+        for (active, &start) in group.iter_mut().zip(&starts) {
+            active.state.mark_started();
+            input.extend(std::iter::repeat_n(0, start));
+            input.extend_from_slice(active.state.prompt_tokens());
+            active.prefilled = active.state.prompt_tokens().len();
+        }
+        let mut cache = self.llama.model.new_cache(starts, width + budget);
+        let logits = logits_to_vec(self.llama.model.forward(&input, &mut cache, Logits::Last)?)?;
+        let vocab = self.llama.config().vocab_size;
+        let mut keep = Vec::with_capacity(group.len());
+        let mut joining = Vec::with_capacity(group.len());
+        for (row, mut active) in group.into_iter().enumerate() {
+            if emit_token(
+                &self.llama,
+                &mut active,
+                &logits[row * vocab..(row + 1) * vocab],
+            )? {
+                self.finish(active, Ok(()));
+            } else {
+                keep.push(row);
+                joining.push(active);
+            }
+        }
+        if joining.is_empty() {
+            return Ok(());
+        }
+        cache.retain_rows(&keep)?;
+        self.join_batch(cache, joining)
+    }
+
+    /// Appends rows (with their cache, rows in the same order) to the running batch.
+    fn join_batch(&mut self, cache: KvCache<B>, rows: Vec<Active<B>>) -> Result<()> {
+        match self.batch.as_mut() {
+            Some(batch) => batch.merge(cache)?,
+            None => self.batch = Some(cache),
+        }
+        self.running.extend(rows);
         Ok(())
     }
 
