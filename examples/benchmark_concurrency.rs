@@ -19,9 +19,10 @@ use clap::Parser;
 use common::{B, WithModel, model_name, with_model};
 use llama_burn::inference::{
     ContinuousConfig, GenerateRequest, InferenceBuilder, concurrent_streaming_handler,
+    request_sampler,
 };
 use llama_burn::llama::Llama;
-use llama_burn::sampling::{Sampler, TopP};
+use llama_burn::sampling::Sampler;
 use llama_burn::tokenizer::Tokenizer;
 use serde_json::json;
 
@@ -86,14 +87,6 @@ fn request(i: usize, args: &Args) -> GenerateRequest {
         .with_top_p(0.9)
         .with_seed(1000 + i as u64)
         .with_ignore_eos(!args.stop_at_eos)
-}
-
-fn sampler(r: &GenerateRequest) -> Sampler {
-    if r.temperature == 0.0 {
-        Sampler::Argmax
-    } else {
-        Sampler::TopP(TopP::new(r.top_p, r.seed))
-    }
 }
 
 /// Token arrival times of one request, relative to the start of the run.
@@ -178,7 +171,7 @@ fn sequential<T: Tokenizer>(
         if r.ignore_eos {
             state = state.ignore_stop_tokens();
         }
-        let mut s = sampler(r);
+        let mut s = request_sampler(r);
         let mut trace = Trace {
             arrival,
             ..Trace::default()
@@ -228,7 +221,7 @@ fn batched<T: Tokenizer>(
         if chunk.iter().all(|r| r.ignore_eos) {
             state = state.ignore_stop_tokens();
         }
-        let mut samplers: Vec<Sampler> = chunk.iter().map(sampler).collect();
+        let mut samplers: Vec<Sampler> = chunk.iter().map(request_sampler).collect();
         let temperature = chunk[0].temperature;
         while !state.is_done() {
             let steps =

@@ -17,6 +17,22 @@ use crate::tokenizer::Tokenizer;
 /// Token id written into padding slots (masked, so its value never matters).
 const PAD_TOKEN: u32 = 0;
 
+/// Left-pads prompts into one row-major `[rows, width]` input (`width` = the longest
+/// prompt; padding slots hold a token whose value never matters, since it is masked) and
+/// returns it with each row's first real column.
+pub(crate) fn left_pad(prompts: &[&[u32]]) -> (Vec<u32>, Vec<usize>) {
+    let width = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let mut input = Vec::with_capacity(width * prompts.len());
+    let mut starts = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let start = width - prompt.len();
+        input.extend(std::iter::repeat_n(PAD_TOKEN, start));
+        input.extend_from_slice(prompt);
+        starts.push(start);
+    }
+    (input, starts)
+}
+
 /// The state of a batch of requests that advance together: per-row token buffers,
 /// step counts, limits, stop reasons and streaming decoders (one [`GenerationState`]
 /// each, without a cache of its own), and one KV cache with a batch dimension holding
@@ -176,21 +192,14 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
         }
         let input = match state.cache {
             None => {
-                let width = state
+                let prompts: Vec<&[u32]> = state
                     .active
                     .iter()
-                    .map(|&r| state.rows[r].prompt_tokens().len())
-                    .max()
-                    .unwrap_or(0);
-                let starts: Vec<usize> = state
-                    .active
-                    .iter()
-                    .map(|&r| width - state.rows[r].prompt_tokens().len())
+                    .map(|&r| state.rows[r].prompt_tokens())
                     .collect();
-                let mut input = Vec::with_capacity(width * state.active.len());
-                for (&r, &start) in state.active.iter().zip(&starts) {
-                    input.extend(std::iter::repeat_n(PAD_TOKEN, start));
-                    input.extend_from_slice(state.rows[r].prompt_tokens());
+                let (input, starts) = left_pad(&prompts);
+                let width = input.len() / prompts.len();
+                for &r in &state.active {
                     state.rows[r].mark_started();
                 }
                 let budget = state

@@ -7,18 +7,13 @@ use common::{Demo, demo, prompts};
 use llama_burn::LlamaError;
 use llama_burn::inference::{
     GenerateRequest, Inference, InferenceBuilder, TokenOutput, concurrent_streaming_handler,
-    streaming_handler,
+    request_sampler, streaming_handler,
 };
-use llama_burn::sampling::{Sampler, TopP};
 
 type Service = Inference<Demo, GenerateRequest, TokenOutput>;
 
 fn solo(llama: &mut Demo, request: &GenerateRequest) -> Vec<u32> {
-    let mut sampler = if request.temperature == 0.0 {
-        Sampler::Argmax
-    } else {
-        Sampler::TopP(TopP::new(request.top_p, request.seed))
-    };
+    let mut sampler = request_sampler(request);
     llama
         .generate(
             &request.prompt,

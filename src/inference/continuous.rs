@@ -53,6 +53,7 @@ use super::request::{GenerateRequest, TokenOutput};
 use super::runtime::{
     CancelToken, In, Inference, InferenceBuilder, ModelAccessor, ModelDevice, OutStream,
 };
+use crate::batched::left_pad;
 use crate::cache::KvCache;
 use crate::error::{LlamaError, Result};
 use crate::llama::{GenerationState, Llama, logits_to_vec};
@@ -727,25 +728,16 @@ impl<B: Backend, T: Tokenizer> Worker<B, T> {
     /// Reads several whole prompts in one left-padded, masked forward pass, sends each
     /// its first token, and moves those still generating into the running batch.
     fn prefill_together(&mut self, mut group: Vec<Active<B>>) -> Result<()> {
-        let width = group
-            .iter()
-            .map(|a| a.state.prompt_tokens().len())
-            .max()
-            .unwrap_or(0);
+        let prompts: Vec<&[u32]> = group.iter().map(|a| a.state.prompt_tokens()).collect();
+        let (input, starts) = left_pad(&prompts);
+        let width = input.len() / prompts.len();
         let budget = group
             .iter()
             .map(|a| a.state.max_tokens())
             .max()
             .unwrap_or(0);
-        let starts: Vec<usize> = group
-            .iter()
-            .map(|a| width - a.state.prompt_tokens().len())
-            .collect();
-        let mut input = Vec::with_capacity(width * group.len());
-        for (active, &start) in group.iter_mut().zip(&starts) {
+        for active in &mut group {
             active.state.mark_started();
-            input.extend(std::iter::repeat_n(0, start));
-            input.extend_from_slice(active.state.prompt_tokens());
             active.prefilled = active.state.prompt_tokens().len();
         }
         let mut cache = self.llama.model.new_cache(starts, width + budget);

@@ -12,7 +12,7 @@ pub use continuous::{
     ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, EngineMetrics, Outcome,
     RequestMetrics, continuous_batching_handler,
 };
-pub use handlers::{concurrent_streaming_handler, streaming_handler};
+pub use handlers::{concurrent_streaming_handler, request_sampler, streaming_handler};
 pub use request::{GenerateRequest, TokenOutput};
 pub use runtime::{
     CancelToken, Handler, In, Inference, InferenceBuilder, Job, JobBuilder, JobHandle, JobIter,

@@ -8,7 +8,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-use super::{ChatFormat, Tokenizer, collect_stop_ids, unknown_id, wrap_bos_eos};
+use super::{ChatFormat, Tokenizer, collect_stop_ids, decode_with_table, wrap_bos_eos};
 use crate::error::{LlamaError, Result};
 use crate::loader::gguf::GgufFile;
 
@@ -436,15 +436,7 @@ impl Tokenizer for GgufBpeTokenizer {
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String> {
-        let mut bytes = Vec::with_capacity(ids.len() * 4);
-        for &id in ids {
-            let token = self
-                .bytes
-                .get(id as usize)
-                .ok_or_else(|| unknown_id(id, self.bytes.len()))?;
-            bytes.extend_from_slice(token);
-        }
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
+        decode_with_table(&self.bytes, ids)
     }
 
     fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {

@@ -110,6 +110,18 @@ pub(crate) fn wrap_bos_eos(
     Ok(ids)
 }
 
+/// Decodes ids through a table of each token's bytes (invalid UTF-8 becomes U+FFFD).
+pub(crate) fn decode_with_table(table: &[Vec<u8>], ids: &[u32]) -> Result<String> {
+    let mut bytes = Vec::with_capacity(ids.len() * 4);
+    for &id in ids {
+        let token = table
+            .get(id as usize)
+            .ok_or_else(|| unknown_id(id, table.len()))?;
+        bytes.extend_from_slice(token);
+    }
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// The error for an id outside the vocabulary.
 pub(crate) fn unknown_id(id: u32, vocab_size: usize) -> LlamaError {
     LlamaError::Tokenizer(format!(

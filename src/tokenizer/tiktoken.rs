@@ -8,7 +8,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use tiktoken_rs::CoreBPE;
 
 use super::bpe::LLAMA3_PATTERN;
-use super::{ChatFormat, Tokenizer, unknown_id, wrap_bos_eos};
+use super::{ChatFormat, Tokenizer, decode_with_table, wrap_bos_eos};
 use crate::error::{LlamaError, Result};
 
 /// Number of special tokens after the base vocabulary.
@@ -199,15 +199,7 @@ impl Tokenizer for Llama3Tokenizer {
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String> {
-        let mut bytes = Vec::with_capacity(ids.len() * 4);
-        for &id in ids {
-            let token = self
-                .bytes
-                .get(id as usize)
-                .ok_or_else(|| unknown_id(id, self.bytes.len()))?;
-            bytes.extend_from_slice(token);
-        }
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
+        decode_with_table(&self.bytes, ids)
     }
 
     fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
