@@ -449,8 +449,8 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
     }
 }
 
-/// Copies logits to the host as f32.
-pub(crate) fn logits_to_vec<B: Backend>(logits: Tensor<B, 3>) -> Result<Vec<f32>> {
+/// Copies logits to the host as f32, row-major.
+pub(crate) fn logits_to_vec<B: Backend, const D: usize>(logits: Tensor<B, D>) -> Result<Vec<f32>> {
     logits
         .into_data()
         .convert::<f32>()

@@ -90,7 +90,7 @@ fn staggered_arrivals_and_chunked_prompts_match_solo_runs() {
     let m = engine.metrics();
     assert_eq!(m.completed, prompts.len() as u64);
     assert_eq!(
-        (m.kv_blocks_used, m.running, m.prefilling, m.cache_bytes),
+        (m.kv_blocks_used, m.running, m.prefilling, m.kv_bytes_used),
         (0, 0, 0, 0)
     );
 }
@@ -263,7 +263,7 @@ fn many_requests_with_random_lengths_and_cancellations() {
             m.running,
             m.prefilling,
             m.waiting,
-            m.cache_bytes
+            m.kv_bytes_used
         ),
         (0, 0, 0, 0, 0)
     );

@@ -606,6 +606,20 @@ impl<M: ModelDevice + Send + 'static> InferenceBuilder<M> {
         I: Send + 'static,
         O: Send + 'static,
     {
+        self.build_with(handler, None)
+    }
+
+    /// Builds the service with an optional direct submitter used instead of job threads.
+    pub(crate) fn build_with<I, O, H>(
+        self,
+        handler: H,
+        direct: Option<DirectSubmit<I, O>>,
+    ) -> Inference<M, I, O>
+    where
+        H: Handler<M, I, O>,
+        I: Send + 'static,
+        O: Send + 'static,
+    {
         let (accessor, thread, devices) = match ModelHost::spawn(self.model) {
             Ok(host) => {
                 let ModelHost { accessor, thread } = host;
@@ -622,6 +636,7 @@ impl<M: ModelDevice + Send + 'static> InferenceBuilder<M> {
                 thread,
                 devices,
                 handler: Arc::new(handler),
+                direct,
                 next_job: AtomicU64::new(0),
                 _io: PhantomData,
             }),
@@ -652,9 +667,15 @@ struct Inner<M: ModelDevice, I, O> {
     /// The model's devices, or why the model cannot be used.
     devices: std::result::Result<Vec<M::Device>, String>,
     handler: Arc<dyn Handler<M, I, O>>,
+    /// Where jobs go instead of a job thread, for services whose work runs on an engine
+    /// thread of its own (continuous batching).
+    direct: Option<DirectSubmit<I, O>>,
     next_job: AtomicU64,
     _io: PhantomData<fn(I) -> O>,
 }
+
+/// Hands a job's input and its sending side to an engine.
+pub(crate) type DirectSubmit<I, O> = Arc<dyn Fn(I, JobSink<O>) + Send + Sync>;
 
 impl<M: ModelDevice, I, O> Clone for Inference<M, I, O> {
     fn clone(&self) -> Self {
@@ -750,9 +771,11 @@ impl<M: ModelDevice, I, O> Inner<M, I, O> {
             thread,
             devices,
             handler,
+            direct,
             next_job: _,
             _io,
         } = self;
+        drop(direct);
         drop(accessor);
         drop(handler);
         drop(devices);
@@ -853,6 +876,34 @@ where
             cancel: cancel.clone(),
             ended: AtomicBool::new(false),
         };
+        if let Some(direct) = &inner.direct {
+            return match inner.admit(devices.as_deref()) {
+                Err(error) => Job {
+                    stream,
+                    handle: JobHandle {
+                        cancel,
+                        state: JobState::Failed(error),
+                    },
+                },
+                Ok(()) => {
+                    let (result_tx, result_rx) = crossbeam_channel::bounded(1);
+                    let sink = JobSink {
+                        items: Some(items_tx),
+                        done: Some(done_tx),
+                        result: Some(result_tx),
+                        cancel: cancel.clone(),
+                    };
+                    direct(input, sink);
+                    Job {
+                        stream,
+                        handle: JobHandle {
+                            cancel,
+                            state: JobState::Remote(result_rx),
+                        },
+                    }
+                }
+            };
+        }
         let state = match inner.admit(devices.as_deref()) {
             Err(error) => JobState::Failed(error),
             Ok(()) => {
@@ -1053,6 +1104,8 @@ pub struct JobHandle {
 
 enum JobState {
     Running(JoinHandle<Result<()>>),
+    /// The job runs on an engine thread, which sends its result here when it ends.
+    Remote(Receiver<Result<()>>),
     /// The job never started; the handler did not run.
     Failed(LlamaError),
 }
@@ -1077,6 +1130,7 @@ impl JobHandle {
     pub fn is_finished(&self) -> bool {
         match &self.state {
             JobState::Running(thread) => thread.is_finished(),
+            JobState::Remote(result) => !result.is_empty(),
             JobState::Failed(_) => true,
         }
     }
@@ -1094,8 +1148,70 @@ impl JobHandle {
                     panic_message(payload)
                 )))
             }),
+            JobState::Remote(result) => result.recv().unwrap_or_else(|_| {
+                Err(LlamaError::ModelUnavailable("the engine stopped".into()))
+            }),
             JobState::Failed(error) => Err(error),
         }
+    }
+}
+
+/// The sending side of a job served by an engine thread rather than a job thread: its
+/// outputs, its cancellation, and its result. Dropping it without [`JobSink::finish`]
+/// ends the job with [`LlamaError::ModelUnavailable`].
+pub(crate) struct JobSink<O> {
+    items: Option<Sender<O>>,
+    /// Dropped when the job ends, which is how its stream learns that.
+    done: Option<Sender<()>>,
+    result: Option<Sender<Result<()>>>,
+    cancel: CancelToken,
+}
+
+impl<O> JobSink<O> {
+    /// Sends one output. Returns false (and cancels the job) when nobody reads them.
+    pub(crate) fn emit(&self, item: O) -> bool {
+        let sent = self.items.as_ref().is_some_and(|tx| tx.send(item).is_ok());
+        if !sent {
+            self.cancel.cancel();
+        }
+        sent
+    }
+
+    /// The job's cancellation token.
+    pub(crate) fn cancel_token(&self) -> &CancelToken {
+        &self.cancel
+    }
+
+    /// Ends the job with `result`.
+    pub(crate) fn finish(mut self, result: Result<()>) {
+        self.end(result);
+    }
+
+    fn end(&mut self, result: Result<()>) {
+        // The result first, so a stream that sees its end can join at once.
+        if let Some(tx) = self.result.take() {
+            let _ = tx.send(result);
+        }
+        self.items = None;
+        self.done = None;
+    }
+}
+
+impl<O> Drop for JobSink<O> {
+    fn drop(&mut self) {
+        if self.result.is_some() {
+            self.end(Err(LlamaError::ModelUnavailable(
+                "the engine stopped before the job ended".into(),
+            )));
+        }
+    }
+}
+
+impl<O> fmt::Debug for JobSink<O> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JobSink")
+            .field("cancelled", &self.cancel.is_cancelled())
+            .finish_non_exhaustive()
     }
 }
 

@@ -1,8 +1,14 @@
-//! Grouped-query self-attention over the KV cache.
+//! Grouped-query self-attention over the contiguous KV cache and over the paged pool.
 
-use burn::tensor::{Tensor, backend::Backend, module::attention, ops::AttentionModuleOptions};
+use burn::tensor::{
+    Bool, Int, Tensor, TensorData, backend::Backend, module::attention,
+    ops::AttentionModuleOptions,
+};
 
-use crate::cache::KvCache;
+use crate::cache::paged::Slot;
+use crate::cache::{BlockId, KvCache, PagedKvCache};
+use crate::config::LlamaConfig;
+use crate::error::{LlamaError, Result};
 
 /// Attention for one layer: `q` is `[batch, n_heads, seq, head_dim]` (RoPE applied),
 /// `k`/`v` are this chunk's `[batch, n_kv_heads, seq, head_dim]` (RoPE applied to `k`).
@@ -39,4 +45,257 @@ pub fn grouped_query_attention<B: Backend>(
     out.reshape([batch, n_heads, seq, head_dim])
         .swap_dims(1, 2)
         .reshape([batch, seq, n_heads * head_dim])
+}
+
+/// One row of a paged forward pass, as the engine's executor describes it: no request,
+/// only tokens, positions and blocks.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedRow<'a> {
+    /// The tokens to run (a prompt chunk, or the last sampled token).
+    pub tokens: &'a [u32],
+    /// Tokens of this row already in its blocks; `tokens[0]` sits at this position.
+    pub start: usize,
+    /// The row's block table, covering at least `start + tokens.len()` tokens.
+    pub blocks: &'a [BlockId],
+    /// Whether to return the logits of the row's last token.
+    pub logits: bool,
+}
+
+/// Rows whose attention runs as one padded batch: rows of similar length share a group,
+/// so padding never costs more than the rows' own work.
+#[derive(Debug)]
+struct AttentionGroup<B: Backend> {
+    rows: usize,
+    /// Longest chunk of the group (the padded query length).
+    queries: usize,
+    /// Flat token feeding each padded query slot, `[rows * queries]`.
+    query_index: Tensor<B, 1, Int>,
+    /// Block tables padded to the same length, `rows * blocks` ids.
+    tables: Vec<BlockId>,
+    /// `[rows, 1, groups * queries, blocks * block_size]`, true where a key is hidden.
+    mask: Tensor<B, 4, Bool>,
+}
+
+/// Everything a paged forward pass needs that does not change from layer to layer:
+/// positions, the slots where new keys and values go, the attention groups and where
+/// their outputs go back. Built once per step.
+#[derive(Debug)]
+pub(crate) struct PagedPlan<B: Backend> {
+    /// RoPE position of every flat token.
+    pub(crate) positions: Vec<usize>,
+    /// Flat tokens whose logits are wanted (`None`: every token).
+    pub(crate) logit_rows: Option<Tensor<B, 1, Int>>,
+    slots: Vec<Slot>,
+    groups: Vec<AttentionGroup<B>>,
+    /// For every flat token, its row in the concatenated padded group outputs.
+    output_index: Tensor<B, 1, Int>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+fn int_tensor<B: Backend>(values: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
+    let n = values.len();
+    Tensor::from_data(TensorData::new(values, [n]), device)
+}
+
+impl<B: Backend> PagedPlan<B> {
+    /// Checks the rows against the cache and the model and lays out the step.
+    pub(crate) fn new(
+        rows: &[PagedRow<'_>],
+        cache: &PagedKvCache<B>,
+        config: &LlamaConfig,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let bs = cache.block_size();
+        if rows.is_empty() || rows.iter().any(|r| r.tokens.is_empty()) {
+            return Err(LlamaError::InvalidBatch(
+                "a paged step needs rows with at least one token each".into(),
+            ));
+        }
+        if cache.n_layers() != config.n_layers
+            || cache.kv_heads() != config.n_kv_heads
+            || cache.head_dim() != config.head_dim
+        {
+            return Err(LlamaError::InvalidBatch(
+                "the paged KV cache was built for another model".into(),
+            ));
+        }
+        let mut positions = Vec::new();
+        let mut slots = Vec::new();
+        let mut first_token = Vec::with_capacity(rows.len());
+        let mut logit_rows = Vec::new();
+        for row in rows {
+            let end = row.start + row.tokens.len();
+            if end > config.max_seq_len {
+                return Err(LlamaError::PromptTooLong {
+                    tokens: end,
+                    max: config.max_seq_len,
+                });
+            }
+            if row.blocks.len() * bs < end
+                || row.blocks.iter().any(|&b| b as usize >= cache.num_blocks())
+            {
+                return Err(LlamaError::InvalidBatch(format!(
+                    "a block table of {} blocks cannot hold {end} tokens",
+                    row.blocks.len()
+                )));
+            }
+            if let Some(&bad) = row.tokens.iter().find(|&&t| t as usize >= config.vocab_size) {
+                return Err(LlamaError::invalid(
+                    "token id",
+                    bad,
+                    "outside the model's vocabulary",
+                ));
+            }
+            first_token.push(positions.len());
+            for p in row.start..end {
+                positions.push(p);
+                slots.push((row.blocks[p / bs], p % bs));
+            }
+            if row.logits {
+                logit_rows.push((positions.len() - 1) as i64);
+            }
+        }
+        let total = positions.len();
+
+        // Group rows of similar shape: sorted by (chunk, length), a row joins the current
+        // group while the padded work stays within twice the real work.
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        order.sort_by_key(|&i| (rows[i].tokens.len(), rows[i].start + rows[i].tokens.len()));
+        let mut grouped: Vec<Vec<usize>> = Vec::new();
+        let (mut real, mut queries, mut keys) = (0usize, 0usize, 0usize);
+        for &i in &order {
+            let q = rows[i].tokens.len();
+            let len = rows[i].start + q;
+            let padded_keys = len.div_ceil(bs) * bs;
+            if let Some(group) = grouped.last_mut() {
+                let (nq, nk) = (queries.max(q), keys.max(padded_keys));
+                let padded = (group.len() + 1) * nq * nk;
+                if padded <= 2 * (real + q * len) {
+                    group.push(i);
+                    (real, queries, keys) = (real + q * len, nq, nk);
+                    continue;
+                }
+            }
+            grouped.push(vec![i]);
+            (real, queries, keys) = (q * len, q, padded_keys);
+        }
+
+        let groups_per_kv = config.n_heads / config.n_kv_heads;
+        let mut output_index = vec![0i64; total];
+        let mut padded_offset = 0usize;
+        let mut groups = Vec::with_capacity(grouped.len());
+        for members in grouped {
+            let queries = members.iter().map(|&i| rows[i].tokens.len()).max().unwrap_or(1);
+            let blocks = members
+                .iter()
+                .map(|&i| (rows[i].start + rows[i].tokens.len()).div_ceil(bs))
+                .max()
+                .unwrap_or(1);
+            let keys = blocks * bs;
+            let mut query_index = Vec::with_capacity(members.len() * queries);
+            let mut tables = Vec::with_capacity(members.len() * blocks);
+            let mut mask = Vec::with_capacity(members.len() * groups_per_kv * queries * keys);
+            for (slot, &i) in members.iter().enumerate() {
+                let row = &rows[i];
+                let q = row.tokens.len();
+                let first = first_token[i];
+                for s in 0..queries {
+                    // Padding queries repeat the row's first token; their output is dropped.
+                    query_index.push((first + s.min(q - 1)) as i64);
+                }
+                for s in 0..q {
+                    output_index[first + s] = (padded_offset + slot * queries + s) as i64;
+                }
+                let used = (row.start + q).div_ceil(bs);
+                tables.extend_from_slice(&row.blocks[..used]);
+                tables.extend(std::iter::repeat_n(row.blocks[0], blocks - used));
+                let mut per_query = Vec::with_capacity(queries * keys);
+                for s in 0..queries {
+                    // A real query sees the keys up to its own position; a padding query
+                    // sees key 0 only, so no softmax row is empty.
+                    let last = if s < q { row.start + s } else { 0 };
+                    per_query.extend((0..keys).map(|k| k > last));
+                }
+                for _ in 0..groups_per_kv {
+                    mask.extend_from_slice(&per_query);
+                }
+            }
+            let n = members.len();
+            padded_offset += n * queries;
+            groups.push(AttentionGroup {
+                rows: n,
+                queries,
+                query_index: int_tensor(query_index, device),
+                tables,
+                mask: Tensor::from_data(
+                    TensorData::new(mask, [n, 1, groups_per_kv * queries, keys]),
+                    device,
+                ),
+            });
+        }
+        let logit_rows =
+            (logit_rows.len() != total).then(|| int_tensor::<B>(logit_rows, device));
+        Ok(Self {
+            positions,
+            logit_rows,
+            slots,
+            groups,
+            output_index: int_tensor(output_index, device),
+            n_heads: config.n_heads,
+            n_kv_heads: config.n_kv_heads,
+            head_dim: config.head_dim,
+        })
+    }
+
+    /// Attention of one layer: writes this step's keys and values into their slots, then
+    /// each group attends over its rows' blocks. `q` is `[tokens, n_heads * head_dim]`,
+    /// `k`/`v` `[tokens, n_kv_heads * head_dim]`; returns `[tokens, n_heads * head_dim]`.
+    pub(crate) fn attention(
+        &self,
+        layer: usize,
+        q: Tensor<B, 2>,
+        k: Tensor<B, 2>,
+        v: Tensor<B, 2>,
+        cache: &mut PagedKvCache<B>,
+    ) -> Tensor<B, 2> {
+        cache.write(layer, k, v, &self.slots);
+        let (heads, kv, dim) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let groups = heads / kv;
+        let outputs: Vec<Tensor<B, 2>> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let (keys, values) = cache.gather(layer, &g.tables, g.rows);
+                let query = q
+                    .clone()
+                    .select(0, g.query_index.clone())
+                    .reshape([g.rows, g.queries, heads, dim])
+                    .swap_dims(1, 2)
+                    .reshape([g.rows, kv, groups * g.queries, dim]);
+                attention(
+                    query,
+                    keys,
+                    values,
+                    Some(g.mask.clone()),
+                    None,
+                    AttentionModuleOptions {
+                        scale: None,
+                        softcap: None,
+                        is_causal: false,
+                    },
+                )
+                .reshape([g.rows, heads, g.queries, dim])
+                .swap_dims(1, 2)
+                .reshape([g.rows * g.queries, heads * dim])
+            })
+            .collect();
+        let all = if outputs.len() == 1 {
+            outputs.into_iter().next().unwrap_or_else(|| q.clone())
+        } else {
+            Tensor::cat(outputs, 0)
+        };
+        all.select(0, self.output_index.clone())
+    }
 }

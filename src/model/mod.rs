@@ -12,10 +12,11 @@ use burn::tensor::{
     Int, Tensor, TensorData, activation::silu, backend::Backend, module::embedding,
 };
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, PagedKvCache};
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
-use attention::grouped_query_attention;
+use attention::{PagedPlan, grouped_query_attention};
+pub use attention::PagedRow;
 pub use linear::Projection;
 use norm::rms_norm;
 use rope::RopeTable;
@@ -254,31 +255,17 @@ impl<B: Backend> Transformer<B> {
         cache.reserve(seq)?;
         let device = self.embed.device();
         let positions = cache.chunk_positions(seq);
-        let angles = self.rope.angles(&positions, c.n_heads + c.n_kv_heads);
         let groups = c.n_heads / c.n_kv_heads;
         let mask = cache.chunk_mask(seq, groups, &device);
-
-        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
-        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
+        let heads = |t: Tensor<B, 2>, n: usize| {
+            t.reshape([batch, seq, n, c.head_dim]).swap_dims(1, 2)
+        };
         let rows = batch * seq;
-        let mut x = embedding(self.embed.clone(), ids).reshape([rows, c.d_model]);
-
-        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
-        let heads =
-            |t: Tensor<B, 2>, n: usize| t.reshape([batch, seq, n, c.head_dim]).swap_dims(1, 2);
-        for (layer, block) in self.blocks.iter().enumerate() {
-            let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps);
-            let qk = self.rope.apply(linear(h.clone(), &block.wqk), &angles);
-            let q = heads(qk.clone().slice([0..rows, 0..q_dim]), c.n_heads);
-            let k = heads(qk.slice([0..rows, q_dim..q_dim + kv_dim]), c.n_kv_heads);
-            let v = heads(linear(h, &block.wv), c.n_kv_heads);
-            let attn = grouped_query_attention(q, k, v, cache, layer, mask.as_ref());
-            x = x + linear(attn.reshape([rows, q_dim]), &block.wo);
-
-            let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps);
-            let gated = silu(linear(h.clone(), &block.w_gate)) * linear(h, &block.w_up);
-            x = x + linear(gated, &block.w_down);
-        }
+        let q_dim = c.n_heads * c.head_dim;
+        let x = self.run_blocks(tokens, &positions, |layer, q, k, v| {
+            let (q, k, v) = (heads(q, c.n_heads), heads(k, c.n_kv_heads), heads(v, c.n_kv_heads));
+            grouped_query_attention(q, k, v, cache, layer, mask.as_ref()).reshape([rows, q_dim])
+        });
         cache.advance(seq);
 
         let (x, out_seq) = match logits {
@@ -292,10 +279,74 @@ impl<B: Backend> Transformer<B> {
                 (x, 1)
             }
         };
-        let x = rms_norm(x, &self.norm, c.norm_eps);
+        Ok(self.head(x).reshape([batch, out_seq, c.vocab_size]))
+    }
+
+    /// Runs a step of the continuous-batching engine over the paged KV cache: every row
+    /// appends its `tokens` after the `start` tokens already in its blocks, all rows'
+    /// tokens go through the projections together, and attention reads each row through
+    /// its block table. Returns the logits of the last token of every row whose
+    /// `logits` flag is set, `[rows with logits, vocab]`, in row order.
+    ///
+    /// A row's result depends only on its own tokens and blocks.
+    pub fn forward_paged(
+        &self,
+        rows: &[PagedRow<'_>],
+        cache: &mut PagedKvCache<B>,
+    ) -> Result<Tensor<B, 2>> {
+        let c = &self.config;
+        let plan = PagedPlan::new(rows, cache, c, &self.embed.device())?;
+        let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let x = self.run_blocks(&tokens, &plan.positions, |layer, q, k, v| {
+            plan.attention(layer, q, k, v, cache)
+        });
+        let x = match &plan.logit_rows {
+            Some(index) => x.select(0, index.clone()),
+            None => x,
+        };
+        Ok(self.head(x))
+    }
+
+    /// The transformer blocks over `tokens` (one flat sequence of rows) at `positions`;
+    /// `attend(layer, q, k, v)` computes attention from this chunk's queries
+    /// `[tokens, n_heads * head_dim]` and keys/values `[tokens, n_kv_heads * head_dim]`
+    /// (RoPE applied) and returns `[tokens, n_heads * head_dim]`.
+    fn run_blocks(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        mut attend: impl FnMut(usize, Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>,
+    ) -> Tensor<B, 2> {
+        let c = &self.config;
+        let device = self.embed.device();
+        let angles = self.rope.angles(positions, c.n_heads + c.n_kv_heads);
+        let rows = tokens.len();
+        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, rows]), &device);
+        let mut x = embedding(self.embed.clone(), ids).reshape([rows, c.d_model]);
+
+        let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps);
+            let qk = self.rope.apply(linear(h.clone(), &block.wqk), &angles);
+            let q = qk.clone().slice([0..rows, 0..q_dim]);
+            let k = qk.slice([0..rows, q_dim..q_dim + kv_dim]);
+            let v = linear(h, &block.wv);
+            let attn = attend(layer, q, k, v);
+            x = x + linear(attn, &block.wo);
+
+            let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps);
+            let gated = silu(linear(h.clone(), &block.w_gate)) * linear(h, &block.w_up);
+            x = x + linear(gated, &block.w_down);
+        }
+        x
+    }
+
+    /// Final norm and output head: `[rows, d_model]` to `[rows, vocab]`.
+    fn head(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let x = rms_norm(x, &self.norm, self.config.norm_eps);
         // `(E x^T)^T`: with the head stored `[vocab, d_model]` this was the fastest form
         // of the output projection at 8-32 rows on the CPU backend (and equal at 1).
-        let logits = self.lm_head.clone().matmul(x.transpose()).transpose();
-        Ok(logits.reshape([batch, out_seq, c.vocab_size]))
+        self.lm_head.clone().matmul(x.transpose()).transpose()
     }
 }

@@ -1,4 +1,4 @@
-//! The key/value cache.
+//! The contiguous key/value cache of the sequential, concurrent and batched strategies.
 //!
 //! One [`KvCache`] holds, for every layer, keys and values shaped
 //! `[batch, kv_heads, capacity, head_dim]`. All rows share the column axis: column `c`

@@ -1,0 +1,379 @@
+//! The paged KV cache: per layer one pool of fixed-size blocks, allocated once.
+//!
+//! Keys and values of layer `l` live in two tensors shaped
+//! `[num_blocks, n_kv_heads, block_size, head_dim]`. A request's tokens sit in the blocks
+//! of its block table (token `i` in block `table[i / block_size]`, slot
+//! `i % block_size`); which block belongs to whom is the
+//! [`BlockManager`](super::blocks::BlockManager)'s business, not this type's. The memory
+//! held is the pool, always: writing a step's keys and values touches only their slots,
+//! and nothing is copied when requests join or leave a batch.
+//!
+//! Attention reads a step's rows through their block tables: [`PagedKvCache::gather`]
+//! copies the blocks of a group of rows into one `[rows, n_kv_heads, blocks *
+//! block_size, head_dim]` tensor for the backend's fused attention, and that copy is
+//! dropped when the layer's attention returns.
+//!
+//! On the CPU backend (Flex) writes and gathers go straight to the pool's memory
+//! (Flex's `slice_assign` copies the whole destination tensor on every call, which for a
+//! pool means hundreds of megabytes per layer and step); on every other backend they
+//! are portable Burn operations (`slice_assign`, `select`).
+
+use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+
+use super::blocks::BlockId;
+use crate::error::{LlamaError, Result};
+
+/// Where one token's keys and values go: `(block, slot within the block)`.
+pub type Slot = (BlockId, usize);
+
+/// Keys and values of one layer, `[num_blocks, n_kv_heads, block_size, head_dim]` each.
+#[derive(Debug, Clone)]
+struct LayerPool<B: Backend> {
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+}
+
+/// The block pool of every layer.
+#[derive(Debug, Clone)]
+pub struct PagedKvCache<B: Backend> {
+    layers: Vec<LayerPool<B>>,
+    num_blocks: usize,
+    block_size: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Bytes one block of `block_size` tokens takes across all layers (keys and values,
+/// f32).
+pub fn block_bytes(n_layers: usize, kv_heads: usize, head_dim: usize, block_size: usize) -> usize {
+    n_layers
+        .saturating_mul(2)
+        .saturating_mul(kv_heads)
+        .saturating_mul(head_dim)
+        .saturating_mul(block_size)
+        .saturating_mul(std::mem::size_of::<f32>())
+}
+
+impl<B: Backend> PagedKvCache<B> {
+    /// Allocates the pool: `num_blocks` blocks of `block_size` tokens for each of
+    /// `n_layers` layers.
+    pub fn new(
+        n_layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        device: &B::Device,
+    ) -> Result<Self> {
+        if num_blocks == 0 || block_size == 0 || u32::try_from(num_blocks).is_err() {
+            return Err(LlamaError::invalid(
+                "kv_budget",
+                num_blocks,
+                "the KV pool needs between 1 and 2^32 - 1 blocks",
+            ));
+        }
+        let shape = [num_blocks, kv_heads, block_size, head_dim];
+        let layers = (0..n_layers)
+            .map(|_| LayerPool {
+                k: Tensor::zeros(shape, device),
+                v: Tensor::zeros(shape, device),
+            })
+            .collect();
+        Ok(Self {
+            layers,
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    /// Blocks per layer pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Layers.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Size of one head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Bytes one block holds across every layer.
+    pub fn block_bytes(&self) -> usize {
+        block_bytes(
+            self.layers.len(),
+            self.kv_heads,
+            self.head_dim,
+            self.block_size,
+        )
+    }
+
+    /// Bytes held by the pool: everything this cache ever allocates.
+    pub fn allocated_bytes(&self) -> usize {
+        self.block_bytes() * self.num_blocks
+    }
+
+    /// Writes this step's keys and values of `layer` (`[tokens, kv_heads * head_dim]`
+    /// each, one row per token) into their slots.
+    pub(crate) fn write(&mut self, layer: usize, k: Tensor<B, 2>, v: Tensor<B, 2>, slots: &[Slot]) {
+        let (kv_heads, block_size, head_dim) = (self.kv_heads, self.block_size, self.head_dim);
+        let pool = &mut self.layers[layer];
+        for (target, values) in [(&mut pool.k, k), (&mut pool.v, v)] {
+            target.inplace(|t| write_slots(t, values, slots, kv_heads, block_size, head_dim));
+        }
+    }
+
+    /// The keys and values of `layer` for rows whose block tables are `tables` (each
+    /// padded to the same number of blocks with any valid id; the caller masks what lies
+    /// past a row's length): two `[rows, kv_heads, blocks * block_size, head_dim]`
+    /// tensors.
+    pub(crate) fn gather(
+        &self,
+        layer: usize,
+        tables: &[BlockId],
+        rows: usize,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let pool = &self.layers[layer];
+        let dims = GatherDims {
+            rows,
+            blocks: tables.len() / rows.max(1),
+            kv_heads: self.kv_heads,
+            block_size: self.block_size,
+            head_dim: self.head_dim,
+        };
+        (
+            gather_blocks(&pool.k, tables, dims),
+            gather_blocks(&pool.v, tables, dims),
+        )
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct GatherDims {
+    rows: usize,
+    blocks: usize,
+    kv_heads: usize,
+    block_size: usize,
+    head_dim: usize,
+}
+
+/// Writes `values` (`[tokens, kv_heads * head_dim]`) into `pool` at `slots`.
+fn write_slots<B: Backend>(
+    pool: Tensor<B, 4>,
+    values: Tensor<B, 2>,
+    slots: &[Slot],
+    kv_heads: usize,
+    block_size: usize,
+    head_dim: usize,
+) -> Tensor<B, 4> {
+    #[cfg(feature = "flex")]
+    let pool = match flex::write_slots(pool, &values, slots, kv_heads, block_size, head_dim) {
+        Ok(done) => return done,
+        Err(pool) => pool,
+    };
+    let _ = block_size;
+    // Portable: one slice assignment per run of consecutive slots in one block.
+    let mut pool = pool;
+    let mut t = 0;
+    while t < slots.len() {
+        let (block, start) = slots[t];
+        let mut n = 1;
+        while t + n < slots.len() && slots[t + n] == (block, start + n) {
+            n += 1;
+        }
+        let b = block as usize;
+        let run = values
+            .clone()
+            .slice([t..t + n, 0..kv_heads * head_dim])
+            .reshape([1, n, kv_heads, head_dim])
+            .swap_dims(1, 2);
+        pool = pool.slice_assign([b..b + 1, 0..kv_heads, start..start + n, 0..head_dim], run);
+        t += n;
+    }
+    pool
+}
+
+/// Copies the blocks listed in `tables` (`rows` tables of `dims.blocks` ids) into one
+/// `[rows, kv_heads, blocks * block_size, head_dim]` tensor.
+fn gather_blocks<B: Backend>(
+    pool: &Tensor<B, 4>,
+    tables: &[BlockId],
+    dims: GatherDims,
+) -> Tensor<B, 4> {
+    #[cfg(feature = "flex")]
+    if let Some(out) = flex::gather_blocks(pool, tables, dims) {
+        return out;
+    }
+    let GatherDims {
+        rows,
+        blocks,
+        kv_heads,
+        block_size,
+        head_dim,
+    } = dims;
+    let device = pool.device();
+    let ids: Vec<i64> = tables.iter().map(|&b| i64::from(b)).collect();
+    let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [tables.len()]), &device);
+    pool.clone()
+        .select(0, ids)
+        .reshape([rows, blocks, kv_heads, block_size * head_dim])
+        .swap_dims(1, 2)
+        .reshape([rows, kv_heads, blocks * block_size, head_dim])
+}
+
+/// Direct access to the pool's memory on the CPU backend.
+#[cfg(feature = "flex")]
+mod flex {
+    use std::any::Any;
+
+    use burn::backend::flex::FlexTensor;
+    use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, backend::Backend};
+    use rayon::prelude::*;
+
+    use super::{GatherDims, Slot};
+    use crate::cache::blocks::BlockId;
+
+    /// Writes in place when `pool` is a uniquely held, contiguous f32 Flex tensor;
+    /// otherwise gives it back untouched.
+    pub(super) fn write_slots<B: Backend>(
+        pool: Tensor<B, 4>,
+        values: &Tensor<B, 2>,
+        slots: &[Slot],
+        kv_heads: usize,
+        block_size: usize,
+        head_dim: usize,
+    ) -> Result<Tensor<B, 4>, Tensor<B, 4>> {
+        let mut primitive = pool.into_primitive().tensor();
+        let Some(flex) = (&mut primitive as &mut dyn Any).downcast_mut::<FlexTensor>() else {
+            return Err(Tensor::from_primitive(TensorPrimitive::Float(primitive)));
+        };
+        let usable = flex.dtype() == DType::F32
+            && flex.layout().is_contiguous()
+            && flex.layout().start_offset() == 0
+            && flex.is_unique();
+        let Some(memory) = usable.then(|| flex.try_storage_mut::<f32>()).flatten() else {
+            return Err(Tensor::from_primitive(TensorPrimitive::Float(primitive)));
+        };
+        let Ok(rows) = values.clone().into_data().to_vec::<f32>() else {
+            return Err(Tensor::from_primitive(TensorPrimitive::Float(primitive)));
+        };
+        let width = kv_heads * head_dim;
+        for (t, &(block, slot)) in slots.iter().enumerate() {
+            let row = &rows[t * width..(t + 1) * width];
+            for h in 0..kv_heads {
+                let dst = ((block as usize * kv_heads + h) * block_size + slot) * head_dim;
+                memory[dst..dst + head_dim].copy_from_slice(&row[h * head_dim..(h + 1) * head_dim]);
+            }
+        }
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(primitive)))
+    }
+
+    /// Gathers blocks straight from the pool's memory into a new tensor, or `None` when
+    /// `pool` is not a contiguous f32 Flex tensor.
+    pub(super) fn gather_blocks<B: Backend>(
+        pool: &Tensor<B, 4>,
+        tables: &[BlockId],
+        dims: GatherDims,
+    ) -> Option<Tensor<B, 4>> {
+        let primitive = pool.clone().into_primitive().tensor();
+        let flex = (&primitive as &dyn Any).downcast_ref::<FlexTensor>()?;
+        if flex.dtype() != DType::F32
+            || !flex.layout().is_contiguous()
+            || flex.layout().start_offset() != 0
+        {
+            return None;
+        }
+        let memory: &[f32] = flex.storage();
+        let GatherDims {
+            rows,
+            blocks,
+            kv_heads,
+            block_size,
+            head_dim,
+        } = dims;
+        let span = block_size * head_dim;
+        let per_row = kv_heads * blocks * span;
+        let mut out = vec![0f32; rows * per_row];
+        out.par_chunks_mut(per_row.max(1))
+            .zip(tables.par_chunks(blocks.max(1)))
+            .for_each(|(dst, table)| {
+                for h in 0..kv_heads {
+                    for (j, &block) in table.iter().enumerate() {
+                        let src = (block as usize * kv_heads + h) * span;
+                        let at = (h * blocks + j) * span;
+                        dst[at..at + span].copy_from_slice(&memory[src..src + span]);
+                    }
+                }
+            });
+        let shape = [rows, kv_heads, blocks * block_size, head_dim];
+        Some(Tensor::from_data(
+            TensorData::new(out, shape),
+            &pool.device(),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{DefaultBackend as B, default_device};
+
+    fn values(tokens: usize, width: usize, base: f32) -> Tensor<B, 2> {
+        let data: Vec<f32> = (0..tokens * width).map(|i| base + i as f32).collect();
+        Tensor::from_data(TensorData::new(data, [tokens, width]), &default_device())
+    }
+
+    #[test]
+    fn written_slots_are_read_back_through_block_tables() {
+        let (heads, dim, bs) = (2, 3, 4);
+        let mut cache = PagedKvCache::<B>::new(1, 5, bs, heads, dim, &default_device()).unwrap();
+        // Row A: 6 tokens in blocks [3, 1]; row B: 2 tokens in block [0].
+        let a_slots: Vec<Slot> = (0..6).map(|i| ([3, 1][i / bs], i % bs)).collect();
+        let b_slots: Vec<Slot> = (0..2).map(|i| (0, i)).collect();
+        let slots: Vec<Slot> = a_slots.iter().chain(&b_slots).copied().collect();
+        let k = values(8, heads * dim, 0.0);
+        let v = values(8, heads * dim, 1000.0);
+        cache.write(0, k.clone(), v.clone(), &slots);
+        let (gk, gv) = cache.gather(0, &[3, 1, 0, 0], 2);
+        assert_eq!(gk.dims(), [2, heads, 2 * bs, dim]);
+        let gk = gk.into_data().to_vec::<f32>().unwrap();
+        let gv = gv.into_data().to_vec::<f32>().unwrap();
+        let k = k.into_data().to_vec::<f32>().unwrap();
+        let v = v.into_data().to_vec::<f32>().unwrap();
+        let at = |row: usize, h: usize, pos: usize, d: usize| {
+            ((row * heads + h) * 2 * bs + pos) * dim + d
+        };
+        for (row, first, len) in [(0, 0, 6), (1, 6, 2)] {
+            for pos in 0..len {
+                for h in 0..heads {
+                    for d in 0..dim {
+                        let src = (first + pos) * heads * dim + h * dim + d;
+                        assert_eq!(gk[at(row, h, pos, d)], k[src]);
+                        assert_eq!(gv[at(row, h, pos, d)], v[src]);
+                    }
+                }
+            }
+        }
+        assert_eq!(cache.allocated_bytes(), 5 * 2 * heads * bs * dim * 4);
+    }
+
+    #[test]
+    fn a_zero_block_pool_is_an_error() {
+        assert!(PagedKvCache::<B>::new(1, 0, 16, 1, 1, &default_device()).is_err());
+    }
+}

@@ -1,0 +1,387 @@
+//! The engine thread: takes submissions, asks the scheduler what to run, runs the model
+//! once per step over the paged KV cache, samples and streams.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
+
+use super::scheduler::{RequestId, Scheduler, SchedulerLimits, StepPlan};
+use super::{ContinuousConfig, Outcome, RequestMetrics, Shared, Sink, Submission};
+use crate::cache::{BlockManager, PagedKvCache};
+use crate::error::{LlamaError, Result};
+use crate::inference::handlers::request_sampler;
+use crate::inference::runtime::CancelToken;
+use crate::inference::TokenOutput;
+use crate::llama::{GenerationState, Llama, StopReason, logits_to_vec};
+use crate::model::PagedRow;
+use crate::sampling::Sampler;
+use crate::tokenizer::Tokenizer;
+
+/// How long an idle engine waits for a submission before looking at its flags again.
+const IDLE_WAIT: Duration = Duration::from_millis(50);
+
+/// One request inside the engine: its generation state (tokens, decoder, stop rules),
+/// its sampler, where its results go, and its timings. Its KV blocks are the
+/// scheduler's business.
+struct Active<B: Backend> {
+    state: GenerationState<B>,
+    sampler: Sampler,
+    temperature: f64,
+    sink: Sink,
+    cancel: CancelToken,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    prefix_hit_tokens: usize,
+    preemptions: u32,
+}
+
+impl<B: Backend> Active<B> {
+    fn metrics(&self, id: RequestId, outcome: Outcome) -> RequestMetrics {
+        let n = self.state.tokens().len();
+        RequestMetrics {
+            id,
+            outcome,
+            stop_reason: self.state.stop_reason(),
+            prompt_tokens: self.state.prompt_tokens().len(),
+            prefix_hit_tokens: self.prefix_hit_tokens,
+            output_tokens: n,
+            preemptions: self.preemptions,
+            queue_time: self.admitted.unwrap_or(self.submitted) - self.submitted,
+            time_to_first_token: self.first_token.map(|t| t - self.submitted),
+            time_per_output_token: match (self.first_token, self.last_token) {
+                (Some(a), Some(b)) if n > 1 => Some((b - a) / (n as u32 - 1)),
+                _ => None,
+            },
+        }
+    }
+}
+
+/// The engine thread's state.
+pub(super) struct Worker<B: Backend, T: Tokenizer> {
+    llama: Llama<B, T>,
+    cache: PagedKvCache<B>,
+    scheduler: Scheduler,
+    requests: HashMap<RequestId, Active<B>>,
+    queue: Receiver<Submission>,
+    shared: Arc<Shared>,
+    steps: u64,
+}
+
+impl<B: Backend, T: Tokenizer> Worker<B, T> {
+    /// Allocates the pool (`num_blocks` blocks) for `llama`.
+    pub(super) fn new(
+        llama: Llama<B, T>,
+        config: &ContinuousConfig,
+        num_blocks: usize,
+        shared: Arc<Shared>,
+        queue: Receiver<Submission>,
+    ) -> Result<Self> {
+        let c = llama.config();
+        let cache = PagedKvCache::new(
+            c.n_layers,
+            num_blocks,
+            config.block_size,
+            c.n_kv_heads,
+            c.head_dim,
+            llama.device(),
+        )?;
+        let limits = SchedulerLimits {
+            max_running: config.max_running,
+            step_tokens: config.step_tokens,
+            min_prefill_chunk: config.min_prefill_chunk,
+        };
+        let blocks = BlockManager::new(num_blocks, config.block_size, config.prefix_caching);
+        let worker = Self {
+            llama,
+            cache,
+            scheduler: Scheduler::new(limits, blocks),
+            requests: HashMap::new(),
+            queue,
+            shared,
+            steps: 0,
+        };
+        worker.publish();
+        Ok(worker)
+    }
+
+    /// The engine loop; returns the model when the engine stops.
+    pub(super) fn run(mut self) -> Llama<B, T> {
+        loop {
+            if self.shared.stop.load(Ordering::Acquire) {
+                self.end_all(|| LlamaError::Cancelled);
+                break;
+            }
+            if !self.take_submissions() {
+                break;
+            }
+            self.drop_cancelled();
+            let plan = self.scheduler.schedule();
+            self.note_admissions(&plan);
+            if !plan.rows.is_empty() {
+                self.execute(&plan);
+            }
+            self.publish();
+        }
+        self.publish();
+        self.llama
+    }
+
+    /// Moves new submissions into the scheduler (validating them). Waits for one when the
+    /// engine is idle. Returns false when the engine should stop.
+    fn take_submissions(&mut self) -> bool {
+        let mut first = None;
+        if self.scheduler.is_idle() {
+            if self.shared.drain.load(Ordering::Acquire) && self.queue.is_empty() {
+                return false;
+            }
+            match self.queue.recv_timeout(IDLE_WAIT) {
+                Ok(sub) => first = Some(sub),
+                Err(RecvTimeoutError::Timeout) => return true,
+                Err(RecvTimeoutError::Disconnected) => return false,
+            }
+        }
+        loop {
+            let sub = match first.take() {
+                Some(sub) => sub,
+                None => match self.queue.try_recv() {
+                    Ok(sub) => sub,
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => return true,
+                },
+            };
+            match self.prepare(&sub) {
+                Ok((ids, state)) => {
+                    self.scheduler.add(sub.id, ids);
+                    self.requests.insert(
+                        sub.id,
+                        Active {
+                            sampler: request_sampler(&sub.request),
+                            temperature: sub.request.temperature,
+                            sink: sub.sink,
+                            cancel: sub.cancel,
+                            submitted: sub.submitted,
+                            admitted: None,
+                            first_token: None,
+                            last_token: None,
+                            prefix_hit_tokens: 0,
+                            preemptions: 0,
+                            state,
+                        },
+                    );
+                }
+                Err(e) => {
+                    self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+                    self.record(Outcome::Failed, None);
+                    sub.sink.done(Err(e));
+                }
+            }
+        }
+    }
+
+    /// Validates a request and tokenizes its prompt.
+    fn prepare(&self, sub: &Submission) -> Result<(Vec<u32>, GenerationState<B>)> {
+        let request = &sub.request;
+        request.validate(self.llama.config().max_seq_len)?;
+        let ids = self.llama.encode_prompt(&request.prompt)?;
+        let state = self
+            .llama
+            .create_generation_state_from_ids(ids.clone(), request.max_tokens)?;
+        if !self.scheduler.fits(ids.len() + request.max_tokens) {
+            return Err(LlamaError::invalid(
+                "max_tokens",
+                request.max_tokens,
+                "prompt plus max_tokens exceeds the engine's KV cache budget",
+            ));
+        }
+        let state = if request.ignore_eos {
+            state.ignore_stop_tokens()
+        } else {
+            state
+        };
+        Ok((ids, state))
+    }
+
+    /// Ends every cancelled request, freeing its blocks at once.
+    fn drop_cancelled(&mut self) {
+        let cancelled: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, a)| a.cancel.is_cancelled())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in cancelled {
+            self.end(id, Err(LlamaError::Cancelled));
+        }
+    }
+
+    fn note_admissions(&mut self, plan: &StepPlan) {
+        let now = Instant::now();
+        for &id in &plan.preempted {
+            if let Some(active) = self.requests.get_mut(&id) {
+                active.preemptions += 1;
+            }
+        }
+        for row in &plan.rows {
+            let Some(active) = self.requests.get_mut(&row.id) else {
+                continue;
+            };
+            if plan.admitted.contains(&row.id) && active.admitted.is_none() {
+                active.admitted = Some(now);
+                active.prefix_hit_tokens = row.start;
+                active.state.mark_started();
+                self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Runs one step: the forward pass over every scheduled row, then sampling.
+    fn execute(&mut self, plan: &StepPlan) {
+        let logits = {
+            let mut rows = Vec::with_capacity(plan.rows.len());
+            for row in &plan.rows {
+                let Some(seq) = self.scheduler.running(row.id) else {
+                    continue;
+                };
+                rows.push(PagedRow {
+                    tokens: &seq.tokens[row.start..row.start + row.len],
+                    start: row.start,
+                    blocks: &seq.blocks,
+                    logits: row.sample,
+                });
+            }
+            self.llama
+                .model
+                .forward_paged(&rows, &mut self.cache)
+                .and_then(logits_to_vec)
+        };
+        self.steps += 1;
+        let logits = match logits {
+            Ok(logits) => logits,
+            Err(e) => {
+                // The step failed: the requests it concerns fail and free their blocks.
+                let message = e.to_string();
+                for row in &plan.rows {
+                    self.end(row.id, Err(LlamaError::Runtime(message.clone())));
+                }
+                return;
+            }
+        };
+        self.scheduler.complete(plan);
+        let vocab = self.llama.config().vocab_size;
+        for (i, row) in plan.rows.iter().filter(|r| r.sample).enumerate() {
+            let row_logits = &logits[i * vocab..(i + 1) * vocab];
+            match self.emit(row.id, row_logits) {
+                Ok(Some(token)) => self.scheduler.append(row.id, token),
+                Ok(None) => self.end(row.id, Ok(())),
+                Err(e) => self.end(row.id, Err(e)),
+            }
+        }
+    }
+
+    /// Samples the next token of request `id` and sends it. Returns the token if the
+    /// request goes on, `None` if it is done.
+    fn emit(&mut self, id: RequestId, logits: &[f32]) -> Result<Option<u32>> {
+        let active = self
+            .requests
+            .get_mut(&id)
+            .ok_or_else(|| LlamaError::Runtime("a scheduled request has no state".into()))?;
+        let token = active
+            .state
+            .sample_next(logits, active.temperature, &mut active.sampler)?;
+        let index = active.state.tokens().len();
+        let (token_id, piece, done) = self.llama.accept_token(&mut active.state, token);
+        let now = Instant::now();
+        active.first_token.get_or_insert(now);
+        active.last_token = Some(now);
+        let delivered = active.sink.token(TokenOutput {
+            token: piece,
+            token_id,
+            index,
+        });
+        if !delivered {
+            return Err(LlamaError::Cancelled);
+        }
+        Ok((!done).then_some(token_id))
+    }
+
+    /// Ends request `id`: frees its blocks, records and sends its result.
+    fn end(&mut self, id: RequestId, result: Result<()>) {
+        self.scheduler.finish(id);
+        let Some(mut active) = self.requests.remove(&id) else {
+            return;
+        };
+        if active.admitted.is_none() {
+            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+        }
+        let outcome = match &result {
+            Ok(()) => Outcome::Completed,
+            Err(LlamaError::Cancelled) => Outcome::Cancelled,
+            Err(_) => Outcome::Failed,
+        };
+        if outcome == Outcome::Cancelled {
+            active.state.finish(StopReason::Cancelled);
+        }
+        let metrics = active.metrics(id, outcome);
+        self.record(outcome, Some(metrics.clone()));
+        // Metrics first: whoever hears that the request ended sees its blocks freed.
+        self.publish();
+        active.sink.done(result.map(|()| metrics));
+    }
+
+    /// Ends every request with the error `why` makes.
+    fn end_all(&mut self, why: impl Fn() -> LlamaError) {
+        for id in self.scheduler.ids() {
+            self.end(id, Err(why()));
+        }
+        let left: Vec<RequestId> = self.requests.keys().copied().collect();
+        for id in left {
+            self.end(id, Err(why()));
+        }
+        while let Ok(sub) = self.queue.try_recv() {
+            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+            self.record(Outcome::Cancelled, None);
+            sub.sink.done(Err(why()));
+        }
+    }
+
+    fn record(&self, outcome: Outcome, metrics: Option<RequestMetrics>) {
+        if let Ok(mut m) = self.shared.metrics.lock() {
+            match outcome {
+                Outcome::Completed => m.completed += 1,
+                Outcome::Cancelled => m.cancelled += 1,
+                Outcome::Failed => m.failed += 1,
+            }
+            if let Some(metrics) = metrics {
+                if m.recent.len() == 1024 {
+                    m.recent.remove(0);
+                }
+                m.recent.push(metrics);
+            }
+        }
+    }
+
+    fn publish(&self) {
+        let blocks = self.scheduler.blocks();
+        let used = blocks.in_use() * self.cache.block_bytes();
+        if let Ok(mut m) = self.shared.metrics.lock() {
+            m.running = self.scheduler.decoding();
+            m.prefilling = self.scheduler.prefilling();
+            m.waiting = self.scheduler.waiting();
+            m.kv_blocks_used = blocks.in_use();
+            m.kv_blocks_cached = blocks.cached_unused();
+            m.kv_blocks_total = blocks.total_blocks();
+            m.block_size = blocks.block_size();
+            m.kv_pool_bytes = self.cache.allocated_bytes();
+            m.kv_bytes_used = used;
+            m.peak_kv_bytes_used = m.peak_kv_bytes_used.max(used);
+            m.steps = self.steps;
+            m.preemptions = self.scheduler.preemptions();
+            m.prefix_hit_tokens = blocks.hit_tokens();
+        }
+    }
+}

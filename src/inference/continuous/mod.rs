@@ -1,0 +1,591 @@
+//! Continuous batching: requests join and leave a running batch at every step, over a
+//! paged KV cache whose memory is exactly its budget.
+//!
+//! A [`ContinuousEngine`] owns the model on its own thread. The engine is split as vLLM
+//! splits it:
+//!
+//! - the [`scheduler`] decides each step which requests run and how many tokens each
+//!   (one for a decoding request, a chunk for a prompt), admits waiting requests first
+//!   come first served when their prompt's blocks are free, and preempts the most
+//!   recently admitted request when the pool is full (it is recomputed later, with the
+//!   same tokens);
+//! - the [`BlockManager`](crate::cache::BlockManager) hands out the pool's blocks and
+//!   keeps full blocks in a prefix cache, so requests that share a prefix (a system
+//!   prompt, a document) compute it once;
+//! - the executor (the engine thread) runs **one** forward pass per step over every
+//!   scheduled row through the [`PagedKvCache`](crate::cache::PagedKvCache), samples,
+//!   and streams each token the moment it exists.
+//!
+//! Each row computes what it would alone (its own positions, its own blocks, padded keys
+//! masked), so greedy results equal every other strategy's. Memory is the pool, allocated
+//! once from [`ContinuousConfig::kv_budget`]: no request can make the engine allocate
+//! more. Switching from the concurrent handler to continuous batching is one line:
+//!
+//! ```no_run
+//! # fn main() -> llama_burn::Result<()> {
+//! use llama_burn::backend::{DefaultBackend, default_device};
+//! use llama_burn::inference::{ContinuousConfig, GenerateRequest, InferenceBuilder};
+//! use llama_burn::llama::LlamaConfig;
+//!
+//! let llama = LlamaConfig::load_gguf::<DefaultBackend>(
+//!     llama_burn::demo::demo_model_path()?, 2048, &default_device())?;
+//! // was: InferenceBuilder::new().with_model(llama).build(concurrent_streaming_handler)
+//! let inference = InferenceBuilder::new().with_model(llama).build_continuous(ContinuousConfig::default())?;
+//! let job = inference.infer(GenerateRequest::new("Hello")).spawn();
+//! for token in job.stream.iter() {
+//!     print!("{}", token.token);
+//! }
+//! job.join()?;
+//! let metrics = inference.with_model_blocking(|engine| engine.metrics())?;
+//! println!("{} requests completed, {} KV bytes in use", metrics.completed, metrics.kv_bytes_used);
+//! # Ok(())
+//! # }
+//! ```
+
+mod executor;
+pub mod scheduler;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use crossbeam_channel::{Receiver, Sender};
+
+use super::request::{GenerateRequest, TokenOutput};
+use super::runtime::{
+    CancelToken, DirectSubmit, In, Inference, InferenceBuilder, JobSink, ModelAccessor,
+    ModelDevice, OutStream,
+};
+use crate::cache::paged::block_bytes;
+use crate::error::{LlamaError, Result};
+use crate::llama::{Llama, StopReason};
+use crate::tokenizer::Tokenizer;
+
+/// The size of the engine's KV pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvBudget {
+    /// Room for this many tokens (rounded down to whole blocks). For the demo model
+    /// (30 layers, 3 KV heads of 64) a token takes 46,080 bytes.
+    Tokens(usize),
+    /// At most this many bytes of keys and values (f32), rounded down to whole blocks.
+    Bytes(usize),
+}
+
+/// Sizing of a [`ContinuousEngine`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContinuousConfig {
+    /// Most requests admitted at once (decoding or having their prompt processed).
+    pub max_running: usize,
+    /// Most requests waiting for admission; one more is refused with
+    /// [`LlamaError::Overloaded`].
+    pub max_waiting: usize,
+    /// The KV pool, allocated once when the engine starts: everything the engine's KV
+    /// cache will ever hold. A request needs blocks for its prompt to be admitted and
+    /// takes more as it grows; when none are left the newest request is preempted.
+    pub kv_budget: KvBudget,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Tokens processed per step: one per decoding request, the rest for prompt chunks
+    /// (at least `min_prefill_chunk` whenever a prompt is waiting to be processed).
+    pub step_tokens: usize,
+    /// Smallest prompt chunk per step, so prompts progress even when the batch is full.
+    pub min_prefill_chunk: usize,
+    /// Reuse the KV blocks of prefixes computed before (shared system prompts,
+    /// documents). On by default; results are identical either way.
+    pub prefix_caching: bool,
+}
+
+impl Default for ContinuousConfig {
+    fn default() -> Self {
+        Self {
+            max_running: 32,
+            max_waiting: 256,
+            kv_budget: KvBudget::Tokens(32 * 1024),
+            block_size: 16,
+            step_tokens: 256,
+            min_prefill_chunk: 32,
+            prefix_caching: true,
+        }
+    }
+}
+
+impl ContinuousConfig {
+    /// Sets the KV pool to `tokens` tokens.
+    #[must_use]
+    pub fn with_kv_budget_tokens(mut self, tokens: usize) -> Self {
+        self.kv_budget = KvBudget::Tokens(tokens);
+        self
+    }
+
+    /// Sets the KV pool to at most `bytes` bytes.
+    #[must_use]
+    pub fn with_kv_budget_bytes(mut self, bytes: usize) -> Self {
+        self.kv_budget = KvBudget::Bytes(bytes);
+        self
+    }
+
+    /// Turns prefix caching on or off.
+    #[must_use]
+    pub fn with_prefix_caching(mut self, on: bool) -> Self {
+        self.prefix_caching = on;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        let positive = [
+            ("max_running", self.max_running),
+            ("block_size", self.block_size),
+            ("step_tokens", self.step_tokens),
+            ("min_prefill_chunk", self.min_prefill_chunk),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(LlamaError::invalid(name, 0, "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks in the pool for a model whose one block takes `block_bytes` bytes.
+    fn num_blocks(&self, block_bytes: usize) -> usize {
+        match self.kv_budget {
+            KvBudget::Tokens(tokens) => tokens / self.block_size,
+            KvBudget::Bytes(bytes) => bytes / block_bytes.max(1),
+        }
+    }
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// It generated all its tokens, reached a stop token or filled the context.
+    Completed,
+    /// It was cancelled.
+    Cancelled,
+    /// It failed (invalid request, model error).
+    Failed,
+}
+
+/// Timings of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestMetrics {
+    /// Engine-assigned id.
+    pub id: u64,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Why generation stopped, for a completed request.
+    pub stop_reason: Option<StopReason>,
+    /// Prompt length in tokens (0 if it never tokenized).
+    pub prompt_tokens: usize,
+    /// Prompt tokens read from the prefix cache instead of computed.
+    pub prefix_hit_tokens: usize,
+    /// Tokens generated.
+    pub output_tokens: usize,
+    /// Times it was preempted (and recomputed).
+    pub preemptions: u32,
+    /// From submission to first admission (start of prompt processing).
+    pub queue_time: Duration,
+    /// From submission to the first generated token.
+    pub time_to_first_token: Option<Duration>,
+    /// Mean time between generated tokens after the first.
+    pub time_per_output_token: Option<Duration>,
+}
+
+/// A snapshot of the engine's state, readable at any time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineMetrics {
+    /// Requests decoding.
+    pub running: usize,
+    /// Requests whose prompt is being processed.
+    pub prefilling: usize,
+    /// Requests waiting for admission (preempted ones included).
+    pub waiting: usize,
+    /// KV blocks held by admitted requests.
+    pub kv_blocks_used: usize,
+    /// KV blocks nobody holds that keep a cached prefix (reused or evicted on demand).
+    pub kv_blocks_cached: usize,
+    /// KV blocks in the pool.
+    pub kv_blocks_total: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Bytes of the KV pool: everything the engine's KV cache holds, allocated once.
+    pub kv_pool_bytes: usize,
+    /// Bytes of the blocks held by admitted requests (`kv_blocks_used` blocks).
+    pub kv_bytes_used: usize,
+    /// The largest `kv_bytes_used` seen.
+    pub peak_kv_bytes_used: usize,
+    /// Forward passes run.
+    pub steps: u64,
+    /// Requests that completed.
+    pub completed: u64,
+    /// Requests that were cancelled.
+    pub cancelled: u64,
+    /// Requests that failed.
+    pub failed: u64,
+    /// Requests refused because the queue was full.
+    pub rejected: u64,
+    /// Preemptions (a request gave its blocks back to be recomputed later).
+    pub preemptions: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub prefix_hit_tokens: u64,
+    /// The most recent finished requests (up to 1024), oldest first.
+    pub recent: Vec<RequestMetrics>,
+}
+
+/// What a request's channel carries.
+#[derive(Debug)]
+pub enum EngineEvent {
+    /// A generated token.
+    Token(TokenOutput),
+    /// The request ended; no more events follow.
+    Done(Result<RequestMetrics>),
+}
+
+/// A request submitted with [`ContinuousEngine::submit`]: its events, and a way to
+/// cancel it. Dropping it cancels the request.
+#[derive(Debug)]
+pub struct EngineJob {
+    id: u64,
+    events: Receiver<EngineEvent>,
+    cancel: CancelToken,
+}
+
+impl EngineJob {
+    /// The engine-assigned id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The request's events: tokens, then one `Done`.
+    pub fn events(&self) -> &Receiver<EngineEvent> {
+        &self.events
+    }
+
+    /// Asks the engine to drop the request at its next step (freeing its blocks).
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Waits for the request to end, collecting its tokens.
+    pub fn collect(self) -> Result<(Vec<TokenOutput>, RequestMetrics)> {
+        let mut tokens = Vec::new();
+        for event in self.events.iter() {
+            match event {
+                EngineEvent::Token(t) => tokens.push(t),
+                EngineEvent::Done(result) => return result.map(|m| (tokens, m)),
+            }
+        }
+        Err(LlamaError::ModelUnavailable("the engine stopped".into()))
+    }
+}
+
+impl Drop for EngineJob {
+    fn drop(&mut self) {
+        // Nobody listens any more: free the request's resources.
+        self.cancel();
+    }
+}
+
+/// Where a request's results go.
+enum Sink {
+    /// An [`EngineJob`]'s event channel.
+    Events(Sender<EngineEvent>),
+    /// A job of the job runtime ([`InferenceBuilder::build_continuous`]).
+    Job(JobSink<TokenOutput>),
+}
+
+impl Sink {
+    /// Sends a token; false when nobody listens any more.
+    fn token(&self, token: TokenOutput) -> bool {
+        match self {
+            Sink::Events(tx) => tx.send(EngineEvent::Token(token)).is_ok(),
+            Sink::Job(sink) => sink.emit(token),
+        }
+    }
+
+    fn done(self, result: Result<RequestMetrics>) {
+        match self {
+            Sink::Events(tx) => {
+                let _ = tx.send(EngineEvent::Done(result));
+            }
+            Sink::Job(sink) => sink.finish(result.map(drop)),
+        }
+    }
+}
+
+/// A request on its way to the engine thread.
+struct Submission {
+    id: u64,
+    request: GenerateRequest,
+    sink: Sink,
+    cancel: CancelToken,
+    submitted: Instant,
+}
+
+/// State shared between the engine handle, its clients and its thread.
+struct Shared {
+    /// Submitted requests not yet admitted for the first time.
+    waiting: AtomicUsize,
+    next_id: AtomicU64,
+    metrics: Mutex<EngineMetrics>,
+    /// Set when the engine handle is dropped: cancel everything and stop.
+    stop: AtomicBool,
+    /// Set by [`ContinuousEngine::shutdown`]: finish what is queued, then stop.
+    drain: AtomicBool,
+}
+
+/// The submitting side of an engine; cheap to clone.
+#[derive(Clone)]
+struct EngineClient {
+    queue: Sender<Submission>,
+    shared: Arc<Shared>,
+    max_waiting: usize,
+}
+
+impl EngineClient {
+    /// Queues a request, or gives its sink back with the reason it was refused.
+    fn send(
+        &self,
+        request: GenerateRequest,
+        sink: Sink,
+        cancel: CancelToken,
+    ) -> std::result::Result<u64, (Sink, LlamaError)> {
+        let limit = self.max_waiting;
+        let admitted = self
+            .shared
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                (w < limit).then_some(w + 1)
+            });
+        if let Err(waiting) = admitted {
+            if let Ok(mut m) = self.shared.metrics.lock() {
+                m.rejected += 1;
+            }
+            return Err((sink, LlamaError::Overloaded { waiting, limit }));
+        }
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let submission = Submission {
+            id,
+            request,
+            sink,
+            cancel,
+            submitted: Instant::now(),
+        };
+        if let Err(returned) = self.queue.send(submission) {
+            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+            let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
+            return Err((returned.into_inner().sink, stopped));
+        }
+        Ok(id)
+    }
+
+    /// Submits on behalf of a runtime job; a refusal ends the job at once.
+    fn submit_job(&self, request: GenerateRequest, sink: JobSink<TokenOutput>) {
+        let cancel = sink.cancel_token().clone();
+        if let Err((sink, error)) = self.send(request, Sink::Job(sink), cancel) {
+            sink.done(Err(error));
+        }
+    }
+
+    /// Submits with an event channel.
+    fn submit_events(&self, request: GenerateRequest, cancel: CancelToken) -> Result<EngineJob> {
+        let (events, rx) = crossbeam_channel::unbounded();
+        let id = self
+            .send(request, Sink::Events(events), cancel.clone())
+            .map_err(|(_, e)| e)?;
+        Ok(EngineJob {
+            id,
+            events: rx,
+            cancel,
+        })
+    }
+}
+
+/// The continuous-batching engine: a model on its own thread serving every submitted
+/// request in a running batch over a paged KV cache. Dropping it cancels what is left
+/// and stops the thread; [`ContinuousEngine::shutdown`] finishes the queue first.
+pub struct ContinuousEngine<B: Backend, T: Tokenizer> {
+    client: Option<EngineClient>,
+    shared: Arc<Shared>,
+    config: ContinuousConfig,
+    device: B::Device,
+    thread: Option<JoinHandle<Llama<B, T>>>,
+    _tokenizer: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<B: Backend, T: Tokenizer> std::fmt::Debug for ContinuousEngine<B, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContinuousEngine")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend, T: Tokenizer> ContinuousEngine<B, T> {
+    /// Allocates the KV pool and starts the engine thread with the model.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] for a configuration with a zero limit or a KV
+    /// budget smaller than one block.
+    pub fn start(llama: Llama<B, T>, config: ContinuousConfig) -> Result<Self> {
+        config.validate()?;
+        let c = llama.config();
+        let block = block_bytes(c.n_layers, c.n_kv_heads, c.head_dim, config.block_size);
+        let num_blocks = config.num_blocks(block);
+        if num_blocks == 0 {
+            return Err(LlamaError::invalid(
+                "kv_budget",
+                format!("{:?}", config.kv_budget),
+                "smaller than one KV block",
+            ));
+        }
+        let shared = Arc::new(Shared {
+            waiting: AtomicUsize::new(0),
+            next_id: AtomicU64::new(0),
+            metrics: Mutex::new(EngineMetrics::default()),
+            stop: AtomicBool::new(false),
+            drain: AtomicBool::new(false),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let device = llama.device().clone();
+        let worker = executor::Worker::new(llama, &config, num_blocks, shared.clone(), rx)?;
+        let thread = std::thread::Builder::new()
+            .name("llama-burn-continuous".into())
+            .spawn(move || worker.run())
+            .map_err(|e| LlamaError::Runtime(format!("could not start the engine thread: {e}")))?;
+        Ok(Self {
+            client: Some(EngineClient {
+                queue: tx,
+                shared: shared.clone(),
+                max_waiting: config.max_waiting,
+            }),
+            shared,
+            config,
+            device,
+            thread: Some(thread),
+            _tokenizer: std::marker::PhantomData,
+        })
+    }
+
+    /// Queues a request. Fails at once with [`LlamaError::Overloaded`] when
+    /// `max_waiting` requests are already waiting; other problems with the request
+    /// arrive as its `Done` event.
+    pub fn submit(&self, request: GenerateRequest) -> Result<EngineJob> {
+        let client = self
+            .client
+            .as_ref()
+            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
+        client.submit_events(request, CancelToken::new())
+    }
+
+    /// Queues a request whose cancellation is `cancel` (for example a runtime job's
+    /// token), so the engine sees it directly.
+    pub fn submit_with_cancel(
+        &self,
+        request: GenerateRequest,
+        cancel: CancelToken,
+    ) -> Result<EngineJob> {
+        let client = self
+            .client
+            .as_ref()
+            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
+        client.submit_events(request, cancel)
+    }
+
+    /// A snapshot of the engine's metrics.
+    pub fn metrics(&self) -> EngineMetrics {
+        let mut m = self
+            .shared
+            .metrics
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default();
+        // Submissions not yet seen by the engine thread count as waiting too.
+        m.waiting = m.waiting.max(self.shared.waiting.load(Ordering::Acquire));
+        m
+    }
+
+    /// The engine's configuration.
+    pub fn config(&self) -> &ContinuousConfig {
+        &self.config
+    }
+
+    /// Stops the engine once its queued and running requests are done, and returns the
+    /// model.
+    pub fn shutdown(mut self) -> Result<Llama<B, T>> {
+        self.shared.drain.store(true, Ordering::Release);
+        self.client = None;
+        let thread = self
+            .thread
+            .take()
+            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
+        thread
+            .join()
+            .map_err(|_| LlamaError::Runtime("the engine thread panicked".into()))
+    }
+
+    fn direct_submit(&self) -> Option<DirectSubmit<GenerateRequest, TokenOutput>> {
+        let client = self.client.clone()?;
+        Some(Arc::new(move |request, sink| client.submit_job(request, sink)))
+    }
+}
+
+impl<B: Backend, T: Tokenizer> Drop for ContinuousEngine<B, T> {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.client = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl<B: Backend, T: Tokenizer> ModelDevice for ContinuousEngine<B, T> {
+    type Device = B::Device;
+
+    fn devices(&self) -> Vec<B::Device> {
+        vec![self.device.clone()]
+    }
+}
+
+/// Handler for the job runtime that forwards each request to a [`ContinuousEngine`]
+/// and streams its tokens back. The job's cancellation token goes to the engine with the
+/// request, so cancelling the job (or dropping its stream) removes the request at the
+/// engine's next step. [`InferenceBuilder::build_continuous`] does not need it (its jobs
+/// go straight to the engine thread); it is here for services built by hand.
+pub fn continuous_batching_handler<B: Backend, T: Tokenizer>(
+    In(request): In<GenerateRequest>,
+    engine: ModelAccessor<ContinuousEngine<B, T>>,
+    cancel: CancelToken,
+    output: OutStream<TokenOutput>,
+) -> Result<()> {
+    let token = cancel.clone();
+    let job = engine.submit(move |engine| engine.submit_with_cancel(request, token))??;
+    for event in job.events.iter() {
+        match event {
+            EngineEvent::Token(token) => output.emit(token)?,
+            EngineEvent::Done(result) => return result.map(drop),
+        }
+    }
+    Err(LlamaError::ModelUnavailable("the engine stopped".into()))
+}
+
+impl<B: Backend, T: Tokenizer> InferenceBuilder<Llama<B, T>> {
+    /// Serves the model with continuous batching: starts a [`ContinuousEngine`] and a
+    /// service with the same [`GenerateRequest`] / [`TokenOutput`] job API as the other
+    /// handlers. A job goes straight to the engine thread and its tokens come straight
+    /// back into its stream: no job thread, no polling.
+    pub fn build_continuous(
+        self,
+        config: ContinuousConfig,
+    ) -> Result<Inference<ContinuousEngine<B, T>, GenerateRequest, TokenOutput>> {
+        let engine = ContinuousEngine::start(self.into_model(), config)?;
+        let direct = engine.direct_submit();
+        Ok(InferenceBuilder::new()
+            .with_model(engine)
+            .build_with(continuous_batching_handler, direct))
+    }
+}
