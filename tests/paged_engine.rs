@@ -1,0 +1,243 @@
+//! The continuous engine's paged KV cache on the demo model: memory stays within the
+//! pool, preemption and prefix caching never change a request's tokens, and every block
+//! comes back.
+
+mod common;
+
+use common::{B, Demo, demo, prompts};
+use llama_burn::LlamaError;
+use llama_burn::inference::{
+    ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, GenerateRequest, KvBudget,
+};
+use llama_burn::sampling::{Sampler, TopP};
+use llama_burn::tokenizer::GgufBpeTokenizer;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+type Engine = ContinuousEngine<B, GgufBpeTokenizer>;
+
+/// What a request gets alone (sequential strategy), generating exactly `n` tokens.
+fn alone(llama: &mut Demo, request: &GenerateRequest) -> Vec<u32> {
+    let mut state = llama
+        .create_generation_state(&request.prompt, request.max_tokens)
+        .unwrap()
+        .ignore_stop_tokens();
+    let mut sampler = if request.temperature == 0.0 {
+        Sampler::Argmax
+    } else {
+        Sampler::TopP(TopP::new(request.top_p, request.seed))
+    };
+    llama
+        .run_to_end(&mut state, request.temperature, &mut sampler)
+        .unwrap()
+        .tokens
+}
+
+fn rest(job: EngineJob) -> (Vec<u32>, llama_burn::Result<()>) {
+    let mut ids = Vec::new();
+    for event in job.events().iter() {
+        match event {
+            EngineEvent::Token(t) => ids.push(t.token_id),
+            EngineEvent::Done(r) => return (ids, r.map(|_| ())),
+        }
+    }
+    (ids, Err(LlamaError::ModelUnavailable("closed".into())))
+}
+
+fn request(prompt: &str, n: usize) -> GenerateRequest {
+    GenerateRequest::new(prompt)
+        .with_max_tokens(n)
+        .with_ignore_eos(true)
+}
+
+#[test]
+fn a_long_request_among_short_ones_stays_within_the_pool() {
+    // The mixed workload, scaled to test time: seven short requests and one long
+    // one. The old engine's rectangle made every row pay for the longest.
+    let llama = demo(2048);
+    let block_bytes = 30 * 2 * 3 * 64 * 16 * 4;
+    let config = ContinuousConfig::default().with_kv_budget_tokens(2048);
+    let engine: Engine = ContinuousEngine::start(llama, config).unwrap();
+    let pool = engine.metrics().kv_pool_bytes;
+    assert_eq!(pool, 128 * block_bytes, "the pool is the budget");
+    let mut jobs: Vec<EngineJob> = prompts()
+        .iter()
+        .take(7)
+        .map(|p| engine.submit(request(p, 24)).unwrap())
+        .collect();
+    jobs.push(engine.submit(request("Tell me a long story.", 400)).unwrap());
+    let mut peak = 0;
+    let mut last = jobs.pop().unwrap();
+    let mut long = Vec::new();
+    for job in jobs {
+        assert!(rest(job).1.is_ok());
+    }
+    loop {
+        match last.events().recv().unwrap() {
+            EngineEvent::Token(t) => long.push(t.token_id),
+            EngineEvent::Done(r) => {
+                r.unwrap();
+                break;
+            }
+        }
+        let m = engine.metrics();
+        assert_eq!(m.kv_pool_bytes, pool);
+        assert!(m.kv_bytes_used <= pool);
+        assert_eq!(m.kv_bytes_used, m.kv_blocks_used * block_bytes);
+        peak = peak.max(m.kv_bytes_used);
+    }
+    last = engine.submit(request("x", 1)).unwrap();
+    rest(last).1.unwrap();
+    assert_eq!(long.len(), 400);
+    let m = engine.metrics();
+    // Alone at the end the long request held only its own blocks: prompt + 400 tokens.
+    assert!(m.peak_kv_bytes_used <= pool);
+    assert!(peak >= 26 * block_bytes, "the long row grew block by block");
+    assert_eq!(m.kv_blocks_used, 0);
+}
+
+#[test]
+fn preemption_under_a_tiny_pool_with_cancellations_gives_solo_tokens() {
+    let mut llama = demo(1024);
+    let prompts = prompts();
+    let mut rng = StdRng::seed_from_u64(99);
+    // 256 requests over the fixed prompts: greedy or seeded top-p, random lengths.
+    let n = 10;
+    let specs: Vec<(usize, GenerateRequest, bool)> = (0..256)
+        .map(|_| {
+            let p = rng.random_range(0..prompts.len());
+            let max_tokens = rng.random_range(1..=n);
+            let mut r = request(&prompts[p], max_tokens);
+            if rng.random_bool(0.3) {
+                r = r
+                    .with_temperature(0.8)
+                    .with_top_p(0.9)
+                    .with_seed(rng.random_range(0..4));
+            }
+            (p, r, rng.random_bool(0.15))
+        })
+        .collect();
+    // Solo runs, one per distinct (prompt, sampling) at the full length.
+    let mut expected = std::collections::HashMap::new();
+    for (p, r, _) in &specs {
+        let key = (*p, r.temperature.to_bits(), r.seed);
+        expected
+            .entry(key)
+            .or_insert_with(|| alone(&mut llama, &r.clone().with_max_tokens(n)));
+    }
+    // 640 tokens for up to 32 requests of up to ~250: the pool cannot hold them all.
+    let config = ContinuousConfig {
+        kv_budget: KvBudget::Tokens(640),
+        block_size: 16,
+        ..ContinuousConfig::default()
+    };
+    let engine: Engine = ContinuousEngine::start(llama, config).unwrap();
+    let jobs: Vec<_> = specs
+        .iter()
+        .map(|(p, r, cancel)| {
+            let job = engine.submit(r.clone()).unwrap();
+            if *cancel {
+                job.cancel();
+            }
+            (*p, r, *cancel, job)
+        })
+        .collect();
+    let mut completed = 0;
+    for (p, r, cancel, job) in jobs {
+        let (ids, result) = rest(job);
+        match result {
+            Ok(()) => {
+                completed += 1;
+                let full = &expected[&(p, r.temperature.to_bits(), r.seed)];
+                assert_eq!(ids, full[..r.max_tokens], "prompt {p}, {r:?}");
+            }
+            Err(LlamaError::Cancelled) => assert!(cancel),
+            Err(e) => panic!("unexpected error {e}"),
+        }
+    }
+    let m = engine.metrics();
+    assert!(completed >= 180, "{completed}");
+    assert!(m.preemptions > 0, "the pool was small enough to preempt: {m:?}");
+    assert_eq!(m.completed + m.cancelled, 256);
+    assert_eq!((m.kv_blocks_used, m.kv_bytes_used), (0, 0));
+    assert_eq!((m.running, m.prefilling, m.waiting), (0, 0, 0));
+    assert!(m.peak_kv_bytes_used <= m.kv_pool_bytes);
+}
+
+#[test]
+fn prefix_caching_on_and_off_give_identical_tokens() {
+    let document = "The history of computing is a story of steady abstraction. ".repeat(12);
+    let questions = [
+        "Summarise it.",
+        "Who is it about?",
+        "What is the tone?",
+        "Give it a title.",
+        "Summarise it.",
+    ];
+    let run = |caching: bool| {
+        let llama = demo(1024);
+        let config = ContinuousConfig::default().with_prefix_caching(caching);
+        let engine: Engine = ContinuousEngine::start(llama, config).unwrap();
+        let mut out = Vec::new();
+        // One at a time, so later ones can reuse what earlier ones cached.
+        for q in questions {
+            let prompt = format!("{document}\n{q}");
+            out.push(rest(engine.submit(request(&prompt, 8)).unwrap()).0);
+        }
+        let m = engine.metrics();
+        assert_eq!(m.kv_blocks_used, 0);
+        (out, m)
+    };
+    let (with, m_on) = run(true);
+    let (without, m_off) = run(false);
+    assert_eq!(with, without);
+    assert_eq!(m_off.prefix_hit_tokens, 0);
+    // The ~130-token document is shared by all five: every later request reads its
+    // whole blocks from the cache and computes only the rest.
+    let hits: Vec<usize> = m_on.recent.iter().map(|r| r.prefix_hit_tokens).collect();
+    assert_eq!(hits[0], 0);
+    assert!(hits[1..].iter().all(|&h| h >= 112 && h % 16 == 0), "{hits:?}");
+    assert!(hits[4] >= hits[1], "{hits:?}");
+    assert_eq!(m_on.prefix_hit_tokens, hits.iter().sum::<usize>() as u64);
+}
+
+#[test]
+fn an_oversized_request_and_a_tiny_budget_are_typed_errors() {
+    let llama = demo(1024);
+    match ContinuousEngine::start(
+        demo(64),
+        ContinuousConfig::default().with_kv_budget_bytes(1000),
+    ) {
+        Err(LlamaError::InvalidParameter { name: "kv_budget", .. }) => {}
+        other => panic!("expected a kv_budget error, got {other:?}"),
+    }
+    let engine: Engine =
+        ContinuousEngine::start(llama, ContinuousConfig::default().with_kv_budget_tokens(64))
+            .unwrap();
+    let (_, result) = rest(engine.submit(request("Hello there", 100)).unwrap());
+    assert!(
+        matches!(result, Err(LlamaError::InvalidParameter { name: "max_tokens", .. })),
+        "{result:?}"
+    );
+    let (ids, result) = rest(engine.submit(request("Hello there", 8)).unwrap());
+    result.unwrap();
+    assert_eq!(ids.len(), 8);
+}
+
+#[test]
+fn dropping_the_engine_cancels_what_is_left() {
+    let llama = demo(1024);
+    let engine: Engine = ContinuousEngine::start(llama, ContinuousConfig::default()).unwrap();
+    let jobs: Vec<EngineJob> = (0..4)
+        .map(|_| engine.submit(request("Count to a thousand:", 500)).unwrap())
+        .collect();
+    // Wait until they run, then drop the engine: it must not serve 2,000 tokens first.
+    for job in &jobs {
+        assert!(matches!(job.events().recv(), Ok(EngineEvent::Token(_))));
+    }
+    drop(engine);
+    for job in jobs {
+        let (ids, result) = rest(job);
+        assert!(matches!(result, Err(LlamaError::Cancelled)), "{result:?}");
+        assert!(ids.len() < 499);
+    }
+}
