@@ -45,3 +45,34 @@ pub fn model_name(model: Option<&Path>) -> String {
         None => "SmolLM2-135M-Instruct (demo, Q4_1 GGUF dequantized to f32)".to_string(),
     }
 }
+
+/// The trained context length of `--model PATH` (or of the demo model).
+pub fn context_length(model: Option<&Path>) -> Result<usize> {
+    let path: PathBuf = match model {
+        Some(p) => p.to_path_buf(),
+        None => llama_burn::demo::demo_model_path()?,
+    };
+    let config = if path.is_dir() {
+        let file = path.join("config.json");
+        let json = std::fs::read_to_string(&file)
+            .map_err(|e| llama_burn::LlamaError::io(&file, e))?;
+        LlamaConfig::from_hf_json(&json)?
+    } else {
+        LlamaConfig::from_gguf(&llama_burn::loader::gguf::GgufFile::open(&path)?)?
+    };
+    Ok(config.context_length)
+}
+
+/// Peak resident memory of this process since the last [`reset_peak_rss`], in bytes
+/// (Linux; `None` elsewhere).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Resets the peak resident memory counter (Linux: writes 5 to `/proc/self/clear_refs`).
+pub fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
