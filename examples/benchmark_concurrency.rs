@@ -183,7 +183,12 @@ struct Memory {
     prefix_hit_tokens: u64,
 }
 
-fn summarise(strategy: &str, wall: Duration, traces: &[Trace], memory: &Memory) -> serde_json::Value {
+fn summarise(
+    strategy: &str,
+    wall: Duration,
+    traces: &[Trace],
+    memory: &Memory,
+) -> serde_json::Value {
     let output_tokens: usize = traces.iter().map(|t| t.ids.len()).sum();
     let mut ttft: Vec<f64> = traces
         .iter()
@@ -345,8 +350,9 @@ impl WithModel for &Args {
     type Output = ();
     fn run<T: Tokenizer>(self, mut llama: Llama<B, T>) -> llama_burn::Result<()> {
         let prefix = shared_prefix(&llama, self.shared_prefix_tokens)?;
-        let reqs: Vec<GenerateRequest> =
-            (0..self.requests).map(|i| request(i, self, &prefix)).collect();
+        let reqs: Vec<GenerateRequest> = (0..self.requests)
+            .map(|i| request(i, self, &prefix))
+            .collect();
         let wanted: Vec<&str> = self.strategies.split(',').map(str::trim).collect();
         for s in &wanted {
             if !["sequential", "concurrent", "batched", "continuous"].contains(s) {

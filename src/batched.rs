@@ -190,6 +190,7 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
         if state.active.is_empty() {
             return Ok(out);
         }
+        let first = state.cache.is_none();
         let input = match state.cache {
             None => {
                 let prompts: Vec<&[u32]> = state
@@ -221,7 +222,12 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
             .cache
             .as_mut()
             .ok_or_else(|| LlamaError::Runtime("batch lost its cache".into()))?;
-        let logits = logits_to_vec(self.model.forward(&input, cache, Logits::Last)?)?;
+        let logits = if first {
+            self.model.forward_prompt(&input, cache)?
+        } else {
+            self.model.forward(&input, cache, Logits::Last)?
+        };
+        let logits = logits_to_vec(logits)?;
         let vocab = self.config().vocab_size;
 
         let mut still_running = Vec::with_capacity(state.active.len());

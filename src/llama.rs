@@ -334,6 +334,7 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
                 "this generation has already ended",
             ));
         }
+        let first = state.tokens.is_empty();
         let input: Vec<u32> = match state.tokens.last() {
             None => {
                 state.mark_started();
@@ -347,7 +348,12 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
             .cache
             .as_mut()
             .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
-        let logits = logits_to_vec(self.model.forward(&input, cache, Logits::Last)?)?;
+        let logits = if first {
+            self.model.forward_prompt(&input, cache)?
+        } else {
+            self.model.forward(&input, cache, Logits::Last)?
+        };
+        let logits = logits_to_vec(logits)?;
         let token = state.sample_next(&logits, temperature, sampler)?;
         Ok(self.accept_token(state, token))
     }

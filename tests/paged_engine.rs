@@ -64,7 +64,11 @@ fn a_long_request_among_short_ones_stays_within_the_pool() {
         .take(7)
         .map(|p| engine.submit(request(p, 24)).unwrap())
         .collect();
-    jobs.push(engine.submit(request("Tell me a long story.", 400)).unwrap());
+    jobs.push(
+        engine
+            .submit(request("Tell me a long story.", 400))
+            .unwrap(),
+    );
     let mut peak = 0;
     let mut last = jobs.pop().unwrap();
     let mut long = Vec::new();
@@ -156,7 +160,10 @@ fn preemption_under_a_tiny_pool_with_cancellations_gives_solo_tokens() {
     }
     let m = engine.metrics();
     assert!(completed >= 180, "{completed}");
-    assert!(m.preemptions > 0, "the pool was small enough to preempt: {m:?}");
+    assert!(
+        m.preemptions > 0,
+        "the pool was small enough to preempt: {m:?}"
+    );
     assert_eq!(m.completed + m.cancelled, 256);
     assert_eq!((m.kv_blocks_used, m.kv_bytes_used), (0, 0));
     assert_eq!((m.running, m.prefilling, m.waiting), (0, 0, 0));
@@ -195,7 +202,10 @@ fn prefix_caching_on_and_off_give_identical_tokens() {
     // whole blocks from the cache and computes only the rest.
     let hits: Vec<usize> = m_on.recent.iter().map(|r| r.prefix_hit_tokens).collect();
     assert_eq!(hits[0], 0);
-    assert!(hits[1..].iter().all(|&h| h >= 112 && h % 16 == 0), "{hits:?}");
+    assert!(
+        hits[1..].iter().all(|&h| h >= 112 && h % 16 == 0),
+        "{hits:?}"
+    );
     assert!(hits[4] >= hits[1], "{hits:?}");
     assert_eq!(m_on.prefix_hit_tokens, hits.iter().sum::<usize>() as u64);
 }
@@ -207,7 +217,9 @@ fn an_oversized_request_and_a_tiny_budget_are_typed_errors() {
         demo(64),
         ContinuousConfig::default().with_kv_budget_bytes(1000),
     ) {
-        Err(LlamaError::InvalidParameter { name: "kv_budget", .. }) => {}
+        Err(LlamaError::InvalidParameter {
+            name: "kv_budget", ..
+        }) => {}
         other => panic!("expected a kv_budget error, got {other:?}"),
     }
     let engine: Engine =
@@ -215,7 +227,13 @@ fn an_oversized_request_and_a_tiny_budget_are_typed_errors() {
             .unwrap();
     let (_, result) = rest(engine.submit(request("Hello there", 100)).unwrap());
     assert!(
-        matches!(result, Err(LlamaError::InvalidParameter { name: "max_tokens", .. })),
+        matches!(
+            result,
+            Err(LlamaError::InvalidParameter {
+                name: "max_tokens",
+                ..
+            })
+        ),
         "{result:?}"
     );
     let (ids, result) = rest(engine.submit(request("Hello there", 8)).unwrap());
@@ -240,4 +258,35 @@ fn dropping_the_engine_cancels_what_is_left() {
         assert!(matches!(result, Err(LlamaError::Cancelled)), "{result:?}");
         assert!(ids.len() < 499);
     }
+}
+
+#[test]
+fn a_prompt_longer_than_a_chunk_gives_the_same_tokens_in_every_strategy() {
+    // About 900 tokens: the sequential and batched strategies read it in 512-column
+    // chunks, the engine in 256-token steps.
+    let mut llama = demo(2048);
+    let long = format!(
+        "{}\nWhat was this about?",
+        "Clerks copied harvest tallies and the names of ships into the river town's books. "
+            .repeat(55)
+    );
+    let prompt_len = llama.encode_prompt(&long).unwrap().len();
+    assert!(prompt_len > 2 * 512 - 200, "{prompt_len} tokens");
+    let expected = alone(&mut llama, &request(&long, 6));
+    let texts = [long.clone(), "Hi".to_string()];
+    let mut state = llama
+        .create_batched_generation_state(&texts, 6)
+        .unwrap()
+        .ignore_stop_tokens();
+    let mut samplers = vec![Sampler::Argmax, Sampler::Argmax];
+    while !state.is_done() {
+        llama
+            .generate_batched_single_token(&mut state, 0.0, &mut samplers)
+            .unwrap();
+    }
+    assert_eq!(state.rows()[0].tokens(), expected.as_slice());
+    let engine: Engine = ContinuousEngine::start(llama, ContinuousConfig::default()).unwrap();
+    let (ids, result) = rest(engine.submit(request(&long, 6)).unwrap());
+    result.unwrap();
+    assert_eq!(ids, expected);
 }

@@ -54,8 +54,8 @@ pub fn context_length(model: Option<&Path>) -> Result<usize> {
     };
     let config = if path.is_dir() {
         let file = path.join("config.json");
-        let json = std::fs::read_to_string(&file)
-            .map_err(|e| llama_burn::LlamaError::io(&file, e))?;
+        let json =
+            std::fs::read_to_string(&file).map_err(|e| llama_burn::LlamaError::io(&file, e))?;
         LlamaConfig::from_hf_json(&json)?
     } else {
         LlamaConfig::from_gguf(&llama_burn::loader::gguf::GgufFile::open(&path)?)?

@@ -308,7 +308,9 @@ impl BlockManager {
         for &id in self.evictable.values() {
             let info = &self.blocks[id as usize];
             if info.refs != 0 || info.key.is_none() {
-                return Err(format!("evictable block {id} is referenced or unregistered"));
+                return Err(format!(
+                    "evictable block {id} is referenced or unregistered"
+                ));
             }
             seen[id as usize] += 1;
         }
@@ -412,7 +414,10 @@ mod tests {
         // Two blocks are needed: both blocks of the older prefix are evicted.
         let fresh = m.allocate(2).unwrap();
         assert_eq!(m.evictions(), 2);
-        assert!(fresh.iter().all(|b| old.contains(b)), "{fresh:?} vs {old:?}");
+        assert!(
+            fresh.iter().all(|b| old.contains(b)),
+            "{fresh:?} vs {old:?}"
+        );
         assert_eq!(m.match_prefix(&[1, 2, 3, 4, 0]).tokens, 0);
         let hit = m.match_prefix(&[5, 6, 7, 8, 0]);
         assert_eq!(hit.tokens, 4, "the recently used prefix survived");

@@ -1148,9 +1148,9 @@ impl JobHandle {
                     panic_message(payload)
                 )))
             }),
-            JobState::Remote(result) => result.recv().unwrap_or_else(|_| {
-                Err(LlamaError::ModelUnavailable("the engine stopped".into()))
-            }),
+            JobState::Remote(result) => result
+                .recv()
+                .unwrap_or_else(|_| Err(LlamaError::ModelUnavailable("the engine stopped".into()))),
             JobState::Failed(error) => Err(error),
         }
     }

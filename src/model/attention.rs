@@ -1,8 +1,7 @@
 //! Grouped-query self-attention over the contiguous KV cache and over the paged pool.
 
 use burn::tensor::{
-    Bool, Int, Tensor, TensorData, backend::Backend, module::attention,
-    ops::AttentionModuleOptions,
+    Bool, Int, Tensor, TensorData, backend::Backend, module::attention, ops::AttentionModuleOptions,
 };
 
 use crate::cache::paged::Slot;
@@ -141,7 +140,11 @@ impl<B: Backend> PagedPlan<B> {
                     row.blocks.len()
                 )));
             }
-            if let Some(&bad) = row.tokens.iter().find(|&&t| t as usize >= config.vocab_size) {
+            if let Some(&bad) = row
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= config.vocab_size)
+            {
                 return Err(LlamaError::invalid(
                     "token id",
                     bad,
@@ -187,7 +190,11 @@ impl<B: Backend> PagedPlan<B> {
         let mut padded_offset = 0usize;
         let mut groups = Vec::with_capacity(grouped.len());
         for members in grouped {
-            let queries = members.iter().map(|&i| rows[i].tokens.len()).max().unwrap_or(1);
+            let queries = members
+                .iter()
+                .map(|&i| rows[i].tokens.len())
+                .max()
+                .unwrap_or(1);
             let blocks = members
                 .iter()
                 .map(|&i| (rows[i].start + rows[i].tokens.len()).div_ceil(bs))
@@ -235,8 +242,7 @@ impl<B: Backend> PagedPlan<B> {
                 ),
             });
         }
-        let logit_rows =
-            (logit_rows.len() != total).then(|| int_tensor::<B>(logit_rows, device));
+        let logit_rows = (logit_rows.len() != total).then(|| int_tensor::<B>(logit_rows, device));
         Ok(Self {
             positions,
             logit_rows,

@@ -15,8 +15,8 @@ use burn::tensor::{
 use crate::cache::{KvCache, PagedKvCache};
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
-use attention::{PagedPlan, grouped_query_attention};
 pub use attention::PagedRow;
+use attention::{PagedPlan, grouped_query_attention};
 pub use linear::Projection;
 use norm::rms_norm;
 use rope::RopeTable;
@@ -43,6 +43,9 @@ pub struct Block<B: Backend> {
     /// Down projection, `[ffn_hidden, d_model]`.
     pub w_down: Projection<B>,
 }
+
+/// Most prompt columns read in one forward pass by [`Transformer::forward_prompt`].
+pub const PREFILL_CHUNK: usize = 512;
 
 /// Which positions' logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,13 +260,16 @@ impl<B: Backend> Transformer<B> {
         let positions = cache.chunk_positions(seq);
         let groups = c.n_heads / c.n_kv_heads;
         let mask = cache.chunk_mask(seq, groups, &device);
-        let heads = |t: Tensor<B, 2>, n: usize| {
-            t.reshape([batch, seq, n, c.head_dim]).swap_dims(1, 2)
-        };
+        let heads =
+            |t: Tensor<B, 2>, n: usize| t.reshape([batch, seq, n, c.head_dim]).swap_dims(1, 2);
         let rows = batch * seq;
         let q_dim = c.n_heads * c.head_dim;
         let x = self.run_blocks(tokens, &positions, |layer, q, k, v| {
-            let (q, k, v) = (heads(q, c.n_heads), heads(k, c.n_kv_heads), heads(v, c.n_kv_heads));
+            let (q, k, v) = (
+                heads(q, c.n_heads),
+                heads(k, c.n_kv_heads),
+                heads(v, c.n_kv_heads),
+            );
             grouped_query_attention(q, k, v, cache, layer, mask.as_ref()).reshape([rows, q_dim])
         });
         cache.advance(seq);
@@ -280,6 +286,33 @@ impl<B: Backend> Transformer<B> {
             }
         };
         Ok(self.head(x).reshape([batch, out_seq, c.vocab_size]))
+    }
+
+    /// Reads a prompt (row-major `[batch, seq]`, as [`forward`](Self::forward) takes it)
+    /// in chunks of at most [`PREFILL_CHUNK`] columns and returns the logits of the last
+    /// position of each row, `[batch, 1, vocab]`. Masks and attention scores then grow
+    /// with chunk times context, never with the square of a long prompt.
+    pub fn forward_prompt(&self, tokens: &[u32], cache: &mut KvCache<B>) -> Result<Tensor<B, 3>> {
+        let batch = cache.batch();
+        if batch == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(batch) {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{} tokens cannot be split over {batch} rows",
+                tokens.len()
+            )));
+        }
+        let seq = tokens.len() / batch;
+        if seq <= PREFILL_CHUNK {
+            return self.forward(tokens, cache, Logits::Last);
+        }
+        let mut logits = None;
+        for start in (0..seq).step_by(PREFILL_CHUNK) {
+            let end = (start + PREFILL_CHUNK).min(seq);
+            let chunk: Vec<u32> = (0..batch)
+                .flat_map(|r| tokens[r * seq + start..r * seq + end].iter().copied())
+                .collect();
+            logits = Some(self.forward(&chunk, cache, Logits::Last)?);
+        }
+        logits.ok_or_else(|| LlamaError::InvalidBatch("empty prompt".into()))
     }
 
     /// Runs a step of the continuous-batching engine over the paged KV cache: every row

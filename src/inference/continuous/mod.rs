@@ -529,7 +529,9 @@ impl<B: Backend, T: Tokenizer> ContinuousEngine<B, T> {
 
     fn direct_submit(&self) -> Option<DirectSubmit<GenerateRequest, TokenOutput>> {
         let client = self.client.clone()?;
-        Some(Arc::new(move |request, sink| client.submit_job(request, sink)))
+        Some(Arc::new(move |request, sink| {
+            client.submit_job(request, sink)
+        }))
     }
 }
 

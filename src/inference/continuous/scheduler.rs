@@ -384,8 +384,18 @@ mod tests {
         assert_eq!(
             plan.rows,
             vec![
-                ScheduledRow { id: 1, start: 0, len: 6, sample: true },
-                ScheduledRow { id: 2, start: 0, len: 4, sample: false },
+                ScheduledRow {
+                    id: 1,
+                    start: 0,
+                    len: 6,
+                    sample: true
+                },
+                ScheduledRow {
+                    id: 2,
+                    start: 0,
+                    len: 4,
+                    sample: false
+                },
             ]
         );
         run(&mut s, &plan);
@@ -394,16 +404,42 @@ mod tests {
         assert_eq!(
             plan.rows,
             vec![
-                ScheduledRow { id: 1, start: 6, len: 1, sample: true },
-                ScheduledRow { id: 2, start: 4, len: 9, sample: false },
+                ScheduledRow {
+                    id: 1,
+                    start: 6,
+                    len: 1,
+                    sample: true
+                },
+                ScheduledRow {
+                    id: 2,
+                    start: 4,
+                    len: 9,
+                    sample: false
+                },
             ]
         );
         run(&mut s, &plan);
         let plan = s.schedule();
-        assert_eq!(plan.rows[1], ScheduledRow { id: 2, start: 13, len: 9, sample: false });
+        assert_eq!(
+            plan.rows[1],
+            ScheduledRow {
+                id: 2,
+                start: 13,
+                len: 9,
+                sample: false
+            }
+        );
         run(&mut s, &plan);
         let plan = s.schedule();
-        assert_eq!(plan.rows[1], ScheduledRow { id: 2, start: 22, len: 3, sample: true });
+        assert_eq!(
+            plan.rows[1],
+            ScheduledRow {
+                id: 2,
+                start: 22,
+                len: 3,
+                sample: true
+            }
+        );
         run(&mut s, &plan);
         assert_eq!((s.decoding(), s.prefilling()), (2, 0));
     }
@@ -462,7 +498,12 @@ mod tests {
         assert_eq!(plan.admitted, vec![2]);
         assert_eq!(
             plan.rows,
-            vec![ScheduledRow { id: 2, start: 0, len: 9, sample: true }]
+            vec![ScheduledRow {
+                id: 2,
+                start: 0,
+                len: 9,
+                sample: true
+            }]
         );
         assert_eq!(s.running(2).unwrap().tokens.len(), 9);
         run(&mut s, &plan);
@@ -507,7 +548,11 @@ mod tests {
         s.add(2, b);
         let plan = s.schedule();
         let row = *plan.rows.iter().find(|r| r.id == 2).unwrap();
-        assert_eq!((row.start, row.len), (8, 2), "only the question is computed");
+        assert_eq!(
+            (row.start, row.len),
+            (8, 2),
+            "only the question is computed"
+        );
         assert_eq!(s.blocks().hit_tokens(), 8);
         let shared = &s.running(1).unwrap().blocks[..2];
         assert_eq!(&s.running(2).unwrap().blocks[..2], shared);
