@@ -351,7 +351,7 @@ impl EngineClient {
         request: GenerateRequest,
         sink: Sink,
         cancel: CancelToken,
-    ) -> std::result::Result<u64, (Sink, LlamaError)> {
+    ) -> std::result::Result<u64, Box<(Sink, LlamaError)>> {
         let limit = self.max_waiting;
         let admitted = self
             .shared
@@ -363,7 +363,7 @@ impl EngineClient {
             if let Ok(mut m) = self.shared.metrics.lock() {
                 m.rejected += 1;
             }
-            return Err((sink, LlamaError::Overloaded { waiting, limit }));
+            return Err(Box::new((sink, LlamaError::Overloaded { waiting, limit })));
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let submission = Submission {
@@ -376,7 +376,7 @@ impl EngineClient {
         if let Err(returned) = self.queue.send(submission) {
             self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
             let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
-            return Err((returned.into_inner().sink, stopped));
+            return Err(Box::new((returned.into_inner().sink, stopped)));
         }
         Ok(id)
     }
@@ -384,7 +384,8 @@ impl EngineClient {
     /// Submits on behalf of a runtime job; a refusal ends the job at once.
     fn submit_job(&self, request: GenerateRequest, sink: JobSink<TokenOutput>) {
         let cancel = sink.cancel_token().clone();
-        if let Err((sink, error)) = self.send(request, Sink::Job(sink), cancel) {
+        if let Err(refused) = self.send(request, Sink::Job(sink), cancel) {
+            let (sink, error) = *refused;
             sink.done(Err(error));
         }
     }
@@ -394,7 +395,7 @@ impl EngineClient {
         let (events, rx) = crossbeam_channel::unbounded();
         let id = self
             .send(request, Sink::Events(events), cancel.clone())
-            .map_err(|(_, e)| e)?;
+            .map_err(|refused| refused.1)?;
         Ok(EngineJob {
             id,
             events: rx,
