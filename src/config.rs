@@ -62,6 +62,22 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
+    /// Checks that every id in `tokens` has an embedding in this model.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] naming the first id outside the vocabulary.
+    pub fn check_token_ids(&self, tokens: &[u32]) -> Result<()> {
+        match tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
+            Some(&bad) => Err(LlamaError::invalid(
+                "token id",
+                bad,
+                "outside the model's vocabulary",
+            )),
+            None => Ok(()),
+        }
+    }
+
     fn llama3_family(
         d_model: usize,
         n_layers: usize,

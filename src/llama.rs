@@ -291,14 +291,7 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
         max_tokens: usize,
     ) -> Result<GenerationState<B>> {
         self.check_budget(prompt_tokens.len(), max_tokens)?;
-        let vocab = self.config().vocab_size;
-        if let Some(&bad) = prompt_tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(LlamaError::invalid(
-                "token id",
-                bad,
-                "outside the model's vocabulary",
-            ));
-        }
+        self.config().check_token_ids(&prompt_tokens)?;
         Ok(GenerationState {
             prompt_tokens,
             tokens: Vec::new(),

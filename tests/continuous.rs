@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{B, Demo, demo, prompts};
+use common::{B, Demo, demo, prompts, rest};
 use llama_burn::LlamaError;
 use llama_burn::inference::{
     ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, GenerateRequest, InferenceBuilder,
@@ -30,20 +30,6 @@ fn take(job: &EngineJob, n: usize) -> Vec<u32> {
             EngineEvent::Done(r) => panic!("job ended early: {r:?}"),
         })
         .collect()
-}
-
-fn rest(job: EngineJob) -> (Vec<u32>, llama_burn::Result<()>) {
-    let mut ids = Vec::new();
-    for event in job.events().iter() {
-        match event {
-            EngineEvent::Token(t) => ids.push(t.token_id),
-            EngineEvent::Done(r) => return (ids, r.map(|_| ())),
-        }
-    }
-    (
-        ids,
-        Err(LlamaError::ModelUnavailable("channel closed".into())),
-    )
 }
 
 #[test]

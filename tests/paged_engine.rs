@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{B, Demo, demo, prompts};
+use common::{B, Demo, demo, prompts, rest};
 use llama_burn::LlamaError;
 use llama_burn::inference::{
     ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, GenerateRequest, KvBudget,
@@ -30,17 +30,6 @@ fn alone(llama: &mut Demo, request: &GenerateRequest) -> Vec<u32> {
         .run_to_end(&mut state, request.temperature, &mut sampler)
         .unwrap()
         .tokens
-}
-
-fn rest(job: EngineJob) -> (Vec<u32>, llama_burn::Result<()>) {
-    let mut ids = Vec::new();
-    for event in job.events().iter() {
-        match event {
-            EngineEvent::Token(t) => ids.push(t.token_id),
-            EngineEvent::Done(r) => return (ids, r.map(|_| ())),
-        }
-    }
-    (ids, Err(LlamaError::ModelUnavailable("closed".into())))
 }
 
 fn request(prompt: &str, n: usize) -> GenerateRequest {

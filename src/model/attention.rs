@@ -140,17 +140,7 @@ impl<B: Backend> PagedPlan<B> {
                     row.blocks.len()
                 )));
             }
-            if let Some(&bad) = row
-                .tokens
-                .iter()
-                .find(|&&t| t as usize >= config.vocab_size)
-            {
-                return Err(LlamaError::invalid(
-                    "token id",
-                    bad,
-                    "outside the model's vocabulary",
-                ));
-            }
+            config.check_token_ids(row.tokens)?;
             first_token.push(positions.len());
             for p in row.start..end {
                 positions.push(p);

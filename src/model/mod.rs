@@ -71,6 +71,18 @@ pub struct Transformer<B: Backend> {
     config: LlamaConfig,
 }
 
+/// Columns of a row-major `[batch, seq]` token input, or an error if the tokens cannot
+/// be split evenly over `batch` rows.
+fn columns(tokens: &[u32], batch: usize) -> Result<usize> {
+    if batch == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(batch) {
+        return Err(LlamaError::InvalidBatch(format!(
+            "{} tokens cannot be split over {batch} rows",
+            tokens.len()
+        )));
+    }
+    Ok(tokens.len() / batch)
+}
+
 fn linear<B: Backend>(x: Tensor<B, 2>, weight: &Projection<B>) -> Tensor<B, 2> {
     weight.forward(x)
 }
@@ -240,21 +252,9 @@ impl<B: Backend> Transformer<B> {
         logits: Logits,
     ) -> Result<Tensor<B, 3>> {
         let batch = cache.batch();
-        if batch == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(batch) {
-            return Err(LlamaError::InvalidBatch(format!(
-                "{} tokens cannot be split over {batch} rows",
-                tokens.len()
-            )));
-        }
-        let seq = tokens.len() / batch;
+        let seq = columns(tokens, batch)?;
         let c = &self.config;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(LlamaError::invalid(
-                "token id",
-                bad,
-                "outside the model's vocabulary",
-            ));
-        }
+        c.check_token_ids(tokens)?;
         cache.reserve(seq)?;
         let device = self.embed.device();
         let positions = cache.chunk_positions(seq);
@@ -294,13 +294,7 @@ impl<B: Backend> Transformer<B> {
     /// with chunk times context, never with the square of a long prompt.
     pub fn forward_prompt(&self, tokens: &[u32], cache: &mut KvCache<B>) -> Result<Tensor<B, 3>> {
         let batch = cache.batch();
-        if batch == 0 || tokens.is_empty() || !tokens.len().is_multiple_of(batch) {
-            return Err(LlamaError::InvalidBatch(format!(
-                "{} tokens cannot be split over {batch} rows",
-                tokens.len()
-            )));
-        }
-        let seq = tokens.len() / batch;
+        let seq = columns(tokens, batch)?;
         if seq <= PREFILL_CHUNK {
             return self.forward(tokens, cache, Logits::Last);
         }

@@ -49,3 +49,21 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().expect("id") as u32)
         .collect()
 }
+
+/// Reads the rest of an engine job: its token ids and how it ended.
+pub fn rest(job: llama_burn::inference::EngineJob) -> (Vec<u32>, llama_burn::Result<()>) {
+    use llama_burn::inference::EngineEvent;
+    let mut ids = Vec::new();
+    for event in job.events().iter() {
+        match event {
+            EngineEvent::Token(t) => ids.push(t.token_id),
+            EngineEvent::Done(r) => return (ids, r.map(|_| ())),
+        }
+    }
+    (
+        ids,
+        Err(llama_burn::LlamaError::ModelUnavailable(
+            "the engine closed the channel".into(),
+        )),
+    )
+}

@@ -475,11 +475,7 @@ impl<B: Backend, T: Tokenizer> ContinuousEngine<B, T> {
     /// `max_waiting` requests are already waiting; other problems with the request
     /// arrive as its `Done` event.
     pub fn submit(&self, request: GenerateRequest) -> Result<EngineJob> {
-        let client = self
-            .client
-            .as_ref()
-            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
-        client.submit_events(request, CancelToken::new())
+        self.submit_with_cancel(request, CancelToken::new())
     }
 
     /// Queues a request whose cancellation is `cancel` (for example a runtime job's
