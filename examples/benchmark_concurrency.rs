@@ -19,6 +19,7 @@ use clap::Parser;
 use common::{
     B, WithModel, context_length, model_name, peak_rss_bytes, reset_peak_rss, with_model,
 };
+use llama_burn::cache::{KvBudget, KvLimits};
 use llama_burn::inference::{
     ContinuousConfig, GenerateRequest, InferenceBuilder, concurrent_streaming_handler,
     request_sampler,
@@ -60,7 +61,9 @@ struct Args {
     /// exactly --max-tokens tokens, as llama.cpp's batched-bench does).
     #[arg(long)]
     stop_at_eos: bool,
-    /// KV pool of the continuous strategy, in tokens (default: `ContinuousConfig`'s).
+    /// KV budget in tokens: the continuous strategy's pool, and the limit on the other
+    /// strategies' per-request caches together (default: `ContinuousConfig`'s and
+    /// `KvLimits`'s).
     #[arg(long)]
     kv_budget_tokens: Option<usize>,
     /// This many of the requests (the last ones) generate exactly `--long-max-tokens`
@@ -363,6 +366,12 @@ impl WithModel for &Args {
                 ));
             }
         }
+        if let Some(tokens) = self.kv_budget_tokens {
+            llama.set_kv_limits(KvLimits {
+                budget: KvBudget::Tokens(tokens),
+                ..KvLimits::default_for(llama.config().max_seq_len)
+            })?;
+        }
         let arrive = arrivals(self);
         // Warm up (first-touch allocations, thread pools) outside the measurements.
         llama.generate("Warm up", 4, 0.0, &mut Sampler::Argmax)?;
@@ -441,13 +450,19 @@ impl WithModel for &Args {
             llama = engine.shutdown()?;
         }
         if wanted.contains(&"concurrent") {
+            llama.reset_kv_peak();
             let service = InferenceBuilder::new()
                 .with_model(llama)
                 .build(concurrent_streaming_handler);
             reset_peak_rss();
             let (wall, traces) = through_service(&service, &reqs, &arrive)?;
-            // Per-request caches live inside the jobs; only the process peak is known.
-            report("concurrent", (wall, traces, Memory::default()));
+            // Per-request caches live inside the jobs; the model's KV account saw them.
+            let usage = service.with_model_blocking(|llama| llama.kv_usage())?;
+            let memory = Memory {
+                peak_kv_bytes: usage.peak_bytes,
+                ..Memory::default()
+            };
+            report("concurrent", (wall, traces, memory));
         }
         // Same outputs across strategies is the batch-invariance claim; say so.
         let outputs: Vec<&serde_json::Value> = results.iter().map(|r| &r["outputs"]).collect();

@@ -7,7 +7,7 @@
 
 use burn::tensor::backend::Backend;
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, KvReservation};
 use crate::error::{LlamaError, Result};
 use crate::llama::{GenerationState, Llama, logits_to_vec};
 use crate::model::Logits;
@@ -43,6 +43,11 @@ pub struct BatchedGenerationState<B: Backend> {
     /// Rows still in the cache, in cache order.
     active: Vec<usize>,
     cache: Option<KvCache<B>>,
+    /// The claim on the model's KV budget for the shared cache: every active row times
+    /// the shared column axis.
+    reservation: Option<KvReservation>,
+    /// Columns of the shared cache (longest prompt plus largest budget).
+    columns: usize,
 }
 
 /// What one row produced in one batched step.
@@ -77,6 +82,12 @@ impl<B: Backend> BatchedGenerationState<B> {
     /// Rows currently held in the batch's KV cache (finished rows are compacted away).
     pub fn cache_rows(&self) -> usize {
         self.cache.as_ref().map_or(0, KvCache::batch)
+    }
+
+    /// Bytes of the model's KV budget the batch has reserved now (it shrinks as rows
+    /// end).
+    pub fn reserved_bytes(&self) -> usize {
+        self.reservation.as_ref().map_or(0, KvReservation::bytes)
     }
 
     /// Bytes held by the batch's KV cache.
@@ -138,7 +149,7 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
         let rows = prompts
             .into_iter()
             .zip(max_tokens)
-            .map(|(ids, max)| self.create_generation_state_from_ids(ids, max))
+            .map(|(ids, max)| self.unreserved_state(ids, max))
             .collect::<Result<Vec<_>>>()?;
         // Every row must fit the shared column axis: longest prompt + largest budget.
         let columns = rows
@@ -158,11 +169,15 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
                  the context holds {max}; split the batch or lower max_tokens"
             )));
         }
+        // The shared cache is a rectangle: every row pays for the longest.
+        let reservation = self.reserve_kv(rows.len(), rows.len().saturating_mul(columns))?;
         let active = (0..rows.len()).collect();
         Ok(BatchedGenerationState {
             rows,
             active,
             cache: None,
+            reservation: Some(reservation),
+            columns,
         })
     }
 
@@ -247,8 +262,17 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
                 .collect();
             if next_active.is_empty() {
                 state.cache = None;
+                state.reservation = None;
             } else if let Some(cache) = state.cache.as_mut() {
                 cache.retain_rows(&still_running)?;
+                if let Some(reservation) = state.reservation.as_mut() {
+                    let rows = next_active.len();
+                    let positions = rows.saturating_mul(state.columns);
+                    reservation.shrink_to(
+                        rows,
+                        positions.saturating_mul(self.config().kv_bytes_per_token()),
+                    );
+                }
             }
             state.active = next_active;
         }

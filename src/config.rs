@@ -78,6 +78,12 @@ impl LlamaConfig {
         }
     }
 
+    /// Bytes one token's keys and values take across all layers (f32): the unit of every
+    /// KV budget. For the demo model (30 layers, 3 KV heads of 64) it is 46,080 bytes.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        crate::cache::paged::block_bytes(self.n_layers, self.n_kv_heads, self.head_dim, 1)
+    }
+
     fn llama3_family(
         d_model: usize,
         n_layers: usize,

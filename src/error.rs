@@ -85,12 +85,20 @@ pub enum LlamaError {
     /// The job was cancelled before it finished.
     #[error("the job was cancelled")]
     Cancelled,
-    /// The serving engine's queue is full; retry later.
-    #[error("overloaded: {waiting} requests already waiting (limit {limit})")]
+    /// A configured limit is reached (the engine's queue, the requests holding a KV
+    /// cache, the KV budget); nothing was allocated. Retry later.
+    #[error(
+        "overloaded: {resource} at its limit ({in_use} in use, {requested} more requested, \
+         limit {limit}); retry later"
+    )]
     Overloaded {
-        /// Requests waiting when this one was refused.
-        waiting: usize,
-        /// The queue's bound.
+        /// What is exhausted, e.g. `"waiting requests"` or `"KV cache bytes"`.
+        resource: &'static str,
+        /// How much of it is in use.
+        in_use: usize,
+        /// How much this request asked for.
+        requested: usize,
+        /// The configured limit.
         limit: usize,
     },
     /// The model thread has stopped (the inference service was shut down or panicked).

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{Tensor, backend::Backend};
 
-use crate::cache::KvCache;
+use std::sync::Arc;
+
+use crate::cache::{KvCache, KvLedger, KvLimits, KvReservation, KvUsage};
 pub use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::loader::gguf::GgufFile;
@@ -62,11 +64,18 @@ impl GenerationOutput {
 /// Everything one request needs between tokens: its ids, its own KV cache, its position,
 /// its limits and its streaming decoder. States never share a cache, so requests can be
 /// interleaved token by token without seeing each other.
+///
+/// A state made by [`Llama::create_generation_state`] holds a claim on the model's
+/// [`KvLimits`] for the largest cache it can need, from creation until it ends or is
+/// dropped.
 #[derive(Debug)]
 pub struct GenerationState<B: Backend> {
     prompt_tokens: Vec<u32>,
     tokens: Vec<u32>,
     cache: Option<KvCache<B>>,
+    /// The claim on the model's KV budget (none for states of the continuous engine,
+    /// whose pool is budgeted on its own, and for rows of a batch).
+    reservation: Option<KvReservation>,
     max_tokens: usize,
     stop_reason: Option<StopReason>,
     decoder: StreamDecoder,
@@ -121,6 +130,12 @@ impl<B: Backend> GenerationState<B> {
             self.finished_at = Some(Instant::now());
         }
         self.cache = None;
+        self.reservation = None;
+    }
+
+    /// Bytes of the model's KV budget this request has reserved (0 once it has ended).
+    pub fn reserved_bytes(&self) -> usize {
+        self.reservation.as_ref().map_or(0, KvReservation::bytes)
     }
 
     /// Bytes held by this request's KV cache (0 before the first step and after the end).
@@ -195,6 +210,8 @@ pub struct Llama<B: Backend, T: Tokenizer> {
     /// The tokenizer.
     pub tokenizer: T,
     device: B::Device,
+    /// The account of per-request KV caches against their limits.
+    kv_ledger: Arc<KvLedger>,
 }
 
 impl<B: Backend, T: Tokenizer> Llama<B, T> {
@@ -209,11 +226,79 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
             });
         }
         let device = model.embed.device();
+        let config = model.config();
+        let limits = KvLimits::default_for(config.max_seq_len);
+        let kv_ledger = KvLedger::new(
+            limits.max_requests,
+            limits.budget.bytes(config.kv_bytes_per_token()),
+        );
         Ok(Self {
             model,
             tokenizer,
             device,
+            kv_ledger,
         })
+    }
+
+    /// Bounds the KV caches of the sequential, concurrent and batched strategies
+    /// together (see [`KvLimits`]; the continuous engine budgets its own pool). Requests
+    /// already running keep their reservations.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] if `max_requests` is 0.
+    pub fn set_kv_limits(&mut self, limits: KvLimits) -> Result<()> {
+        if limits.max_requests == 0 {
+            return Err(LlamaError::invalid("max_requests", 0, "must be at least 1"));
+        }
+        let bytes = limits.budget.bytes(self.config().kv_bytes_per_token());
+        self.kv_ledger.set_limits(limits.max_requests, bytes);
+        Ok(())
+    }
+
+    /// Like [`set_kv_limits`](Self::set_kv_limits), by value.
+    pub fn with_kv_limits(mut self, limits: KvLimits) -> Result<Self> {
+        self.set_kv_limits(limits)?;
+        Ok(self)
+    }
+
+    /// The per-request KV caches' reservations now, against their limits.
+    pub fn kv_usage(&self) -> KvUsage {
+        self.kv_ledger.usage()
+    }
+
+    /// Starts [`KvUsage::peak_bytes`] again from what is reserved now.
+    pub fn reset_kv_peak(&self) {
+        self.kv_ledger.reset_peak();
+    }
+
+    /// Reserves KV memory for `requests` requests whose caches together span `tokens`
+    /// positions.
+    ///
+    /// # Errors
+    ///
+    /// - [`LlamaError::InvalidParameter`] if `tokens` alone exceed the whole budget (it
+    ///   could never be served);
+    /// - [`LlamaError::Overloaded`] if it does not fit beside the reservations held now.
+    pub(crate) fn reserve_kv(&self, requests: usize, tokens: usize) -> Result<KvReservation> {
+        let bytes = tokens.saturating_mul(self.config().kv_bytes_per_token());
+        let usage = self.kv_ledger.usage();
+        if requests > usage.max_requests {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{requests} rows but at most {} requests may hold a KV cache at once \
+                 (Llama::set_kv_limits)",
+                usage.max_requests
+            )));
+        }
+        if bytes > usage.budget_bytes {
+            return Err(LlamaError::invalid(
+                "max_tokens",
+                tokens,
+                "the request's KV cache (prompt plus max_tokens) is larger than the whole KV \
+                 budget (Llama::set_kv_limits)",
+            ));
+        }
+        self.kv_ledger.reserve(requests, bytes)
     }
 
     /// The model's configuration.
@@ -285,7 +370,34 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
     }
 
     /// Like [`create_generation_state`](Self::create_generation_state), from token ids.
+    ///
+    /// # Errors
+    ///
+    /// Besides invalid input, [`LlamaError::Overloaded`] when the request's cache
+    /// (`prompt + max_tokens` positions) does not fit in the model's [`KvLimits`] beside
+    /// the requests running now.
     pub fn create_generation_state_from_ids(
+        &self,
+        prompt_tokens: Vec<u32>,
+        max_tokens: usize,
+    ) -> Result<GenerationState<B>> {
+        let mut state = self.unreserved_state(prompt_tokens, max_tokens)?;
+        let positions = self.cache_positions(state.prompt_tokens.len(), max_tokens);
+        state.reservation = Some(self.reserve_kv(1, positions)?);
+        Ok(state)
+    }
+
+    /// Positions a request's cache is allocated for: the prompt and every generated
+    /// token, within the context window.
+    pub(crate) fn cache_positions(&self, prompt_len: usize, max_tokens: usize) -> usize {
+        prompt_len
+            .saturating_add(max_tokens)
+            .min(self.config().max_seq_len)
+    }
+
+    /// A validated state with no claim on the KV budget (its cache is accounted for
+    /// elsewhere: a batch's shared cache, the continuous engine's pool).
+    pub(crate) fn unreserved_state(
         &self,
         prompt_tokens: Vec<u32>,
         max_tokens: usize,
@@ -296,6 +408,7 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
             prompt_tokens,
             tokens: Vec::new(),
             cache: None,
+            reservation: None,
             max_tokens,
             stop_reason: None,
             decoder: StreamDecoder::new(),
@@ -331,7 +444,7 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
         let input: Vec<u32> = match state.tokens.last() {
             None => {
                 state.mark_started();
-                let capacity = state.prompt_tokens.len() + state.max_tokens;
+                let capacity = self.cache_positions(state.prompt_tokens.len(), state.max_tokens);
                 state.cache = Some(self.model.new_cache(vec![0], capacity));
                 state.prompt_tokens.clone()
             }

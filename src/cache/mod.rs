@@ -6,11 +6,16 @@
 //!   engine. The pool holds the tensors (fixed-size blocks, allocated once from the
 //!   budget); the block manager decides which block holds what (allocation, sharing,
 //!   prefix caching, eviction) and deals only in block ids.
+//! - [`KvBudget`], [`KvLimits`]: how much KV memory a store or a set of per-request
+//!   caches may take.
 
 pub mod blocks;
+mod budget;
 mod contiguous;
 pub mod paged;
 
 pub use blocks::{BlockId, BlockManager, PrefixMatch};
+pub(crate) use budget::KvLedger;
+pub use budget::{KvBudget, KvLimits, KvReservation, KvUsage};
 pub use contiguous::KvCache;
 pub use paged::PagedKvCache;

@@ -190,7 +190,7 @@ impl<B: Backend, T: Tokenizer> Worker<B, T> {
         let ids = self.llama.encode_prompt(&request.prompt)?;
         let state = self
             .llama
-            .create_generation_state_from_ids(ids.clone(), request.max_tokens)?;
+            .unreserved_state(ids.clone(), request.max_tokens)?;
         if !self.scheduler.fits(ids.len() + request.max_tokens) {
             return Err(LlamaError::invalid(
                 "max_tokens",

@@ -58,20 +58,11 @@ use super::runtime::{
     CancelToken, DirectSubmit, In, Inference, InferenceBuilder, JobSink, ModelAccessor,
     ModelDevice, OutStream,
 };
+pub use crate::cache::KvBudget;
 use crate::cache::paged::block_bytes;
 use crate::error::{LlamaError, Result};
 use crate::llama::{Llama, StopReason};
 use crate::tokenizer::Tokenizer;
-
-/// The size of the engine's KV pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KvBudget {
-    /// Room for this many tokens (rounded down to whole blocks). For the demo model
-    /// (30 layers, 3 KV heads of 64) a token takes 46,080 bytes.
-    Tokens(usize),
-    /// At most this many bytes of keys and values (f32), rounded down to whole blocks.
-    Bytes(usize),
-}
 
 /// Sizing of a [`ContinuousEngine`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -363,7 +354,15 @@ impl EngineClient {
             if let Ok(mut m) = self.shared.metrics.lock() {
                 m.rejected += 1;
             }
-            return Err(Box::new((sink, LlamaError::Overloaded { waiting, limit })));
+            return Err(Box::new((
+                sink,
+                LlamaError::Overloaded {
+                    resource: "waiting requests",
+                    in_use: waiting,
+                    requested: 1,
+                    limit,
+                },
+            )));
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let submission = Submission {
