@@ -96,3 +96,154 @@ mod chosen {
 }
 
 pub use chosen::{BACKEND_NAME, DefaultBackend, default_device};
+
+use burn::tensor::{
+    Bool, Tensor, TensorData, backend::Backend, module::attention, ops::AttentionModuleOptions,
+};
+
+use crate::error::{LlamaError, Result};
+use crate::kernels::QuantMatrix;
+
+/// What llama-burn asks of a backend beyond Burn's own operations: a backend extension
+/// in the manner of Burn's book (a trait on the backend whose default methods are the
+/// portable path, overridden where a backend has a kernel of its own).
+///
+/// Implemented for every backend of this crate's features: the CPU backend (Flex) keeps
+/// quantized weights in their blocks and multiplies them with our own kernels
+/// ([`crate::kernels::cpu`]); the GPU backends keep the defaults, so loading dequantizes
+/// and projections are Burn's matmul, as before.
+pub trait LlamaBackend: Backend {
+    /// Whether loading keeps weights in a supported block format
+    /// ([`QuantFormat`](crate::kernels::QuantFormat)) instead of dequantizing them.
+    fn keeps_quantized_weights() -> bool {
+        false
+    }
+
+    /// `x @ W^T` for activations `x` `[rows, in]` and a quantized `W` `[out, in]`:
+    /// `[rows, out]`. The default dequantizes `W` and uses Burn's matmul.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] if `x` has not `W.cols()` columns.
+    fn quantized_matmul(x: Tensor<Self, 2>, w: &QuantMatrix) -> Result<Tensor<Self, 2>> {
+        let [_, n_in] = x.dims();
+        if n_in != w.cols() {
+            return Err(LlamaError::ShapeMismatch {
+                name: "quantized matmul input".into(),
+                expected: vec![w.cols()],
+                actual: vec![n_in],
+            });
+        }
+        let dense = Tensor::<Self, 2>::from_data(
+            TensorData::new(w.dequantize()?, [w.rows(), w.cols()]),
+            &x.device(),
+        );
+        Ok(x.matmul(dense.transpose()))
+    }
+
+    /// `softmax(q k^T / sqrt(dim)) v` with `true` in `mask` hiding a key: `q`
+    /// `[batch, heads, queries, dim]`, `k`/`v` `[batch, heads, keys, dim]`, `mask`
+    /// `[batch, 1, queries, keys]`. The default is Burn's fused attention.
+    ///
+    /// # Errors
+    ///
+    /// Backends with a kernel of their own report what it cannot take.
+    fn masked_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: Option<Tensor<Self, 4, Bool>>,
+    ) -> Result<Tensor<Self, 4>> {
+        Ok(attention(
+            q,
+            k,
+            v,
+            mask,
+            None,
+            AttentionModuleOptions {
+                scale: None,
+                softcap: None,
+                is_causal: false,
+            },
+        ))
+    }
+}
+
+/// A tensor's values on the host.
+#[cfg(feature = "flex")]
+fn host<T: burn::tensor::Element, const D: usize, K>(
+    t: Tensor<burn::backend::Flex, D, K>,
+) -> Result<Vec<T>>
+where
+    K: burn::tensor::TensorKind<burn::backend::Flex> + burn::tensor::BasicOps<burn::backend::Flex>,
+{
+    t.into_data()
+        .convert::<T>()
+        .into_vec::<T>()
+        .map_err(|e| LlamaError::Runtime(format!("reading a tensor: {e:?}")))
+}
+
+#[cfg(feature = "flex")]
+impl LlamaBackend for burn::backend::Flex {
+    fn keeps_quantized_weights() -> bool {
+        true
+    }
+
+    fn quantized_matmul(x: Tensor<Self, 2>, w: &QuantMatrix) -> Result<Tensor<Self, 2>> {
+        let [rows, _] = x.dims();
+        let device = x.device();
+        let data = x.into_data();
+        let values = data
+            .as_slice::<f32>()
+            .map_err(|e| LlamaError::Runtime(format!("reading activations: {e:?}")))?;
+        let out = crate::kernels::matmul_transposed(values, rows, w)?;
+        Ok(Tensor::from_data(
+            TensorData::new(out, [rows, w.rows()]),
+            &device,
+        ))
+    }
+
+    fn masked_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: Option<Tensor<Self, 4, Bool>>,
+    ) -> Result<Tensor<Self, 4>> {
+        use crate::kernels::attention::{AttentionShape, attention};
+        let [batch, heads, queries, dim] = q.dims();
+        let keys = k.dims()[2];
+        let mask_heads = mask.as_ref().map_or(1, |m| m.dims()[1]);
+        let device = q.device();
+        let mask = mask.map(host::<bool, 4, Bool>).transpose()?;
+        let out = attention(
+            &host::<f32, 4, _>(q)?,
+            &host::<f32, 4, _>(k)?,
+            &host::<f32, 4, _>(v)?,
+            mask.as_deref(),
+            AttentionShape {
+                batch,
+                heads,
+                queries,
+                keys,
+                dim,
+                mask_heads,
+            },
+        )?;
+        Ok(Tensor::from_data(
+            TensorData::new(out, [batch, heads, queries, dim]),
+            &device,
+        ))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl LlamaBackend for burn::backend::Cuda {}
+
+#[cfg(any(feature = "tch-gpu", feature = "tch-cpu"))]
+impl LlamaBackend for burn::backend::LibTorch {}
+
+#[cfg(feature = "wgpu")]
+impl LlamaBackend for burn::backend::Wgpu {}
+
+#[cfg(feature = "vulkan")]
+impl LlamaBackend for burn::backend::Vulkan {}

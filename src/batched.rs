@@ -5,7 +5,7 @@
 //! that finish are dropped from the cache and from later forward passes, so a long row
 //! does not make finished rows keep costing compute.
 
-use burn::tensor::backend::Backend;
+use crate::backend::LlamaBackend;
 
 use crate::cache::{KvCache, KvReservation};
 use crate::error::{LlamaError, Result};
@@ -38,7 +38,7 @@ pub(crate) fn left_pad(prompts: &[&[u32]]) -> (Vec<u32>, Vec<usize>) {
 /// each, without a cache of its own), and one KV cache with a batch dimension holding
 /// only the rows still running.
 #[derive(Debug)]
-pub struct BatchedGenerationState<B: Backend> {
+pub struct BatchedGenerationState<B: LlamaBackend> {
     rows: Vec<GenerationState<B>>,
     /// Rows still in the cache, in cache order.
     active: Vec<usize>,
@@ -53,7 +53,7 @@ pub struct BatchedGenerationState<B: Backend> {
 /// What one row produced in one batched step.
 pub type RowStep = (u32, String, bool);
 
-impl<B: Backend> BatchedGenerationState<B> {
+impl<B: LlamaBackend> BatchedGenerationState<B> {
     /// Number of rows (requests) in the batch.
     pub fn len(&self) -> usize {
         self.rows.len()
@@ -111,7 +111,7 @@ impl<B: Backend> BatchedGenerationState<B> {
     }
 }
 
-impl<B: Backend, T: Tokenizer> Llama<B, T> {
+impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// Prepares a batch: tokenizes and validates every prompt (nothing heavier). Each row
     /// may generate up to `max_tokens` tokens.
     pub fn create_batched_generation_state<S: AsRef<str>>(

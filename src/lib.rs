@@ -9,6 +9,7 @@ pub mod config;
 pub mod demo;
 pub mod error;
 pub mod inference;
+pub mod kernels;
 pub mod llama;
 pub mod loader;
 pub mod model;

@@ -4,7 +4,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Tensor, backend::Backend};
+use burn::tensor::Tensor;
+
+use crate::backend::LlamaBackend;
 
 use std::sync::Arc;
 
@@ -69,7 +71,7 @@ impl GenerationOutput {
 /// [`KvLimits`] for the largest cache it can need, from creation until it ends or is
 /// dropped.
 #[derive(Debug)]
-pub struct GenerationState<B: Backend> {
+pub struct GenerationState<B: LlamaBackend> {
     prompt_tokens: Vec<u32>,
     tokens: Vec<u32>,
     cache: Option<KvCache<B>>,
@@ -87,7 +89,7 @@ pub struct GenerationState<B: Backend> {
     finished_at: Option<Instant>,
 }
 
-impl<B: Backend> GenerationState<B> {
+impl<B: LlamaBackend> GenerationState<B> {
     /// The prompt's token ids.
     pub fn prompt_tokens(&self) -> &[u32] {
         &self.prompt_tokens
@@ -204,7 +206,7 @@ impl<B: Backend> GenerationState<B> {
 
 /// A Llama-architecture model with its tokenizer, on backend `B`.
 #[derive(Debug)]
-pub struct Llama<B: Backend, T: Tokenizer> {
+pub struct Llama<B: LlamaBackend, T: Tokenizer> {
     /// The transformer.
     pub model: Transformer<B>,
     /// The tokenizer.
@@ -214,7 +216,7 @@ pub struct Llama<B: Backend, T: Tokenizer> {
     kv_ledger: Arc<KvLedger>,
 }
 
-impl<B: Backend, T: Tokenizer> Llama<B, T> {
+impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// Pairs a model with a tokenizer; fails with [`LlamaError::TokenizerMismatch`] when
     /// the tokenizer has ids the model has no embedding for.
     pub fn new(model: Transformer<B>, tokenizer: T) -> Result<Self> {
@@ -225,7 +227,7 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
                 model_vocab,
             });
         }
-        let device = model.embed.device();
+        let device = model.device().clone();
         let config = model.config();
         let limits = KvLimits::default_for(config.max_seq_len);
         let kv_ledger = KvLedger::new(
@@ -562,7 +564,9 @@ impl<B: Backend, T: Tokenizer> Llama<B, T> {
 }
 
 /// Copies logits to the host as f32, row-major.
-pub(crate) fn logits_to_vec<B: Backend, const D: usize>(logits: Tensor<B, D>) -> Result<Vec<f32>> {
+pub(crate) fn logits_to_vec<B: LlamaBackend, const D: usize>(
+    logits: Tensor<B, D>,
+) -> Result<Vec<f32>> {
     logits
         .into_data()
         .convert::<f32>()
@@ -571,9 +575,10 @@ pub(crate) fn logits_to_vec<B: Backend, const D: usize>(logits: Tensor<B, D>) ->
 }
 
 impl LlamaConfig {
-    /// Loads a GGUF checkpoint (weights dequantized to f32) with its embedded tokenizer,
-    /// allocating for `max_seq_len` tokens of context. Shows progress on a terminal.
-    pub fn load_gguf<B: Backend>(
+    /// Loads a GGUF checkpoint with its embedded tokenizer, allocating for `max_seq_len`
+    /// tokens of context. Shows progress on a terminal. On the CPU backend Q8_0, Q4_0,
+    /// Q4_1, Q4_K and Q6_K weights stay quantized; everything else is dequantized to f32.
+    pub fn load_gguf<B: LlamaBackend>(
         path: impl AsRef<Path>,
         max_seq_len: usize,
         device: &B::Device,
@@ -585,7 +590,7 @@ impl LlamaConfig {
     }
 
     /// [`load_gguf`](Self::load_gguf) with a progress callback `(done, total)`.
-    pub fn load_gguf_with_progress<B: Backend>(
+    pub fn load_gguf_with_progress<B: LlamaBackend>(
         path: impl AsRef<Path>,
         max_seq_len: usize,
         device: &B::Device,
@@ -601,7 +606,7 @@ impl LlamaConfig {
 
     /// Loads a Hugging Face model directory (`config.json`, `model.safetensors` or
     /// shards with `model.safetensors.index.json`, `tokenizer.json`).
-    pub fn load_hf_dir<B: Backend>(
+    pub fn load_hf_dir<B: LlamaBackend>(
         dir: impl AsRef<Path>,
         max_seq_len: usize,
         device: &B::Device,
@@ -615,7 +620,7 @@ impl LlamaConfig {
 
     /// Loads the weights of a Hugging Face model directory and pairs them with the given
     /// tokenizer (for example a Llama 3 `tokenizer.model`).
-    pub fn load_hf_dir_with_tokenizer<B: Backend, T: Tokenizer>(
+    pub fn load_hf_dir_with_tokenizer<B: LlamaBackend, T: Tokenizer>(
         dir: impl AsRef<Path>,
         tokenizer: T,
         max_seq_len: usize,

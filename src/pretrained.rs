@@ -37,7 +37,7 @@
 use std::io::IsTerminal;
 use std::path::{Component, Path, PathBuf};
 
-use burn::tensor::backend::Backend;
+use crate::backend::LlamaBackend;
 use hf_hub::api::sync::{ApiBuilder, ApiError, ApiRepo};
 use hf_hub::{Cache, CacheRepo, Repo};
 
@@ -337,7 +337,7 @@ fn download_error(repo_id: &str, file: &str, cache_dir: &Path, err: ApiError) ->
 
 /// Downloads a Llama 3 checkpoint and loads it with Meta's tokenizer.
 #[cfg(feature = "llama3")]
-fn load_llama3<B: Backend>(
+fn load_llama3<B: LlamaBackend>(
     model: &PretrainedModel,
     preset: LlamaConfig,
     max_seq_len: usize,
@@ -376,7 +376,7 @@ impl LlamaConfig {
     /// ```
     #[cfg(feature = "llama3")]
     #[cfg_attr(docsrs, doc(cfg(all(feature = "pretrained", feature = "llama3"))))]
-    pub fn llama3_2_1b_pretrained<B: Backend>(
+    pub fn llama3_2_1b_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
     ) -> Result<Llama<B, Llama3Tokenizer>> {
@@ -406,7 +406,7 @@ impl LlamaConfig {
     /// ```
     #[cfg(feature = "llama3")]
     #[cfg_attr(docsrs, doc(cfg(all(feature = "pretrained", feature = "llama3"))))]
-    pub fn llama3_2_3b_pretrained<B: Backend>(
+    pub fn llama3_2_3b_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
     ) -> Result<Llama<B, Llama3Tokenizer>> {
@@ -437,7 +437,7 @@ impl LlamaConfig {
     /// ```
     #[cfg(feature = "llama3")]
     #[cfg_attr(docsrs, doc(cfg(all(feature = "pretrained", feature = "llama3"))))]
-    pub fn llama3_1_8b_pretrained<B: Backend>(
+    pub fn llama3_1_8b_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
     ) -> Result<Llama<B, Llama3Tokenizer>> {
@@ -468,7 +468,7 @@ impl LlamaConfig {
     /// ```
     #[cfg(feature = "llama3")]
     #[cfg_attr(docsrs, doc(cfg(all(feature = "pretrained", feature = "llama3"))))]
-    pub fn llama3_8b_pretrained<B: Backend>(
+    pub fn llama3_8b_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
     ) -> Result<Llama<B, Llama3Tokenizer>> {
@@ -497,7 +497,7 @@ impl LlamaConfig {
     /// # Ok(())
     /// # }
     /// ```
-    pub fn tiny_llama_pretrained<B: Backend>(
+    pub fn tiny_llama_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
     ) -> Result<Llama<B, HfTokenizer>> {

@@ -361,7 +361,11 @@ fn hf_directory_gives_the_gguf_logits_and_typed_errors() {
         "HF directory vs GGUF: max |logit diff| = {diff:e} over {} tokens",
         ids.len()
     );
-    assert!(diff <= 1e-6, "logits differ by {diff}");
+    // The GGUF model keeps its Q4_1/Q8_0 blocks and multiplies them with our kernels;
+    // the directory holds the same weights dequantized, multiplied by Burn's matmul. Same
+    // weights, a different summation order: a loading mistake (a transposed or permuted
+    // tensor) moves logits by whole units, the order by about 1e-5.
+    assert!(diff <= 2e-4, "logits differ by {diff}");
     drop((from_gguf, from_hf));
 
     // config.json with a different hidden size: the first tensor has the wrong shape.

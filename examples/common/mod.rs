@@ -42,7 +42,7 @@ pub fn with_model<J: WithModel>(
 pub fn model_name(model: Option<&Path>) -> String {
     match model {
         Some(p) => p.display().to_string(),
-        None => "SmolLM2-135M-Instruct (demo, Q4_1 GGUF dequantized to f32)".to_string(),
+        None => "SmolLM2-135M-Instruct (demo, Q4_1 GGUF)".to_string(),
     }
 }
 

@@ -1,6 +1,6 @@
 //! `generate_batch`: the batched strategy in one call.
 
-use burn::tensor::backend::Backend;
+use crate::backend::LlamaBackend;
 
 use crate::error::{LlamaError, Result};
 use crate::llama::Llama;
@@ -30,7 +30,7 @@ pub const DEFAULT_MAX_BATCH: usize = 32;
 /// # Ok(())
 /// # }
 /// ```
-pub fn generate_batch<B: Backend, T: Tokenizer, S: AsRef<str>>(
+pub fn generate_batch<B: LlamaBackend, T: Tokenizer, S: AsRef<str>>(
     llama: &mut Llama<B, T>,
     prompts: &[S],
     max_tokens: usize,
@@ -50,7 +50,7 @@ pub fn generate_batch<B: Backend, T: Tokenizer, S: AsRef<str>>(
 }
 
 /// [`generate_batch`] with an explicit largest batch size.
-pub fn generate_batch_with_max<B: Backend, T: Tokenizer, S: AsRef<str>>(
+pub fn generate_batch_with_max<B: LlamaBackend, T: Tokenizer, S: AsRef<str>>(
     llama: &mut Llama<B, T>,
     prompts: &[S],
     max_tokens: usize,

@@ -5,7 +5,7 @@
 //! included (with empty text), so the emitted ids are exactly those of
 //! [`Llama::generate`](crate::llama::Llama::generate).
 
-use burn::tensor::backend::Backend;
+use crate::backend::LlamaBackend;
 
 use super::request::{GenerateRequest, TokenOutput};
 use super::runtime::{CancelToken, In, ModelAccessor, ModelDevice, OutStream};
@@ -14,7 +14,7 @@ use crate::llama::{GenerationState, Llama};
 use crate::sampling::{Sampler, TopP};
 use crate::tokenizer::Tokenizer;
 
-impl<B: Backend, T: Tokenizer> ModelDevice for Llama<B, T> {
+impl<B: LlamaBackend, T: Tokenizer> ModelDevice for Llama<B, T> {
     type Device = B::Device;
 
     fn devices(&self) -> Vec<B::Device> {
@@ -32,7 +32,7 @@ pub fn request_sampler(request: &GenerateRequest) -> Sampler {
 }
 
 /// Validates `request` against the model and prepares its state.
-fn prepare<B: Backend, T: Tokenizer>(
+fn prepare<B: LlamaBackend, T: Tokenizer>(
     llama: &Llama<B, T>,
     request: &GenerateRequest,
 ) -> Result<GenerationState<B>> {
@@ -47,7 +47,7 @@ fn prepare<B: Backend, T: Tokenizer>(
 
 /// The blocking baseline: one `submit` for the whole generation, so the model serves
 /// this request from first to last token before any other job gets a turn.
-pub fn streaming_handler<B: Backend, T: Tokenizer>(
+pub fn streaming_handler<B: LlamaBackend, T: Tokenizer>(
     In(request): In<GenerateRequest>,
     model: ModelAccessor<Llama<B, T>>,
     cancel: CancelToken,
@@ -79,7 +79,7 @@ pub fn streaming_handler<B: Backend, T: Tokenizer>(
 /// KV cache) lives in this job and visits the model thread for each token, so requests
 /// interleave at token boundaries and none can see another's cache. Cancelling (or
 /// dropping the job's stream) stops it before its next token and frees its cache.
-pub fn concurrent_streaming_handler<B: Backend, T: Tokenizer>(
+pub fn concurrent_streaming_handler<B: LlamaBackend, T: Tokenizer>(
     In(request): In<GenerateRequest>,
     model: ModelAccessor<Llama<B, T>>,
     cancel: CancelToken,

@@ -95,7 +95,7 @@ fn check(ty: GgmlType, n_bytes: usize, n_elements: usize) -> Result<()> {
 }
 
 #[inline(always)]
-fn f16_at(lo: u8, hi: u8) -> f32 {
+pub(crate) fn f16_at(lo: u8, hi: u8) -> f32 {
     f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
 }
 
@@ -288,7 +288,7 @@ fn q3_k(bytes: &[u8], out: &mut [f32]) {
 
 /// Unpacks the eight 6-bit scales and eight 6-bit minimums of a `Q4_K`/`Q5_K` block.
 #[inline(always)]
-fn k_scales_mins(packed: &[u8]) -> ([u8; 8], [u8; 8]) {
+pub(crate) fn k_scales_mins(packed: &[u8]) -> ([u8; 8], [u8; 8]) {
     let mut sc = [0u8; 8];
     let mut mn = [0u8; 8];
     for j in 0..8 {

@@ -9,13 +9,17 @@ pub mod gguf;
 pub mod safetensors;
 
 use std::io::IsTerminal;
+use std::sync::Arc;
 
-use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn::tensor::{Tensor, TensorData};
+
+use crate::backend::LlamaBackend;
 
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
+use crate::kernels::{QuantFormat, QuantMatrix};
 use crate::model::linear::default_blocks;
-use crate::model::{Block, Projection, Transformer};
+use crate::model::{Block, Projection, Transformer, VocabMatrix};
 use gguf::GgufFile;
 
 /// A checkpoint that hands out tensors by Hugging Face name (`model.layers.0.self_attn.q_proj.weight`, ...).
@@ -24,6 +28,12 @@ pub trait TensorSource {
     fn contains(&self, name: &str) -> bool;
     /// Reads a tensor as row-major f32 with its shape (PyTorch order).
     fn read(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
+    /// Reads a 2-D tensor in its block format, if it is stored in one the CPU kernels
+    /// take ([`QuantFormat`](crate::kernels::QuantFormat)); `None` otherwise. Rows are in
+    /// Hugging Face order, as [`read`](Self::read) gives them.
+    fn read_quantized(&mut self, _name: &str) -> Result<Option<QuantMatrix>> {
+        Ok(None)
+    }
 }
 
 /// Reports loading progress: called with (tensors done, tensors total).
@@ -53,8 +63,128 @@ fn layer_name(i: usize, suffix: &str) -> String {
     format!("model.layers.{i}.{suffix}")
 }
 
-/// Builds a [`Transformer`] from a checkpoint, checking every tensor's shape.
-pub fn build_transformer<B: Backend>(
+/// Reads named tensors from a source, checks their shapes and reports progress.
+struct WeightReader<'s, 'p, B: LlamaBackend> {
+    source: &'s mut dyn TensorSource,
+    progress: ProgressFn<'p>,
+    done: usize,
+    total: usize,
+    device: B::Device,
+    /// Keep supported block formats quantized (the backend has kernels for them).
+    quantized: bool,
+    /// Column blocks of dense projections.
+    blocks: usize,
+}
+
+impl<B: LlamaBackend> WeightReader<'_, '_, B> {
+    fn step(&mut self) {
+        self.done += 1;
+        (self.progress)(self.done, self.total);
+    }
+
+    fn check_shape(name: &str, shape: Vec<usize>, expected: &[usize]) -> Result<()> {
+        if shape != expected {
+            return Err(LlamaError::ShapeMismatch {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                actual: shape,
+            });
+        }
+        Ok(())
+    }
+
+    /// A tensor as f32.
+    fn f32(&mut self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+        if !self.source.contains(name) {
+            return Err(LlamaError::MissingTensor(name.to_string()));
+        }
+        let (shape, data) = self.source.read(name)?;
+        Self::check_shape(name, shape, expected)?;
+        self.step();
+        Ok(data)
+    }
+
+    /// A `[rows, cols]` matrix in its block format, when the backend keeps it so and the
+    /// source holds it in a supported format.
+    fn quantized(&mut self, name: &str, rows: usize, cols: usize) -> Result<Option<QuantMatrix>> {
+        if !self.quantized {
+            return Ok(None);
+        }
+        if !self.source.contains(name) {
+            return Err(LlamaError::MissingTensor(name.to_string()));
+        }
+        let Some(m) = self.source.read_quantized(name)? else {
+            return Ok(None);
+        };
+        Self::check_shape(name, vec![m.rows(), m.cols()], &[rows, cols])?;
+        self.step();
+        Ok(Some(m))
+    }
+
+    /// A `[len]` vector.
+    fn vector(&mut self, name: &str, len: usize) -> Result<Tensor<B, 1>> {
+        let data = self.f32(name, &[len])?;
+        Ok(Tensor::from_data(
+            TensorData::new(data, [len]),
+            &self.device,
+        ))
+    }
+
+    /// A `[vocab, d_model]` table.
+    fn vocab(&mut self, name: &str, vocab: usize, d: usize) -> Result<VocabMatrix<B>> {
+        if let Some(m) = self.quantized(name, vocab, d)? {
+            return Ok(VocabMatrix::Quantized(Arc::new(m)));
+        }
+        let data = self.f32(name, &[vocab, d])?;
+        Ok(VocabMatrix::Dense(Tensor::from_data(
+            TensorData::new(data, [vocab, d]),
+            &self.device,
+        )))
+    }
+
+    /// A projection from `cols` inputs to the outputs of `parts` (checkpoint matrices
+    /// `[rows_i, cols]`, stacked along the outputs).
+    fn projection(&mut self, parts: &[(&str, usize)], cols: usize) -> Result<Projection<B>> {
+        let mut quantized = Vec::with_capacity(parts.len());
+        for &(name, rows) in parts {
+            match self.quantized(name, rows, cols)? {
+                Some(m) => quantized.push(m),
+                None => break,
+            }
+        }
+        if quantized.len() == parts.len() {
+            return Projection::quantized(quantized);
+        }
+        // Dense: the parts not already read, dequantized, plus the dequantized forms of
+        // those that were (a projection is all quantized or all dense).
+        let mut data: Vec<f32> = Vec::new();
+        for (i, &(name, rows)) in parts.iter().enumerate() {
+            match quantized.get(i) {
+                Some(m) => data.extend(m.dequantize()?),
+                None => data.extend(self.f32(name, &[rows, cols])?),
+            }
+        }
+        // Dense projections are stored `[in, out]`: checkpoints hold `[out, in]`.
+        let rows = data.len() / cols;
+        let mut t = vec![0f32; data.len()];
+        for r in 0..rows {
+            for (c, &value) in data[r * cols..(r + 1) * cols].iter().enumerate() {
+                t[c * rows + r] = value;
+            }
+        }
+        Ok(Projection::from_host(
+            &t,
+            [cols, rows],
+            self.blocks,
+            &self.device,
+        ))
+    }
+}
+
+/// Builds a [`Transformer`] from a checkpoint, checking every tensor's shape. On a
+/// backend with quantized kernels ([`LlamaBackend::keeps_quantized_weights`]),
+/// projections and embeddings stored in a supported block format stay in it.
+pub fn build_transformer<B: LlamaBackend>(
     config: &LlamaConfig,
     source: &mut dyn TensorSource,
     device: &B::Device,
@@ -63,141 +193,49 @@ pub fn build_transformer<B: Backend>(
     config.validate()?;
     let c = config;
     let tied = c.tie_embeddings || !source.contains("lm_head.weight");
-    let total = 2 + usize::from(!tied) + 9 * c.n_layers;
-    let mut done = 0usize;
-    let mut step = |progress: &mut dyn FnMut(usize, usize)| {
-        done += 1;
-        progress(done, total);
+    let mut w = WeightReader::<B> {
+        source,
+        progress,
+        done: 0,
+        total: 2 + usize::from(!tied) + 9 * c.n_layers,
+        device: device.clone(),
+        quantized: B::keeps_quantized_weights(),
+        blocks: default_blocks::<B>(),
     };
-    let mut read = |name: &str, expected: Vec<usize>| -> Result<Vec<f32>> {
-        if !source.contains(name) {
-            return Err(LlamaError::MissingTensor(name.to_string()));
-        }
-        let (shape, data) = source.read(name)?;
-        if shape != expected {
-            return Err(LlamaError::ShapeMismatch {
-                name: name.to_string(),
-                expected,
-                actual: shape,
-            });
-        }
-        Ok(data)
-    };
-    let tensor2 = |data: Vec<f32>, rows: usize, cols: usize| {
-        Tensor::<B, 2>::from_data(TensorData::new(data, [rows, cols]), device)
-    };
-    // Projections are stored `[in, out]`: checkpoints hold `[out, in]`, so transpose once.
-    let blocks = default_blocks::<B>();
-    let projection = |data: Vec<f32>, rows: usize, cols: usize| {
-        let mut t = vec![0f32; data.len()];
-        for r in 0..rows {
-            for (c, &value) in data[r * cols..(r + 1) * cols].iter().enumerate() {
-                t[c * rows + r] = value;
-            }
-        }
-        Projection::from_host(&t, [cols, rows], blocks, device)
-    };
-    let tensor1 = |data: Vec<f32>| {
-        let n = data.len();
-        Tensor::<B, 1>::from_data(TensorData::new(data, [n]), device)
-    };
-
     let (d, hd) = (c.d_model, c.head_dim);
-    let embed = tensor2(
-        read("model.embed_tokens.weight", vec![c.vocab_size, d])?,
-        c.vocab_size,
-        d,
-    );
-    step(progress);
+    let (q_rows, kv_rows) = (c.n_heads * hd, c.n_kv_heads * hd);
+
+    let embed = w.vocab("model.embed_tokens.weight", c.vocab_size, d)?;
     let mut blocks = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
-        let attn_norm = tensor1(read(&layer_name(i, "input_layernorm.weight"), vec![d])?);
-        step(progress);
-        let mut qk = read(
-            &layer_name(i, "self_attn.q_proj.weight"),
-            vec![c.n_heads * hd, d],
-        )?;
-        step(progress);
-        qk.extend(read(
-            &layer_name(i, "self_attn.k_proj.weight"),
-            vec![c.n_kv_heads * hd, d],
-        )?);
-        step(progress);
-        let wqk = projection(qk, (c.n_heads + c.n_kv_heads) * hd, d);
-        let wv = projection(
-            read(
-                &layer_name(i, "self_attn.v_proj.weight"),
-                vec![c.n_kv_heads * hd, d],
-            )?,
-            c.n_kv_heads * hd,
-            d,
-        );
-        step(progress);
-        let wo = projection(
-            read(
-                &layer_name(i, "self_attn.o_proj.weight"),
-                vec![d, c.n_heads * hd],
-            )?,
-            d,
-            c.n_heads * hd,
-        );
-        step(progress);
-        let ffn_norm = tensor1(read(
-            &layer_name(i, "post_attention_layernorm.weight"),
-            vec![d],
-        )?);
-        step(progress);
-        let w_gate = projection(
-            read(
-                &layer_name(i, "mlp.gate_proj.weight"),
-                vec![c.ffn_hidden, d],
-            )?,
-            c.ffn_hidden,
-            d,
-        );
-        step(progress);
-        let w_up = projection(
-            read(&layer_name(i, "mlp.up_proj.weight"), vec![c.ffn_hidden, d])?,
-            c.ffn_hidden,
-            d,
-        );
-        step(progress);
-        let w_down = projection(
-            read(
-                &layer_name(i, "mlp.down_proj.weight"),
-                vec![d, c.ffn_hidden],
-            )?,
-            d,
-            c.ffn_hidden,
-        );
-        step(progress);
+        let name = |suffix: &str| layer_name(i, suffix);
         blocks.push(Block {
-            attn_norm,
-            wqk,
-            wv,
-            wo,
-            ffn_norm,
-            w_gate,
-            w_up,
-            w_down,
+            attn_norm: w.vector(&name("input_layernorm.weight"), d)?,
+            // Queries and keys share one projection (one product instead of two).
+            wqk: w.projection(
+                &[
+                    (&name("self_attn.q_proj.weight"), q_rows),
+                    (&name("self_attn.k_proj.weight"), kv_rows),
+                ],
+                d,
+            )?,
+            wv: w.projection(&[(&name("self_attn.v_proj.weight"), kv_rows)], d)?,
+            wo: w.projection(&[(&name("self_attn.o_proj.weight"), d)], q_rows)?,
+            ffn_norm: w.vector(&name("post_attention_layernorm.weight"), d)?,
+            w_gate: w.projection(&[(&name("mlp.gate_proj.weight"), c.ffn_hidden)], d)?,
+            w_up: w.projection(&[(&name("mlp.up_proj.weight"), c.ffn_hidden)], d)?,
+            w_down: w.projection(&[(&name("mlp.down_proj.weight"), d)], c.ffn_hidden)?,
         });
     }
-    let norm = tensor1(read("model.norm.weight", vec![d])?);
-    step(progress);
+    let norm = w.vector("model.norm.weight", d)?;
     let lm_head = if tied {
         None
     } else {
-        let head = tensor2(
-            read("lm_head.weight", vec![c.vocab_size, d])?,
-            c.vocab_size,
-            d,
-        );
-        step(progress);
-        Some(head)
+        Some(w.vocab("lm_head.weight", c.vocab_size, d)?)
     };
     let mut config = config.clone();
     config.tie_embeddings = tied;
-    Transformer::new(config, embed, blocks, norm, lm_head, device)
+    Transformer::from_weights(config, embed, blocks, norm, lm_head, device)
 }
 
 /// [`TensorSource`] over a GGUF file: maps Hugging Face names to GGUF names, dequantizes,
@@ -246,11 +284,11 @@ impl<'a> GgufSource<'a> {
 
 /// Undoes llama.cpp's query/key row permutation: GGUF stores each head's rows as
 /// interleaved pairs (row `2i + h`) where Hugging Face stores halves (row `h * d/2 + i`).
-fn unpermute_heads(data: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+fn unpermute_heads<T: Copy + Default>(data: &[T], heads: usize, cols: usize) -> Vec<T> {
     let rows = data.len() / cols.max(1);
     let head_dim = rows / heads.max(1);
     let half = head_dim / 2;
-    let mut out = vec![0.0; data.len()];
+    let mut out = vec![T::default(); data.len()];
     for head in 0..heads {
         for i in 0..half {
             for h in 0..2 {
@@ -273,23 +311,64 @@ impl TensorSource for GgufSource<'_> {
         let gguf_name =
             Self::gguf_name(name).ok_or_else(|| LlamaError::MissingTensor(name.to_string()))?;
         let (shape, data) = self.gguf.read_tensor_f32(&gguf_name)?;
+        match self.permuted_heads(name, &shape)? {
+            Some(heads) => {
+                let cols = shape[1];
+                Ok((shape, unpermute_heads(&data, heads, cols)))
+            }
+            None => Ok((shape, data)),
+        }
+    }
+
+    fn read_quantized(&mut self, name: &str) -> Result<Option<QuantMatrix>> {
+        let gguf_name =
+            Self::gguf_name(name).ok_or_else(|| LlamaError::MissingTensor(name.to_string()))?;
+        let info = self
+            .gguf
+            .tensor_info(&gguf_name)
+            .ok_or_else(|| LlamaError::MissingTensor(name.to_string()))?;
+        let shape = info.shape();
+        let (Some(format), [rows, cols]) = (QuantFormat::from_ggml(info.ty), shape.as_slice())
+        else {
+            return Ok(None);
+        };
+        let (rows, cols) = (*rows, *cols);
+        if !cols.is_multiple_of(format.block_values()) {
+            return Ok(None);
+        }
+        let mut bytes = self.gguf.read_tensor_bytes(info)?;
+        if let Some(heads) = self.permuted_heads(name, &shape)? {
+            // Whole rows move, so the permutation is undone on the blocks themselves.
+            let row_bytes = cols / format.block_values() * format.block_bytes();
+            bytes = unpermute_heads(&bytes, heads, row_bytes);
+        }
+        QuantMatrix::new(format, rows, cols, bytes).map(Some)
+    }
+}
+
+impl GgufSource<'_> {
+    /// The head count whose llama.cpp row permutation `name` carries (queries and keys),
+    /// after checking that its rows split into heads of even size.
+    fn permuted_heads(&self, name: &str, shape: &[usize]) -> Result<Option<usize>> {
         let heads = if name.ends_with("q_proj.weight") {
             self.n_heads
         } else if name.ends_with("k_proj.weight") {
             self.n_kv_heads
         } else {
-            return Ok((shape, data));
+            return Ok(None);
         };
-        let cols = shape.get(1).copied().unwrap_or(1);
         let rows = shape.first().copied().unwrap_or(0);
         if shape.len() != 2 || heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
             return Err(LlamaError::ShapeMismatch {
                 name: name.to_string(),
-                expected: vec![heads * (rows / heads.max(1)), cols],
-                actual: shape,
+                expected: vec![
+                    heads * (rows / heads.max(1)),
+                    shape.get(1).copied().unwrap_or(1),
+                ],
+                actual: shape.to_vec(),
             });
         }
-        Ok((shape, unpermute_heads(&data, heads, cols)))
+        Ok(Some(heads))
     }
 }
 

@@ -1,9 +1,8 @@
 //! Grouped-query self-attention over the contiguous KV cache and over the paged pool.
 
-use burn::tensor::{
-    Bool, Int, Tensor, TensorData, backend::Backend, module::attention, ops::AttentionModuleOptions,
-};
+use burn::tensor::{Bool, Int, Tensor, TensorData, backend::Backend};
 
+use crate::backend::LlamaBackend;
 use crate::cache::paged::Slot;
 use crate::cache::{BlockId, KvCache, PagedKvCache};
 use crate::config::LlamaConfig;
@@ -16,34 +15,24 @@ use crate::error::{LlamaError, Result};
 /// Query heads that share a key/value head are folded into the query axis
 /// (`[batch, n_kv_heads, groups * seq, head_dim]`), so keys and values are never
 /// repeated and the backend's fused attention kernel sees matching head counts.
-pub fn grouped_query_attention<B: Backend>(
+pub fn grouped_query_attention<B: LlamaBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     cache: &mut KvCache<B>,
     layer: usize,
     mask: Option<&Tensor<B, 4, burn::tensor::Bool>>,
-) -> Tensor<B, 3> {
+) -> Result<Tensor<B, 3>> {
     let [batch, n_heads, seq, head_dim] = q.dims();
     let n_kv = k.dims()[1];
     let groups = n_heads / n_kv;
     let (keys, values) = cache.write(layer, k, v);
     let q = q.reshape([batch, n_kv, groups * seq, head_dim]);
-    let out = attention(
-        q,
-        keys,
-        values,
-        mask.cloned(),
-        None,
-        AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: false,
-        },
-    );
-    out.reshape([batch, n_heads, seq, head_dim])
+    let out = B::masked_attention(q, keys, values, mask.cloned())?;
+    Ok(out
+        .reshape([batch, n_heads, seq, head_dim])
         .swap_dims(1, 2)
-        .reshape([batch, seq, n_heads * head_dim])
+        .reshape([batch, seq, n_heads * head_dim]))
 }
 
 /// One row of a paged forward pass, as the engine's executor describes it: no request,
@@ -255,7 +244,10 @@ impl<B: Backend> PagedPlan<B> {
         k: Tensor<B, 2>,
         v: Tensor<B, 2>,
         cache: &mut PagedKvCache<B>,
-    ) -> Tensor<B, 2> {
+    ) -> Result<Tensor<B, 2>>
+    where
+        B: LlamaBackend,
+    {
         cache.write(layer, k, v, &self.slots);
         let (heads, kv, dim) = (self.n_heads, self.n_kv_heads, self.head_dim);
         let groups = heads / kv;
@@ -270,28 +262,19 @@ impl<B: Backend> PagedPlan<B> {
                     .reshape([g.rows, g.queries, heads, dim])
                     .swap_dims(1, 2)
                     .reshape([g.rows, kv, groups * g.queries, dim]);
-                attention(
-                    query,
-                    keys,
-                    values,
-                    Some(g.mask.clone()),
-                    None,
-                    AttentionModuleOptions {
-                        scale: None,
-                        softcap: None,
-                        is_causal: false,
-                    },
+                Ok(
+                    B::masked_attention(query, keys, values, Some(g.mask.clone()))?
+                        .reshape([g.rows, heads, g.queries, dim])
+                        .swap_dims(1, 2)
+                        .reshape([g.rows * g.queries, heads * dim]),
                 )
-                .reshape([g.rows, heads, g.queries, dim])
-                .swap_dims(1, 2)
-                .reshape([g.rows * g.queries, heads * dim])
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let all = if outputs.len() == 1 {
             outputs.into_iter().next().unwrap_or_else(|| q.clone())
         } else {
             Tensor::cat(outputs, 0)
         };
-        all.select(0, self.output_index.clone())
+        Ok(all.select(0, self.output_index.clone()))
     }
 }

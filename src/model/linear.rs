@@ -1,18 +1,35 @@
-//! Projections (`x @ W`), optionally split by output columns so a CPU backend runs one
-//! block per core.
+//! Projections (`x @ W`): dense f32 weights, optionally split by output columns so a CPU
+//! backend runs one block per core, or weights kept in a quantized block format and
+//! multiplied by the backend's [`LlamaBackend::quantized_matmul`].
 //!
 //! Burn's CPU backend runs a matrix product on a single thread below about 7 M
 //! multiply-adds, which covers every projection of a small model while decoding a few
 //! rows. Splitting the weight into contiguous column blocks and computing the blocks in
 //! parallel uses every core. Each output element is the same dot product either way.
 
+use std::sync::Arc;
+
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 use rayon::prelude::*;
 
-/// A weight matrix `[in, out]`, stored as one or more contiguous column blocks.
+use crate::backend::LlamaBackend;
+use crate::error::{LlamaError, Result};
+use crate::kernels::QuantMatrix;
+
+/// One contiguous range of a projection's output columns.
+#[derive(Debug, Clone)]
+enum Part<B: Backend> {
+    /// f32 weights `[in, columns]`.
+    Dense(Tensor<B, 2>),
+    /// Quantized weights `[columns, in]` (one row per output, ggml's layout).
+    Quantized(Arc<QuantMatrix>),
+}
+
+/// A weight matrix `[in, out]`, stored as one or more contiguous column ranges, each
+/// dense or quantized.
 #[derive(Debug, Clone)]
 pub struct Projection<B: Backend> {
-    blocks: Vec<Tensor<B, 2>>,
+    parts: Vec<Part<B>>,
     dims: [usize; 2],
 }
 
@@ -21,9 +38,43 @@ impl<B: Backend> Projection<B> {
     pub fn new(weight: Tensor<B, 2>) -> Self {
         let dims = weight.dims();
         Self {
-            blocks: vec![weight],
+            parts: vec![Part::Dense(weight)],
             dims,
         }
+    }
+
+    /// A projection over quantized matrices `[out_i, in]`, their outputs side by side
+    /// (`out = sum of out_i`). Matrices of one format are stacked into one.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidFormat`] if there are none or their input sizes differ.
+    pub fn quantized(matrices: Vec<QuantMatrix>) -> Result<Self> {
+        let Some(first) = matrices.first() else {
+            return Err(LlamaError::InvalidFormat(
+                "a projection needs weights".into(),
+            ));
+        };
+        let n_in = first.cols();
+        if matrices.iter().any(|m| m.cols() != n_in) {
+            return Err(LlamaError::InvalidFormat(
+                "the parts of a projection differ in input size".into(),
+            ));
+        }
+        let n_out = matrices.iter().map(QuantMatrix::rows).sum();
+        let same_format = matrices.iter().all(|m| m.format() == first.format());
+        let parts = if same_format && matrices.len() > 1 {
+            vec![Part::Quantized(Arc::new(QuantMatrix::stack(&matrices)?))]
+        } else {
+            matrices
+                .into_iter()
+                .map(|m| Part::Quantized(Arc::new(m)))
+                .collect()
+        };
+        Ok(Self {
+            parts,
+            dims: [n_in, n_out],
+        })
     }
 
     /// A projection from row-major `[in, out]` host data, split into `blocks` contiguous
@@ -32,7 +83,7 @@ impl<B: Backend> Projection<B> {
         let [rows, cols] = dims;
         let blocks = blocks.clamp(1, cols.div_ceil(64).max(1));
         let width = cols.div_ceil(blocks);
-        let parts = (0..cols)
+        let parts: Vec<Tensor<B, 2>> = (0..cols)
             .step_by(width)
             .map(|start| {
                 let end = (start + width).min(cols);
@@ -44,7 +95,7 @@ impl<B: Backend> Projection<B> {
             })
             .collect();
         Self {
-            blocks: parts,
+            parts: parts.into_iter().map(Part::Dense).collect(),
             dims,
         }
     }
@@ -54,17 +105,47 @@ impl<B: Backend> Projection<B> {
         self.dims
     }
 
+    /// Whether any part is kept quantized.
+    pub fn is_quantized(&self) -> bool {
+        self.parts.iter().any(|p| matches!(p, Part::Quantized(_)))
+    }
+
+    /// Bytes of weights held (f32 or blocks).
+    pub fn weight_bytes(&self) -> usize {
+        self.parts
+            .iter()
+            .map(|p| match p {
+                Part::Dense(t) => t.shape().num_elements() * std::mem::size_of::<f32>(),
+                Part::Quantized(m) => m.bytes(),
+            })
+            .sum()
+    }
+}
+
+impl<B: LlamaBackend> Projection<B> {
     /// `x @ W` for `x` of shape `[rows, in]`.
-    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        if let [only] = self.blocks.as_slice() {
-            return x.matmul(only.clone());
+    ///
+    /// # Errors
+    ///
+    /// What the backend's quantized product reports (a shape it cannot take).
+    pub fn forward(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        let part = |p: &Part<B>| match p {
+            Part::Dense(w) => Ok(x.clone().matmul(w.clone())),
+            Part::Quantized(m) => B::quantized_matmul(x.clone(), m),
+        };
+        match self.parts.as_slice() {
+            [only] => part(only),
+            parts if !self.is_quantized() => {
+                // Dense column blocks run one per core.
+                let outs = parts.par_iter().map(part).collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::cat(outs, 1))
+            }
+            // Quantized kernels use every core themselves.
+            parts => Ok(Tensor::cat(
+                parts.iter().map(part).collect::<Result<Vec<_>>>()?,
+                1,
+            )),
         }
-        let outs: Vec<Tensor<B, 2>> = self
-            .blocks
-            .par_iter()
-            .map(|w| x.clone().matmul(w.clone()))
-            .collect();
-        Tensor::cat(outs, 1)
     }
 }
 

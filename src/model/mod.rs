@@ -8,9 +8,14 @@ pub mod linear;
 pub mod norm;
 pub mod rope;
 
+use std::sync::Arc;
+
 use burn::tensor::{
     Int, Tensor, TensorData, activation::silu, backend::Backend, module::embedding,
 };
+
+use crate::backend::LlamaBackend;
+use crate::kernels::QuantMatrix;
 
 use crate::cache::{KvCache, PagedKvCache};
 use crate::config::LlamaConfig;
@@ -56,19 +61,80 @@ pub enum Logits {
     All,
 }
 
+/// A `[vocab, d_model]` table: the token embeddings, and the output head (the same
+/// table when the two are tied).
+#[derive(Debug, Clone)]
+pub enum VocabMatrix<B: Backend> {
+    /// f32 on the device.
+    Dense(Tensor<B, 2>),
+    /// Kept in its block format on the host (CPU backend), one row per token.
+    Quantized(Arc<QuantMatrix>),
+}
+
+impl<B: LlamaBackend> VocabMatrix<B> {
+    /// `[vocab, d_model]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            VocabMatrix::Dense(t) => t.dims(),
+            VocabMatrix::Quantized(m) => [m.rows(), m.cols()],
+        }
+    }
+
+    /// The rows of `ids` (checked against the vocabulary by the caller): `[ids, d_model]`.
+    fn lookup(&self, ids: &[u32], device: &B::Device) -> Result<Tensor<B, 2>> {
+        let n = ids.len();
+        match self {
+            VocabMatrix::Dense(table) => {
+                let ids: Vec<i64> = ids.iter().map(|&t| i64::from(t)).collect();
+                let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), device);
+                let d = table.dims()[1];
+                Ok(embedding(table.clone(), ids).reshape([n, d]))
+            }
+            VocabMatrix::Quantized(m) => {
+                let ids: Vec<usize> = ids.iter().map(|&t| t as usize).collect();
+                let rows = m.dequantize_rows(&ids)?;
+                Ok(Tensor::from_data(
+                    TensorData::new(rows, [n, m.cols()]),
+                    device,
+                ))
+            }
+        }
+    }
+
+    /// `x @ table^T`: `[rows, d_model]` to `[rows, vocab]`.
+    fn project(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        match self {
+            // `(E x^T)^T`: with the head stored `[vocab, d_model]` this was the fastest
+            // form of the output projection at 8-32 rows on the CPU backend (and equal
+            // at 1).
+            VocabMatrix::Dense(table) => Ok(table.clone().matmul(x.transpose()).transpose()),
+            VocabMatrix::Quantized(m) => B::quantized_matmul(x, m),
+        }
+    }
+
+    /// Bytes of weights held.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            VocabMatrix::Dense(t) => t.shape().num_elements() * std::mem::size_of::<f32>(),
+            VocabMatrix::Quantized(m) => m.bytes(),
+        }
+    }
+}
+
 /// The Llama transformer: embeddings, blocks, final norm and output head.
 #[derive(Debug, Clone)]
 pub struct Transformer<B: Backend> {
     /// Token embeddings, `[vocab, d_model]`.
-    pub embed: Tensor<B, 2>,
+    pub embed: VocabMatrix<B>,
     /// The transformer blocks.
     pub blocks: Vec<Block<B>>,
     /// Final RMSNorm weight, `[d_model]`.
     pub norm: Tensor<B, 1>,
     /// Output head, `[vocab, d_model]` (the embedding table itself when tied).
-    pub lm_head: Tensor<B, 2>,
+    pub lm_head: VocabMatrix<B>,
     rope: RopeTable<B>,
     config: LlamaConfig,
+    device: B::Device,
 }
 
 /// Columns of a row-major `[batch, seq]` token input, or an error if the tokens cannot
@@ -83,19 +149,35 @@ fn columns(tokens: &[u32], batch: usize) -> Result<usize> {
     Ok(tokens.len() / batch)
 }
 
-fn linear<B: Backend>(x: Tensor<B, 2>, weight: &Projection<B>) -> Tensor<B, 2> {
-    weight.forward(x)
-}
-
-impl<B: Backend> Transformer<B> {
-    /// Assembles a transformer from weights (see [`crate::loader`] for reading them from
-    /// checkpoints). Checks every shape against `config`.
+impl<B: LlamaBackend> Transformer<B> {
+    /// Assembles a transformer from f32 weights (see [`crate::loader`] for reading them
+    /// from checkpoints). Checks every shape against `config`.
     pub fn new(
         config: LlamaConfig,
         embed: Tensor<B, 2>,
         blocks: Vec<Block<B>>,
         norm: Tensor<B, 1>,
         lm_head: Option<Tensor<B, 2>>,
+        device: &B::Device,
+    ) -> Result<Self> {
+        Self::from_weights(
+            config,
+            VocabMatrix::Dense(embed),
+            blocks,
+            norm,
+            lm_head.map(VocabMatrix::Dense),
+            device,
+        )
+    }
+
+    /// Assembles a transformer from weights, dense or quantized; `lm_head: None` ties
+    /// the output head to the embeddings. Checks every shape against `config`.
+    pub fn from_weights(
+        config: LlamaConfig,
+        embed: VocabMatrix<B>,
+        blocks: Vec<Block<B>>,
+        norm: Tensor<B, 1>,
+        lm_head: Option<VocabMatrix<B>>,
         device: &B::Device,
     ) -> Result<Self> {
         config.validate()?;
@@ -183,6 +265,7 @@ impl<B: Backend> Transformer<B> {
             norm,
             lm_head,
             config,
+            device: device.clone(),
         })
     }
 
@@ -224,6 +307,35 @@ impl<B: Backend> Transformer<B> {
         &self.config
     }
 
+    /// The device the model lives on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    /// Bytes of weights the model holds (f32 tensors and quantized blocks; a tied head
+    /// is counted once).
+    pub fn weight_bytes(&self) -> usize {
+        let f32_bytes = |t: &Tensor<B, 1>| t.shape().num_elements() * std::mem::size_of::<f32>();
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .map(|b| {
+                f32_bytes(&b.attn_norm)
+                    + f32_bytes(&b.ffn_norm)
+                    + [&b.wqk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down]
+                        .iter()
+                        .map(|p| p.weight_bytes())
+                        .sum::<usize>()
+            })
+            .sum();
+        let head = if self.config.tie_embeddings {
+            0
+        } else {
+            self.lm_head.weight_bytes()
+        };
+        self.embed.weight_bytes() + blocks + f32_bytes(&self.norm) + head
+    }
+
     /// An empty cache for `starts.len()` rows with the given left padding, with room for
     /// `capacity` columns (it grows on demand up to the context window).
     pub fn new_cache(&self, starts: Vec<usize>, capacity: usize) -> KvCache<B> {
@@ -235,7 +347,7 @@ impl<B: Backend> Transformer<B> {
             starts,
             capacity,
             c.max_seq_len,
-            &self.embed.device(),
+            &self.device,
         )
     }
 
@@ -256,7 +368,7 @@ impl<B: Backend> Transformer<B> {
         let c = &self.config;
         c.check_token_ids(tokens)?;
         cache.reserve(seq)?;
-        let device = self.embed.device();
+        let device = self.device.clone();
         let positions = cache.chunk_positions(seq);
         let groups = c.n_heads / c.n_kv_heads;
         let mask = cache.chunk_mask(seq, groups, &device);
@@ -270,8 +382,11 @@ impl<B: Backend> Transformer<B> {
                 heads(k, c.n_kv_heads),
                 heads(v, c.n_kv_heads),
             );
-            grouped_query_attention(q, k, v, cache, layer, mask.as_ref()).reshape([rows, q_dim])
-        });
+            Ok(
+                grouped_query_attention(q, k, v, cache, layer, mask.as_ref())?
+                    .reshape([rows, q_dim]),
+            )
+        })?;
         cache.advance(seq);
 
         let (x, out_seq) = match logits {
@@ -285,7 +400,7 @@ impl<B: Backend> Transformer<B> {
                 (x, 1)
             }
         };
-        Ok(self.head(x).reshape([batch, out_seq, c.vocab_size]))
+        Ok(self.head(x)?.reshape([batch, out_seq, c.vocab_size]))
     }
 
     /// Reads a prompt (row-major `[batch, seq]`, as [`forward`](Self::forward) takes it)
@@ -322,16 +437,16 @@ impl<B: Backend> Transformer<B> {
         cache: &mut PagedKvCache<B>,
     ) -> Result<Tensor<B, 2>> {
         let c = &self.config;
-        let plan = PagedPlan::new(rows, cache, c, &self.embed.device())?;
+        let plan = PagedPlan::new(rows, cache, c, &self.device)?;
         let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
         let x = self.run_blocks(&tokens, &plan.positions, |layer, q, k, v| {
             plan.attention(layer, q, k, v, cache)
-        });
+        })?;
         let x = match &plan.logit_rows {
             Some(index) => x.select(0, index.clone()),
             None => x,
         };
-        Ok(self.head(x))
+        self.head(x)
     }
 
     /// The transformer blocks over `tokens` (one flat sequence of rows) at `positions`;
@@ -342,38 +457,33 @@ impl<B: Backend> Transformer<B> {
         &self,
         tokens: &[u32],
         positions: &[usize],
-        mut attend: impl FnMut(usize, Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>,
-    ) -> Tensor<B, 2> {
+        mut attend: impl FnMut(usize, Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) -> Result<Tensor<B, 2>>,
+    ) -> Result<Tensor<B, 2>> {
         let c = &self.config;
-        let device = self.embed.device();
         let angles = self.rope.angles(positions, c.n_heads + c.n_kv_heads);
         let rows = tokens.len();
-        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
-        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, rows]), &device);
-        let mut x = embedding(self.embed.clone(), ids).reshape([rows, c.d_model]);
+        let mut x = self.embed.lookup(tokens, &self.device)?;
 
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps);
-            let qk = self.rope.apply(linear(h.clone(), &block.wqk), &angles);
+            let qk = self.rope.apply(block.wqk.forward(h.clone())?, &angles);
             let q = qk.clone().slice([0..rows, 0..q_dim]);
             let k = qk.slice([0..rows, q_dim..q_dim + kv_dim]);
-            let v = linear(h, &block.wv);
-            let attn = attend(layer, q, k, v);
-            x = x + linear(attn, &block.wo);
+            let v = block.wv.forward(h)?;
+            let attn = attend(layer, q, k, v)?;
+            x = x + block.wo.forward(attn)?;
 
             let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps);
-            let gated = silu(linear(h.clone(), &block.w_gate)) * linear(h, &block.w_up);
-            x = x + linear(gated, &block.w_down);
+            let gated = silu(block.w_gate.forward(h.clone())?) * block.w_up.forward(h)?;
+            x = x + block.w_down.forward(gated)?;
         }
-        x
+        Ok(x)
     }
 
     /// Final norm and output head: `[rows, d_model]` to `[rows, vocab]`.
-    fn head(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    fn head(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
         let x = rms_norm(x, &self.norm, self.config.norm_eps);
-        // `(E x^T)^T`: with the head stored `[vocab, d_model]` this was the fastest form
-        // of the output projection at 8-32 rows on the CPU backend (and equal at 1).
-        self.lm_head.clone().matmul(x.transpose()).transpose()
+        self.lm_head.project(x)
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use burn::tensor::backend::Backend;
+use crate::backend::LlamaBackend;
 use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::scheduler::{RequestId, Scheduler, SchedulerLimits, StepPlan};
@@ -27,7 +27,7 @@ const IDLE_WAIT: Duration = Duration::from_millis(50);
 /// One request inside the engine: its generation state (tokens, decoder, stop rules),
 /// its sampler, where its results go, and its timings. Its KV blocks are the
 /// scheduler's business.
-struct Active<B: Backend> {
+struct Active<B: LlamaBackend> {
     state: GenerationState<B>,
     sampler: Sampler,
     temperature: f64,
@@ -41,7 +41,7 @@ struct Active<B: Backend> {
     preemptions: u32,
 }
 
-impl<B: Backend> Active<B> {
+impl<B: LlamaBackend> Active<B> {
     fn metrics(&self, id: RequestId, outcome: Outcome) -> RequestMetrics {
         let n = self.state.tokens().len();
         RequestMetrics {
@@ -63,7 +63,7 @@ impl<B: Backend> Active<B> {
 }
 
 /// The engine thread's state.
-pub(super) struct Worker<B: Backend, T: Tokenizer> {
+pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     llama: Llama<B, T>,
     cache: PagedKvCache<B>,
     scheduler: Scheduler,
@@ -73,7 +73,7 @@ pub(super) struct Worker<B: Backend, T: Tokenizer> {
     steps: u64,
 }
 
-impl<B: Backend, T: Tokenizer> Worker<B, T> {
+impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
     /// Allocates the pool (`num_blocks` blocks) for `llama`.
     pub(super) fn new(
         llama: Llama<B, T>,

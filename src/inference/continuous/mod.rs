@@ -50,7 +50,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use burn::tensor::backend::Backend;
+use crate::backend::LlamaBackend;
 use crossbeam_channel::{Receiver, Sender};
 
 use super::request::{GenerateRequest, TokenOutput};
@@ -406,7 +406,7 @@ impl EngineClient {
 /// The continuous-batching engine: a model on its own thread serving every submitted
 /// request in a running batch over a paged KV cache. Dropping it cancels what is left
 /// and stops the thread; [`ContinuousEngine::shutdown`] finishes the queue first.
-pub struct ContinuousEngine<B: Backend, T: Tokenizer> {
+pub struct ContinuousEngine<B: LlamaBackend, T: Tokenizer> {
     client: Option<EngineClient>,
     shared: Arc<Shared>,
     config: ContinuousConfig,
@@ -415,7 +415,7 @@ pub struct ContinuousEngine<B: Backend, T: Tokenizer> {
     _tokenizer: std::marker::PhantomData<fn() -> T>,
 }
 
-impl<B: Backend, T: Tokenizer> std::fmt::Debug for ContinuousEngine<B, T> {
+impl<B: LlamaBackend, T: Tokenizer> std::fmt::Debug for ContinuousEngine<B, T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ContinuousEngine")
             .field("config", &self.config)
@@ -423,7 +423,7 @@ impl<B: Backend, T: Tokenizer> std::fmt::Debug for ContinuousEngine<B, T> {
     }
 }
 
-impl<B: Backend, T: Tokenizer> ContinuousEngine<B, T> {
+impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
     /// Allocates the KV pool and starts the engine thread with the model.
     ///
     /// # Errors
@@ -531,7 +531,7 @@ impl<B: Backend, T: Tokenizer> ContinuousEngine<B, T> {
     }
 }
 
-impl<B: Backend, T: Tokenizer> Drop for ContinuousEngine<B, T> {
+impl<B: LlamaBackend, T: Tokenizer> Drop for ContinuousEngine<B, T> {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         self.client = None;
@@ -541,7 +541,7 @@ impl<B: Backend, T: Tokenizer> Drop for ContinuousEngine<B, T> {
     }
 }
 
-impl<B: Backend, T: Tokenizer> ModelDevice for ContinuousEngine<B, T> {
+impl<B: LlamaBackend, T: Tokenizer> ModelDevice for ContinuousEngine<B, T> {
     type Device = B::Device;
 
     fn devices(&self) -> Vec<B::Device> {
@@ -554,7 +554,7 @@ impl<B: Backend, T: Tokenizer> ModelDevice for ContinuousEngine<B, T> {
 /// request, so cancelling the job (or dropping its stream) removes the request at the
 /// engine's next step. [`InferenceBuilder::build_continuous`] does not need it (its jobs
 /// go straight to the engine thread); it is here for services built by hand.
-pub fn continuous_batching_handler<B: Backend, T: Tokenizer>(
+pub fn continuous_batching_handler<B: LlamaBackend, T: Tokenizer>(
     In(request): In<GenerateRequest>,
     engine: ModelAccessor<ContinuousEngine<B, T>>,
     cancel: CancelToken,
@@ -571,7 +571,7 @@ pub fn continuous_batching_handler<B: Backend, T: Tokenizer>(
     Err(LlamaError::ModelUnavailable("the engine stopped".into()))
 }
 
-impl<B: Backend, T: Tokenizer> InferenceBuilder<Llama<B, T>> {
+impl<B: LlamaBackend, T: Tokenizer> InferenceBuilder<Llama<B, T>> {
     /// Serves the model with continuous batching: starts a [`ContinuousEngine`] and a
     /// service with the same [`GenerateRequest`] / [`TokenOutput`] job API as the other
     /// handlers. A job goes straight to the engine thread and its tokens come straight

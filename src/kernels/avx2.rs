@@ -1,0 +1,297 @@
+//! The AVX2 + FMA + F16C path of the CPU kernels (x86-64).
+//!
+//! Dequantization computes every weight with the same f32 operations, in the same order,
+//! as `loader::dequant` (a multiply, then an add or subtract), so the scratch row is
+//! bitwise the loader's. The dot products follow the canonical order described in
+//! [`super::cpu`].
+
+use std::arch::x86_64::*;
+
+use super::quant::QuantFormat;
+use crate::loader::dequant::k_scales_mins;
+
+/// An f16 (little-endian bytes) to f32, exactly.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16(lo: u8, hi: u8) -> f32 {
+    let bits = i32::from(u16::from_le_bytes([lo, hi]));
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
+}
+
+/// Dequantizes one row of blocks into `out` (one value per weight).
+///
+/// # Safety
+///
+/// The CPU must support AVX2, FMA and F16C; `row` must hold whole blocks of `format`
+/// and `out` exactly their values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dequantize_row(format: QuantFormat, row: &[u8], out: &mut [f32]) {
+    let (n, bytes) = (format.block_values(), format.block_bytes());
+    debug_assert_eq!(row.len() / bytes * n, out.len());
+    let blocks = row.chunks_exact(bytes).zip(out.chunks_exact_mut(n));
+    // One loop per format, so each block's code is inlined into it.
+    // SAFETY (every arm): each block has `bytes` bytes and its `n` values; the CPU
+    // features are this function's own.
+    unsafe {
+        match format {
+            QuantFormat::Q8_0 => {
+                for (b, o) in blocks {
+                    q8_0(b, o);
+                }
+            }
+            QuantFormat::Q4_0 => {
+                for (b, o) in blocks {
+                    q4_0(b, o);
+                }
+            }
+            QuantFormat::Q4_1 => {
+                for (b, o) in blocks {
+                    q4_1(b, o);
+                }
+            }
+            QuantFormat::Q4_K => {
+                for (b, o) in blocks {
+                    q4_k(b, o);
+                }
+            }
+            QuantFormat::Q6_K => {
+                for (b, o) in blocks {
+                    q6_k(b, o);
+                }
+            }
+        }
+    }
+}
+
+/// Widens 8 bytes at `src` (unsigned) to 8 f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_u8(src: __m128i) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(src))
+}
+
+/// 16 bytes of nibbles to (low nibbles, high nibbles) as 16 bytes each.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn nibbles(q: __m128i) -> (__m128i, __m128i) {
+    let mask = _mm_set1_epi8(0x0F);
+    (
+        _mm_and_si128(q, mask),
+        _mm_and_si128(_mm_srli_epi16(q, 4), mask),
+    )
+}
+
+/// Writes 16 bytes of small unsigned values as `scale * q + add` (a multiply, then an
+/// add) to `dst[0..16]`.
+///
+/// # Safety
+///
+/// `dst` points at 16 writable f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store16(q: __m128i, scale: __m256, add: __m256, dst: *mut f32) {
+    let a = _mm256_add_ps(_mm256_mul_ps(widen_u8(q), scale), add);
+    let b = _mm256_add_ps(_mm256_mul_ps(widen_u8(_mm_srli_si128(q, 8)), scale), add);
+    // SAFETY: the caller guarantees 16 values at `dst`.
+    unsafe {
+        _mm256_storeu_ps(dst, a);
+        _mm256_storeu_ps(dst.add(8), b);
+    }
+}
+
+/// `Q8_0`: `x = q * d`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0(b: &[u8], o: &mut [f32]) {
+    let d = _mm256_set1_ps(f16(b[0], b[1]));
+    for i in 0..4 {
+        // SAFETY: bytes 2..34 and values 0..32 exist (block of 34 bytes, 32 values).
+        unsafe {
+            let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * i).cast());
+            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), _mm256_mul_ps(v, d));
+        }
+    }
+}
+
+/// `Q4_0`: `x = (q - 8) * d`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0(b: &[u8], o: &mut [f32]) {
+    let d = _mm256_set1_ps(f16(b[0], b[1]));
+    // SAFETY: bytes 2..18 and values 0..32 exist (block of 18 bytes, 32 values).
+    unsafe {
+        let (lo, hi) = nibbles(_mm_loadu_si128(b.as_ptr().add(2).cast()));
+        let eight = _mm256_set1_epi32(8);
+        for (i, q) in [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)]
+            .into_iter()
+            .enumerate()
+        {
+            let v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q), eight));
+            _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), _mm256_mul_ps(v, d));
+        }
+    }
+}
+
+/// `Q4_1`: `x = q * d + m`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1(b: &[u8], o: &mut [f32]) {
+    let d = _mm256_set1_ps(f16(b[0], b[1]));
+    let m = _mm256_set1_ps(f16(b[2], b[3]));
+    // SAFETY: bytes 4..20 and values 0..32 exist (block of 20 bytes, 32 values).
+    unsafe {
+        let (lo, hi) = nibbles(_mm_loadu_si128(b.as_ptr().add(4).cast()));
+        store16(lo, d, m, o.as_mut_ptr());
+        store16(hi, d, m, o.as_mut_ptr().add(16));
+    }
+}
+
+/// `Q4_K`: eight 32-value groups, `x = (d * sc) * q - dmin * mn`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k(b: &[u8], o: &mut [f32]) {
+    let d = f16(b[0], b[1]);
+    let dmin = f16(b[2], b[3]);
+    let (sc, mn) = k_scales_mins(&b[4..16]);
+    for chunk in 0..4 {
+        // SAFETY: bytes 16..144 and values 0..256 exist (block of 144 bytes, 256 values).
+        unsafe {
+            let src = b.as_ptr().add(16 + 32 * chunk);
+            let dst = o.as_mut_ptr().add(64 * chunk);
+            for (group, offset) in [(2 * chunk, 0), (2 * chunk + 1, 32)] {
+                let scale = _mm256_set1_ps(d * f32::from(sc[group]));
+                let min = _mm256_set1_ps(dmin * f32::from(mn[group]));
+                for half in 0..2 {
+                    let q = _mm_loadu_si128(src.add(16 * half).cast());
+                    let (lo, hi) = nibbles(q);
+                    let q = if offset == 0 { lo } else { hi };
+                    for i in 0..2 {
+                        let v = widen_u8(if i == 0 { q } else { _mm_srli_si128(q, 8) });
+                        let x = _mm256_sub_ps(_mm256_mul_ps(scale, v), min);
+                        _mm256_storeu_ps(dst.add(offset + 16 * half + 8 * i), x);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `Q6_K`: 6-bit values offset by -32, `x = (d * sc) * q` with a scale per 16 values.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k(b: &[u8], o: &mut [f32]) {
+    let d = f16(b[208], b[209]);
+    let mut q = [0i8; 256];
+    for half in 0..2 {
+        let ql = &b[64 * half..64 * half + 64];
+        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+        let dst = &mut q[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let h = qh[l];
+            dst[l] = ((ql[l] & 0x0F) | ((h & 3) << 4)) as i8 - 32;
+            dst[l + 32] = ((ql[l + 32] & 0x0F) | (((h >> 2) & 3) << 4)) as i8 - 32;
+            dst[l + 64] = ((ql[l] >> 4) | (((h >> 4) & 3) << 4)) as i8 - 32;
+            dst[l + 96] = ((ql[l + 32] >> 4) | (((h >> 6) & 3) << 4)) as i8 - 32;
+        }
+    }
+    for group in 0..16 {
+        let scale = _mm256_set1_ps(d * f32::from(b[192 + group] as i8));
+        for i in 0..2 {
+            let at = 16 * group + 8 * i;
+            // SAFETY: `at + 8 <= 256` values of `q` and of `o`.
+            unsafe {
+                let v = _mm_loadl_epi64(q.as_ptr().add(at).cast());
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+                _mm256_storeu_ps(o.as_mut_ptr().add(at), _mm256_mul_ps(scale, v));
+            }
+        }
+    }
+}
+
+/// The canonical final sum of a pair of accumulators.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce(a: __m256, b: __m256) -> f32 {
+    let s = _mm256_add_ps(a, b);
+    let t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    let u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)))
+}
+
+/// `out[r][c] = acts[r] . weights[c]` for `R` rows and `C` columns.
+///
+/// Index loops keep every accumulator in a register (const-size arrays, unrolled).
+///
+/// # Safety
+///
+/// AVX2 and FMA; every slice holds `n` values, `n` a multiple of 16.
+#[inline]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const R: usize, const C: usize>(
+    weights: &[&[f32]],
+    acts: &[&[f32]],
+    n: usize,
+    out: &mut [[f32; 4]; 3],
+) {
+    let mut acc = [[[_mm256_setzero_ps(); 2]; C]; R];
+    let w: [*const f32; C] = std::array::from_fn(|c| weights[c].as_ptr());
+    let x: [*const f32; R] = std::array::from_fn(|r| acts[r].as_ptr());
+    let mut k = 0;
+    while k < n {
+        for p in 0..2 {
+            let at = k + 8 * p;
+            // SAFETY: `at + 8 <= n` values in every slice (the caller's contract).
+            unsafe {
+                let xv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(x[r].add(at)));
+                for c in 0..C {
+                    let wv = _mm256_loadu_ps(w[c].add(at));
+                    for r in 0..R {
+                        acc[r][c][p] = _mm256_fmadd_ps(wv, xv[r], acc[r][c][p]);
+                    }
+                }
+            }
+        }
+        k += 16;
+    }
+    for r in 0..R {
+        for c in 0..C {
+            out[r][c] = reduce(acc[r][c][0], acc[r][c][1]);
+        }
+    }
+}
+
+/// Dispatches a tile of up to 3 rows and 4 columns to its unrolled kernel.
+///
+/// # Safety
+///
+/// AVX2, FMA and F16C; every slice holds the same number of values, a multiple of 16.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_tile(weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32; 4]; 3]) {
+    let n = weights.first().map_or(0, |w| w.len());
+    debug_assert!(n.is_multiple_of(16));
+    debug_assert!(weights.iter().all(|w| w.len() == n) && acts.iter().all(|a| a.len() == n));
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match (acts.len(), weights.len()) {
+            (1, 4) => tile::<1, 4>(weights, acts, n, out),
+            (1, 3) => tile::<1, 3>(weights, acts, n, out),
+            (1, 2) => tile::<1, 2>(weights, acts, n, out),
+            (1, 1) => tile::<1, 1>(weights, acts, n, out),
+            (2, 2) => tile::<2, 2>(weights, acts, n, out),
+            (2, 1) => tile::<2, 1>(weights, acts, n, out),
+            (3, 2) => tile::<3, 2>(weights, acts, n, out),
+            (3, 1) => tile::<3, 1>(weights, acts, n, out),
+            (r, c) => {
+                for (ri, a) in acts.iter().enumerate().take(r) {
+                    for (ci, w) in weights.iter().enumerate().take(c) {
+                        let mut one = [[0f32; 4]; 3];
+                        tile::<1, 1>(&[w], &[a], n, &mut one);
+                        out[ri][ci] = one[0][0];
+                    }
+                }
+            }
+        }
+    }
+}

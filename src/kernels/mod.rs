@@ -1,0 +1,154 @@
+//! Our own CPU kernels: projections over weights kept in their quantized block format.
+//!
+//! - [`QuantMatrix`]: a weight matrix in a ggml block format ([`QuantFormat`]).
+//! - [`cpu::matmul_transposed`]: `x @ W^T` with f32 activations and exact f32
+//!   arithmetic, one reduction order for every batch shape, SIMD chosen at run time
+//!   ([`SimdPath`]).
+//! - [`attention::attention`]: attention that skips masked keys and reduces in key
+//!   order, so a row's result does not depend on its batch or its chunking.
+//!
+//! Backends reach them through [`LlamaBackend`](crate::backend::LlamaBackend): the CPU
+//! backend runs these kernels, the others dequantize once at load and keep Burn's matmul.
+
+pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+pub mod cpu;
+pub mod quant;
+
+pub use cpu::{SimdPath, matmul_transposed, matmul_transposed_on};
+pub use quant::{QuantFormat, QuantMatrix};
+
+#[cfg(test)]
+mod tests {
+    use super::cpu::{dot_fused_reference, dot_reference};
+    use super::*;
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    /// Random but valid blocks: finite f16 scales of moderate size, any quant bits.
+    fn random_matrix(format: QuantFormat, rows: usize, cols: usize, seed: u64) -> QuantMatrix {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let blocks = rows * cols / format.block_values();
+        let mut data = vec![0u8; blocks * format.block_bytes()];
+        rng.fill(&mut data[..]);
+        let f16 =
+            |rng: &mut StdRng| half::f16::from_f32(rng.random_range(-0.05f32..0.05)).to_le_bytes();
+        for block in data.chunks_exact_mut(format.block_bytes()) {
+            let at: &[usize] = match format {
+                QuantFormat::Q8_0 | QuantFormat::Q4_0 => &[0],
+                QuantFormat::Q4_1 | QuantFormat::Q4_K => &[0, 2],
+                QuantFormat::Q6_K => &[208],
+            };
+            for &i in at {
+                block[i..i + 2].copy_from_slice(&f16(&mut rng));
+            }
+        }
+        QuantMatrix::new(format, rows, cols, data).unwrap()
+    }
+
+    const FORMATS: [QuantFormat; 5] = [
+        QuantFormat::Q8_0,
+        QuantFormat::Q4_0,
+        QuantFormat::Q4_1,
+        QuantFormat::Q4_K,
+        QuantFormat::Q6_K,
+    ];
+
+    fn paths() -> Vec<SimdPath> {
+        [SimdPath::Portable, SimdPath::Avx2]
+            .into_iter()
+            .filter(|p| p.is_supported())
+            .collect()
+    }
+
+    #[test]
+    fn every_path_matches_its_reference_to_the_bit() {
+        for format in FORMATS {
+            // Odd output counts exercise the column-tile remainders.
+            let (n_out, n_in) = (37, 512);
+            let w = random_matrix(format, n_out, n_in, 7);
+            let dense = w.dequantize().unwrap();
+            let mut rng = StdRng::seed_from_u64(1);
+            for rows in [1, 3, 8, 33] {
+                let x: Vec<f32> = (0..rows * n_in)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect();
+                for path in paths() {
+                    let got = matmul_transposed_on(path, &x, rows, &w).unwrap();
+                    for r in 0..rows {
+                        for j in 0..n_out {
+                            let (wr, xr) = (
+                                &dense[j * n_in..(j + 1) * n_in],
+                                &x[r * n_in..(r + 1) * n_in],
+                            );
+                            let want = match path {
+                                SimdPath::Portable => dot_reference(wr, xr),
+                                SimdPath::Avx2 => dot_fused_reference(wr, xr),
+                            };
+                            assert_eq!(
+                                got[r * n_out + j].to_bits(),
+                                want.to_bits(),
+                                "{format:?} {path:?} rows {rows} ({r}, {j})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_is_bitwise_the_same_alone_and_in_any_batch() {
+        for format in FORMATS {
+            let w = random_matrix(format, 70, 256, 3);
+            let mut rng = StdRng::seed_from_u64(9);
+            let x: Vec<f32> = (0..7 * 256)
+                .map(|_| rng.random_range(-2.0f32..2.0))
+                .collect();
+            for path in paths() {
+                let batch = matmul_transposed_on(path, &x, 7, &w).unwrap();
+                for r in 0..7 {
+                    let alone =
+                        matmul_transposed_on(path, &x[r * 256..(r + 1) * 256], 1, &w).unwrap();
+                    assert_eq!(alone, batch[r * 70..(r + 1) * 70], "{format:?} {path:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_paths_agree_closely_with_a_plain_f64_product() {
+        for format in FORMATS {
+            let (n_out, n_in) = (9, 1024);
+            let w = random_matrix(format, n_out, n_in, 11);
+            let dense = w.dequantize().unwrap();
+            let mut rng = StdRng::seed_from_u64(2);
+            let x: Vec<f32> = (0..2 * n_in)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            for path in paths() {
+                let got = matmul_transposed_on(path, &x, 2, &w).unwrap();
+                for r in 0..2 {
+                    for j in 0..n_out {
+                        let (mut exact, mut scale) = (0f64, 0f64);
+                        for i in 0..n_in {
+                            let p = f64::from(dense[j * n_in + i]) * f64::from(x[r * n_in + i]);
+                            exact += p;
+                            scale += p.abs();
+                        }
+                        let err = (f64::from(got[r * n_out + j]) - exact).abs();
+                        assert!(err <= 1e-5 * scale.max(1e-30), "{format:?} {path:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let w = random_matrix(QuantFormat::Q4_1, 4, 64, 1);
+        assert!(matmul_transposed(&[0.0; 63], 1, &w).is_err());
+        assert!(matmul_transposed(&[0.0; 128], 1, &w).is_err());
+        assert_eq!(matmul_transposed(&[], 0, &w).unwrap(), Vec::<f32>::new());
+    }
+}
