@@ -209,11 +209,10 @@ unsafe fn q6_k(b: &[u8], o: &mut [f32]) {
     }
 }
 
-/// The canonical final sum of a pair of accumulators.
+/// The canonical final sum of an accumulator.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn reduce(a: __m256, b: __m256) -> f32 {
-    let s = _mm256_add_ps(a, b);
+fn reduce(s: __m256) -> f32 {
     let t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     let u = _mm_add_ps(t, _mm_movehl_ps(t, t));
     _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)))
@@ -225,7 +224,7 @@ fn reduce(a: __m256, b: __m256) -> f32 {
 ///
 /// # Safety
 ///
-/// AVX2 and FMA; every slice holds `n` values, `n` a multiple of 16.
+/// AVX2 and FMA; every slice holds `n` values, `n` a multiple of 8.
 #[inline]
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -233,60 +232,68 @@ unsafe fn tile<const R: usize, const C: usize>(
     weights: &[&[f32]],
     acts: &[&[f32]],
     n: usize,
-    out: &mut [[f32; 4]; 3],
+    out: &mut [[f32; 8]; 4],
 ) {
-    let mut acc = [[[_mm256_setzero_ps(); 2]; C]; R];
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
     let w: [*const f32; C] = std::array::from_fn(|c| weights[c].as_ptr());
     let x: [*const f32; R] = std::array::from_fn(|r| acts[r].as_ptr());
     let mut k = 0;
     while k < n {
-        for p in 0..2 {
-            let at = k + 8 * p;
-            // SAFETY: `at + 8 <= n` values in every slice (the caller's contract).
-            unsafe {
-                let xv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(x[r].add(at)));
+        // SAFETY: `k + 8 <= n` values in every slice (the caller's contract).
+        // Registers: with one row, the row's chunk stays loaded and each weight chunk is
+        // read once (C + 2 registers); with several, the C weight chunks stay loaded and
+        // each row's chunk is read once (R * C + C + 1 <= 16 for a 4 x 3 tile).
+        unsafe {
+            if R == 1 {
+                let xv = _mm256_loadu_ps(x[0].add(k));
                 for c in 0..C {
-                    let wv = _mm256_loadu_ps(w[c].add(at));
-                    for r in 0..R {
-                        acc[r][c][p] = _mm256_fmadd_ps(wv, xv[r], acc[r][c][p]);
+                    acc[0][c] = _mm256_fmadd_ps(_mm256_loadu_ps(w[c].add(k)), xv, acc[0][c]);
+                }
+            } else {
+                let wv: [__m256; C] = std::array::from_fn(|c| _mm256_loadu_ps(w[c].add(k)));
+                for r in 0..R {
+                    let xv = _mm256_loadu_ps(x[r].add(k));
+                    for c in 0..C {
+                        acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
                     }
                 }
             }
         }
-        k += 16;
+        k += 8;
     }
     for r in 0..R {
         for c in 0..C {
-            out[r][c] = reduce(acc[r][c][0], acc[r][c][1]);
+            out[r][c] = reduce(acc[r][c]);
         }
     }
 }
 
-/// Dispatches a tile of up to 3 rows and 4 columns to its unrolled kernel.
+/// Dispatches a tile of up to 4 rows and 8 columns to its unrolled kernel.
 ///
 /// # Safety
 ///
-/// AVX2, FMA and F16C; every slice holds the same number of values, a multiple of 16.
+/// AVX2, FMA and F16C; every slice holds the same number of values, a multiple of 8.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_tile(weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32; 4]; 3]) {
+pub(crate) unsafe fn dot_tile(weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32; 8]; 4]) {
     let n = weights.first().map_or(0, |w| w.len());
-    debug_assert!(n.is_multiple_of(16));
+    debug_assert!(n.is_multiple_of(8));
     debug_assert!(weights.iter().all(|w| w.len() == n) && acts.iter().all(|a| a.len() == n));
     // SAFETY: forwarded from this function's contract.
     unsafe {
         match (acts.len(), weights.len()) {
+            (1, 8) => tile::<1, 8>(weights, acts, n, out),
             (1, 4) => tile::<1, 4>(weights, acts, n, out),
-            (1, 3) => tile::<1, 3>(weights, acts, n, out),
             (1, 2) => tile::<1, 2>(weights, acts, n, out),
             (1, 1) => tile::<1, 1>(weights, acts, n, out),
-            (2, 2) => tile::<2, 2>(weights, acts, n, out),
-            (2, 1) => tile::<2, 1>(weights, acts, n, out),
-            (3, 2) => tile::<3, 2>(weights, acts, n, out),
-            (3, 1) => tile::<3, 1>(weights, acts, n, out),
+            (4, 3) => tile::<4, 3>(weights, acts, n, out),
+            (4, 2) => tile::<4, 2>(weights, acts, n, out),
+            (4, 1) => tile::<4, 1>(weights, acts, n, out),
+            (3, 3) => tile::<3, 3>(weights, acts, n, out),
+            (2, 3) => tile::<2, 3>(weights, acts, n, out),
             (r, c) => {
                 for (ri, a) in acts.iter().enumerate().take(r) {
                     for (ci, w) in weights.iter().enumerate().take(c) {
-                        let mut one = [[0f32; 4]; 3];
+                        let mut one = [[0f32; 8]; 4];
                         tile::<1, 1>(&[w], &[a], n, &mut one);
                         out[ri][ci] = one[0][0];
                     }

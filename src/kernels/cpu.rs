@@ -5,10 +5,10 @@
 //! activations, so every output is the f32 dot product of the dequantized weights.
 //!
 //! **One reduction order.** Every output element is reduced the same way whatever the
-//! number of rows, the tile it falls in or the thread that computes it: two 8-lane
-//! accumulators take alternate 8-value chunks of the row (`acc[k % 2] += w[8k..8k+8] *
-//! x[8k..8k+8]`, in order of `k`), then `s = acc[0] + acc[1]`, `t[l] = s[l] + s[l + 4]`,
-//! and the result is `(t[0] + t[2]) + (t[1] + t[3])`. A request's logits are therefore
+//! number of rows, the tile it falls in or the thread that computes it: an 8-lane
+//! accumulator takes the row's 8-value chunks in order (`acc += w[8k..8k+8] *
+//! x[8k..8k+8]`), then `t[l] = acc[l] + acc[l + 4]` and the result is
+//! `(t[0] + t[2]) + (t[1] + t[3])`. A request's logits are therefore
 //! bitwise the same alone, in any batch, and after any chunking of its prompt. The AVX2
 //! path fuses each multiply-add (one rounding); the portable path rounds the product and
 //! the sum separately, so the two paths agree to about 1e-6 relative, not to the bit.
@@ -85,7 +85,7 @@ fn avx2_supported() -> bool {
 }
 
 /// Rows of activations per tile when several rows are multiplied.
-const ROW_TILE: usize = 3;
+const ROW_TILE: usize = 4;
 
 /// `x @ W^T` for `x` row-major `[rows, w.cols()]`: returns `[rows, w.rows()]`, on the
 /// [active](SimdPath::active) path.
@@ -127,9 +127,10 @@ pub fn matmul_transposed_on(
     if rows == 0 || n_out == 0 {
         return Ok(Vec::new());
     }
-    // Column tiles: 4 weight rows share the activations when one row is decoded (more
-    // independent accumulators), 2 when several rows share each weight row.
-    let col_tile = if rows == 1 { 4 } else { 2 };
+    // Column tiles: 8 weight rows share the activations when one row is decoded (eight
+    // independent accumulators), 3 when several rows share each weight row (a 4 x 3
+    // tile: 12 accumulators, 7 loads per 12 multiply-adds).
+    let col_tile = if rows == 1 { 8 } else { 3 };
     let threads = rayon::current_num_threads().max(1);
     let per_chunk = n_out
         .div_ceil(threads)
@@ -168,20 +169,31 @@ fn columns(
     let width = end - start;
     let mut out = vec![0f32; rows * width];
     let mut scratch = vec![0f32; col_tile * n_in];
-    let mut tile_out = [[0f32; 4]; ROW_TILE];
+    let mut tile_out = [[0f32; 8]; ROW_TILE];
     for j in (start..end).step_by(col_tile) {
         let cols = col_tile.min(end - j);
         for (c, dst) in scratch.chunks_exact_mut(n_in).take(cols).enumerate() {
             dequantize_row(path, w, j + c, dst)?;
         }
-        let weights: Vec<&[f32]> = scratch.chunks_exact(n_in).take(cols).collect();
+        let mut weights: [&[f32]; 8] = [&[]; 8];
+        for (slot, w) in weights
+            .iter_mut()
+            .zip(scratch.chunks_exact(n_in).take(cols))
+        {
+            *slot = w;
+        }
+        let weights = &weights[..cols];
         let mut r = 0;
         while r < rows {
-            let tile_rows = if cols == 4 { 1 } else { ROW_TILE.min(rows - r) };
-            let acts: Vec<&[f32]> = x[r * n_in..(r + tile_rows) * n_in]
-                .chunks_exact(n_in)
-                .collect();
-            dot_tile(path, &weights, &acts, &mut tile_out);
+            let tile_rows = if rows == 1 { 1 } else { ROW_TILE.min(rows - r) };
+            let mut acts: [&[f32]; ROW_TILE] = [&[]; ROW_TILE];
+            for (slot, a) in acts
+                .iter_mut()
+                .zip(x[r * n_in..(r + tile_rows) * n_in].chunks_exact(n_in))
+            {
+                *slot = a;
+            }
+            dot_tile(path, weights, &acts[..tile_rows], &mut tile_out);
             for (i, row_out) in tile_out.iter().take(tile_rows).enumerate() {
                 let base = (r + i) * width + (j - start);
                 out[base..base + cols].copy_from_slice(&row_out[..cols]);
@@ -205,13 +217,13 @@ fn dequantize_row(path: SimdPath, w: &QuantMatrix, row: usize, out: &mut [f32]) 
 }
 
 /// `out[r][c] = acts[r] . weights[c]` in the canonical reduction order, for up to
-/// [`ROW_TILE`] rows and 4 columns.
-fn dot_tile(path: SimdPath, weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32; 4]; ROW_TILE]) {
+/// [`ROW_TILE`] rows and 8 columns.
+fn dot_tile(path: SimdPath, weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32; 8]; ROW_TILE]) {
     match path {
         #[cfg(target_arch = "x86_64")]
         SimdPath::Avx2 => {
             // SAFETY: the path was checked to be supported by this CPU; every slice holds
-            // the same number of values, a multiple of 32.
+            // the same number of values, a multiple of 32 (whole blocks).
             unsafe { super::avx2::dot_tile(weights, acts, out) }
         }
         _ => {
@@ -225,17 +237,17 @@ fn dot_tile(path: SimdPath, weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32
 }
 
 /// One dot product on `path` in the canonical order (a plain left-to-right sum when the
-/// length is not a multiple of 16).
+/// length is not a multiple of 8).
 pub(crate) fn dot(path: SimdPath, a: &[f32], b: &[f32]) -> f32 {
-    if !a.len().is_multiple_of(16) || a.len() != b.len() {
+    if !a.len().is_multiple_of(8) || a.len() != b.len() {
         return a.iter().zip(b).fold(0.0, |s, (x, y)| s + x * y);
     }
     match path {
         #[cfg(target_arch = "x86_64")]
         SimdPath::Avx2 => {
-            let mut out = [[0f32; 4]; ROW_TILE];
+            let mut out = [[0f32; 8]; ROW_TILE];
             // SAFETY: the caller holds a supported path (`SimdPath::active` or a checked
-            // one); both slices hold the same multiple of 16 values.
+            // one); both slices hold the same multiple of 8 values.
             unsafe { super::avx2::dot_tile(&[a], &[b], &mut out) };
             out[0][0]
         }
@@ -245,34 +257,31 @@ pub(crate) fn dot(path: SimdPath, a: &[f32], b: &[f32]) -> f32 {
 
 /// One dot product in the canonical order, each product and sum rounded separately.
 pub(crate) fn dot_portable(w: &[f32], x: &[f32]) -> f32 {
-    let mut acc = [[0f32; 8]; 2];
-    for (k, (wc, xc)) in w.chunks_exact(8).zip(x.chunks_exact(8)).enumerate() {
-        let a = &mut acc[k % 2];
+    let mut acc = [0f32; 8];
+    for (wc, xc) in w.chunks_exact(8).zip(x.chunks_exact(8)) {
         for l in 0..8 {
-            a[l] += wc[l] * xc[l];
+            acc[l] += wc[l] * xc[l];
         }
     }
-    finish(&acc, |a, b| a + b)
+    finish(&acc)
 }
 
-/// The canonical final sum of the two accumulators.
-pub(crate) fn finish(acc: &[[f32; 8]; 2], add: impl Fn(f32, f32) -> f32) -> f32 {
-    let s: [f32; 8] = std::array::from_fn(|l| add(acc[0][l], acc[1][l]));
-    let t: [f32; 4] = std::array::from_fn(|l| add(s[l], s[l + 4]));
-    add(add(t[0], t[2]), add(t[1], t[3]))
+/// The canonical final sum of the accumulator.
+pub(crate) fn finish(acc: &[f32; 8]) -> f32 {
+    let t: [f32; 4] = std::array::from_fn(|l| acc[l] + acc[l + 4]);
+    (t[0] + t[2]) + (t[1] + t[3])
 }
 
 /// One dot product in the canonical order with fused multiply-adds: what the AVX2 path
 /// computes, written plainly (for tests).
 pub fn dot_fused_reference(w: &[f32], x: &[f32]) -> f32 {
-    let mut acc = [[0f32; 8]; 2];
-    for (k, (wc, xc)) in w.chunks_exact(8).zip(x.chunks_exact(8)).enumerate() {
-        let a = &mut acc[k % 2];
+    let mut acc = [0f32; 8];
+    for (wc, xc) in w.chunks_exact(8).zip(x.chunks_exact(8)) {
         for l in 0..8 {
-            a[l] = wc[l].mul_add(xc[l], a[l]);
+            acc[l] = wc[l].mul_add(xc[l], acc[l]);
         }
     }
-    finish(&acc, |a, b| a + b)
+    finish(&acc)
 }
 
 /// One dot product in the canonical order, each product and sum rounded separately:
