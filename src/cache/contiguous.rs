@@ -145,10 +145,12 @@ impl<B: Backend> KvCache<B> {
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let [batch, heads, seq, dim] = k.dims();
         let (start, end) = (self.len, self.len + seq);
+        let capacity = self.capacity;
         let entry = &mut self.layers[layer];
         let region = [0..batch, 0..heads, start..end, 0..dim];
-        entry.k.inplace(|t| t.slice_assign(region.clone(), k));
-        entry.v.inplace(|t| t.slice_assign(region, v));
+        for (target, new) in [(&mut entry.k, k), (&mut entry.v, v)] {
+            target.inplace(|t| write_columns(t, new, region.clone(), capacity));
+        }
         let filled = [0..batch, 0..heads, 0..end, 0..dim];
         (
             entry.k.clone().slice(filled.clone()),
@@ -321,5 +323,35 @@ impl<B: Backend> KvCache<B> {
         self.len -= trim;
         self.capacity -= trim;
         Ok(())
+    }
+}
+
+/// Writes `new` (`[batch, heads, seq, dim]`) into `cache` at `region` (columns
+/// `start..start + seq` of a `capacity`-column cache): in place on the CPU backend,
+/// with `slice_assign` elsewhere.
+fn write_columns<B: Backend>(
+    cache: Tensor<B, 4>,
+    new: Tensor<B, 4>,
+    region: [std::ops::Range<usize>; 4],
+    capacity: usize,
+) -> Tensor<B, 4> {
+    let Ok(values) = new.clone().into_data().to_vec::<f32>() else {
+        return cache.slice_assign(region, new);
+    };
+    let [batch, heads, seq, dim] = new.dims();
+    let start = region[2].start;
+    let written = super::host::write_in_place(cache, |memory| {
+        for (bh, chunk) in values
+            .chunks_exact(seq * dim)
+            .enumerate()
+            .take(batch * heads)
+        {
+            let at = (bh * capacity + start) * dim;
+            memory[at..at + seq * dim].copy_from_slice(chunk);
+        }
+    });
+    match written {
+        Ok(cache) => cache,
+        Err(cache) => cache.slice_assign(region, new),
     }
 }

@@ -12,6 +12,7 @@
 pub mod blocks;
 mod budget;
 mod contiguous;
+mod host;
 pub mod paged;
 
 pub use blocks::{BlockId, BlockManager, PrefixMatch};

@@ -181,12 +181,25 @@ fn write_slots<B: Backend>(
     block_size: usize,
     head_dim: usize,
 ) -> Tensor<B, 4> {
-    #[cfg(feature = "flex")]
-    let pool = match flex::write_slots(pool, &values, slots, kv_heads, block_size, head_dim) {
-        Ok(done) => return done,
-        Err(pool) => pool,
+    let width = kv_heads * head_dim;
+    let pool = match values.clone().into_data().to_vec::<f32>() {
+        Ok(rows) => {
+            let written = super::host::write_in_place(pool, |memory| {
+                for (row, &(block, slot)) in rows.chunks_exact(width).zip(slots) {
+                    for h in 0..kv_heads {
+                        let dst = ((block as usize * kv_heads + h) * block_size + slot) * head_dim;
+                        memory[dst..dst + head_dim]
+                            .copy_from_slice(&row[h * head_dim..(h + 1) * head_dim]);
+                    }
+                }
+            });
+            match written {
+                Ok(done) => return done,
+                Err(pool) => pool,
+            }
+        }
+        Err(_) => pool,
     };
-    let _ = block_size;
     // Portable: one slice assignment per run of consecutive slots in one block.
     let mut pool = pool;
     let mut t = 0;
@@ -242,46 +255,11 @@ mod flex {
     use std::any::Any;
 
     use burn::backend::flex::FlexTensor;
-    use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive, backend::Backend};
+    use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
     use rayon::prelude::*;
 
-    use super::{GatherDims, Slot};
+    use super::GatherDims;
     use crate::cache::blocks::BlockId;
-
-    /// Writes in place when `pool` is a uniquely held, contiguous f32 Flex tensor;
-    /// otherwise gives it back untouched.
-    pub(super) fn write_slots<B: Backend>(
-        pool: Tensor<B, 4>,
-        values: &Tensor<B, 2>,
-        slots: &[Slot],
-        kv_heads: usize,
-        block_size: usize,
-        head_dim: usize,
-    ) -> Result<Tensor<B, 4>, Tensor<B, 4>> {
-        let mut primitive = pool.into_primitive().tensor();
-        let Some(flex) = (&mut primitive as &mut dyn Any).downcast_mut::<FlexTensor>() else {
-            return Err(Tensor::from_primitive(TensorPrimitive::Float(primitive)));
-        };
-        let usable = flex.dtype() == DType::F32
-            && flex.layout().is_contiguous()
-            && flex.layout().start_offset() == 0
-            && flex.is_unique();
-        let Some(memory) = usable.then(|| flex.try_storage_mut::<f32>()).flatten() else {
-            return Err(Tensor::from_primitive(TensorPrimitive::Float(primitive)));
-        };
-        let Ok(rows) = values.clone().into_data().to_vec::<f32>() else {
-            return Err(Tensor::from_primitive(TensorPrimitive::Float(primitive)));
-        };
-        let width = kv_heads * head_dim;
-        for (t, &(block, slot)) in slots.iter().enumerate() {
-            let row = &rows[t * width..(t + 1) * width];
-            for h in 0..kv_heads {
-                let dst = ((block as usize * kv_heads + h) * block_size + slot) * head_dim;
-                memory[dst..dst + head_dim].copy_from_slice(&row[h * head_dim..(h + 1) * head_dim]);
-            }
-        }
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(primitive)))
-    }
 
     /// Gathers blocks straight from the pool's memory into a new tensor, or `None` when
     /// `pool` is not a contiguous f32 Flex tensor.
