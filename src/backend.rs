@@ -169,6 +169,49 @@ pub trait LlamaBackend: Backend {
     }
 }
 
+/// A strided view of an f32 Flex tensor `[batch, heads, keys, dim]` whose `dim` values are
+/// adjacent and whose strides are non-negative; `None` otherwise.
+#[cfg(feature = "flex")]
+fn in_place_view(
+    t: &burn::backend::flex::FlexTensor,
+    shape: crate::kernels::attention::AttentionShape,
+) -> Option<crate::kernels::attention::Strided<'_>> {
+    let layout = t.layout();
+    let strides = layout.strides();
+    if t.dtype() != burn::tensor::DType::F32
+        || strides.len() != 4
+        || (strides[3] != 1 && shape.dim > 1)
+    {
+        return None;
+    }
+    let step = |i: usize| usize::try_from(strides[i]).ok();
+    Some(crate::kernels::attention::Strided {
+        data: t.storage::<f32>(),
+        offset: layout.start_offset(),
+        strides: [step(0)?, step(1)?, step(2)?],
+    })
+}
+
+/// Keys or values for the attention kernel: `t` in place, or its contiguous `copy`.
+#[cfg(feature = "flex")]
+fn kv_view<'a>(
+    t: &'a burn::backend::flex::FlexTensor,
+    copy: Option<&'a [f32]>,
+    shape: crate::kernels::attention::AttentionShape,
+) -> crate::kernels::attention::Strided<'a> {
+    use crate::kernels::attention::Strided;
+    match copy {
+        Some(data) => Strided::contiguous(data, shape),
+        // `copy` is `None` exactly when the view exists; an empty view fails the
+        // kernel's bounds check instead of panicking.
+        None => in_place_view(t, shape).unwrap_or(Strided {
+            data: &[],
+            offset: 0,
+            strides: [0; 3],
+        }),
+    }
+}
+
 /// A tensor's values on the host.
 #[cfg(feature = "flex")]
 fn host<T: burn::tensor::Element, const D: usize, K>(
@@ -209,25 +252,39 @@ impl LlamaBackend for burn::backend::Flex {
         v: Tensor<Self, 4>,
         mask: Option<Tensor<Self, 4, Bool>>,
     ) -> Result<Tensor<Self, 4>> {
-        use crate::kernels::attention::{AttentionShape, attention};
+        use crate::kernels::attention::{AttentionShape, attention_strided};
         let [batch, heads, queries, dim] = q.dims();
         let keys = k.dims()[2];
         let mask_heads = mask.as_ref().map_or(1, |m| m.dims()[1]);
         let device = q.device();
+        let shape = AttentionShape {
+            batch,
+            heads,
+            queries,
+            keys,
+            dim,
+            mask_heads,
+        };
         let mask = mask.map(host::<bool, 4, Bool>).transpose()?;
-        let out = attention(
-            &host::<f32, 4, _>(q)?,
-            &host::<f32, 4, _>(k)?,
-            &host::<f32, 4, _>(v)?,
+        let q = host::<f32, 4, _>(q)?;
+        // Keys and values are usually a view of a cache's filled columns: read them in
+        // place when their values along `dim` are adjacent, else from a copy.
+        let (k, v) = (k.into_primitive().tensor(), v.into_primitive().tensor());
+        let copy = |t: &burn::backend::flex::FlexTensor| -> Result<Option<Vec<f32>>> {
+            if in_place_view(t, shape).is_some() {
+                return Ok(None);
+            }
+            let t =
+                Tensor::<Self, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(t.clone()));
+            host::<f32, 4, _>(t).map(Some)
+        };
+        let (k_copy, v_copy) = (copy(&k)?, copy(&v)?);
+        let out = attention_strided(
+            &q,
+            kv_view(&k, k_copy.as_deref(), shape),
+            kv_view(&v, v_copy.as_deref(), shape),
             mask.as_deref(),
-            AttentionShape {
-                batch,
-                heads,
-                queries,
-                keys,
-                dim,
-                mask_heads,
-            },
+            shape,
         )?;
         Ok(Tensor::from_data(
             TensorData::new(out, [batch, heads, queries, dim]),

@@ -32,7 +32,59 @@ pub struct AttentionShape {
     pub mask_heads: usize,
 }
 
-/// `softmax(q k^T / sqrt(dim), masked) v`: returns `[batch, heads, queries, dim]`.
+/// Keys or values `[batch, heads, keys, dim]` read in place: element `(b, h, j, d)` is
+/// `data[offset + b * strides[0] + h * strides[1] + j * strides[2] + d]`. A cache's
+/// filled columns are such a view of its memory, so attention reads them without a copy.
+#[derive(Debug, Clone, Copy)]
+pub struct Strided<'a> {
+    /// The memory.
+    pub data: &'a [f32],
+    /// Where element `(0, 0, 0, 0)` is.
+    pub offset: usize,
+    /// Steps between rows, heads and keys (values along `dim` are adjacent).
+    pub strides: [usize; 3],
+}
+
+impl<'a> Strided<'a> {
+    /// A contiguous `[batch, heads, keys, dim]` tensor.
+    pub fn contiguous(data: &'a [f32], shape: AttentionShape) -> Self {
+        let dim = shape.dim;
+        Self {
+            data,
+            offset: 0,
+            strides: [shape.heads * shape.keys * dim, shape.keys * dim, dim],
+        }
+    }
+
+    /// Whether every element of `shape` lies inside `data`.
+    fn covers(&self, shape: AttentionShape) -> bool {
+        if shape.batch == 0 || shape.heads == 0 || shape.keys == 0 || shape.dim == 0 {
+            return true;
+        }
+        let last = self.offset
+            + (shape.batch - 1) * self.strides[0]
+            + (shape.heads - 1) * self.strides[1]
+            + (shape.keys - 1) * self.strides[2]
+            + shape.dim;
+        last <= self.data.len()
+    }
+
+    /// The keys (or values) of row `b`, head `h`, as `keys` vectors of `dim`.
+    fn vectors(
+        &self,
+        b: usize,
+        h: usize,
+        keys: usize,
+        dim: usize,
+    ) -> impl Iterator<Item = &'a [f32]> {
+        let base = self.offset + b * self.strides[0] + h * self.strides[1];
+        let (data, step) = (self.data, self.strides[2]);
+        (0..keys).map(move |j| &data[base + j * step..base + j * step + dim])
+    }
+}
+
+/// `softmax(q k^T / sqrt(dim), masked) v` over contiguous slices: returns
+/// `[batch, heads, queries, dim]`.
 ///
 /// # Errors
 ///
@@ -41,6 +93,27 @@ pub fn attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    mask: Option<&[bool]>,
+    shape: AttentionShape,
+) -> Result<Vec<f32>> {
+    attention_strided(
+        q,
+        Strided::contiguous(k, shape),
+        Strided::contiguous(v, shape),
+        mask,
+        shape,
+    )
+}
+
+/// [`attention`] with keys and values read in place through [`Strided`] views.
+///
+/// # Errors
+///
+/// [`LlamaError::ShapeMismatch`] if a slice or view does not match `shape`.
+pub fn attention_strided(
+    q: &[f32],
+    k: Strided<'_>,
+    v: Strided<'_>,
     mask: Option<&[bool]>,
     shape: AttentionShape,
 ) -> Result<Vec<f32>> {
@@ -64,8 +137,15 @@ pub fn attention(
         }
     };
     check("queries", q.len(), batch * heads * queries * dim)?;
-    check("keys", k.len(), batch * heads * keys * dim)?;
-    check("values", v.len(), batch * heads * keys * dim)?;
+    for (name, view) in [("keys", &k), ("values", &v)] {
+        if !view.covers(shape) {
+            return Err(LlamaError::ShapeMismatch {
+                name: format!("attention {name}"),
+                expected: vec![batch, heads, keys, dim],
+                actual: vec![view.data.len()],
+            });
+        }
+    }
     if let Some(m) = mask {
         if mask_heads != 1 && mask_heads != heads {
             return Err(LlamaError::invalid(
@@ -83,15 +163,14 @@ pub fn attention(
         .enumerate()
         .for_each(|(bh, out)| {
             let (b, h) = (bh / heads, bh % heads);
-            let kv = bh * keys * dim;
-            let (k, v) = (&k[kv..kv + keys * dim], &v[kv..kv + keys * dim]);
+            let values: Vec<&[f32]> = v.vectors(b, h, keys, dim).collect();
             let mask_base = (b * mask_heads + if mask_heads == 1 { 0 } else { h }) * queries;
             let mut scores = Vec::with_capacity(keys);
             for (i, o) in out.chunks_exact_mut(dim).enumerate() {
                 let qi = &q[(bh * queries + i) * dim..(bh * queries + i + 1) * dim];
                 let hidden = mask.map(|m| &m[(mask_base + i) * keys..(mask_base + i + 1) * keys]);
                 scores.clear();
-                for (j, kj) in k.chunks_exact(dim).enumerate() {
+                for (j, kj) in k.vectors(b, h, keys, dim).enumerate() {
                     if hidden.is_none_or(|m| !m[j]) {
                         scores.push((j, dot(path, qi, kj) * scale));
                     }
@@ -102,7 +181,7 @@ pub fn attention(
                 for &(j, s) in &scores {
                     let p = (s - max).exp();
                     sum += p;
-                    for (o, &x) in o.iter_mut().zip(&v[j * dim..(j + 1) * dim]) {
+                    for (o, &x) in o.iter_mut().zip(values[j]) {
                         *o += p * x;
                     }
                 }
@@ -180,5 +259,27 @@ mod tests {
         .unwrap();
         assert_eq!(hidden, dropped);
         assert!(attention(&q, &k[1..], &v, None, shape).is_err());
+
+        // Keys and values read in place from a larger cache (3 spare columns, and an
+        // offset) give the same bits as contiguous copies.
+        let cap = keys + 3;
+        let pad = |src: &[f32]| {
+            let mut buf = vec![f32::NAN; 5 + cap * dim];
+            buf[5..5 + keys * dim].copy_from_slice(src);
+            buf
+        };
+        let (kb, vb) = (pad(&k), pad(&v));
+        let view = |data| Strided {
+            data,
+            offset: 5,
+            strides: [cap * dim, cap * dim, dim],
+        };
+        let strided = attention_strided(&q, view(&kb), view(&vb), None, shape).unwrap();
+        assert_eq!(strided, out);
+        let short = Strided {
+            data: &kb[..5 + (keys - 1) * dim],
+            ..view(&kb)
+        };
+        assert!(attention_strided(&q, short, view(&vb), None, shape).is_err());
     }
 }
