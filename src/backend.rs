@@ -192,24 +192,22 @@ fn in_place_view(
     })
 }
 
-/// Keys or values for the attention kernel: `t` in place, or its contiguous `copy`.
+/// Keys or values for the attention kernel: `t` read in place, or else a contiguous copy
+/// of it kept in `copy`.
 #[cfg(feature = "flex")]
-fn kv_view<'a>(
+fn view_or_copy<'a>(
     t: &'a burn::backend::flex::FlexTensor,
-    copy: Option<&'a [f32]>,
     shape: crate::kernels::attention::AttentionShape,
-) -> crate::kernels::attention::Strided<'a> {
-    use crate::kernels::attention::Strided;
-    match copy {
-        Some(data) => Strided::contiguous(data, shape),
-        // `copy` is `None` exactly when the view exists; an empty view fails the
-        // kernel's bounds check instead of panicking.
-        None => in_place_view(t, shape).unwrap_or(Strided {
-            data: &[],
-            offset: 0,
-            strides: [0; 3],
-        }),
+    copy: &'a mut Option<Vec<f32>>,
+) -> Result<crate::kernels::attention::Strided<'a>> {
+    if let Some(view) = in_place_view(t, shape) {
+        return Ok(view);
     }
+    let tensor = Tensor::<burn::backend::Flex, 4>::from_primitive(
+        burn::tensor::TensorPrimitive::Float(t.clone()),
+    );
+    let data = copy.insert(host::<f32, 4, _>(tensor)?);
+    Ok(crate::kernels::attention::Strided::contiguous(data, shape))
 }
 
 /// A tensor's values on the host.
@@ -270,19 +268,11 @@ impl LlamaBackend for burn::backend::Flex {
         // Keys and values are usually a view of a cache's filled columns: read them in
         // place when their values along `dim` are adjacent, else from a copy.
         let (k, v) = (k.into_primitive().tensor(), v.into_primitive().tensor());
-        let copy = |t: &burn::backend::flex::FlexTensor| -> Result<Option<Vec<f32>>> {
-            if in_place_view(t, shape).is_some() {
-                return Ok(None);
-            }
-            let t =
-                Tensor::<Self, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(t.clone()));
-            host::<f32, 4, _>(t).map(Some)
-        };
-        let (k_copy, v_copy) = (copy(&k)?, copy(&v)?);
+        let (mut k_copy, mut v_copy) = (None, None);
         let out = attention_strided(
             &q,
-            kv_view(&k, k_copy.as_deref(), shape),
-            kv_view(&v, v_copy.as_deref(), shape),
+            view_or_copy(&k, shape, &mut k_copy)?,
+            view_or_copy(&v, shape, &mut v_copy)?,
             mask.as_deref(),
             shape,
         )?;

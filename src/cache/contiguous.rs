@@ -335,12 +335,9 @@ fn write_columns<B: Backend>(
     region: [std::ops::Range<usize>; 4],
     capacity: usize,
 ) -> Tensor<B, 4> {
-    let Ok(values) = new.clone().into_data().to_vec::<f32>() else {
-        return cache.slice_assign(region, new);
-    };
     let [batch, heads, seq, dim] = new.dims();
     let start = region[2].start;
-    let written = super::host::write_in_place(cache, |memory| {
+    let written = super::host::write_in_place(cache, &new, |memory, values| {
         for (bh, chunk) in values
             .chunks_exact(seq * dim)
             .enumerate()

@@ -19,6 +19,7 @@
 //! are portable Burn operations (`slice_assign`, `select`).
 
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
+use rayon::prelude::*;
 
 use super::blocks::BlockId;
 use crate::error::{LlamaError, Result};
@@ -182,26 +183,19 @@ fn write_slots<B: Backend>(
     head_dim: usize,
 ) -> Tensor<B, 4> {
     let width = kv_heads * head_dim;
-    let pool = match values.clone().into_data().to_vec::<f32>() {
-        Ok(rows) => {
-            let written = super::host::write_in_place(pool, |memory| {
-                for (row, &(block, slot)) in rows.chunks_exact(width).zip(slots) {
-                    for h in 0..kv_heads {
-                        let dst = ((block as usize * kv_heads + h) * block_size + slot) * head_dim;
-                        memory[dst..dst + head_dim]
-                            .copy_from_slice(&row[h * head_dim..(h + 1) * head_dim]);
-                    }
-                }
-            });
-            match written {
-                Ok(done) => return done,
-                Err(pool) => pool,
+    let written = super::host::write_in_place(pool, &values, |memory, rows| {
+        for (row, &(block, slot)) in rows.chunks_exact(width).zip(slots) {
+            for h in 0..kv_heads {
+                let dst = ((block as usize * kv_heads + h) * block_size + slot) * head_dim;
+                memory[dst..dst + head_dim].copy_from_slice(&row[h * head_dim..(h + 1) * head_dim]);
             }
         }
-        Err(_) => pool,
-    };
+    });
     // Portable: one slice assignment per run of consecutive slots in one block.
-    let mut pool = pool;
+    let mut pool = match written {
+        Ok(done) => return done,
+        Err(pool) => pool,
+    };
     let mut t = 0;
     while t < slots.len() {
         let (block, start) = slots[t];
@@ -228,10 +222,6 @@ fn gather_blocks<B: Backend>(
     tables: &[BlockId],
     dims: GatherDims,
 ) -> Tensor<B, 4> {
-    #[cfg(feature = "flex")]
-    if let Some(out) = flex::gather_blocks(pool, tables, dims) {
-        return out;
-    }
     let GatherDims {
         rows,
         blocks,
@@ -239,51 +229,8 @@ fn gather_blocks<B: Backend>(
         block_size,
         head_dim,
     } = dims;
-    let device = pool.device();
-    let ids: Vec<i64> = tables.iter().map(|&b| i64::from(b)).collect();
-    let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [tables.len()]), &device);
-    pool.clone()
-        .select(0, ids)
-        .reshape([rows, blocks, kv_heads, block_size * head_dim])
-        .swap_dims(1, 2)
-        .reshape([rows, kv_heads, blocks * block_size, head_dim])
-}
-
-/// Direct access to the pool's memory on the CPU backend.
-#[cfg(feature = "flex")]
-mod flex {
-    use std::any::Any;
-
-    use burn::backend::flex::FlexTensor;
-    use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
-    use rayon::prelude::*;
-
-    use super::GatherDims;
-    use crate::cache::blocks::BlockId;
-
-    /// Gathers blocks straight from the pool's memory into a new tensor, or `None` when
-    /// `pool` is not a contiguous f32 Flex tensor.
-    pub(super) fn gather_blocks<B: Backend>(
-        pool: &Tensor<B, 4>,
-        tables: &[BlockId],
-        dims: GatherDims,
-    ) -> Option<Tensor<B, 4>> {
-        let primitive = pool.clone().into_primitive().tensor();
-        let flex = (&primitive as &dyn Any).downcast_ref::<FlexTensor>()?;
-        if flex.dtype() != DType::F32
-            || !flex.layout().is_contiguous()
-            || flex.layout().start_offset() != 0
-        {
-            return None;
-        }
-        let memory: &[f32] = flex.storage();
-        let GatherDims {
-            rows,
-            blocks,
-            kv_heads,
-            block_size,
-            head_dim,
-        } = dims;
+    let shape = [rows, kv_heads, blocks * block_size, head_dim];
+    let gathered = super::host::read_in_place(pool, |memory| {
         let span = block_size * head_dim;
         let per_row = kv_heads * blocks * span;
         let mut out = vec![0f32; rows * per_row];
@@ -298,12 +245,19 @@ mod flex {
                     }
                 }
             });
-        let shape = [rows, kv_heads, blocks * block_size, head_dim];
-        Some(Tensor::from_data(
-            TensorData::new(out, shape),
-            &pool.device(),
-        ))
+        out
+    });
+    if let Some(out) = gathered {
+        return Tensor::from_data(TensorData::new(out, shape), &pool.device());
     }
+    let device = pool.device();
+    let ids: Vec<i64> = tables.iter().map(|&b| i64::from(b)).collect();
+    let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [tables.len()]), &device);
+    pool.clone()
+        .select(0, ids)
+        .reshape([rows, blocks, kv_heads, block_size * head_dim])
+        .swap_dims(1, 2)
+        .reshape([rows, kv_heads, blocks * block_size, head_dim])
 }
 
 #[cfg(test)]
