@@ -115,3 +115,29 @@ fn demo_model_tensors() {
     let part = QuantMatrix::new(embed.format(), rows.len(), embed.cols(), bytes).unwrap();
     check(&part, &[1, 8, 128]);
 }
+
+#[test]
+fn the_demo_model_keeps_its_blocks_in_memory() {
+    let path = llama_burn::demo::demo_model_path().expect("demo model");
+    let llama =
+        llama_burn::llama::LlamaConfig::load_gguf::<DefaultBackend>(path, 256, &default_device())
+            .expect("load");
+    let c = llama.config();
+    // The Q8_0 embedding (34 bytes per 32 values), tied to the head and counted once;
+    // every projection in Q4_1 (20 bytes per 32); the norms in f32.
+    let embed = c.vocab_size * c.d_model / 32 * 34;
+    let kv = c.n_kv_heads * c.head_dim;
+    let per_layer =
+        c.d_model * (c.d_model + 2 * kv) + c.d_model * c.d_model + 3 * c.d_model * c.ffn_hidden;
+    let projections = c.n_layers * per_layer / 32 * 20;
+    let norms = (2 * c.n_layers + 1) * c.d_model * 4;
+    assert!(c.tie_embeddings);
+    assert_eq!(llama.model.weight_bytes(), embed + projections + norms);
+    assert!(
+        llama
+            .model
+            .blocks
+            .iter()
+            .all(|b| b.w_down.is_quantized() && b.wqk.is_quantized())
+    );
+}
