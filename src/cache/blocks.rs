@@ -50,19 +50,27 @@ impl BlockKey {
     }
 }
 
+/// The full blocks of `tokens`, which follow the prefix whose hash is `parent`: each
+/// block's key and the chain hash of the prefix it ends. The one walk of the hash chain.
+fn block_keys(
+    tokens: &[u32],
+    block_size: usize,
+    mut parent: PrefixHash,
+) -> impl Iterator<Item = (BlockKey, PrefixHash)> + '_ {
+    tokens.chunks_exact(block_size.max(1)).map(move |chunk| {
+        let key = BlockKey {
+            parent,
+            tokens: chunk.to_vec(),
+        };
+        parent = key.chain_hash();
+        (key, parent)
+    })
+}
+
 /// The hash chain of a token sequence: one [`PrefixHash`] per full block.
 pub fn prefix_hashes(tokens: &[u32], block_size: usize) -> Vec<PrefixHash> {
-    let mut parent = 0;
-    tokens
-        .chunks_exact(block_size.max(1))
-        .map(|chunk| {
-            parent = BlockKey {
-                parent,
-                tokens: chunk.to_vec(),
-            }
-            .chain_hash();
-            parent
-        })
+    block_keys(tokens, block_size, 0)
+        .map(|(_, hash)| hash)
         .collect()
 }
 
@@ -172,17 +180,11 @@ impl BlockManager {
             return PrefixMatch::default();
         }
         let usable = (tokens.len() - 1) / self.block_size;
-        let mut parent = 0;
         let mut blocks = Vec::new();
-        for chunk in tokens.chunks_exact(self.block_size).take(usable) {
-            let key = BlockKey {
-                parent,
-                tokens: chunk.to_vec(),
-            };
+        for (key, _) in block_keys(tokens, self.block_size, 0).take(usable) {
             let Some(&id) = self.cached.get(&key) else {
                 break;
             };
-            parent = key.chain_hash();
             blocks.push(id);
         }
         for &id in &blocks {
@@ -260,13 +262,13 @@ impl BlockManager {
             return (from, parent_of_from);
         }
         let full = (computed.min(tokens.len()) / self.block_size).min(table.len());
+        if full <= from {
+            return (from, parent_of_from);
+        }
+        let fresh = &tokens[from * self.block_size..full * self.block_size];
         let mut parent = parent_of_from;
-        for i in from..full {
-            let key = BlockKey {
-                parent,
-                tokens: tokens[i * self.block_size..(i + 1) * self.block_size].to_vec(),
-            };
-            parent = key.chain_hash();
+        for (i, (key, hash)) in (from..).zip(block_keys(fresh, self.block_size, parent_of_from)) {
+            parent = hash;
             let id = table[i];
             let info = &self.blocks[id as usize];
             if info.key.is_none() && !self.cached.contains_key(&key) {
@@ -274,7 +276,7 @@ impl BlockManager {
                 self.blocks[id as usize].key = Some(key);
             }
         }
-        (full.max(from), parent)
+        (full, parent)
     }
 
     fn take_ref(&mut self, id: BlockId) {
