@@ -7,6 +7,7 @@
 
 use std::arch::x86_64::*;
 
+use super::cpu::MAX_TILE_ROWS;
 use super::quant::QuantFormat;
 use crate::loader::dequant::k_scales_mins;
 
@@ -232,7 +233,7 @@ unsafe fn tile<const R: usize, const C: usize>(
     weights: &[&[f32]],
     acts: &[&[f32]],
     n: usize,
-    out: &mut [[f32; 8]; 4],
+    out: &mut [[f32; 8]; MAX_TILE_ROWS],
 ) {
     let mut acc = [[_mm256_setzero_ps(); C]; R];
     let w: [*const f32; C] = std::array::from_fn(|c| weights[c].as_ptr());
@@ -274,7 +275,7 @@ unsafe fn tile<const R: usize, const C: usize>(
 ///
 /// AVX2, FMA and F16C; every slice holds the same number of values, a multiple of 8.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_tile(weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32; 8]; 4]) {
+pub(crate) unsafe fn dot_tile(weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32; 8]; MAX_TILE_ROWS]) {
     let n = weights.first().map_or(0, |w| w.len());
     debug_assert!(n.is_multiple_of(8));
     debug_assert!(weights.iter().all(|w| w.len() == n) && acts.iter().all(|a| a.len() == n));
@@ -293,7 +294,7 @@ pub(crate) unsafe fn dot_tile(weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f
             (r, c) => {
                 for (ri, a) in acts.iter().enumerate().take(r) {
                     for (ci, w) in weights.iter().enumerate().take(c) {
-                        let mut one = [[0f32; 8]; 4];
+                        let mut one = [[0f32; 8]; MAX_TILE_ROWS];
                         tile::<1, 1>(&[w], &[a], n, &mut one);
                         out[ri][ci] = one[0][0];
                     }

@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::quant::QuantMatrix;
+use super::quant::{GROUP_ROWS, QuantMatrix};
 use crate::error::{LlamaError, Result};
 
 /// An instruction-set path of the CPU kernels.
@@ -30,29 +30,39 @@ pub enum SimdPath {
     Portable,
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
+    /// x86-64 with AVX-512 (F, BW, VL), FMA and F16C: weights decoded in registers,
+    /// 16-lane accumulators (its own reduction order, see [`super::avx512`]).
+    Avx512,
 }
 
 impl SimdPath {
-    /// The best path this CPU runs, unless `LLAMA_BURN_SIMD=portable` (or `avx2`) asks
-    /// for a lower one. Read once per process.
+    /// Every path, from the plainest to the widest.
+    pub const ALL: [SimdPath; 3] = [SimdPath::Portable, SimdPath::Avx2, SimdPath::Avx512];
+
+    /// The best path this CPU runs, unless `LLAMA_BURN_SIMD` names a lower one
+    /// (`portable`, `avx2` or `avx512`; a path this CPU lacks falls back to the best it
+    /// has). Read once per process: a CPU with AVX-512 runs the AVX2 path with
+    /// `LLAMA_BURN_SIMD=avx2`, as a CPU without it would.
     pub fn active() -> SimdPath {
         static ACTIVE: OnceLock<SimdPath> = OnceLock::new();
         *ACTIVE.get_or_init(|| {
             let best = SimdPath::best_supported();
-            match std::env::var("LLAMA_BURN_SIMD").ok().as_deref() {
-                Some("portable") => SimdPath::Portable,
-                _ => best,
-            }
+            let asked = std::env::var("LLAMA_BURN_SIMD").ok();
+            SimdPath::ALL
+                .into_iter()
+                .find(|p| Some(p.env_name()) == asked.as_deref())
+                .filter(|p| p.is_supported())
+                .unwrap_or(best)
         })
     }
 
     /// The best path this CPU supports.
     pub fn best_supported() -> SimdPath {
-        if SimdPath::Avx2.is_supported() {
-            SimdPath::Avx2
-        } else {
-            SimdPath::Portable
-        }
+        SimdPath::ALL
+            .into_iter()
+            .rev()
+            .find(|p| p.is_supported())
+            .unwrap_or(SimdPath::Portable)
     }
 
     /// Whether this CPU can run the path.
@@ -60,6 +70,7 @@ impl SimdPath {
         match self {
             SimdPath::Portable => true,
             SimdPath::Avx2 => avx2_supported(),
+            SimdPath::Avx512 => avx512_supported(),
         }
     }
 
@@ -68,6 +79,16 @@ impl SimdPath {
         match self {
             SimdPath::Portable => "portable",
             SimdPath::Avx2 => "avx2+fma",
+            SimdPath::Avx512 => "avx512",
+        }
+    }
+
+    /// The value of `LLAMA_BURN_SIMD` that asks for the path.
+    pub fn env_name(self) -> &'static str {
+        match self {
+            SimdPath::Portable => "portable",
+            SimdPath::Avx2 => "avx2",
+            SimdPath::Avx512 => "avx512",
         }
     }
 }
@@ -84,8 +105,24 @@ fn avx2_supported() -> bool {
     false
 }
 
-/// Rows of activations per tile when several rows are multiplied.
+#[cfg(target_arch = "x86_64")]
+fn avx512_supported() -> bool {
+    avx2_supported()
+        && std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_supported() -> bool {
+    false
+}
+
+/// Rows of activations per tile on the portable and AVX2 paths.
 const ROW_TILE: usize = 4;
+
+/// Most activation rows of any path's tile (the size of a tile's output).
+pub(crate) const MAX_TILE_ROWS: usize = 8;
 
 /// `x @ W^T` for `x` row-major `[rows, w.cols()]`: returns `[rows, w.rows()]`, on the
 /// [active](SimdPath::active) path.
@@ -127,22 +164,19 @@ pub fn matmul_transposed_on(
     if rows == 0 || n_out == 0 {
         return Ok(Vec::new());
     }
-    // Column tiles: 8 weight rows share the activations when one row is decoded (eight
-    // independent accumulators), 3 when several rows share each weight row (a 4 x 3
-    // tile: 12 accumulators, 7 loads per 12 multiply-adds).
-    let col_tile = if rows == 1 { 8 } else { 3 };
+    let tiles = Tiles::of(path, rows);
     let threads = rayon::current_num_threads().max(1);
     let per_chunk = n_out
         .div_ceil(threads)
-        .next_multiple_of(col_tile)
-        .max(col_tile);
+        .next_multiple_of(GROUP_ROWS)
+        .max(GROUP_ROWS);
     let chunks: Vec<(usize, usize)> = (0..n_out)
         .step_by(per_chunk)
         .map(|start| (start, (start + per_chunk).min(n_out)))
         .collect();
     let parts: Vec<Result<Vec<f32>>> = chunks
         .par_iter()
-        .map(|&(start, end)| columns(path, x, rows, w, start, end, col_tile))
+        .map(|&(start, end)| columns(path, tiles, x, rows, w, start, end))
         .collect();
     let mut out = vec![0f32; rows * n_out];
     for (&(start, end), part) in chunks.iter().zip(parts) {
@@ -155,76 +189,189 @@ pub fn matmul_transposed_on(
     Ok(out)
 }
 
-/// Outputs `start..end` of every row, row-major `[rows, end - start]`.
+/// How a path tiles a product of `rows` activation rows.
+#[derive(Debug, Clone, Copy)]
+struct Tiles {
+    /// Weight rows (outputs) per tile, within one group of [`GROUP_ROWS`].
+    cols: usize,
+    /// Activation rows per tile.
+    rows: usize,
+    /// Whether weights are multiplied straight from registers (no scratch rows).
+    fused: bool,
+}
+
+impl Tiles {
+    fn of(path: SimdPath, rows: usize) -> Tiles {
+        match path {
+            // Up to 4 rows: each block decoded in registers and multiplied at once, a
+            // whole group of 8 outputs per tile (4 with 4 rows: 16 accumulators). More
+            // rows: a 6 x 4 tile over a group's rows decoded once into scratch.
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx512 => {
+                use super::avx512::{FUSED_ROWS, TILE_COLS, TILE_ROWS};
+                if rows <= FUSED_ROWS {
+                    Tiles {
+                        cols: if rows < FUSED_ROWS { GROUP_ROWS } else { GROUP_ROWS / 2 },
+                        rows: FUSED_ROWS,
+                        fused: true,
+                    }
+                } else {
+                    Tiles {
+                        cols: TILE_COLS,
+                        rows: TILE_ROWS,
+                        fused: false,
+                    }
+                }
+            }
+            // Scratch rows: 8 weight rows share the activations when one row is decoded
+            // (eight independent accumulators), 3 when several rows share each weight row
+            // (a 4 x 3 tile: 12 accumulators, 7 loads per 12 multiply-adds).
+            _ => Tiles {
+                cols: if rows == 1 { GROUP_ROWS } else { 3 },
+                rows: ROW_TILE,
+                fused: false,
+            },
+        }
+    }
+}
+
+/// Outputs `start..end` of every row, row-major `[rows, end - start]` (`start` starts a
+/// group of the matrix).
 fn columns(
     path: SimdPath,
+    tiles: Tiles,
     x: &[f32],
     rows: usize,
     w: &QuantMatrix,
     start: usize,
     end: usize,
-    col_tile: usize,
 ) -> Result<Vec<f32>> {
     let n_in = w.cols();
     let width = end - start;
     let mut out = vec![0f32; rows * width];
-    let mut scratch = vec![0f32; col_tile * n_in];
-    let mut tile_out = [[0f32; 8]; ROW_TILE];
-    for j in (start..end).step_by(col_tile) {
-        let cols = col_tile.min(end - j);
-        for (c, dst) in scratch.chunks_exact_mut(n_in).take(cols).enumerate() {
-            dequantize_row(path, w, j + c, dst)?;
+    let mut scratch = vec![0f32; if tiles.fused { 0 } else { GROUP_ROWS * n_in }];
+    let mut tile_out = [[0f32; 8]; MAX_TILE_ROWS];
+    for first in (start..end).step_by(GROUP_ROWS) {
+        let n = GROUP_ROWS.min(end - first);
+        if !tiles.fused {
+            dequantize_group(path, w, first, &mut scratch[..n * n_in])?;
         }
-        let mut weights: [&[f32]; 8] = [&[]; 8];
-        for (slot, w) in weights
-            .iter_mut()
-            .zip(scratch.chunks_exact(n_in).take(cols))
-        {
-            *slot = w;
-        }
-        let weights = &weights[..cols];
-        let mut r = 0;
-        while r < rows {
-            let tile_rows = if rows == 1 { 1 } else { ROW_TILE.min(rows - r) };
-            let mut acts: [&[f32]; ROW_TILE] = [&[]; ROW_TILE];
-            for (slot, a) in acts
+        for c0 in (0..n).step_by(tiles.cols) {
+            let cols = tiles.cols.min(n - c0);
+            let mut weights: [&[f32]; 8] = [&[]; 8];
+            for (slot, w) in weights
                 .iter_mut()
-                .zip(x[r * n_in..(r + tile_rows) * n_in].chunks_exact(n_in))
+                .zip(scratch.chunks_exact(n_in).skip(c0).take(cols))
             {
-                *slot = a;
+                *slot = w;
             }
-            dot_tile(path, weights, &acts[..tile_rows], &mut tile_out);
-            for (i, row_out) in tile_out.iter().take(tile_rows).enumerate() {
-                let base = (r + i) * width + (j - start);
-                out[base..base + cols].copy_from_slice(&row_out[..cols]);
+            let mut r = 0;
+            while r < rows {
+                let tile_rows = tiles.rows.min(rows - r);
+                let mut acts: [&[f32]; MAX_TILE_ROWS] = [&[]; MAX_TILE_ROWS];
+                for (slot, a) in acts
+                    .iter_mut()
+                    .zip(x[r * n_in..(r + tile_rows) * n_in].chunks_exact(n_in))
+                {
+                    *slot = a;
+                }
+                let acts = &acts[..tile_rows];
+                if tiles.fused {
+                    fused_tile(path, w, first, c0, cols, acts, &mut tile_out);
+                } else {
+                    dot_tile(path, &weights[..cols], acts, &mut tile_out);
+                }
+                for (i, row_out) in tile_out.iter().take(tile_rows).enumerate() {
+                    let base = (r + i) * width + (first + c0 - start);
+                    out[base..base + cols].copy_from_slice(&row_out[..cols]);
+                }
+                r += tile_rows;
             }
-            r += tile_rows;
         }
     }
     Ok(out)
 }
 
-fn dequantize_row(path: SimdPath, w: &QuantMatrix, row: usize, out: &mut [f32]) -> Result<()> {
+/// Dequantizes the rows of the group at `first` into `out` (row-major, as many rows as
+/// `out` holds), bitwise as the loader does.
+fn dequantize_group(path: SimdPath, w: &QuantMatrix, first: usize, out: &mut [f32]) -> Result<()> {
+    let n_in = w.cols();
     match path {
         #[cfg(target_arch = "x86_64")]
         SimdPath::Avx2 => {
-            // SAFETY: the path was checked to be supported by this CPU.
-            unsafe { super::avx2::dequantize_row(w.format(), w.row(row), out) }
+            let format = w.format();
+            for (c, dst) in out.chunks_exact_mut(n_in).enumerate() {
+                // SAFETY: the path was checked to be supported by this CPU; each call
+                // gets one whole block and its values.
+                w.decode_row(first + c, dst, |b, o| unsafe {
+                    super::avx2::dequantize_row(format, b, o)
+                });
+            }
             Ok(())
         }
-        _ => w.dequantize_row(row, out),
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => {
+            // SAFETY: the path was checked to be supported by this CPU; `first` starts a
+            // group and `out` holds at most its rows.
+            unsafe { super::avx512::dequantize_group(w, first, 0, out) }
+            Ok(())
+        }
+        _ => {
+            for (c, dst) in out.chunks_exact_mut(n_in).enumerate() {
+                w.dequantize_row(first + c, dst)?;
+            }
+            Ok(())
+        }
     }
 }
 
-/// `out[r][c] = acts[r] . weights[c]` in the canonical reduction order, for up to
+/// `out[r][c] = acts[r] . W[first + c0 + c]` with the weights decoded in registers
+/// (paths whose [`Tiles`] are fused).
+fn fused_tile(
+    path: SimdPath,
+    w: &QuantMatrix,
+    first: usize,
+    c0: usize,
+    cols: usize,
+    acts: &[&[f32]],
+    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => {
+            // SAFETY: the path was checked to be supported by this CPU; `first` starts a
+            // group holding `c0 + cols` rows and every activation row has `w.cols()`
+            // values.
+            unsafe { super::avx512::fused_tile(w, first, c0, cols, acts, out) }
+        }
+        _ => unreachable_fused(path),
+    }
+}
+
+#[cold]
+fn unreachable_fused(path: SimdPath) {
+    debug_assert!(false, "{path:?} has no fused tiles");
+}
+
+/// `out[r][c] = acts[r] . weights[c]` in the path's reduction order, for up to
 /// [`ROW_TILE`] rows and 8 columns.
-fn dot_tile(path: SimdPath, weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32; 8]; ROW_TILE]) {
+fn dot_tile(
+    path: SimdPath,
+    weights: &[&[f32]],
+    acts: &[&[f32]],
+    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+) {
     match path {
         #[cfg(target_arch = "x86_64")]
         SimdPath::Avx2 => {
             // SAFETY: the path was checked to be supported by this CPU; every slice holds
             // the same number of values, a multiple of 32 (whole blocks).
             unsafe { super::avx2::dot_tile(weights, acts, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => {
+            // SAFETY: as above.
+            unsafe { super::avx512::dot_tile(weights, acts, out) }
         }
         _ => {
             for (r, a) in acts.iter().enumerate() {
@@ -243,9 +390,11 @@ pub(crate) fn dot(path: SimdPath, a: &[f32], b: &[f32]) -> f32 {
         return a.iter().zip(b).fold(0.0, |s, (x, y)| s + x * y);
     }
     match path {
+        // Attention's dot products are short (a head's dimension): the AVX-512 path
+        // computes them as the AVX2 path does.
         #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx2 => {
-            let mut out = [[0f32; 8]; ROW_TILE];
+        SimdPath::Avx2 | SimdPath::Avx512 => {
+            let mut out = [[0f32; 8]; MAX_TILE_ROWS];
             // SAFETY: the caller holds a supported path (`SimdPath::active` or a checked
             // one); both slices hold the same multiple of 8 values.
             unsafe { super::avx2::dot_tile(&[a], &[b], &mut out) };
@@ -282,6 +431,28 @@ pub fn dot_fused_reference(w: &[f32], x: &[f32]) -> f32 {
         }
     }
     finish(&acc)
+}
+
+/// One dot product in the AVX-512 path's order: a 16-lane accumulator with fused
+/// multiply-adds over 16-value chunks, then `t[l] = acc[l] + acc[l + 8]` finished as the
+/// 8-lane order finishes (for tests; the length must be a multiple of 16).
+pub fn dot_fused16_reference(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for (wc, xc) in w.chunks_exact(16).zip(x.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] = wc[l].mul_add(xc[l], acc[l]);
+        }
+    }
+    finish(&std::array::from_fn(|l| acc[l] + acc[l + 8]))
+}
+
+/// The reference dot product of `path`'s reduction order, written plainly (for tests).
+pub fn dot_reference_on(path: SimdPath, w: &[f32], x: &[f32]) -> f32 {
+    match path {
+        SimdPath::Portable => dot_reference(w, x),
+        SimdPath::Avx2 => dot_fused_reference(w, x),
+        SimdPath::Avx512 => dot_fused16_reference(w, x),
+    }
 }
 
 /// One dot product in the canonical order, each product and sum rounded separately:

@@ -13,6 +13,8 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 pub mod cpu;
 pub mod quant;
 
@@ -21,7 +23,7 @@ pub use quant::{QuantFormat, QuantMatrix};
 
 #[cfg(test)]
 mod tests {
-    use super::cpu::{dot_fused_reference, dot_reference};
+    use super::cpu::dot_reference_on;
     use super::*;
     use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -55,7 +57,7 @@ mod tests {
     ];
 
     fn paths() -> Vec<SimdPath> {
-        [SimdPath::Portable, SimdPath::Avx2]
+        SimdPath::ALL
             .into_iter()
             .filter(|p| p.is_supported())
             .collect()
@@ -69,7 +71,7 @@ mod tests {
             let w = random_matrix(format, n_out, n_in, 7);
             let dense = w.dequantize().unwrap();
             let mut rng = StdRng::seed_from_u64(1);
-            for rows in [1, 3, 8, 33] {
+            for rows in [1, 2, 3, 4, 5, 8, 33] {
                 let x: Vec<f32> = (0..rows * n_in)
                     .map(|_| rng.random_range(-1.0f32..1.0))
                     .collect();
@@ -81,10 +83,7 @@ mod tests {
                                 &dense[j * n_in..(j + 1) * n_in],
                                 &x[r * n_in..(r + 1) * n_in],
                             );
-                            let want = match path {
-                                SimdPath::Portable => dot_reference(wr, xr),
-                                SimdPath::Avx2 => dot_fused_reference(wr, xr),
-                            };
+                            let want = dot_reference_on(path, wr, xr);
                             assert_eq!(
                                 got[r * n_out + j].to_bits(),
                                 want.to_bits(),

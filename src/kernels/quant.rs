@@ -66,9 +66,33 @@ impl QuantFormat {
     }
 }
 
-/// A `[rows, cols]` matrix stored row by row in a block format, blocks running along
-/// each row. For a projection, a row is one output's weights (ggml's `[out, in]` layout),
-/// so `x @ W^T` reads each row once.
+/// Rows of a [`QuantMatrix`] whose blocks are stored interleaved (see its layout).
+pub const GROUP_ROWS: usize = 8;
+
+impl QuantFormat {
+    /// Bytes at the start of a block that hold its scales (`d`, and `m` for Q4_1), which
+    /// the grouped layout stores apart from the quantized values; 0 for the K-quants,
+    /// whose blocks stay whole.
+    pub fn head_bytes(self) -> usize {
+        match self {
+            Self::Q8_0 | Self::Q4_0 => 2,
+            Self::Q4_1 => 4,
+            Self::Q4_K | Self::Q6_K => 0,
+        }
+    }
+}
+
+/// A `[rows, cols]` matrix in a block format, blocks running along each row. For a
+/// projection, a row is one output's weights (ggml's `[out, in]` layout).
+///
+/// **Layout.** Rows are stored in groups of [`GROUP_ROWS`] (the last group may be
+/// smaller), and a group's blocks are interleaved: block 0 of each of its rows, then
+/// block 1 of each, and so on. Within one such step the rows' scales come first, side by
+/// side, then their quantized values ([`QuantFormat::head_bytes`]). A kernel that
+/// multiplies a group's eight outputs at once then reads one sequential stream (the
+/// hardware prefetcher follows it; eight separate row streams it did not: 53 against 69
+/// tokens/s in 1-row decode, measured here) and converts eight rows' scales with one
+/// instruction. The bytes held are exactly the ggml blocks', rearranged.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantMatrix {
     format: QuantFormat,
@@ -78,7 +102,8 @@ pub struct QuantMatrix {
 }
 
 impl QuantMatrix {
-    /// Wraps `data`, checking that it holds exactly `rows` rows of `cols` values.
+    /// Takes `data` in ggml's layout (row by row, each row its blocks in order), checking
+    /// that it holds exactly `rows` rows of `cols` values, and stores it grouped.
     ///
     /// # Errors
     ///
@@ -100,12 +125,36 @@ impl QuantMatrix {
                 data.len()
             )));
         }
-        Ok(Self {
+        let mut m = Self {
             format,
             rows,
             cols,
-            data,
-        })
+            data: Vec::new(),
+        };
+        let (bb, hb) = (format.block_bytes(), format.head_bytes());
+        let row_bytes = m.row_bytes();
+        let mut grouped = vec![0u8; data.len()];
+        for r in 0..rows {
+            for b in 0..m.blocks_per_row() {
+                let src = &data[r * row_bytes + b * bb..r * row_bytes + (b + 1) * bb];
+                let (head, payload) = m.block_offsets(r, b);
+                grouped[head..head + hb].copy_from_slice(&src[..hb]);
+                grouped[payload..payload + bb - hb].copy_from_slice(&src[hb..]);
+            }
+        }
+        m.data = grouped;
+        Ok(m)
+    }
+
+    /// The matrix in ggml's layout (row by row), as [`new`](Self::new) takes it.
+    pub fn to_ggml_bytes(&self) -> Vec<u8> {
+        let bb = self.format.block_bytes();
+        let mut out = vec![0u8; self.data.len()];
+        for (i, dst) in out.chunks_exact_mut(bb).enumerate() {
+            let (r, b) = (i / self.blocks_per_row(), i % self.blocks_per_row());
+            self.block_into(r, b, dst);
+        }
+        out
     }
 
     /// Stacks matrices with the same format and row length (for fused projections).
@@ -126,7 +175,7 @@ impl QuantMatrix {
                 "stacked matrices differ in format or row length".into(),
             ));
         }
-        let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+        let data = parts.iter().flat_map(|p| p.to_ggml_bytes()).collect();
         let rows = parts.iter().map(|p| p.rows).sum();
         Self::new(first.format, rows, first.cols, data)
     }
@@ -151,15 +200,61 @@ impl QuantMatrix {
         self.data.len()
     }
 
-    /// Bytes of one row.
+    /// Bytes of one row's blocks.
     pub fn row_bytes(&self) -> usize {
-        self.cols / self.format.block_values() * self.format.block_bytes()
+        self.blocks_per_row() * self.format.block_bytes()
     }
 
-    /// The blocks of row `row` (`row < rows`).
-    pub fn row(&self, row: usize) -> &[u8] {
-        let n = self.row_bytes();
-        &self.data[row * n..(row + 1) * n]
+    /// Blocks in each row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.cols / self.format.block_values()
+    }
+
+    /// Rows in the group of row `row`.
+    fn group_len(&self, row: usize) -> usize {
+        GROUP_ROWS.min(self.rows - row / GROUP_ROWS * GROUP_ROWS)
+    }
+
+    /// Where block `b` of row `r` keeps its scales and its quantized values.
+    fn block_offsets(&self, r: usize, b: usize) -> (usize, usize) {
+        let (bb, hb) = (self.format.block_bytes(), self.format.head_bytes());
+        let n = self.group_len(r);
+        let step = r / GROUP_ROWS * GROUP_ROWS * self.row_bytes() + b * n * bb;
+        let i = r % GROUP_ROWS;
+        (step + i * hb, step + n * hb + i * (bb - hb))
+    }
+
+    /// The bytes of the group of rows starting at `first` (a multiple of
+    /// [`GROUP_ROWS`]) and the number of rows in it (see the type's layout).
+    pub(crate) fn group(&self, first: usize) -> (&[u8], usize) {
+        let n = self.group_len(first);
+        let start = first * self.row_bytes();
+        (&self.data[start..start + n * self.row_bytes()], n)
+    }
+
+    /// Copies block `b` of row `r`, in ggml's layout, into `out` (`block_bytes` long).
+    fn block_into(&self, r: usize, b: usize, out: &mut [u8]) {
+        let (bb, hb) = (self.format.block_bytes(), self.format.head_bytes());
+        let (head, payload) = self.block_offsets(r, b);
+        out[..hb].copy_from_slice(&self.data[head..head + hb]);
+        out[hb..bb].copy_from_slice(&self.data[payload..payload + bb - hb]);
+    }
+
+    /// Row `row` in ggml's layout (its blocks in order).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] if `row` is out of range.
+    pub fn row_ggml_bytes(&self, row: usize) -> Result<Vec<u8>> {
+        if row >= self.rows {
+            return Err(LlamaError::invalid("row", row, "outside the matrix"));
+        }
+        let bb = self.format.block_bytes();
+        let mut out = vec![0u8; self.row_bytes()];
+        for (b, dst) in out.chunks_exact_mut(bb).enumerate() {
+            self.block_into(row, b, dst);
+        }
+        Ok(out)
     }
 
     /// Row `row` as f32, exactly as the loader's dequantization gives it.
@@ -175,7 +270,24 @@ impl QuantMatrix {
                 "outside the matrix or the wrong output length",
             ));
         }
-        dequantize_into(self.format.ggml(), self.row(row), out)
+        let mut block = [0u8; 256];
+        let (bb, bv) = (self.format.block_bytes(), self.format.block_values());
+        for (b, dst) in out.chunks_exact_mut(bv).enumerate() {
+            self.block_into(row, b, &mut block[..bb]);
+            dequantize_into(self.format.ggml(), &block[..bb], dst)?;
+        }
+        Ok(())
+    }
+
+    /// Row `row` as f32 through `decode(block, out)`, which dequantizes one ggml block
+    /// into its values (a SIMD path's decoder; the caller checks `row` and `out`).
+    pub(crate) fn decode_row(&self, row: usize, out: &mut [f32], mut decode: impl FnMut(&[u8], &mut [f32])) {
+        let mut block = [0u8; 256];
+        let (bb, bv) = (self.format.block_bytes(), self.format.block_values());
+        for (b, dst) in out.chunks_exact_mut(bv).enumerate() {
+            self.block_into(row, b, &mut block[..bb]);
+            decode(&block[..bb], dst);
+        }
     }
 
     /// Rows `ids` as f32, row-major `[ids.len(), cols]` (an embedding lookup).
@@ -207,6 +319,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_grouped_layout_gives_back_the_ggml_bytes() {
+        for format in [QuantFormat::Q8_0, QuantFormat::Q4_1, QuantFormat::Q6_K] {
+            // 19 rows: two full groups and a partial one.
+            let rows = 19;
+            let cols = 2 * format.block_values();
+            let data: Vec<u8> = (0..rows * 2 * format.block_bytes())
+                .map(|i| (i * 31 % 251) as u8)
+                .collect();
+            let m = QuantMatrix::new(format, rows, cols, data.clone()).unwrap();
+            assert_eq!(m.to_ggml_bytes(), data);
+            assert_ne!(m.data, data, "{format:?} is stored grouped");
+            let rb = m.row_bytes();
+            assert_eq!(m.row_ggml_bytes(17).unwrap(), data[17 * rb..18 * rb]);
+        }
+    }
+
+    #[test]
     fn shapes_are_checked() {
         assert!(QuantMatrix::new(QuantFormat::Q4_1, 2, 32, vec![0; 40]).is_ok());
         assert!(QuantMatrix::new(QuantFormat::Q4_1, 2, 32, vec![0; 39]).is_err());
@@ -215,7 +344,9 @@ mod tests {
         let a = QuantMatrix::new(QuantFormat::Q8_0, 1, 32, vec![1; 34]).unwrap();
         let b = QuantMatrix::new(QuantFormat::Q8_0, 2, 32, vec![2; 68]).unwrap();
         let s = QuantMatrix::stack(&[a.clone(), b]).unwrap();
-        assert_eq!((s.rows(), s.row(0)), (3, a.row(0)));
+        assert_eq!(s.rows(), 3);
+        assert_eq!(s.row_ggml_bytes(0).unwrap(), a.row_ggml_bytes(0).unwrap());
+        assert_eq!(s.row_ggml_bytes(2).unwrap(), vec![2; 34]);
         let c = QuantMatrix::new(QuantFormat::Q4_0, 1, 32, vec![0; 18]).unwrap();
         assert!(QuantMatrix::stack(&[a, c]).is_err());
     }

@@ -1,0 +1,496 @@
+//! The AVX-512 path of the CPU kernels (x86-64 with AVX-512 F/BW/VL, FMA and F16C).
+//!
+//! **Weights dequantized in registers.** Every block is decoded straight into 16-lane
+//! registers with the same f32 operations, in the same order, as `loader::dequant` (a
+//! multiply, then an add or subtract), so each weight is bitwise the loader's. The 4-bit
+//! formats build their block's 16 possible values once (`T[q] = q * d + m` for Q4_1) and
+//! look each nibble up with one `vpermps`, which reads only an index's low 4 bits: the
+//! low nibbles need no mask and the high ones one shift. A projection of up to
+//! [`FUSED_ROWS`] rows multiplies the decoded registers directly (nothing stored); more
+//! rows decode each weight row once into a scratch row and reuse it for every row tile.
+//!
+//! **This path's reduction order.** A 16-lane accumulator takes a dot product's 16-value
+//! chunks in order (`acc = fma(w[16k..16k+16], x[16k..16k+16], acc)`), then
+//! `t[l] = acc[l] + acc[l + 8]` and `t` is finished as the AVX2 path finishes its 8-lane
+//! accumulator (see [`super::cpu`]). The order is the same for every row count, tile and
+//! thread, so results are batch-invariant to the bit; it differs from the AVX2 path's
+//! 8-lane order, so the two paths agree to about 1e-6 relative, not to the bit.
+
+use std::arch::x86_64::*;
+
+use super::cpu::MAX_TILE_ROWS;
+use super::quant::{QuantFormat, QuantMatrix};
+use crate::loader::dequant::k_scales_mins;
+
+/// Most activation rows multiplied straight from registers; more go through scratch rows.
+pub(crate) const FUSED_ROWS: usize = 4;
+
+/// Columns of a scratch tile: 6 x 4 accumulators, 4 weight registers and one activation
+/// register (29 of 32), 10 loads per 24 multiply-adds.
+pub(crate) const TILE_COLS: usize = 4;
+
+/// Rows of a scratch tile.
+pub(crate) const TILE_ROWS: usize = 6;
+
+/// `0.0, 1.0, ..., 15.0`: the 4-bit values as f32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn iota() -> __m512 {
+    _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    )
+}
+
+/// The f16 at `p` (little-endian) as f32, exactly.
+///
+/// # Safety
+///
+/// Two readable bytes at `p`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees two bytes.
+    let bits = i32::from(u16::from_le_bytes(unsafe { [*p, *p.add(1)] }));
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
+}
+
+/// 16 bytes at `p` widened to 16 unsigned 32-bit lanes.
+///
+/// # Safety
+///
+/// 16 readable bytes at `p`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn widen_u8(p: *const u8) -> __m512i {
+    // SAFETY: the caller guarantees 16 bytes.
+    _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p.cast()) })
+}
+
+/// Decodes one block of `F` and hands its values to `f` as 16-value chunks, in order:
+/// `f(i, w)` gets values `16 i .. 16 i + 16`. For Q8_0, Q4_0 and Q4_1, `scales` holds
+/// the block's scales as f32 (`d`, then `m` for Q4_1) and `q` its quantized values; the
+/// K-quants read the whole block at `q` (`scales` unused).
+///
+/// # Safety
+///
+/// `q` points at the block's quantized values (16 or 32 bytes) or whole K-quant block,
+/// `scales` at its scales.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn decode_block<const F: u8>(
+    scales: *const f32,
+    q: *const u8,
+    mut f: impl FnMut(usize, __m512),
+) {
+    // SAFETY (every arm): offsets stay inside the block's values (32 bytes for Q8_0, 16
+    // for Q4_0 and Q4_1, 144 and 210 for the K-quants) and its scales.
+    unsafe {
+        match F {
+            Q8_0 => {
+                // x = q * d
+                let d = _mm512_set1_ps(*scales);
+                for i in 0..2 {
+                    let v = _mm512_cvtepi8_epi32(_mm_loadu_si128(q.add(16 * i).cast()));
+                    f(i, _mm512_mul_ps(_mm512_cvtepi32_ps(v), d));
+                }
+            }
+            Q4_0 => {
+                // x = (q - 8) * d: the 16 possible values, then a lookup per nibble.
+                let d = _mm512_set1_ps(*scales);
+                let t = _mm512_mul_ps(_mm512_sub_ps(iota(), _mm512_set1_ps(8.0)), d);
+                let v = widen_u8(q);
+                f(0, _mm512_permutexvar_ps(v, t));
+                f(1, _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), t));
+            }
+            Q4_1 => {
+                // x = q * d + m
+                let d = _mm512_set1_ps(*scales);
+                let m = _mm512_set1_ps(*scales.add(1));
+                let t = _mm512_add_ps(_mm512_mul_ps(iota(), d), m);
+                let v = widen_u8(q);
+                f(0, _mm512_permutexvar_ps(v, t));
+                f(1, _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), t));
+            }
+            Q4_K => {
+                // Eight 32-value groups: x = (d * sc) * q - dmin * mn; group 2c takes the
+                // low nibbles of bytes 16 + 32c .. 48 + 32c, group 2c + 1 the high ones.
+                let b = q;
+                let d = f16_at(b);
+                let dmin = f16_at(b.add(2));
+                let (sc, mn) = k_scales_mins(std::slice::from_raw_parts(b.add(4), 12));
+                for g in 0..8 {
+                    let scale = _mm512_set1_ps(d * f32::from(sc[g]));
+                    let min = _mm512_set1_ps(dmin * f32::from(mn[g]));
+                    let t = _mm512_sub_ps(_mm512_mul_ps(scale, iota()), min);
+                    for h in 0..2 {
+                        let v = widen_u8(b.add(16 + 32 * (g / 2) + 16 * h));
+                        let v = if g % 2 == 0 {
+                            v
+                        } else {
+                            _mm512_srli_epi32::<4>(v)
+                        };
+                        f(2 * g + h, _mm512_permutexvar_ps(v, t));
+                    }
+                }
+            }
+            Q6_K => {
+                // 6-bit values offset by -32, x = (d * sc) * q with a scale per 16 values.
+                // Chunk j: half j / 8, quarter k = (j % 8) / 2, sixteen l = j % 2; its low
+                // 4 bits are nibbles of ql, its high 2 bits a bit pair of qh.
+                let b = q;
+                let d = f16_at(b.add(208));
+                let low4 = _mm_set1_epi8(0x0F);
+                let low2 = _mm_set1_epi8(0x03);
+                let bias = _mm512_set1_epi32(32);
+                for j in 0..16 {
+                    let (half, k, l) = (j / 8, (j % 8) / 2, j % 2);
+                    let ql = _mm_loadu_si128(b.add(64 * half + 32 * (k % 2) + 16 * l).cast());
+                    let nib = if k < 2 {
+                        _mm_and_si128(ql, low4)
+                    } else {
+                        _mm_and_si128(_mm_srli_epi16::<4>(ql), low4)
+                    };
+                    let qh = _mm_loadu_si128(b.add(128 + 32 * half + 16 * l).cast());
+                    let hb = match k {
+                        0 => _mm_and_si128(qh, low2),
+                        1 => _mm_and_si128(_mm_srli_epi16::<2>(qh), low2),
+                        2 => _mm_and_si128(_mm_srli_epi16::<4>(qh), low2),
+                        _ => _mm_and_si128(_mm_srli_epi16::<6>(qh), low2),
+                    };
+                    let v = _mm_or_si128(nib, _mm_slli_epi16::<4>(hb));
+                    let v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(v), bias);
+                    let sc = f32::from(*b.add(192 + 8 * half + 2 * k + l) as i8);
+                    f(j, _mm512_mul_ps(_mm512_set1_ps(d * sc), _mm512_cvtepi32_ps(v)));
+                }
+            }
+            _ => unreachable_format(),
+        }
+    }
+}
+
+/// The scales of one step of a group (block `b` of each of its `n` rows) as f32, into
+/// `out` (`n` values for Q8_0 and Q4_0, `2 n` for Q4_1; nothing for the K-quants).
+///
+/// # Safety
+///
+/// `heads` points at the step's `n * head_bytes` bytes of scales; `n <= 8`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn step_scales<const F: u8>(heads: *const u8, n: usize, out: &mut [f32; 16]) {
+    let count = match F {
+        Q8_0 | Q4_0 => n,
+        Q4_1 => 2 * n,
+        _ => 0,
+    };
+    // SAFETY: `count` f16 values at `heads` (the caller's contract); `out` holds 16.
+    unsafe {
+        match count {
+            16 => _mm512_storeu_ps(
+                out.as_mut_ptr(),
+                _mm512_cvtph_ps(_mm256_loadu_si256(heads.cast())),
+            ),
+            8 => _mm256_storeu_ps(
+                out.as_mut_ptr(),
+                _mm256_cvtph_ps(_mm_loadu_si128(heads.cast())),
+            ),
+            _ => {
+                for (i, o) in out.iter_mut().take(count).enumerate() {
+                    *o = f16_at(heads.add(2 * i));
+                }
+            }
+        }
+    }
+}
+
+#[cold]
+fn unreachable_format() {
+    debug_assert!(false, "format ids are only those of `format_of`");
+}
+
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+const Q4_K: u8 = 3;
+const Q6_K: u8 = 4;
+
+/// The const id of a format in this file's kernels.
+fn format_of(format: QuantFormat) -> u8 {
+    match format {
+        QuantFormat::Q8_0 => Q8_0,
+        QuantFormat::Q4_0 => Q4_0,
+        QuantFormat::Q4_1 => Q4_1,
+        QuantFormat::Q4_K => Q4_K,
+        QuantFormat::Q6_K => Q6_K,
+    }
+}
+
+/// Dequantizes rows `first + c0 .. first + c0 + out.len() / cols` of the group at
+/// `first` into `out` (row-major), bitwise as the loader does, reading the group's
+/// blocks in memory order.
+///
+/// # Safety
+///
+/// This path's CPU features; `first` starts a group of `w` and the rows exist.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn dequantize_group(w: &QuantMatrix, first: usize, c0: usize, out: &mut [f32]) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match format_of(w.format()) {
+            Q8_0 => dequantize_group_as::<Q8_0>(w, first, c0, out),
+            Q4_0 => dequantize_group_as::<Q4_0>(w, first, c0, out),
+            Q4_1 => dequantize_group_as::<Q4_1>(w, first, c0, out),
+            Q4_K => dequantize_group_as::<Q4_K>(w, first, c0, out),
+            _ => dequantize_group_as::<Q6_K>(w, first, c0, out),
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, c0: usize, out: &mut [f32]) {
+    let format = w.format();
+    let (bv, bb, hb) = (format.block_values(), format.block_bytes(), format.head_bytes());
+    let (group, n) = w.group(first);
+    let (cols, count) = (w.cols(), out.len() / w.cols());
+    debug_assert!(c0 + count <= n);
+    let per_scale = (hb / 2).max(1);
+    let mut scales = [0f32; 16];
+    for blk in 0..w.blocks_per_row() {
+        // SAFETY: step `blk` of the group holds `n` blocks: their scales, then their
+        // values; each row `c` writes its block's `bv` values at `c * cols + blk * bv`.
+        unsafe {
+            let step = group.as_ptr().add(blk * n * bb);
+            step_scales::<F>(step, n, &mut scales);
+            for c in 0..count {
+                let col = c0 + c;
+                let dst = out.as_mut_ptr().add(c * cols + blk * bv);
+                decode_block::<F>(
+                    scales.as_ptr().add(col * per_scale),
+                    step.add(n * hb + col * (bb - hb)),
+                    |i, v| _mm512_storeu_ps(dst.add(16 * i), v),
+                );
+            }
+        }
+    }
+}
+
+/// This path's final sum of a 16-lane accumulator: `t[l] = acc[l] + acc[l + 8]`, then
+/// `u[l] = t[l] + t[l + 4]` and `(u[0] + u[2]) + (u[1] + u[3])`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn reduce(s: __m512) -> f32 {
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s)));
+    let t = _mm256_add_ps(_mm512_castps512_ps256(s), hi);
+    let u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
+    let v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps::<1>(v, v)))
+}
+
+/// How far ahead (in bytes) the fused kernel asks for a group's next bytes.
+const PREFETCH_BYTES: usize = 1024;
+
+/// `out[r][c] = x[r] . W[c0 + c]` for `R` activation rows and `C` rows of the group at
+/// `group` (`n` rows), each weight decoded once into registers and multiplied with every
+/// activation row. The group is read in memory order, one step (block `b` of each of its
+/// rows) after another.
+///
+/// # Safety
+///
+/// This path's CPU features; `group` holds `blocks` steps of `n` blocks of `F`,
+/// `c0 + C <= n`, and every `x[r]` holds `blocks * block_values` values.
+#[inline]
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn fused<const F: u8, const R: usize, const C: usize>(
+    group: *const u8,
+    n: usize,
+    c0: usize,
+    x: [*const f32; R],
+    blocks: usize,
+    format: QuantFormat,
+    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+) {
+    let (bv, bb, hb) = (format.block_values(), format.block_bytes(), format.head_bytes());
+    let per_scale = (hb / 2).max(1);
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let mut scales = [0f32; 16];
+    for blk in 0..blocks {
+        // SAFETY: step `blk` of the group and its values in every activation row exist
+        // (the caller's contract); the prefetch address is only a hint.
+        unsafe {
+            let step = group.add(blk * n * bb);
+            _mm_prefetch::<_MM_HINT_T0>(step.wrapping_add(PREFETCH_BYTES).cast());
+            _mm_prefetch::<_MM_HINT_T0>(step.wrapping_add(PREFETCH_BYTES + 64).cast());
+            step_scales::<F>(step, n, &mut scales);
+            let xb: [*const f32; R] = std::array::from_fn(|r| x[r].add(blk * bv));
+            for c in 0..C {
+                let col = c0 + c;
+                decode_block::<F>(
+                    scales.as_ptr().add(col * per_scale),
+                    step.add(n * hb + col * (bb - hb)),
+                    |i, wv| {
+                        for r in 0..R {
+                            let xv = _mm512_loadu_ps(xb[r].add(16 * i));
+                            acc[r][c] = _mm512_fmadd_ps(wv, xv, acc[r][c]);
+                        }
+                    },
+                );
+            }
+        }
+    }
+    for r in 0..R {
+        for c in 0..C {
+            out[r][c] = reduce(acc[r][c]);
+        }
+    }
+}
+
+/// A fused tile: `out[r][c] = acts[r] . W[first + c0 + c]` for up to [`FUSED_ROWS`]
+/// activation rows and `cols` weight rows of the group at `first`.
+///
+/// # Safety
+///
+/// This path's CPU features; `first` starts a group of `w`, `c0 + cols` rows of it
+/// exist, and every activation row holds `w.cols()` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn fused_tile(
+    w: &QuantMatrix,
+    first: usize,
+    c0: usize,
+    cols: usize,
+    acts: &[&[f32]],
+    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match format_of(w.format()) {
+            Q8_0 => fused_tile_as::<Q8_0>(w, first, c0, cols, acts, out),
+            Q4_0 => fused_tile_as::<Q4_0>(w, first, c0, cols, acts, out),
+            Q4_1 => fused_tile_as::<Q4_1>(w, first, c0, cols, acts, out),
+            Q4_K => fused_tile_as::<Q4_K>(w, first, c0, cols, acts, out),
+            _ => fused_tile_as::<Q6_K>(w, first, c0, cols, acts, out),
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn fused_tile_as<const F: u8>(
+    w: &QuantMatrix,
+    first: usize,
+    c0: usize,
+    cols: usize,
+    acts: &[&[f32]],
+    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+) {
+    let (group, n) = w.group(first);
+    let g = group.as_ptr();
+    let blocks = w.blocks_per_row();
+    let f = w.format();
+    debug_assert!(c0 + cols <= n && acts.iter().all(|a| a.len() == w.cols()));
+    let x = |r: usize| acts[r].as_ptr();
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match (acts.len(), cols) {
+            (1, 8) => fused::<F, 1, 8>(g, n, c0, [x(0)], blocks, f, out),
+            (2, 8) => fused::<F, 2, 8>(g, n, c0, [x(0), x(1)], blocks, f, out),
+            (3, 8) => fused::<F, 3, 8>(g, n, c0, [x(0), x(1), x(2)], blocks, f, out),
+            (4, 4) => fused::<F, 4, 4>(g, n, c0, std::array::from_fn(x), blocks, f, out),
+            (r, c) => {
+                // Remainders: one column at a time.
+                for ci in 0..c {
+                    let mut one = [[0f32; 8]; MAX_TILE_ROWS];
+                    let c1 = c0 + ci;
+                    match r {
+                        1 => fused::<F, 1, 1>(g, n, c1, [x(0)], blocks, f, &mut one),
+                        2 => fused::<F, 2, 1>(g, n, c1, [x(0), x(1)], blocks, f, &mut one),
+                        3 => fused::<F, 3, 1>(g, n, c1, [x(0), x(1), x(2)], blocks, f, &mut one),
+                        _ => fused::<F, 4, 1>(g, n, c1, std::array::from_fn(x), blocks, f, &mut one),
+                    }
+                    for ri in 0..r {
+                        out[ri][ci] = one[ri][0];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `out[r][c] = x[r] . w[c]` over f32 rows of `n` values (a multiple of 16).
+///
+/// # Safety
+///
+/// This path's CPU features; every row holds `n` values.
+#[inline]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn tile<const R: usize, const C: usize>(
+    w: [*const f32; C],
+    x: [*const f32; R],
+    n: usize,
+    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+) {
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let mut k = 0;
+    while k < n {
+        // SAFETY: `k + 16 <= n` values in every row (the caller's contract). The C weight
+        // chunks stay loaded and each row's chunk is read once.
+        unsafe {
+            let wv: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(w[c].add(k)));
+            for r in 0..R {
+                let xv = _mm512_loadu_ps(x[r].add(k));
+                for c in 0..C {
+                    acc[r][c] = _mm512_fmadd_ps(wv[c], xv, acc[r][c]);
+                }
+            }
+        }
+        k += 16;
+    }
+    for r in 0..R {
+        for c in 0..C {
+            out[r][c] = reduce(acc[r][c]);
+        }
+    }
+}
+
+/// A tile of up to [`TILE_ROWS`] rows and [`TILE_COLS`] columns over f32 weight rows
+/// (scratch rows):
+/// `out[r][c] = acts[r] . weights[c]`.
+///
+/// # Safety
+///
+/// This path's CPU features; every slice holds the same number of values, a multiple of
+/// 16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_tile(
+    weights: &[&[f32]],
+    acts: &[&[f32]],
+    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+) {
+    let n = weights.first().map_or(0, |w| w.len());
+    debug_assert!(n.is_multiple_of(16));
+    debug_assert!(weights.iter().all(|w| w.len() == n) && acts.iter().all(|a| a.len() == n));
+    let w = |c: usize| weights[c].as_ptr();
+    let x = |r: usize| acts[r].as_ptr();
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match (acts.len(), weights.len()) {
+            (6, 4) => tile::<6, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
+            (5, 4) => tile::<5, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
+            (4, 4) => tile::<4, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
+            (3, 4) => tile::<3, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
+            (2, 4) => tile::<2, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
+            (1, 4) => tile::<1, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
+            (r, c) => {
+                for ci in 0..c {
+                    let mut one = [[0f32; 8]; MAX_TILE_ROWS];
+                    let wc = [w(ci)];
+                    for ri in 0..r {
+                        tile::<1, 1>(wc, [x(ri)], n, &mut one);
+                        out[ri][ci] = one[0][0];
+                    }
+                }
+            }
+        }
+    }
+}
