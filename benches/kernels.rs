@@ -10,9 +10,17 @@ fn matrix(gguf: &GgufFile, name: &str) -> QuantMatrix {
     let info = gguf.tensor_info(name).expect("tensor");
     let format = QuantFormat::from_ggml(info.ty).expect("a kernel format");
     let shape = info.shape();
-    let (rows, cols) = (shape[..shape.len() - 1].iter().product(), shape[shape.len() - 1]);
-    QuantMatrix::new(format, rows, cols, gguf.read_tensor_bytes(info).expect("bytes"))
-        .expect("matrix")
+    let (rows, cols) = (
+        shape[..shape.len() - 1].iter().product(),
+        shape[shape.len() - 1],
+    );
+    QuantMatrix::new(
+        format,
+        rows,
+        cols,
+        gguf.read_tensor_bytes(info).expect("bytes"),
+    )
+    .expect("matrix")
 }
 
 fn benches(c: &mut Criterion) {

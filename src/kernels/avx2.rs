@@ -8,7 +8,7 @@
 use std::arch::x86_64::*;
 
 use super::cpu::MAX_TILE_ROWS;
-use super::quant::QuantFormat;
+use super::quant::{QuantFormat, QuantMatrix};
 use crate::loader::dequant::k_scales_mins;
 
 /// An f16 (little-endian bytes) to f32, exactly.
@@ -19,46 +19,39 @@ fn f16(lo: u8, hi: u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
 }
 
-/// Dequantizes one row of blocks into `out` (one value per weight).
+/// Dequantizes rows `first .. first + out.len() / cols` of `w` (the group at `first`)
+/// into `out`, row-major, bitwise as the loader does.
 ///
 /// # Safety
 ///
-/// The CPU must support AVX2, FMA and F16C; `row` must hold whole blocks of `format`
-/// and `out` exactly their values.
+/// The CPU must support AVX2, FMA and F16C; `first` starts a group of `w` and `out`
+/// holds at most its rows.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dequantize_row(format: QuantFormat, row: &[u8], out: &mut [f32]) {
-    let (n, bytes) = (format.block_values(), format.block_bytes());
-    debug_assert_eq!(row.len() / bytes * n, out.len());
-    let blocks = row.chunks_exact(bytes).zip(out.chunks_exact_mut(n));
+pub(crate) unsafe fn dequantize_group(w: &QuantMatrix, first: usize, out: &mut [f32]) {
+    let (cols, bv) = (w.cols(), w.format().block_values());
+    let count = out.len() / cols;
+    let base = out.as_mut_ptr();
+    let dst = |c: usize, blk: usize| base.wrapping_add(c * cols + blk * bv);
     // One loop per format, so each block's code is inlined into it.
-    // SAFETY (every arm): each block has `bytes` bytes and its `n` values; the CPU
+    // SAFETY (every arm): each call gets one block's scales and values and its `bv`
+    // values of `out` (row `c < count`, block `blk` of a row of `cols` values); the CPU
     // features are this function's own.
     unsafe {
-        match format {
+        match w.format() {
             QuantFormat::Q8_0 => {
-                for (b, o) in blocks {
-                    q8_0(b, o);
-                }
+                w.for_group_blocks(first, count, |c, blk, h, q| q8_0(h, q, dst(c, blk)))
             }
             QuantFormat::Q4_0 => {
-                for (b, o) in blocks {
-                    q4_0(b, o);
-                }
+                w.for_group_blocks(first, count, |c, blk, h, q| q4_0(h, q, dst(c, blk)))
             }
             QuantFormat::Q4_1 => {
-                for (b, o) in blocks {
-                    q4_1(b, o);
-                }
+                w.for_group_blocks(first, count, |c, blk, h, q| q4_1(h, q, dst(c, blk)))
             }
             QuantFormat::Q4_K => {
-                for (b, o) in blocks {
-                    q4_k(b, o);
-                }
+                w.for_group_blocks(first, count, |c, blk, _, b| q4_k(b, dst(c, blk)))
             }
             QuantFormat::Q6_K => {
-                for (b, o) in blocks {
-                    q6_k(b, o);
-                }
+                w.for_group_blocks(first, count, |c, blk, _, b| q6_k(b, dst(c, blk)))
             }
         }
     }
@@ -100,58 +93,58 @@ unsafe fn store16(q: __m128i, scale: __m256, add: __m256, dst: *mut f32) {
     }
 }
 
-/// `Q8_0`: `x = q * d`.
+/// `Q8_0`: `x = q * d` (`h`: the scale, `q`: 32 values, `o`: room for 32).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0(b: &[u8], o: &mut [f32]) {
-    let d = _mm256_set1_ps(f16(b[0], b[1]));
+unsafe fn q8_0(h: &[u8], q: &[u8], o: *mut f32) {
+    let d = _mm256_set1_ps(f16(h[0], h[1]));
     for i in 0..4 {
-        // SAFETY: bytes 2..34 and values 0..32 exist (block of 34 bytes, 32 values).
+        // SAFETY: 32 bytes of values and room for 32 values (the caller's contract).
         unsafe {
-            let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * i).cast());
-            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-            _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), _mm256_mul_ps(v, d));
+            let v = _mm_loadl_epi64(q.as_ptr().add(8 * i).cast());
+            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+            _mm256_storeu_ps(o.add(8 * i), _mm256_mul_ps(v, d));
         }
     }
 }
 
-/// `Q4_0`: `x = (q - 8) * d`.
+/// `Q4_0`: `x = (q - 8) * d` (`h`: the scale, `q`: 16 bytes, `o`: room for 32).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0(b: &[u8], o: &mut [f32]) {
-    let d = _mm256_set1_ps(f16(b[0], b[1]));
-    // SAFETY: bytes 2..18 and values 0..32 exist (block of 18 bytes, 32 values).
+unsafe fn q4_0(h: &[u8], q: &[u8], o: *mut f32) {
+    let d = _mm256_set1_ps(f16(h[0], h[1]));
+    // SAFETY: 16 bytes of values and room for 32 values (the caller's contract).
     unsafe {
-        let (lo, hi) = nibbles(_mm_loadu_si128(b.as_ptr().add(2).cast()));
+        let (lo, hi) = nibbles(_mm_loadu_si128(q.as_ptr().cast()));
         let eight = _mm256_set1_epi32(8);
         for (i, q) in [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)]
             .into_iter()
             .enumerate()
         {
             let v = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q), eight));
-            _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), _mm256_mul_ps(v, d));
+            _mm256_storeu_ps(o.add(8 * i), _mm256_mul_ps(v, d));
         }
     }
 }
 
-/// `Q4_1`: `x = q * d + m`.
+/// `Q4_1`: `x = q * d + m` (`h`: the scale and minimum, `q`: 16 bytes, `o`: room for 32).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1(b: &[u8], o: &mut [f32]) {
-    let d = _mm256_set1_ps(f16(b[0], b[1]));
-    let m = _mm256_set1_ps(f16(b[2], b[3]));
-    // SAFETY: bytes 4..20 and values 0..32 exist (block of 20 bytes, 32 values).
+unsafe fn q4_1(h: &[u8], q: &[u8], o: *mut f32) {
+    let d = _mm256_set1_ps(f16(h[0], h[1]));
+    let m = _mm256_set1_ps(f16(h[2], h[3]));
+    // SAFETY: 16 bytes of values and room for 32 values (the caller's contract).
     unsafe {
-        let (lo, hi) = nibbles(_mm_loadu_si128(b.as_ptr().add(4).cast()));
-        store16(lo, d, m, o.as_mut_ptr());
-        store16(hi, d, m, o.as_mut_ptr().add(16));
+        let (lo, hi) = nibbles(_mm_loadu_si128(q.as_ptr().cast()));
+        store16(lo, d, m, o);
+        store16(hi, d, m, o.add(16));
     }
 }
 
 /// `Q4_K`: eight 32-value groups, `x = (d * sc) * q - dmin * mn`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k(b: &[u8], o: &mut [f32]) {
+unsafe fn q4_k(b: &[u8], o: *mut f32) {
     let d = f16(b[0], b[1]);
     let dmin = f16(b[2], b[3]);
     let (sc, mn) = k_scales_mins(&b[4..16]);
@@ -159,7 +152,7 @@ unsafe fn q4_k(b: &[u8], o: &mut [f32]) {
         // SAFETY: bytes 16..144 and values 0..256 exist (block of 144 bytes, 256 values).
         unsafe {
             let src = b.as_ptr().add(16 + 32 * chunk);
-            let dst = o.as_mut_ptr().add(64 * chunk);
+            let dst = o.add(64 * chunk);
             for (group, offset) in [(2 * chunk, 0), (2 * chunk + 1, 32)] {
                 let scale = _mm256_set1_ps(d * f32::from(sc[group]));
                 let min = _mm256_set1_ps(dmin * f32::from(mn[group]));
@@ -181,7 +174,7 @@ unsafe fn q4_k(b: &[u8], o: &mut [f32]) {
 /// `Q6_K`: 6-bit values offset by -32, `x = (d * sc) * q` with a scale per 16 values.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k(b: &[u8], o: &mut [f32]) {
+unsafe fn q6_k(b: &[u8], o: *mut f32) {
     let d = f16(b[208], b[209]);
     let mut q = [0i8; 256];
     for half in 0..2 {
@@ -204,7 +197,7 @@ unsafe fn q6_k(b: &[u8], o: &mut [f32]) {
             unsafe {
                 let v = _mm_loadl_epi64(q.as_ptr().add(at).cast());
                 let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-                _mm256_storeu_ps(o.as_mut_ptr().add(at), _mm256_mul_ps(scale, v));
+                _mm256_storeu_ps(o.add(at), _mm256_mul_ps(scale, v));
             }
         }
     }
@@ -275,7 +268,11 @@ unsafe fn tile<const R: usize, const C: usize>(
 ///
 /// AVX2, FMA and F16C; every slice holds the same number of values, a multiple of 8.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_tile(weights: &[&[f32]], acts: &[&[f32]], out: &mut [[f32; 8]; MAX_TILE_ROWS]) {
+pub(crate) unsafe fn dot_tile(
+    weights: &[&[f32]],
+    acts: &[&[f32]],
+    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+) {
     let n = weights.first().map_or(0, |w| w.len());
     debug_assert!(n.is_multiple_of(8));
     debug_assert!(weights.iter().all(|w| w.len() == n) && acts.iter().all(|a| a.len() == n));

@@ -160,7 +160,10 @@ unsafe fn decode_block<const F: u8>(
                     let v = _mm_or_si128(nib, _mm_slli_epi16::<4>(hb));
                     let v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(v), bias);
                     let sc = f32::from(*b.add(192 + 8 * half + 2 * k + l) as i8);
-                    f(j, _mm512_mul_ps(_mm512_set1_ps(d * sc), _mm512_cvtepi32_ps(v)));
+                    f(
+                        j,
+                        _mm512_mul_ps(_mm512_set1_ps(d * sc), _mm512_cvtepi32_ps(v)),
+                    );
                 }
             }
             _ => unreachable_format(),
@@ -247,9 +250,18 @@ pub(crate) unsafe fn dequantize_group(w: &QuantMatrix, first: usize, c0: usize, 
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, c0: usize, out: &mut [f32]) {
+unsafe fn dequantize_group_as<const F: u8>(
+    w: &QuantMatrix,
+    first: usize,
+    c0: usize,
+    out: &mut [f32],
+) {
     let format = w.format();
-    let (bv, bb, hb) = (format.block_values(), format.block_bytes(), format.head_bytes());
+    let (bv, bb, hb) = (
+        format.block_values(),
+        format.block_bytes(),
+        format.head_bytes(),
+    );
     let (group, n) = w.group(first);
     let (cols, count) = (w.cols(), out.len() / w.cols());
     debug_assert!(c0 + count <= n);
@@ -310,7 +322,11 @@ unsafe fn fused<const F: u8, const R: usize, const C: usize>(
     format: QuantFormat,
     out: &mut [[f32; 8]; MAX_TILE_ROWS],
 ) {
-    let (bv, bb, hb) = (format.block_values(), format.block_bytes(), format.head_bytes());
+    let (bv, bb, hb) = (
+        format.block_values(),
+        format.block_bytes(),
+        format.head_bytes(),
+    );
     let per_scale = (hb / 2).max(1);
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     let mut scales = [0f32; 16];
@@ -405,7 +421,9 @@ unsafe fn fused_tile_as<const F: u8>(
                         1 => fused::<F, 1, 1>(g, n, c1, [x(0)], blocks, f, &mut one),
                         2 => fused::<F, 2, 1>(g, n, c1, [x(0), x(1)], blocks, f, &mut one),
                         3 => fused::<F, 3, 1>(g, n, c1, [x(0), x(1), x(2)], blocks, f, &mut one),
-                        _ => fused::<F, 4, 1>(g, n, c1, std::array::from_fn(x), blocks, f, &mut one),
+                        _ => {
+                            fused::<F, 4, 1>(g, n, c1, std::array::from_fn(x), blocks, f, &mut one)
+                        }
                     }
                     for ri in 0..r {
                         out[ri][ci] = one[ri][0];

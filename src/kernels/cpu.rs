@@ -211,7 +211,11 @@ impl Tiles {
                 use super::avx512::{FUSED_ROWS, TILE_COLS, TILE_ROWS};
                 if rows <= FUSED_ROWS {
                     Tiles {
-                        cols: if rows < FUSED_ROWS { GROUP_ROWS } else { GROUP_ROWS / 2 },
+                        cols: if rows < FUSED_ROWS {
+                            GROUP_ROWS
+                        } else {
+                            GROUP_ROWS / 2
+                        },
                         rows: FUSED_ROWS,
                         fused: true,
                     }
@@ -299,14 +303,9 @@ fn dequantize_group(path: SimdPath, w: &QuantMatrix, first: usize, out: &mut [f3
     match path {
         #[cfg(target_arch = "x86_64")]
         SimdPath::Avx2 => {
-            let format = w.format();
-            for (c, dst) in out.chunks_exact_mut(n_in).enumerate() {
-                // SAFETY: the path was checked to be supported by this CPU; each call
-                // gets one whole block and its values.
-                w.decode_row(first + c, dst, |b, o| unsafe {
-                    super::avx2::dequantize_row(format, b, o)
-                });
-            }
+            // SAFETY: the path was checked to be supported by this CPU; `first` starts a
+            // group and `out` holds at most its rows.
+            unsafe { super::avx2::dequantize_group(w, first, out) }
             Ok(())
         }
         #[cfg(target_arch = "x86_64")]
@@ -317,8 +316,21 @@ fn dequantize_group(path: SimdPath, w: &QuantMatrix, first: usize, out: &mut [f3
             Ok(())
         }
         _ => {
-            for (c, dst) in out.chunks_exact_mut(n_in).enumerate() {
-                w.dequantize_row(first + c, dst)?;
+            // The group's rows are put back into ggml's layout and dequantized a row at a
+            // time by the loader's own routine.
+            let (bb, hb) = (w.format().block_bytes(), w.format().head_bytes());
+            let (count, row_bytes) = (out.len() / n_in, w.row_bytes());
+            let mut bytes = vec![0u8; count * row_bytes];
+            w.for_group_blocks(first, count, |c, b, head, values| {
+                let at = c * row_bytes + b * bb;
+                bytes[at..at + hb].copy_from_slice(head);
+                bytes[at + hb..at + bb].copy_from_slice(values);
+            });
+            for (src, dst) in bytes
+                .chunks_exact(row_bytes)
+                .zip(out.chunks_exact_mut(n_in))
+            {
+                crate::loader::dequant::dequantize_into(w.format().ggml(), src, dst)?;
             }
             Ok(())
         }

@@ -1,7 +1,7 @@
 //! Weight matrices kept in a ggml block format, as the CPU kernels read them.
 
 use crate::error::{LlamaError, Result};
-use crate::loader::dequant::dequantize_into;
+use crate::loader::dequant::dequantize_block;
 use crate::loader::gguf::GgmlType;
 
 /// The block formats the CPU kernels multiply without dequantizing the matrix: those of
@@ -272,21 +272,36 @@ impl QuantMatrix {
         }
         let mut block = [0u8; 256];
         let (bb, bv) = (self.format.block_bytes(), self.format.block_values());
+        let ty = self.format.ggml();
         for (b, dst) in out.chunks_exact_mut(bv).enumerate() {
             self.block_into(row, b, &mut block[..bb]);
-            dequantize_into(self.format.ggml(), &block[..bb], dst)?;
+            dequantize_block(ty, &block[..bb], dst);
         }
         Ok(())
     }
 
-    /// Row `row` as f32 through `decode(block, out)`, which dequantizes one ggml block
-    /// into its values (a SIMD path's decoder; the caller checks `row` and `out`).
-    pub(crate) fn decode_row(&self, row: usize, out: &mut [f32], mut decode: impl FnMut(&[u8], &mut [f32])) {
-        let mut block = [0u8; 256];
-        let (bb, bv) = (self.format.block_bytes(), self.format.block_values());
-        for (b, dst) in out.chunks_exact_mut(bv).enumerate() {
-            self.block_into(row, b, &mut block[..bb]);
-            decode(&block[..bb], dst);
+    /// Visits rows `first .. first + count` of the group at `first` (a multiple of
+    /// [`GROUP_ROWS`]) block by block, in memory order: `f(c, b, head, values)` for
+    /// block `b` of row `first + c`, its scales ([`QuantFormat::head_bytes`], empty for
+    /// the K-quants) and the rest of the block.
+    pub(crate) fn for_group_blocks(
+        &self,
+        first: usize,
+        count: usize,
+        mut f: impl FnMut(usize, usize, &[u8], &[u8]),
+    ) {
+        let (bb, hb) = (self.format.block_bytes(), self.format.head_bytes());
+        let (group, n) = self.group(first);
+        for (b, step) in group.chunks_exact(n * bb).enumerate() {
+            let (heads, values) = step.split_at(n * hb);
+            for c in 0..count.min(n) {
+                f(
+                    c,
+                    b,
+                    &heads[c * hb..(c + 1) * hb],
+                    &values[c * (bb - hb)..(c + 1) * (bb - hb)],
+                );
+            }
         }
     }
 

@@ -64,6 +64,20 @@ pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()
     Ok(())
 }
 
+/// Dequantizes whole blocks of one of the kernel formats (Q8_0, Q4_0, Q4_1, Q4_K,
+/// Q6_K) without [`dequantize_into`]'s checks, for callers that hold checked blocks: the
+/// values are the same. Other types leave `out` untouched.
+pub(crate) fn dequantize_block(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
+    match ty {
+        GgmlType::Q8_0 => q8_0(bytes, out),
+        GgmlType::Q4_0 => q4_0(bytes, out),
+        GgmlType::Q4_1 => q4_1(bytes, out),
+        GgmlType::Q4_K => q4_k(bytes, out),
+        GgmlType::Q6_K => q6_k(bytes, out),
+        _ => {}
+    }
+}
+
 fn unsupported(ty: GgmlType) -> LlamaError {
     LlamaError::UnsupportedTensorType {
         name: "(unnamed buffer)".to_string(),
