@@ -141,6 +141,16 @@ pub trait LlamaBackend: Backend {
         Ok(x.matmul(dense.transpose()))
     }
 
+    /// The feed-forward gate: `silu(gate) * up`, element by element. The default is
+    /// Burn's operations.
+    ///
+    /// # Errors
+    ///
+    /// Backends with a kernel of their own report what it cannot take.
+    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Result<Tensor<Self, 2>> {
+        Ok(burn::tensor::activation::silu(gate) * up)
+    }
+
     /// `softmax(q k^T / sqrt(dim)) v` with `true` in `mask` hiding a key: `q`
     /// `[batch, heads, queries, dim]`, `k`/`v` `[batch, heads, keys, dim]`, `mask`
     /// `[batch, 1, queries, keys]`. The default is Burn's fused attention.
@@ -242,6 +252,22 @@ impl LlamaBackend for burn::backend::Flex {
             TensorData::new(out, [rows, w.rows()]),
             &device,
         ))
+    }
+
+    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Result<Tensor<Self, 2>> {
+        let dims = gate.dims();
+        if up.dims() != dims {
+            return Err(LlamaError::ShapeMismatch {
+                name: "swiglu up".into(),
+                expected: dims.to_vec(),
+                actual: up.dims().to_vec(),
+            });
+        }
+        let device = gate.device();
+        let (gate, up) = (host::<f32, 2, _>(gate)?, host::<f32, 2, _>(up)?);
+        let mut out = vec![0f32; gate.len()];
+        crate::kernels::activation::swiglu(&gate, &up, &mut out);
+        Ok(Tensor::from_data(TensorData::new(out, dims), &device))
     }
 
     fn masked_attention(

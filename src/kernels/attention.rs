@@ -69,17 +69,12 @@ impl<'a> Strided<'a> {
         last <= self.data.len()
     }
 
-    /// The keys (or values) of row `b`, head `h`, as `keys` vectors of `dim`.
-    fn vectors(
-        &self,
-        b: usize,
-        h: usize,
-        keys: usize,
-        dim: usize,
-    ) -> impl Iterator<Item = &'a [f32]> {
-        let base = self.offset + b * self.strides[0] + h * self.strides[1];
-        let (data, step) = (self.data, self.strides[2]);
-        (0..keys).map(move |j| &data[base + j * step..base + j * step + dim])
+    /// Key (or value) `j` of row `b`, head `h`: `dim` values (inside `data` when the view
+    /// [`covers`](Self::covers) the shape).
+    #[inline(always)]
+    fn vector(&self, b: usize, h: usize, j: usize, dim: usize) -> &'a [f32] {
+        let at = self.offset + b * self.strides[0] + h * self.strides[1] + j * self.strides[2];
+        &self.data[at..at + dim]
     }
 }
 
@@ -159,40 +154,164 @@ pub fn attention_strided(
     let path = SimdPath::active();
     let scale = 1.0 / (dim as f32).sqrt();
     let mut out = vec![0f32; q.len()];
-    out.par_chunks_mut(queries * dim)
+    // Every query is independent: split the work by queries, not only by (row, head)
+    // (a prompt's 3 key/value heads on 2 cores left one core idle a third of the time).
+    out.par_chunks_mut(dim)
+        .with_min_len(8)
         .enumerate()
-        .for_each(|(bh, out)| {
-            let (b, h) = (bh / heads, bh % heads);
-            let values: Vec<&[f32]> = v.vectors(b, h, keys, dim).collect();
-            let mask_base = (b * mask_heads + if mask_heads == 1 { 0 } else { h }) * queries;
-            let mut scores = Vec::with_capacity(keys);
-            for (i, o) in out.chunks_exact_mut(dim).enumerate() {
-                let qi = &q[(bh * queries + i) * dim..(bh * queries + i + 1) * dim];
-                let hidden = mask.map(|m| &m[(mask_base + i) * keys..(mask_base + i + 1) * keys]);
-                scores.clear();
-                for (j, kj) in k.vectors(b, h, keys, dim).enumerate() {
-                    if hidden.is_none_or(|m| !m[j]) {
-                        scores.push((j, dot(path, qi, kj) * scale));
-                    }
-                }
-                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &(_, s)| m.max(s));
-                let mut sum = 0f32;
-                o.fill(0.0);
-                for &(j, s) in &scores {
-                    let p = (s - max).exp();
-                    sum += p;
-                    for (o, &x) in o.iter_mut().zip(values[j]) {
-                        *o += p * x;
-                    }
-                }
-                if sum > 0.0 {
-                    for o in o.iter_mut() {
-                        *o /= sum;
-                    }
-                }
-            }
-        });
+        .for_each_init(
+            || Scores::with_capacity(keys),
+            |scores, (qi_index, o)| {
+                let (bh, i) = (qi_index / queries, qi_index % queries);
+                let (b, h) = (bh / heads, bh % heads);
+                let mask_base = (b * mask_heads + if mask_heads == 1 { 0 } else { h }) * queries;
+                let query = Query {
+                    q: &q[qi_index * dim..(qi_index + 1) * dim],
+                    hidden: mask.map(|m| &m[(mask_base + i) * keys..(mask_base + i + 1) * keys]),
+                    k: &k,
+                    v: &v,
+                    b,
+                    h,
+                    keys,
+                    scale,
+                };
+                attend_on(path, &query, scores, o);
+            },
+        );
     Ok(out)
+}
+
+/// The visible keys of one query and their scores (then probabilities), in key order.
+struct Scores {
+    keys: Vec<usize>,
+    values: Vec<f32>,
+}
+
+impl Scores {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            keys: Vec::with_capacity(n),
+            values: Vec::with_capacity(n),
+        }
+    }
+}
+
+/// One query's attention inputs.
+struct Query<'a> {
+    q: &'a [f32],
+    hidden: Option<&'a [bool]>,
+    k: &'a Strided<'a>,
+    v: &'a Strided<'a>,
+    b: usize,
+    h: usize,
+    keys: usize,
+    scale: f32,
+}
+
+/// [`attend`] compiled for the widest vectors of `path`. Only element-wise operations
+/// (separate multiplies and adds, no fused ones) are vectorized by the compiler, so the
+/// result is the same bits at every width; the dot products follow `path`'s own order.
+fn attend_on(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32]) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            fn wide(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32]) {
+                attend(path, query, scores, o);
+            }
+            // SAFETY: the path is supported by this CPU (`SimdPath::active`).
+            unsafe { wide(path, query, scores, o) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn wide(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32]) {
+                attend(path, query, scores, o);
+            }
+            // SAFETY: as above.
+            unsafe { wide(path, query, scores, o) }
+        }
+        _ => attend(path, query, scores, o),
+    }
+}
+
+/// One query: scores of the visible keys in key order, their maximum, the exponentials
+/// ([`exp`]) and their sum in key order, and `sum_j p_j v_j` in key order, divided by
+/// the sum.
+#[inline(always)]
+fn attend(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32]) {
+    let dim = o.len();
+    scores.keys.clear();
+    scores.values.clear();
+    let visible = |j: &usize| query.hidden.is_none_or(|m| !m[*j]);
+    scores.keys.extend((0..query.keys).filter(visible));
+    let key = |j: usize| query.k.vector(query.b, query.h, j, dim);
+    let mut chunks = scores.keys.chunks_exact(4);
+    for four in &mut chunks {
+        let k = [key(four[0]), key(four[1]), key(four[2]), key(four[3])];
+        scores
+            .values
+            .extend(dot4(path, query.q, k).map(|s| s * query.scale));
+    }
+    for &j in chunks.remainder() {
+        scores.values.push(dot(path, query.q, key(j)) * query.scale);
+    }
+    let max = scores
+        .values
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    for s in scores.values.iter_mut() {
+        *s = exp(*s - max);
+    }
+    let sum = scores.values.iter().fold(0f32, |sum, &p| sum + p);
+    o.fill(0.0);
+    for (&j, &p) in scores.keys.iter().zip(&scores.values) {
+        let vj = query.v.vector(query.b, query.h, j, dim);
+        for (o, &x) in o.iter_mut().zip(vj) {
+            *o += p * x;
+        }
+    }
+    if sum > 0.0 {
+        for o in o.iter_mut() {
+            *o /= sum;
+        }
+    }
+}
+
+/// Four dot products of `q` on `path`, each as [`dot`] computes it.
+#[inline(always)]
+fn dot4(path: SimdPath, q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(path, SimdPath::Avx2 | SimdPath::Avx512) && q.len().is_multiple_of(8) {
+        // SAFETY: the path is supported by this CPU (`SimdPath::active`); the keys hold
+        // `q.len()` values, a multiple of 8.
+        return unsafe { super::avx2::dot4(q, k) };
+    }
+    k.map(|k| dot(path, q, k))
+}
+
+/// `e^x` for the softmax (`x <= 0`), to about 2 ulp: a power of two times a degree-7
+/// polynomial of the remainder (Cephes' `expf` coefficients). Plain multiplies and adds,
+/// so it gives the same bits on every CPU and at every vector width. Inputs are clamped
+/// to [-87, 88].
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let e = p * (r * r) + r + 1.0;
+    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 #[cfg(test)]
@@ -258,6 +377,14 @@ mod tests {
         )
         .unwrap();
         assert_eq!(hidden, dropped);
+        // The softmax's exponential is within 2e-7 relative of f64's on [-87, 0].
+        for i in 0..1990 {
+            let x = -(i as f32) * 0.0437;
+            let (got, want) = (f64::from(exp(x)), f64::from(x).exp());
+            assert!((got - want).abs() <= 2e-7 * want, "{x}: {got} vs {want}");
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-1000.0), exp(-87.0));
         assert!(attention(&q, &k[1..], &v, None, shape).is_err());
 
         // Keys and values read in place from a larger cache (3 spare columns, and an

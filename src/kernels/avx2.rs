@@ -203,6 +203,39 @@ unsafe fn q6_k(b: &[u8], o: *mut f32) {
     }
 }
 
+/// `q . k[i]` for four vectors `k[i]` in the canonical order (one 8-lane fused
+/// accumulator each, then [`reduce`]): the same bits as four [`dot_tile`] calls, with
+/// the four chains interleaved. Attention's scores.
+///
+/// # Safety
+///
+/// AVX2 and FMA; every slice holds `q.len()` values, a multiple of 8.
+#[inline]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    let n = q.len();
+    debug_assert!(n.is_multiple_of(8) && k.iter().all(|k| k.len() == n));
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i < n {
+        // SAFETY: `i + 8 <= n` values in every slice (the caller's contract).
+        unsafe {
+            let qv = _mm256_loadu_ps(q.as_ptr().add(i));
+            for j in 0..4 {
+                acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j].as_ptr().add(i)), acc[j]);
+            }
+        }
+        i += 8;
+    }
+    [
+        reduce(acc[0]),
+        reduce(acc[1]),
+        reduce(acc[2]),
+        reduce(acc[3]),
+    ]
+}
+
 /// The canonical final sum of an accumulator.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

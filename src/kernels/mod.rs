@@ -10,6 +10,7 @@
 //! Backends reach them through [`LlamaBackend`](crate::backend::LlamaBackend): the CPU
 //! backend runs these kernels, the others dequantize once at load and keep Burn's matmul.
 
+pub mod activation;
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;

@@ -10,9 +10,7 @@ pub mod rope;
 
 use std::sync::Arc;
 
-use burn::tensor::{
-    Int, Tensor, TensorData, activation::silu, backend::Backend, module::embedding,
-};
+use burn::tensor::{Int, Tensor, TensorData, backend::Backend, module::embedding};
 
 use crate::backend::LlamaBackend;
 use crate::kernels::QuantMatrix;
@@ -500,7 +498,7 @@ impl<B: LlamaBackend> Transformer<B> {
             x = x + block.wo.forward(attn)?;
 
             let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps);
-            let gated = silu(block.w_gate.forward(h.clone())?) * block.w_up.forward(h)?;
+            let gated = B::swiglu(block.w_gate.forward(h.clone())?, block.w_up.forward(h)?)?;
             x = x + block.w_down.forward(gated)?;
         }
         Ok(x)
