@@ -264,11 +264,20 @@ fn attend(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32])
         *s = exp(*s - max);
     }
     let sum = scores.values.iter().fold(0f32, |sum, &p| sum + p);
-    o.fill(0.0);
-    for (&j, &p) in scores.keys.iter().zip(&scores.values) {
-        let vj = query.v.vector(query.b, query.h, j, dim);
-        for (o, &x) in o.iter_mut().zip(vj) {
-            *o += p * x;
+    let value = |j: usize| query.v.vector(query.b, query.h, j, dim);
+    let pairs = scores.keys.iter().zip(&scores.values);
+    // The usual head sizes accumulate in registers (a local array the compiler keeps in
+    // vector registers); others in `o`. Same operations, same order either way.
+    match dim {
+        64 => weighted_sum::<64>(pairs, value, o),
+        128 => weighted_sum::<128>(pairs, value, o),
+        _ => {
+            o.fill(0.0);
+            for (&j, &p) in pairs {
+                for (o, &x) in o.iter_mut().zip(value(j)) {
+                    *o += p * x;
+                }
+            }
         }
     }
     if sum > 0.0 {
@@ -276,6 +285,24 @@ fn attend(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32])
             *o /= sum;
         }
     }
+}
+
+/// `o = sum_j p_j v_j` in key order, for `D`-value vectors held in registers.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn weighted_sum<'a, const D: usize>(
+    pairs: impl Iterator<Item = (&'a usize, &'a f32)>,
+    value: impl Fn(usize) -> &'a [f32],
+    o: &mut [f32],
+) {
+    let mut acc = [0f32; D];
+    for (&j, &p) in pairs {
+        let v: &[f32; D] = value(j).try_into().unwrap_or(&[0.0; D]);
+        for d in 0..D {
+            acc[d] += p * v[d];
+        }
+    }
+    o.copy_from_slice(&acc);
 }
 
 /// Four dot products of `q` on `path`, each as [`dot`] computes it.
