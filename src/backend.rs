@@ -243,11 +243,18 @@ impl LlamaBackend for burn::backend::Flex {
     fn quantized_matmul(x: Tensor<Self, 2>, w: &QuantMatrix) -> Result<Tensor<Self, 2>> {
         let [rows, _] = x.dims();
         let device = x.device();
-        let data = x.into_data();
-        let values = data
-            .as_slice::<f32>()
-            .map_err(|e| LlamaError::Runtime(format!("reading activations: {e:?}")))?;
-        let out = crate::kernels::matmul_transposed(values, rows, w)?;
+        // Activations are read in place when they are contiguous (no copy).
+        let product = |values: &[f32]| crate::kernels::matmul_transposed(values, rows, w);
+        let out = match crate::cache::host::read_in_place(&x, product) {
+            Some(out) => out?,
+            None => {
+                let data = x.into_data();
+                let values = data
+                    .as_slice::<f32>()
+                    .map_err(|e| LlamaError::Runtime(format!("reading activations: {e:?}")))?;
+                product(values)?
+            }
+        };
         Ok(Tensor::from_data(
             TensorData::new(out, [rows, w.rows()]),
             &device,

@@ -12,7 +12,7 @@
 pub mod blocks;
 mod budget;
 mod contiguous;
-mod host;
+pub(crate) mod host;
 pub mod paged;
 
 pub use blocks::{BlockId, BlockManager, PrefixMatch};

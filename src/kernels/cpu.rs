@@ -166,27 +166,54 @@ pub fn matmul_transposed_on(
     }
     let tiles = Tiles::of(path, rows);
     let threads = rayon::current_num_threads().max(1);
+    // One chunk of columns per thread for a few rows (each split costs a hand-over);
+    // four per thread for many, so a thread slowed by something else is made up for.
+    let chunks_per_thread = if rows > 4 { 4 } else { 1 };
     let per_chunk = n_out
-        .div_ceil(threads)
+        .div_ceil(threads * chunks_per_thread)
         .next_multiple_of(GROUP_ROWS)
         .max(GROUP_ROWS);
-    let chunks: Vec<(usize, usize)> = (0..n_out)
-        .step_by(per_chunk)
-        .map(|start| (start, (start + per_chunk).min(n_out)))
-        .collect();
-    let parts: Vec<Result<Vec<f32>>> = chunks
-        .par_iter()
-        .map(|&(start, end)| columns(path, tiles, x, rows, w, start, end))
-        .collect();
     let mut out = vec![0f32; rows * n_out];
-    for (&(start, end), part) in chunks.iter().zip(parts) {
-        let part = part?;
-        let width = end - start;
-        for (r, src) in part.chunks_exact(width).enumerate() {
-            out[r * n_out + start..r * n_out + end].copy_from_slice(src);
+    let target = Columns {
+        out: out.as_mut_ptr(),
+        n_out,
+    };
+    (0..n_out.div_ceil(per_chunk))
+        .into_par_iter()
+        .map(|c| {
+            let (start, end) = (c * per_chunk, ((c + 1) * per_chunk).min(n_out));
+            columns(path, tiles, x, rows, w, start, end, &target)
+        })
+        .collect::<Result<()>>()?;
+    Ok(out)
+}
+
+/// The output `[rows, n_out]` that the column chunks write into, each its own columns.
+struct Columns {
+    out: *mut f32,
+    n_out: usize,
+}
+
+// SAFETY: every chunk writes only its own columns `start..end` of each row (disjoint
+// ranges of the buffer), and the buffer outlives the parallel loop that writes it.
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    /// Writes `values` at row `r`, columns `col..col + values.len()`.
+    ///
+    /// # Safety
+    ///
+    /// Inside the buffer, and no other thread writes those columns of that row.
+    unsafe fn write(&self, r: usize, col: usize, values: &[f32]) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                values.as_ptr(),
+                self.out.add(r * self.n_out + col),
+                values.len(),
+            );
         }
     }
-    Ok(out)
 }
 
 /// How a path tiles a product of `rows` activation rows.
@@ -239,8 +266,9 @@ impl Tiles {
     }
 }
 
-/// Outputs `start..end` of every row, row-major `[rows, end - start]` (`start` starts a
-/// group of the matrix).
+/// Outputs `start..end` of every row, written into `target` (`start` starts a group of
+/// the matrix).
+#[allow(clippy::too_many_arguments)]
 fn columns(
     path: SimdPath,
     tiles: Tiles,
@@ -249,10 +277,10 @@ fn columns(
     w: &QuantMatrix,
     start: usize,
     end: usize,
-) -> Result<Vec<f32>> {
+    target: &Columns,
+) -> Result<()> {
     let n_in = w.cols();
-    let width = end - start;
-    let mut out = vec![0f32; rows * width];
+    debug_assert!(end <= target.n_out && x.len() == rows * n_in);
     let mut scratch = vec![0f32; if tiles.fused { 0 } else { GROUP_ROWS * n_in }];
     let mut tile_out = [[0f32; 8]; MAX_TILE_ROWS];
     for first in (start..end).step_by(GROUP_ROWS) {
@@ -286,14 +314,15 @@ fn columns(
                     dot_tile(path, &weights[..cols], acts, &mut tile_out);
                 }
                 for (i, row_out) in tile_out.iter().take(tile_rows).enumerate() {
-                    let base = (r + i) * width + (first + c0 - start);
-                    out[base..base + cols].copy_from_slice(&row_out[..cols]);
+                    // SAFETY: row `r + i < rows`, columns `first + c0 .. + cols` lie in
+                    // this chunk's `start..end`, which no other chunk writes.
+                    unsafe { target.write(r + i, first + c0, &row_out[..cols]) };
                 }
                 r += tile_rows;
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Dequantizes the rows of the group at `first` into `out` (row-major, as many rows as
