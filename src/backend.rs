@@ -151,6 +151,43 @@ pub trait LlamaBackend: Backend {
         Ok(burn::tensor::activation::silu(gate) * up)
     }
 
+    /// Grouped-query attention of token-major queries: `q` `[batch * seq, n_heads * dim]`
+    /// (a projection's output, RoPE applied), keys and values `[batch, n_kv_heads, keys,
+    /// dim]`, `mask` `[batch, 1, groups * seq, keys]` over the folded queries (query
+    /// heads sharing a key/value head folded into the query axis, `groups = n_heads /
+    /// n_kv_heads`). Returns `[batch * seq, n_heads * dim]`. The default rearranges the
+    /// queries for [`masked_attention`](Self::masked_attention) and the output back.
+    ///
+    /// # Errors
+    ///
+    /// As [`masked_attention`](Self::masked_attention).
+    fn token_major_attention(
+        q: Tensor<Self, 2>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: Option<Tensor<Self, 4, Bool>>,
+        batch: usize,
+        n_heads: usize,
+    ) -> Result<Tensor<Self, 2>> {
+        let [batch_kv, n_kv, _, dim] = k.dims();
+        let rows = q.dims()[0];
+        if batch_kv != batch || batch == 0 || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{batch} rows, {n_heads} query heads and keys of shape {:?} do not fit",
+                k.dims()
+            )));
+        }
+        let seq = rows / batch;
+        let q = q
+            .reshape([batch, seq, n_heads, dim])
+            .swap_dims(1, 2)
+            .reshape([batch, n_kv, n_heads / n_kv * seq, dim]);
+        Ok(Self::masked_attention(q, k, v, mask)?
+            .reshape([batch, n_heads, seq, dim])
+            .swap_dims(1, 2)
+            .reshape([rows, n_heads * dim]))
+    }
+
     /// `softmax(q k^T / sqrt(dim)) v` with `true` in `mask` hiding a key: `q`
     /// `[batch, heads, queries, dim]`, `k`/`v` `[batch, heads, keys, dim]`, `mask`
     /// `[batch, 1, queries, keys]`. The default is Burn's fused attention.
@@ -275,6 +312,53 @@ impl LlamaBackend for burn::backend::Flex {
         let mut out = vec![0f32; gate.len()];
         crate::kernels::activation::swiglu(&gate, &up, &mut out);
         Ok(Tensor::from_data(TensorData::new(out, dims), &device))
+    }
+
+    fn token_major_attention(
+        q: Tensor<Self, 2>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: Option<Tensor<Self, 4, Bool>>,
+        batch: usize,
+        n_heads: usize,
+    ) -> Result<Tensor<Self, 2>> {
+        use crate::kernels::attention::{AttentionShape, QueryLayout, attention_laid_out};
+        let [batch_kv, n_kv, keys, dim] = k.dims();
+        let rows = q.dims()[0];
+        if batch_kv != batch || batch == 0 || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{batch} rows, {n_heads} query heads and keys of shape {:?} do not fit",
+                k.dims()
+            )));
+        }
+        let (seq, groups) = (rows / batch, n_heads / n_kv);
+        let shape = AttentionShape {
+            batch,
+            heads: n_kv,
+            queries: groups * seq,
+            keys,
+            dim,
+            mask_heads: mask.as_ref().map_or(1, |m| m.dims()[1]),
+        };
+        let device = q.device();
+        let mask = mask.map(host::<bool, 4, Bool>).transpose()?;
+        // The queries are read in their projection's layout and the output written in
+        // it: no rearranging copies on either side.
+        let q = host::<f32, 2, _>(q)?;
+        let (k, v) = (k.into_primitive().tensor(), v.into_primitive().tensor());
+        let (mut k_copy, mut v_copy) = (None, None);
+        let out = attention_laid_out(
+            &q,
+            QueryLayout::TokenMajor { seq, groups },
+            view_or_copy(&k, shape, &mut k_copy)?,
+            view_or_copy(&v, shape, &mut v_copy)?,
+            mask.as_deref(),
+            shape,
+        )?;
+        Ok(Tensor::from_data(
+            TensorData::new(out, [rows, n_heads * dim]),
+            &device,
+        ))
     }
 
     fn masked_attention(

@@ -32,6 +32,42 @@ pub struct AttentionShape {
     pub mask_heads: usize,
 }
 
+/// How queries (and the output, which has their layout) are laid out in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueryLayout {
+    /// `[batch, heads, queries, dim]`, contiguous.
+    HeadMajor,
+    /// `[batch, seq, heads * groups, dim]`: a projection's output, one token per row,
+    /// where `queries = groups * seq` folds the `groups` query heads that share a
+    /// key/value head (query `g * seq + s` is token `s` of query head `h * groups + g`).
+    TokenMajor {
+        /// Tokens per row.
+        seq: usize,
+        /// Query heads per key/value head.
+        groups: usize,
+    },
+}
+
+impl QueryLayout {
+    /// Row `b`, key/value head `h` and folded query index of the `index`-th query in
+    /// memory order.
+    #[inline(always)]
+    fn locate(self, index: usize, heads: usize, queries: usize) -> (usize, usize, usize) {
+        match self {
+            QueryLayout::HeadMajor => {
+                let bh = index / queries;
+                (bh / heads, bh % heads, index % queries)
+            }
+            QueryLayout::TokenMajor { seq, groups } => {
+                let per_token = heads * groups;
+                let (b, rest) = (index / (seq * per_token), index % (seq * per_token));
+                let (s, head) = (rest / per_token, rest % per_token);
+                (b, head / groups, (head % groups) * seq + s)
+            }
+        }
+    }
+}
+
 /// Keys or values `[batch, heads, keys, dim]` read in place: element `(b, h, j, d)` is
 /// `data[offset + b * strides[0] + h * strides[1] + j * strides[2] + d]`. A cache's
 /// filled columns are such a view of its memory, so attention reads them without a copy.
@@ -112,6 +148,32 @@ pub fn attention_strided(
     mask: Option<&[bool]>,
     shape: AttentionShape,
 ) -> Result<Vec<f32>> {
+    attention_laid_out(q, QueryLayout::HeadMajor, k, v, mask, shape)
+}
+
+/// [`attention_strided`] with queries, and the output, in `layout`.
+///
+/// # Errors
+///
+/// As [`attention_strided`], and [`LlamaError::ShapeMismatch`] if a token-major layout
+/// does not fold into `shape.queries`.
+pub fn attention_laid_out(
+    q: &[f32],
+    layout: QueryLayout,
+    k: Strided<'_>,
+    v: Strided<'_>,
+    mask: Option<&[bool]>,
+    shape: AttentionShape,
+) -> Result<Vec<f32>> {
+    if let QueryLayout::TokenMajor { seq, groups } = layout
+        && seq.checked_mul(groups) != Some(shape.queries)
+    {
+        return Err(LlamaError::ShapeMismatch {
+            name: "attention query layout".into(),
+            expected: vec![shape.queries],
+            actual: vec![seq, groups],
+        });
+    }
     let AttentionShape {
         batch,
         heads,
@@ -162,8 +224,7 @@ pub fn attention_strided(
         .for_each_init(
             || Scores::with_capacity(keys),
             |scores, (qi_index, o)| {
-                let (bh, i) = (qi_index / queries, qi_index % queries);
-                let (b, h) = (bh / heads, bh % heads);
+                let (b, h, i) = layout.locate(qi_index, heads, queries);
                 let mask_base = (b * mask_heads + if mask_heads == 1 { 0 } else { h }) * queries;
                 let query = Query {
                     q: &q[qi_index * dim..(qi_index + 1) * dim],
@@ -435,5 +496,69 @@ mod tests {
             ..view(&kb)
         };
         assert!(attention_strided(&q, short, view(&vb), None, shape).is_err());
+    }
+
+    #[test]
+    fn token_major_queries_give_the_head_major_bits() {
+        let mut rng = StdRng::seed_from_u64(8);
+        let (batch, heads, groups, seq, keys, dim) = (2, 3, 2, 5, 9, 64);
+        let shape = AttentionShape {
+            batch,
+            heads,
+            queries: groups * seq,
+            keys,
+            dim,
+            mask_heads: 1,
+        };
+        let (k, v) = (
+            random(batch * heads * keys * dim, &mut rng),
+            random(batch * heads * keys * dim, &mut rng),
+        );
+        let mask: Vec<bool> = (0..batch * groups * seq * keys)
+            .map(|i| i % 7 == 3)
+            .collect();
+        // Token-major queries [batch, seq, heads * groups, dim] and the same values
+        // rearranged head-major [batch, heads, groups * seq, dim].
+        let tokens = random(batch * seq * heads * groups * dim, &mut rng);
+        let at = |b: usize, s: usize, h: usize, g: usize| {
+            (((b * seq + s) * heads + h) * groups + g) * dim
+        };
+        let mut head_major = Vec::new();
+        for b in 0..batch {
+            for h in 0..heads {
+                for g in 0..groups {
+                    for s in 0..seq {
+                        head_major.extend_from_slice(&tokens[at(b, s, h, g)..at(b, s, h, g) + dim]);
+                    }
+                }
+            }
+        }
+        let want = attention(&head_major, &k, &v, Some(&mask), shape).unwrap();
+        let layout = QueryLayout::TokenMajor { seq, groups };
+        let contiguous = |data| Strided::contiguous(data, shape);
+        let got = attention_laid_out(
+            &tokens,
+            layout,
+            contiguous(&k),
+            contiguous(&v),
+            Some(&mask),
+            shape,
+        )
+        .unwrap();
+        let mut i = 0;
+        for b in 0..batch {
+            for h in 0..heads {
+                for g in 0..groups {
+                    for s in 0..seq {
+                        assert_eq!(got[at(b, s, h, g)..at(b, s, h, g) + dim], want[i..i + dim]);
+                        i += dim;
+                    }
+                }
+            }
+        }
+        let bad = QueryLayout::TokenMajor { seq: 4, groups };
+        assert!(
+            attention_laid_out(&tokens, bad, contiguous(&k), contiguous(&v), None, shape).is_err()
+        );
     }
 }

@@ -8,31 +8,25 @@ use crate::cache::{BlockId, KvCache, PagedKvCache};
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 
-/// Attention for one layer: `q` is `[batch, n_heads, seq, head_dim]` (RoPE applied),
-/// `k`/`v` are this chunk's `[batch, n_kv_heads, seq, head_dim]` (RoPE applied to `k`).
-/// Writes `k`/`v` into the cache and returns `[batch, seq, n_heads * head_dim]`.
+/// Attention for one layer: `q` is `[batch * seq, n_heads * head_dim]` (a projection's
+/// output, RoPE applied), `k`/`v` are this chunk's `[batch, n_kv_heads, seq, head_dim]`
+/// (RoPE applied to `k`). Writes `k`/`v` into the cache and returns `[batch * seq,
+/// n_heads * head_dim]`.
 ///
-/// Query heads that share a key/value head are folded into the query axis
-/// (`[batch, n_kv_heads, groups * seq, head_dim]`), so keys and values are never
-/// repeated and the backend's fused attention kernel sees matching head counts.
+/// Query heads that share a key/value head are folded into the query axis, so keys and
+/// values are never repeated (see [`LlamaBackend::token_major_attention`]).
 pub fn grouped_query_attention<B: LlamaBackend>(
-    q: Tensor<B, 4>,
+    q: Tensor<B, 2>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     cache: &mut KvCache<B>,
     layer: usize,
     mask: Option<&Tensor<B, 4, burn::tensor::Bool>>,
-) -> Result<Tensor<B, 3>> {
-    let [batch, n_heads, seq, head_dim] = q.dims();
-    let n_kv = k.dims()[1];
-    let groups = n_heads / n_kv;
+    n_heads: usize,
+) -> Result<Tensor<B, 2>> {
+    let batch = k.dims()[0];
     let (keys, values) = cache.write(layer, k, v);
-    let q = q.reshape([batch, n_kv, groups * seq, head_dim]);
-    let out = B::masked_attention(q, keys, values, mask.cloned())?;
-    Ok(out
-        .reshape([batch, n_heads, seq, head_dim])
-        .swap_dims(1, 2)
-        .reshape([batch, seq, n_heads * head_dim]))
+    B::token_major_attention(q, keys, values, mask.cloned(), batch, n_heads)
 }
 
 /// One row of a paged forward pass, as the engine's executor describes it: no request,

@@ -389,18 +389,9 @@ impl<B: LlamaBackend> Transformer<B> {
         let mask = cache.chunk_mask(seq, groups, &device);
         let heads =
             |t: Tensor<B, 2>, n: usize| t.reshape([batch, seq, n, c.head_dim]).swap_dims(1, 2);
-        let rows = batch * seq;
-        let q_dim = c.n_heads * c.head_dim;
         let x = self.run_blocks(tokens, &positions, |layer, q, k, v| {
-            let (q, k, v) = (
-                heads(q, c.n_heads),
-                heads(k, c.n_kv_heads),
-                heads(v, c.n_kv_heads),
-            );
-            Ok(
-                grouped_query_attention(q, k, v, cache, layer, mask.as_ref())?
-                    .reshape([rows, q_dim]),
-            )
+            let (k, v) = (heads(k, c.n_kv_heads), heads(v, c.n_kv_heads));
+            grouped_query_attention(q, k, v, cache, layer, mask.as_ref(), c.n_heads)
         })?;
         cache.advance(seq);
 
