@@ -301,6 +301,34 @@ fn reduce(s: __m512) -> f32 {
 /// How far ahead (in bytes) the fused kernel asks for a group's next bytes.
 const PREFETCH_BYTES: usize = 1024;
 
+/// [`reduce`] of four accumulators at once, the same bits: the three halving steps run
+/// on all four side by side (fewer shuffles per result).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn reduce4(a: __m512, b: __m512, c: __m512, d: __m512) -> [f32; 4] {
+    // t = acc[0..8] + acc[8..16], two accumulators per register.
+    let ab = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+        _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+    );
+    let cd = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0b01_00_01_00>(c, d),
+        _mm512_shuffle_f32x4::<0b11_10_11_10>(c, d),
+    );
+    // u = t[0..4] + t[4..8]: lanes 4k..4k+4 hold accumulator k's.
+    let u = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0b10_00_10_00>(ab, cd),
+        _mm512_shuffle_f32x4::<0b11_01_11_01>(ab, cd),
+    );
+    // (u[0] + u[2]) + (u[1] + u[3]) in every 4-lane group.
+    let v = _mm512_add_ps(u, _mm512_permute_ps::<0b01_00_11_10>(u));
+    let w = _mm512_add_ps(v, _mm512_permute_ps::<0b10_11_00_01>(v));
+    let mut lanes = [0f32; 16];
+    // SAFETY: `lanes` holds 16 values.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), w) };
+    [lanes[0], lanes[4], lanes[8], lanes[12]]
+}
+
 /// `out[r][c] = x[r] . W[c0 + c]` for `R` activation rows and `C` rows of the group at
 /// `group` (`n` rows), each weight decoded once into registers and multiplied with every
 /// activation row. The group is read in memory order, one step (block `b` of each of its
@@ -465,8 +493,13 @@ unsafe fn tile<const R: usize, const C: usize>(
         k += 16;
     }
     for r in 0..R {
-        for c in 0..C {
-            out[r][c] = reduce(acc[r][c]);
+        if C == 4 {
+            let [a, b, c, d] = reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+            out[r][..4].copy_from_slice(&[a, b, c, d]);
+        } else {
+            for c in 0..C {
+                out[r][c] = reduce(acc[r][c]);
+            }
         }
     }
 }

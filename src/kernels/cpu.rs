@@ -288,29 +288,31 @@ fn columns(
         if !tiles.fused {
             dequantize_group(path, w, first, &mut scratch[..n * n_in])?;
         }
-        for c0 in (0..n).step_by(tiles.cols) {
-            let cols = tiles.cols.min(n - c0);
-            let mut weights: [&[f32]; 8] = [&[]; 8];
-            for (slot, w) in weights
+        // Row tiles outside, column tiles inside: a tile's activation rows are read
+        // from L2 once and reused from L1 for the group's other columns.
+        let mut r = 0;
+        while r < rows {
+            let tile_rows = tiles.rows.min(rows - r);
+            let mut acts: [&[f32]; MAX_TILE_ROWS] = [&[]; MAX_TILE_ROWS];
+            for (slot, a) in acts
                 .iter_mut()
-                .zip(scratch.chunks_exact(n_in).skip(c0).take(cols))
+                .zip(x[r * n_in..(r + tile_rows) * n_in].chunks_exact(n_in))
             {
-                *slot = w;
+                *slot = a;
             }
-            let mut r = 0;
-            while r < rows {
-                let tile_rows = tiles.rows.min(rows - r);
-                let mut acts: [&[f32]; MAX_TILE_ROWS] = [&[]; MAX_TILE_ROWS];
-                for (slot, a) in acts
-                    .iter_mut()
-                    .zip(x[r * n_in..(r + tile_rows) * n_in].chunks_exact(n_in))
-                {
-                    *slot = a;
-                }
-                let acts = &acts[..tile_rows];
+            let acts = &acts[..tile_rows];
+            for c0 in (0..n).step_by(tiles.cols) {
+                let cols = tiles.cols.min(n - c0);
                 if tiles.fused {
                     fused_tile(path, w, first, c0, cols, acts, &mut tile_out);
                 } else {
+                    let mut weights: [&[f32]; 8] = [&[]; 8];
+                    for (slot, w) in weights
+                        .iter_mut()
+                        .zip(scratch.chunks_exact(n_in).skip(c0).take(cols))
+                    {
+                        *slot = w;
+                    }
                     dot_tile(path, &weights[..cols], acts, &mut tile_out);
                 }
                 for (i, row_out) in tile_out.iter().take(tile_rows).enumerate() {
@@ -318,8 +320,8 @@ fn columns(
                     // this chunk's `start..end`, which no other chunk writes.
                     unsafe { target.write(r + i, first + c0, &row_out[..cols]) };
                 }
-                r += tile_rows;
             }
+            r += tile_rows;
         }
     }
     Ok(())
