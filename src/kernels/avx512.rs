@@ -418,6 +418,7 @@ pub(crate) unsafe fn fused_tile(
 }
 
 #[inline]
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn fused_tile_as<const F: u8>(
     w: &QuantMatrix,
@@ -512,6 +513,7 @@ unsafe fn tile<const R: usize, const C: usize>(
 ///
 /// This path's CPU features; every slice holds the same number of values, a multiple of
 /// 16.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub(crate) unsafe fn dot_tile(
     weights: &[&[f32]],
