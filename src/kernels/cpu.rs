@@ -33,11 +33,18 @@ pub enum SimdPath {
     /// x86-64 with AVX-512 (F, BW, VL), FMA and F16C: weights decoded in registers,
     /// 16-lane accumulators (its own reduction order, see [`super::avx512`]).
     Avx512,
+    /// aarch64 with NEON: the AVX2 path's order and bits, in 4-lane registers.
+    Neon,
 }
 
 impl SimdPath {
     /// Every path, from the plainest to the widest.
-    pub const ALL: [SimdPath; 3] = [SimdPath::Portable, SimdPath::Avx2, SimdPath::Avx512];
+    pub const ALL: [SimdPath; 4] = [
+        SimdPath::Portable,
+        SimdPath::Neon,
+        SimdPath::Avx2,
+        SimdPath::Avx512,
+    ];
 
     /// The best path this CPU runs, unless `LLAMA_BURN_SIMD` names a lower one
     /// (`portable`, `avx2` or `avx512`; a path this CPU lacks falls back to the best it
@@ -71,6 +78,7 @@ impl SimdPath {
             SimdPath::Portable => true,
             SimdPath::Avx2 => avx2_supported(),
             SimdPath::Avx512 => avx512_supported(),
+            SimdPath::Neon => neon_supported(),
         }
     }
 
@@ -80,6 +88,7 @@ impl SimdPath {
             SimdPath::Portable => "portable",
             SimdPath::Avx2 => "avx2+fma",
             SimdPath::Avx512 => "avx512",
+            SimdPath::Neon => "neon",
         }
     }
 
@@ -89,6 +98,7 @@ impl SimdPath {
             SimdPath::Portable => "portable",
             SimdPath::Avx2 => "avx2",
             SimdPath::Avx512 => "avx512",
+            SimdPath::Neon => "neon",
         }
     }
 }
@@ -115,6 +125,16 @@ fn avx512_supported() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx512_supported() -> bool {
+    false
+}
+
+#[cfg(target_arch = "aarch64")]
+fn neon_supported() -> bool {
+    std::arch::is_aarch64_feature_detected!("neon")
+}
+
+#[cfg(not(target_arch = "aarch64"))]
+fn neon_supported() -> bool {
     false
 }
 
@@ -387,7 +407,10 @@ fn fused_tile(
             // values.
             unsafe { super::avx512::fused_tile(w, first, c0, cols, acts, out) }
         }
-        _ => unreachable_fused(path),
+        _ => {
+            let _ = (w, first, c0, cols, acts, out);
+            unreachable_fused(path);
+        }
     }
 }
 
@@ -416,6 +439,11 @@ fn dot_tile(
             // SAFETY: as above.
             unsafe { super::avx512::dot_tile(weights, acts, out) }
         }
+        #[cfg(target_arch = "aarch64")]
+        SimdPath::Neon => {
+            // SAFETY: as above.
+            unsafe { super::neon::dot_tile(weights, acts, out) }
+        }
         _ => {
             for (r, a) in acts.iter().enumerate() {
                 for (c, w) in weights.iter().enumerate() {
@@ -441,6 +469,13 @@ pub(crate) fn dot(path: SimdPath, a: &[f32], b: &[f32]) -> f32 {
             // SAFETY: the caller holds a supported path (`SimdPath::active` or a checked
             // one); both slices hold the same multiple of 8 values.
             unsafe { super::avx2::dot_tile(&[a], &[b], &mut out) };
+            out[0][0]
+        }
+        #[cfg(target_arch = "aarch64")]
+        SimdPath::Neon => {
+            let mut out = [[0f32; 8]; MAX_TILE_ROWS];
+            // SAFETY: as above.
+            unsafe { super::neon::dot_tile(&[a], &[b], &mut out) };
             out[0][0]
         }
         _ => dot_portable(a, b),
@@ -493,7 +528,7 @@ pub fn dot_fused16_reference(w: &[f32], x: &[f32]) -> f32 {
 pub fn dot_reference_on(path: SimdPath, w: &[f32], x: &[f32]) -> f32 {
     match path {
         SimdPath::Portable => dot_reference(w, x),
-        SimdPath::Avx2 => dot_fused_reference(w, x),
+        SimdPath::Avx2 | SimdPath::Neon => dot_fused_reference(w, x),
         SimdPath::Avx512 => dot_fused16_reference(w, x),
     }
 }

@@ -17,6 +17,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod cpu;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 pub mod quant;
 
 pub use cpu::{SimdPath, matmul_transposed, matmul_transposed_on};
@@ -142,6 +144,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_cpu_s_own_simd_path_is_detected() {
+        // The tests above compare every supported path: make sure the SIMD one is among
+        // them on the architectures that have one (NEON is part of every aarch64 CPU).
+        #[cfg(target_arch = "aarch64")]
+        assert!(SimdPath::Neon.is_supported());
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            assert!(SimdPath::Avx2.is_supported());
+        }
+        eprintln!("kernel paths run here: {:?}", paths());
     }
 
     #[test]
