@@ -22,8 +22,13 @@ use super::cpu::MAX_TILE_ROWS;
 use super::quant::{QuantFormat, QuantMatrix};
 use crate::loader::dequant::k_scales_mins;
 
-/// Most activation rows multiplied straight from registers; more go through scratch rows.
+/// Most activation rows of a fused tile.
 pub(crate) const FUSED_ROWS: usize = 4;
+
+/// Most activation rows multiplied straight from registers, in fused tiles of up to
+/// [`FUSED_ROWS`] (each tile decodes the weights again); more go through scratch rows.
+/// Two fused passes beat scratch rows at 8 rows (see CPU_KERNELS.md).
+pub(crate) const FUSED_UP_TO: usize = 8;
 
 /// Columns of a scratch tile: 6 x 4 accumulators, 4 weight registers and one activation
 /// register (29 of 32), 10 loads per 24 multiply-adds.
@@ -441,6 +446,9 @@ unsafe fn fused_tile_as<const F: u8>(
             (2, 8) => fused::<F, 2, 8>(g, n, c0, [x(0), x(1)], blocks, f, out),
             (3, 8) => fused::<F, 3, 8>(g, n, c0, [x(0), x(1), x(2)], blocks, f, out),
             (4, 4) => fused::<F, 4, 4>(g, n, c0, std::array::from_fn(x), blocks, f, out),
+            (3, 4) => fused::<F, 3, 4>(g, n, c0, [x(0), x(1), x(2)], blocks, f, out),
+            (2, 4) => fused::<F, 2, 4>(g, n, c0, [x(0), x(1)], blocks, f, out),
+            (1, 4) => fused::<F, 1, 4>(g, n, c0, [x(0)], blocks, f, out),
             (r, c) => {
                 // Remainders: one column at a time.
                 for ci in 0..c {

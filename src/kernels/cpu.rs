@@ -250,13 +250,14 @@ struct Tiles {
 impl Tiles {
     fn of(path: SimdPath, rows: usize) -> Tiles {
         match path {
-            // Up to 4 rows: each block decoded in registers and multiplied at once, a
-            // whole group of 8 outputs per tile (4 with 4 rows: 16 accumulators). More
-            // rows: a 6 x 4 tile over a group's rows decoded once into scratch.
+            // Up to 8 rows: each block decoded in registers and multiplied at once, in
+            // tiles of up to 4 rows, a whole group of 8 outputs per tile below 4 rows (4
+            // outputs from 4 rows on: 16 accumulators). More rows: a 6 x 4 tile over a
+            // group's rows decoded once into scratch.
             #[cfg(target_arch = "x86_64")]
             SimdPath::Avx512 => {
-                use super::avx512::{FUSED_ROWS, TILE_COLS, TILE_ROWS};
-                if rows <= FUSED_ROWS {
+                use super::avx512::{FUSED_ROWS, FUSED_UP_TO, TILE_COLS, TILE_ROWS};
+                if rows <= FUSED_UP_TO {
                     Tiles {
                         cols: if rows < FUSED_ROWS {
                             GROUP_ROWS
