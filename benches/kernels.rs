@@ -3,24 +3,13 @@
 //! this CPU supports. Run with `cargo bench --bench kernels`.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use llama_burn::kernels::{QuantFormat, QuantMatrix, SimdPath, matmul_transposed_on};
+use llama_burn::kernels::{QuantMatrix, SimdPath, matmul_transposed_on};
 use llama_burn::loader::gguf::GgufFile;
 
 fn matrix(gguf: &GgufFile, name: &str) -> QuantMatrix {
-    let info = gguf.tensor_info(name).expect("tensor");
-    let format = QuantFormat::from_ggml(info.ty).expect("a kernel format");
-    let shape = info.shape();
-    let (rows, cols) = (
-        shape[..shape.len() - 1].iter().product(),
-        shape[shape.len() - 1],
-    );
-    QuantMatrix::new(
-        format,
-        rows,
-        cols,
-        gguf.read_tensor_bytes(info).expect("bytes"),
-    )
-    .expect("matrix")
+    QuantMatrix::from_gguf(gguf, name)
+        .expect("tensor")
+        .expect("a kernel format")
 }
 
 fn benches(c: &mut Criterion) {

@@ -169,19 +169,13 @@ pub trait LlamaBackend: Backend {
         batch: usize,
         n_heads: usize,
     ) -> Result<Tensor<Self, 2>> {
-        let [batch_kv, n_kv, _, dim] = k.dims();
+        let [_, n_kv, _, dim] = k.dims();
         let rows = q.dims()[0];
-        if batch_kv != batch || batch == 0 || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
-            return Err(LlamaError::InvalidBatch(format!(
-                "{batch} rows, {n_heads} query heads and keys of shape {:?} do not fit",
-                k.dims()
-            )));
-        }
-        let seq = rows / batch;
+        let (seq, groups) = fold_heads(rows, &k.dims(), batch, n_heads)?;
         let q = q
             .reshape([batch, seq, n_heads, dim])
             .swap_dims(1, 2)
-            .reshape([batch, n_kv, n_heads / n_kv * seq, dim]);
+            .reshape([batch, n_kv, groups * seq, dim]);
         Ok(Self::masked_attention(q, k, v, mask)?
             .reshape([batch, n_heads, seq, dim])
             .swap_dims(1, 2)
@@ -214,6 +208,30 @@ pub trait LlamaBackend: Backend {
             },
         ))
     }
+}
+
+/// Tokens per row and query heads per key/value head of a token-major attention call
+/// (`rows` query rows, keys of shape `[batch, n_kv_heads, keys, dim]`), or an error if
+/// they do not fit together.
+fn fold_heads(
+    rows: usize,
+    keys: &[usize; 4],
+    batch: usize,
+    n_heads: usize,
+) -> Result<(usize, usize)> {
+    let n_kv = keys[1];
+    if keys[0] != batch
+        || batch == 0
+        || n_kv == 0
+        || !n_heads.is_multiple_of(n_kv)
+        || !rows.is_multiple_of(batch)
+    {
+        return Err(LlamaError::InvalidBatch(format!(
+            "{rows} query rows in {batch} rows, {n_heads} query heads and keys of shape \
+             {keys:?} do not fit"
+        )));
+    }
+    Ok((rows / batch, n_heads / n_kv))
 }
 
 /// A strided view of an f32 Flex tensor `[batch, heads, keys, dim]` whose `dim` values are
@@ -323,15 +341,9 @@ impl LlamaBackend for burn::backend::Flex {
         n_heads: usize,
     ) -> Result<Tensor<Self, 2>> {
         use crate::kernels::attention::{AttentionShape, QueryLayout, attention_laid_out};
-        let [batch_kv, n_kv, keys, dim] = k.dims();
+        let [_, n_kv, keys, dim] = k.dims();
         let rows = q.dims()[0];
-        if batch_kv != batch || batch == 0 || n_kv == 0 || !n_heads.is_multiple_of(n_kv) {
-            return Err(LlamaError::InvalidBatch(format!(
-                "{batch} rows, {n_heads} query heads and keys of shape {:?} do not fit",
-                k.dims()
-            )));
-        }
-        let (seq, groups) = (rows / batch, n_heads / n_kv);
+        let (seq, groups) = fold_heads(rows, &k.dims(), batch, n_heads)?;
         let shape = AttentionShape {
             batch,
             heads: n_kv,

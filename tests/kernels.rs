@@ -4,26 +4,15 @@
 use burn::tensor::{Tensor, TensorData};
 use llama_burn::backend::{DefaultBackend, default_device};
 use llama_burn::kernels::cpu::dot_reference_on;
-use llama_burn::kernels::{QuantFormat, QuantMatrix, SimdPath, matmul_transposed_on};
+use llama_burn::kernels::{QuantMatrix, SimdPath, matmul_transposed_on};
 use llama_burn::loader::gguf::GgufFile;
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/dequant.gguf");
 
 fn matrix(gguf: &GgufFile, name: &str) -> QuantMatrix {
-    let info = gguf.tensor_info(name).expect("tensor");
-    let format = QuantFormat::from_ggml(info.ty).expect("a kernel format");
-    let shape = info.shape();
-    let (rows, cols) = (
-        shape[..shape.len() - 1].iter().product(),
-        shape[shape.len() - 1],
-    );
-    QuantMatrix::new(
-        format,
-        rows,
-        cols,
-        gguf.read_tensor_bytes(info).expect("bytes"),
-    )
-    .expect("matrix")
+    QuantMatrix::from_gguf(gguf, name)
+        .expect("tensor")
+        .expect("a kernel format")
 }
 
 /// Deterministic activations in [-1, 1).

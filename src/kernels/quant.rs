@@ -2,7 +2,7 @@
 
 use crate::error::{LlamaError, Result};
 use crate::loader::dequant::dequantize_block;
-use crate::loader::gguf::GgmlType;
+use crate::loader::gguf::{GgmlType, GgufFile};
 
 /// The block formats the CPU kernels multiply without dequantizing the matrix: those of
 /// the demo model (Q4_1 projections, a Q8_0 embedding) and of the common Q4_K_M and Q8_0
@@ -144,6 +144,28 @@ impl QuantMatrix {
         }
         m.data = grouped;
         Ok(m)
+    }
+
+    /// The tensor `name` of a GGUF file (its GGUF name) as a matrix of its rows, all but
+    /// the last dimension flattened into rows; `None` if its type is not one of
+    /// [`QuantFormat`]'s. No llama.cpp row permutation is undone (the model loader does
+    /// that for queries and keys).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::MissingTensor`] if the file has no such tensor, and what reading it
+    /// or [`new`](Self::new) reports.
+    pub fn from_gguf(gguf: &GgufFile, name: &str) -> Result<Option<Self>> {
+        let info = gguf
+            .tensor_info(name)
+            .ok_or_else(|| LlamaError::MissingTensor(name.to_string()))?;
+        let Some(format) = QuantFormat::from_ggml(info.ty) else {
+            return Ok(None);
+        };
+        let shape = info.shape();
+        let cols = shape.last().copied().unwrap_or(0);
+        let rows = shape[..shape.len().saturating_sub(1)].iter().product();
+        Self::new(format, rows, cols, gguf.read_tensor_bytes(info)?).map(Some)
     }
 
     /// The matrix in ggml's layout (row by row), as [`new`](Self::new) takes it.
