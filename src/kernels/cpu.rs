@@ -1,20 +1,24 @@
 //! `x @ W^T` on the CPU for a [`QuantMatrix`] `W`, in exact f32 arithmetic.
 //!
-//! Each weight row (one output) is dequantized into an f32 scratch row, exactly as the
-//! loader's dequantization gives it, and multiplied with the f32 activations: no 8-bit
-//! activations, so every output is the f32 dot product of the dequantized weights.
+//! Every weight is dequantized exactly as the loader's dequantization gives it (into
+//! registers on the AVX-512 path, into f32 scratch rows elsewhere) and multiplied with
+//! the f32 activations: no 8-bit activations, so every output is the f32 dot product of
+//! the dequantized weights.
 //!
-//! **One reduction order.** Every output element is reduced the same way whatever the
-//! number of rows, the tile it falls in or the thread that computes it: an 8-lane
-//! accumulator takes the row's 8-value chunks in order (`acc += w[8k..8k+8] *
-//! x[8k..8k+8]`), then `t[l] = acc[l] + acc[l + 4]` and the result is
-//! `(t[0] + t[2]) + (t[1] + t[3])`. A request's logits are therefore
-//! bitwise the same alone, in any batch, and after any chunking of its prompt. The AVX2
-//! path fuses each multiply-add (one rounding); the portable path rounds the product and
-//! the sum separately, so the two paths agree to about 1e-6 relative, not to the bit.
+//! **One reduction order per path.** Every output element is reduced the same way
+//! whatever the number of rows, the tile it falls in or the thread that computes it. On
+//! the portable, AVX2 and NEON paths an 8-lane accumulator takes the row's 8-value chunks
+//! in order (`acc += w[8k..8k+8] * x[8k..8k+8]`), then `t[l] = acc[l] + acc[l + 4]` and
+//! the result is `(t[0] + t[2]) + (t[1] + t[3])`; the AVX-512 path takes 16-value chunks
+//! into 16 lanes and first adds `acc[l] + acc[l + 8]`. A request's logits are therefore
+//! bitwise the same alone, in any batch, and after any chunking of its prompt. The SIMD
+//! paths fuse each multiply-add (one rounding); the portable path rounds the product and
+//! the sum separately. AVX2 and NEON give the same bits; the paths otherwise agree to
+//! about 1e-6 relative, not to the bit.
 //!
-//! Work is split across threads by output columns; a weight row is dequantized once per
-//! call and reused for every activation row.
+//! Work is split across threads by output columns, in whole groups of
+//! [`GROUP_ROWS`] weight rows; a group is dequantized once per call and reused for every
+//! activation row.
 
 use std::sync::OnceLock;
 
@@ -31,7 +35,7 @@ pub enum SimdPath {
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
     /// x86-64 with AVX-512 (F, BW, VL), FMA and F16C: weights decoded in registers,
-    /// 16-lane accumulators (its own reduction order, see [`super::avx512`]).
+    /// 16-lane accumulators (its own reduction order, see the module documentation).
     Avx512,
     /// aarch64 with NEON: the AVX2 path's order and bits, in 4-lane registers.
     Neon,
