@@ -232,35 +232,30 @@ fn format_of(format: QuantFormat) -> u8 {
     }
 }
 
-/// Dequantizes rows `first + c0 .. first + c0 + out.len() / cols` of the group at
-/// `first` into `out` (row-major), bitwise as the loader does, reading the group's
-/// blocks in memory order.
+/// Dequantizes rows `first .. first + out.len() / cols` of the group at `first` into
+/// `out` (row-major), bitwise as the loader does, reading the group's blocks in memory
+/// order.
 ///
 /// # Safety
 ///
 /// This path's CPU features; `first` starts a group of `w` and the rows exist.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(crate) unsafe fn dequantize_group(w: &QuantMatrix, first: usize, c0: usize, out: &mut [f32]) {
+pub(crate) unsafe fn dequantize_group(w: &QuantMatrix, first: usize, out: &mut [f32]) {
     // SAFETY: forwarded from this function's contract.
     unsafe {
         match format_of(w.format()) {
-            Q8_0 => dequantize_group_as::<Q8_0>(w, first, c0, out),
-            Q4_0 => dequantize_group_as::<Q4_0>(w, first, c0, out),
-            Q4_1 => dequantize_group_as::<Q4_1>(w, first, c0, out),
-            Q4_K => dequantize_group_as::<Q4_K>(w, first, c0, out),
-            _ => dequantize_group_as::<Q6_K>(w, first, c0, out),
+            Q8_0 => dequantize_group_as::<Q8_0>(w, first, out),
+            Q4_0 => dequantize_group_as::<Q4_0>(w, first, out),
+            Q4_1 => dequantize_group_as::<Q4_1>(w, first, out),
+            Q4_K => dequantize_group_as::<Q4_K>(w, first, out),
+            _ => dequantize_group_as::<Q6_K>(w, first, out),
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dequantize_group_as<const F: u8>(
-    w: &QuantMatrix,
-    first: usize,
-    c0: usize,
-    out: &mut [f32],
-) {
+unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &mut [f32]) {
     let format = w.format();
     let (bv, bb, hb) = (
         format.block_values(),
@@ -269,7 +264,7 @@ unsafe fn dequantize_group_as<const F: u8>(
     );
     let (group, n) = w.group(first);
     let (cols, count) = (w.cols(), out.len() / w.cols());
-    debug_assert!(c0 + count <= n);
+    debug_assert!(count <= n);
     let per_scale = (hb / 2).max(1);
     let mut scales = [0f32; 16];
     for blk in 0..w.blocks_per_row() {
@@ -279,11 +274,10 @@ unsafe fn dequantize_group_as<const F: u8>(
             let step = group.as_ptr().add(blk * n * bb);
             step_scales::<F>(step, n, &mut scales);
             for c in 0..count {
-                let col = c0 + c;
                 let dst = out.as_mut_ptr().add(c * cols + blk * bv);
                 decode_block::<F>(
-                    scales.as_ptr().add(col * per_scale),
-                    step.add(n * hb + col * (bb - hb)),
+                    scales.as_ptr().add(c * per_scale),
+                    step.add(n * hb + c * (bb - hb)),
                     |i, v| _mm512_storeu_ps(dst.add(16 * i), v),
                 );
             }

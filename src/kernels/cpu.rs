@@ -368,25 +368,12 @@ fn dequantize_group(path: SimdPath, w: &QuantMatrix, first: usize, out: &mut [f3
         SimdPath::Avx512 => {
             // SAFETY: the path was checked to be supported by this CPU; `first` starts a
             // group and `out` holds at most its rows.
-            unsafe { super::avx512::dequantize_group(w, first, 0, out) }
+            unsafe { super::avx512::dequantize_group(w, first, out) }
             Ok(())
         }
         _ => {
-            // The group's rows are put back into ggml's layout and dequantized a row at a
-            // time by the loader's own routine.
-            let (bb, hb) = (w.format().block_bytes(), w.format().head_bytes());
-            let (count, row_bytes) = (out.len() / n_in, w.row_bytes());
-            let mut bytes = vec![0u8; count * row_bytes];
-            w.for_group_blocks(first, count, |c, b, head, values| {
-                let at = c * row_bytes + b * bb;
-                bytes[at..at + hb].copy_from_slice(head);
-                bytes[at + hb..at + bb].copy_from_slice(values);
-            });
-            for (src, dst) in bytes
-                .chunks_exact(row_bytes)
-                .zip(out.chunks_exact_mut(n_in))
-            {
-                crate::loader::dequant::dequantize_into(w.format().ggml(), src, dst)?;
+            for (c, dst) in out.chunks_exact_mut(n_in).enumerate() {
+                w.dequantize_row(first + c, dst)?;
             }
             Ok(())
         }
