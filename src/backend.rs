@@ -275,6 +275,19 @@ fn view_or_copy<'a>(
     Ok(crate::kernels::attention::Strided::contiguous(data, shape))
 }
 
+/// Runs `f` on an f32 tensor's values: read in place when the tensor is contiguous (no
+/// copy), else from a host copy.
+#[cfg(feature = "flex")]
+fn with_values<const D: usize, R>(
+    t: &Tensor<burn::backend::Flex, D>,
+    mut f: impl FnMut(&[f32]) -> Result<R>,
+) -> Result<R> {
+    match crate::cache::host::read_in_place(t, &mut f) {
+        Some(out) => out,
+        None => f(&host::<f32, D, _>(t.clone())?),
+    }
+}
+
 /// A tensor's values on the host.
 #[cfg(feature = "flex")]
 fn host<T: burn::tensor::Element, const D: usize, K>(
@@ -298,18 +311,9 @@ impl LlamaBackend for burn::backend::Flex {
     fn quantized_matmul(x: Tensor<Self, 2>, w: &QuantMatrix) -> Result<Tensor<Self, 2>> {
         let [rows, _] = x.dims();
         let device = x.device();
-        // Activations are read in place when they are contiguous (no copy).
-        let product = |values: &[f32]| crate::kernels::matmul_transposed(values, rows, w);
-        let out = match crate::cache::host::read_in_place(&x, product) {
-            Some(out) => out?,
-            None => {
-                let data = x.into_data();
-                let values = data
-                    .as_slice::<f32>()
-                    .map_err(|e| LlamaError::Runtime(format!("reading activations: {e:?}")))?;
-                product(values)?
-            }
-        };
+        let out = with_values(&x, |values| {
+            crate::kernels::matmul_transposed(values, rows, w)
+        })?;
         Ok(Tensor::from_data(
             TensorData::new(out, [rows, w.rows()]),
             &device,
@@ -326,9 +330,13 @@ impl LlamaBackend for burn::backend::Flex {
             });
         }
         let device = gate.device();
-        let (gate, up) = (host::<f32, 2, _>(gate)?, host::<f32, 2, _>(up)?);
-        let mut out = vec![0f32; gate.len()];
-        crate::kernels::activation::swiglu(&gate, &up, &mut out);
+        let out = with_values(&gate, |gate| {
+            with_values(&up, |up| {
+                let mut out = vec![0f32; gate.len()];
+                crate::kernels::activation::swiglu(gate, up, &mut out);
+                Ok(out)
+            })
+        })?;
         Ok(Tensor::from_data(TensorData::new(out, dims), &device))
     }
 
