@@ -103,6 +103,7 @@ use burn::tensor::{
 
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
+use crate::model::attention::PagedBatch;
 
 /// What llama-burn asks of a backend beyond Burn's own operations: a backend extension
 /// in the manner of Burn's book (a trait on the backend whose default methods are the
@@ -180,6 +181,25 @@ pub trait LlamaBackend: Backend {
             .reshape([batch, n_heads, seq, dim])
             .swap_dims(1, 2)
             .reshape([rows, n_heads * dim]))
+    }
+
+    /// Attention of a paged step: `q` `[tokens, n_heads * head_dim]` (the sequences'
+    /// new tokens one after another, RoPE applied) over a layer's pool `keys`/`values`
+    /// `[blocks, kv_heads, block_size, head_dim]`, each sequence through its block table
+    /// and causally (see [`PagedBatch`]); returns the shape of `q`. The default gathers
+    /// blocks into padded batches for [`masked_attention`](Self::masked_attention)
+    /// ([`PagedBatch::attention_by_gathering`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`masked_attention`](Self::masked_attention).
+    fn paged_attention(
+        q: Tensor<Self, 2>,
+        keys: &Tensor<Self, 4>,
+        values: &Tensor<Self, 4>,
+        batch: &PagedBatch<'_, Self>,
+    ) -> Result<Tensor<Self, 2>> {
+        batch.attention_by_gathering(q, keys, values)
     }
 
     /// `softmax(q k^T / sqrt(dim)) v` with `true` in `mask` hiding a key: `q`
@@ -379,6 +399,34 @@ impl LlamaBackend for burn::backend::Flex {
             TensorData::new(out, [rows, n_heads * dim]),
             &device,
         ))
+    }
+
+    fn paged_attention(
+        q: Tensor<Self, 2>,
+        keys: &Tensor<Self, 4>,
+        values: &Tensor<Self, 4>,
+        batch: &PagedBatch<'_, Self>,
+    ) -> Result<Tensor<Self, 2>> {
+        use crate::kernels::attention::{PagedPool, paged_attention};
+        let [_, heads, block_size, dim] = keys.dims();
+        let dims = q.dims();
+        let device = q.device();
+        let q = host::<f32, 2, _>(q)?;
+        // The pool is read in place, through each sequence's block table: no gathered
+        // copy, no padding and no mask.
+        let out = with_values(keys, |keys| {
+            with_values(values, |values| {
+                let pool = PagedPool {
+                    keys,
+                    values,
+                    heads,
+                    block_size,
+                    dim,
+                };
+                paged_attention(&q, batch.n_heads(), pool, batch.seqs())
+            })
+        })?;
+        Ok(Tensor::from_data(TensorData::new(out, dims), &device))
     }
 
     fn masked_attention(

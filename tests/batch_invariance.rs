@@ -5,7 +5,8 @@
 mod common;
 
 use common::{Demo, demo, prompts};
-use llama_burn::model::Logits;
+use llama_burn::cache::PagedKvCache;
+use llama_burn::model::{Logits, PagedRow};
 
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
@@ -79,5 +80,119 @@ fn logits_are_bitwise_equal_alone_in_a_batch_of_seven_and_chunked() {
             bits(&alone_prompt[0]),
             "row {r}: chunked prefill"
         );
+    }
+}
+
+/// One paged step: `rows` (start, new tokens) through their block `tables`; the
+/// last-position logits of every row.
+fn paged_step(
+    llama: &Demo,
+    cache: &mut llama_burn::cache::PagedKvCache<common::B>,
+    rows: &[(usize, Vec<u32>)],
+    tables: &[Vec<u32>],
+) -> Vec<Vec<f32>> {
+    let paged: Vec<PagedRow<'_>> = rows
+        .iter()
+        .zip(tables)
+        .map(|((start, tokens), blocks)| PagedRow {
+            tokens,
+            start: *start,
+            blocks,
+            logits: true,
+        })
+        .collect();
+    let logits: Vec<f32> = llama
+        .model
+        .forward_paged(&paged, cache)
+        .unwrap()
+        .into_data()
+        .to_vec()
+        .unwrap();
+    logits
+        .chunks(llama.config().vocab_size)
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+/// The continuous engine's paged path: rows in one step, each through its own scattered
+/// block table, give the contiguous cache's logits to the bit, for a prompt read whole,
+/// prompts read in two chunks beside another row's decode step, and decode steps.
+#[test]
+fn paged_steps_give_the_contiguous_bits() {
+    let llama = demo(1024);
+    let ids: Vec<Vec<u32>> = prompts()
+        .iter()
+        .take(4)
+        .map(|p| llama.encode_prompt(p).unwrap())
+        .collect();
+    let next: Vec<u32> = (0..ids.len() as u32).map(|i| 200 + i).collect();
+    let c = llama.config();
+    let bs = 16;
+    let mut cache = PagedKvCache::new(
+        c.n_layers,
+        64,
+        bs,
+        c.n_kv_heads,
+        c.head_dim,
+        &llama_burn::backend::default_device(),
+    )
+    .unwrap();
+    // Row r takes blocks r, r + 4, r + 8, ...: interleaved, never adjacent.
+    let tables: Vec<Vec<u32>> = ids
+        .iter()
+        .enumerate()
+        .map(|(r, row)| {
+            (0..(row.len() + 1).div_ceil(bs))
+                .map(|i| (r + 4 * i) as u32)
+                .collect()
+        })
+        .collect();
+    // Step 1: row 0's whole prompt, the first half of the others'.
+    let cut = |r: usize| {
+        if r == 0 {
+            ids[0].len()
+        } else {
+            ids[r].len() / 2
+        }
+    };
+    let first: Vec<(usize, Vec<u32>)> = (0..ids.len())
+        .map(|r| (0, ids[r][..cut(r)].to_vec()))
+        .collect();
+    paged_step(&llama, &mut cache, &first, &tables);
+    // Step 2: row 0's decode step beside the others' second halves.
+    let second: Vec<(usize, Vec<u32>)> = (0..ids.len())
+        .map(|r| match r {
+            0 => (cut(0), vec![next[0]]),
+            _ => (cut(r), ids[r][cut(r)..].to_vec()),
+        })
+        .collect();
+    let prompt_logits = paged_step(&llama, &mut cache, &second, &tables);
+    // Step 3: the others' decode steps.
+    let third: Vec<(usize, Vec<u32>)> = (1..ids.len())
+        .map(|r| (ids[r].len(), vec![next[r]]))
+        .collect();
+    let decode_logits = paged_step(&llama, &mut cache, &third, &tables[1..]);
+
+    for (r, row) in ids.iter().enumerate() {
+        let (alone_prompt, alone_step) =
+            batch_logits(&llama, std::slice::from_ref(row), &next[r..=r]);
+        if r == 0 {
+            assert_eq!(
+                bits(&prompt_logits[0]),
+                bits(&alone_step[0]),
+                "row 0: decode"
+            );
+        } else {
+            assert_eq!(
+                bits(&prompt_logits[r]),
+                bits(&alone_prompt[0]),
+                "row {r}: prompt"
+            );
+            assert_eq!(
+                bits(&decode_logits[r - 1]),
+                bits(&alone_step[0]),
+                "row {r}: decode"
+            );
+        }
     }
 }

@@ -8,10 +8,11 @@
 //! held is the pool, always: writing a step's keys and values touches only their slots,
 //! and nothing is copied when requests join or leave a batch.
 //!
-//! Attention reads a step's rows through their block tables: [`PagedKvCache::gather`]
-//! copies the blocks of a group of rows into one `[rows, n_kv_heads, blocks *
-//! block_size, head_dim]` tensor for the backend's fused attention, and that copy is
-//! dropped when the layer's attention returns.
+//! Attention reads a step's rows through their block tables: on the CPU backend our
+//! kernel reads the pool in place ([`paged_attention`](crate::kernels::attention::paged_attention));
+//! elsewhere [`gather_blocks`] copies the blocks of a group of rows into one
+//! `[rows, n_kv_heads, blocks * block_size, head_dim]` tensor for the backend's fused
+//! attention, and that copy is dropped when the layer's attention returns.
 //!
 //! On the CPU backend (Flex) writes and gathers go straight to the pool's memory
 //! (Flex's `slice_assign` copies the whole destination tensor on every call, which for a
@@ -139,38 +140,12 @@ impl<B: Backend> PagedKvCache<B> {
         }
     }
 
-    /// The keys and values of `layer` for rows whose block tables are `tables` (each
-    /// padded to the same number of blocks with any valid id; the caller masks what lies
-    /// past a row's length): two `[rows, kv_heads, blocks * block_size, head_dim]`
-    /// tensors.
-    pub(crate) fn gather(
-        &self,
-        layer: usize,
-        tables: &[BlockId],
-        rows: usize,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    /// Layer `layer`'s pool: keys and values, `[blocks, kv_heads, block_size, head_dim]`
+    /// each.
+    pub(crate) fn layer(&self, layer: usize) -> (&Tensor<B, 4>, &Tensor<B, 4>) {
         let pool = &self.layers[layer];
-        let dims = GatherDims {
-            rows,
-            blocks: tables.len() / rows.max(1),
-            kv_heads: self.kv_heads,
-            block_size: self.block_size,
-            head_dim: self.head_dim,
-        };
-        (
-            gather_blocks(&pool.k, tables, dims),
-            gather_blocks(&pool.v, tables, dims),
-        )
+        (&pool.k, &pool.v)
     }
-}
-
-#[derive(Debug, Clone, Copy)]
-struct GatherDims {
-    rows: usize,
-    blocks: usize,
-    kv_heads: usize,
-    block_size: usize,
-    head_dim: usize,
 }
 
 /// Writes `values` (`[tokens, kv_heads * head_dim]`) into `pool` at `slots`.
@@ -215,20 +190,17 @@ fn write_slots<B: Backend>(
     pool
 }
 
-/// Copies the blocks listed in `tables` (`rows` tables of `dims.blocks` ids) into one
+/// Copies the blocks of a layer's `pool` (`[blocks, kv_heads, block_size, head_dim]`)
+/// listed in `tables` (`rows` tables of the same length, padded with any valid id; the
+/// caller masks what lies past a row's length) into one
 /// `[rows, kv_heads, blocks * block_size, head_dim]` tensor.
-fn gather_blocks<B: Backend>(
+pub(crate) fn gather_blocks<B: Backend>(
     pool: &Tensor<B, 4>,
     tables: &[BlockId],
-    dims: GatherDims,
+    rows: usize,
 ) -> Tensor<B, 4> {
-    let GatherDims {
-        rows,
-        blocks,
-        kv_heads,
-        block_size,
-        head_dim,
-    } = dims;
+    let [_, kv_heads, block_size, head_dim] = pool.dims();
+    let blocks = tables.len() / rows.max(1);
     let shape = [rows, kv_heads, blocks * block_size, head_dim];
     let gathered = super::host::read_in_place(pool, |memory| {
         let span = block_size * head_dim;
@@ -281,7 +253,9 @@ mod tests {
         let k = values(8, heads * dim, 0.0);
         let v = values(8, heads * dim, 1000.0);
         cache.write(0, k.clone(), v.clone(), &slots);
-        let (gk, gv) = cache.gather(0, &[3, 1, 0, 0], 2);
+        let (pk, pv) = cache.layer(0);
+        let tables = [3, 1, 0, 0];
+        let (gk, gv) = (gather_blocks(pk, &tables, 2), gather_blocks(pv, &tables, 2));
         assert_eq!(gk.dims(), [2, heads, 2 * bs, dim]);
         let gk = gk.into_data().to_vec::<f32>().unwrap();
         let gv = gv.into_data().to_vec::<f32>().unwrap();

@@ -11,6 +11,7 @@
 use rayon::prelude::*;
 
 use super::cpu::{SimdPath, dot};
+use crate::cache::BlockId;
 use crate::error::{LlamaError, Result};
 
 /// Shapes of one attention call: queries `[batch, heads, queries, dim]`, keys and values
@@ -112,6 +113,174 @@ impl<'a> Strided<'a> {
         let at = self.offset + b * self.strides[0] + h * self.strides[1] + j * self.strides[2];
         &self.data[at..at + dim]
     }
+}
+
+/// Where key (or value) `j` of row `b`, head `h` lies: a [`Strided`] view of a
+/// contiguous cache, or a [`PagedPool`]'s blocks read through a row's block table.
+trait KvView<'a>: Sync {
+    /// The `dim` values of vector `j` of row `b`, head `h` (checked to exist by the
+    /// caller of the kernel).
+    fn vector(&self, b: usize, h: usize, j: usize, dim: usize) -> &'a [f32];
+}
+
+impl<'a> KvView<'a> for Strided<'a> {
+    #[inline(always)]
+    fn vector(&self, b: usize, h: usize, j: usize, dim: usize) -> &'a [f32] {
+        Strided::vector(self, b, h, j, dim)
+    }
+}
+
+/// One layer of a paged KV pool, `[blocks, heads, block_size, dim]` for keys and the same
+/// for values, read through block tables.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedPool<'a> {
+    /// Keys of every block.
+    pub keys: &'a [f32],
+    /// Values of every block.
+    pub values: &'a [f32],
+    /// Key/value heads.
+    pub heads: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Values per head vector.
+    pub dim: usize,
+}
+
+impl PagedPool<'_> {
+    /// Blocks in the pool.
+    fn blocks(&self) -> usize {
+        self.keys.len() / (self.heads * self.block_size * self.dim).max(1)
+    }
+}
+
+/// One sequence of a paged attention call: its new tokens (the queries, token-major in
+/// the call's `q`, after the previous sequences' tokens) see the `start` tokens already
+/// in its blocks and themselves, causally.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedSeq<'a> {
+    /// New tokens (queries) of the sequence.
+    pub tokens: usize,
+    /// Tokens already in the sequence's blocks before these; token `s` sits at position
+    /// `start + s` and sees keys `0..=start + s`.
+    pub start: usize,
+    /// The block table: block `i` holds positions `i * block_size ..`.
+    pub blocks: &'a [BlockId],
+}
+
+/// A pool's keys or values seen through every sequence's block table.
+struct PagedView<'a> {
+    data: &'a [f32],
+    seqs: &'a [PagedSeq<'a>],
+    heads: usize,
+    block_size: usize,
+}
+
+impl<'a> KvView<'a> for PagedView<'a> {
+    #[inline(always)]
+    fn vector(&self, b: usize, h: usize, j: usize, dim: usize) -> &'a [f32] {
+        let block = self.seqs[b].blocks[j / self.block_size] as usize;
+        let at = ((block * self.heads + h) * self.block_size + j % self.block_size) * dim;
+        &self.data[at..at + dim]
+    }
+}
+
+/// Attention of every sequence's new tokens over its blocks of a paged pool, in the
+/// reduction order of [`attention`]: a token's result is bitwise the same as the
+/// contiguous kernel's over the same keys, whatever the other sequences, the block size
+/// or where its blocks lie. `q` is `[tokens, n_heads * dim]` (the sequences' tokens one
+/// after another, RoPE applied); returns the same shape. No keys are copied and no mask
+/// is built: a token sees its sequence's keys up to its own position.
+///
+/// # Errors
+///
+/// [`LlamaError::ShapeMismatch`] if `q` or the pool does not match, and
+/// [`LlamaError::InvalidBatch`] if a block table is too short for its tokens or names a
+/// block outside the pool.
+pub fn paged_attention(
+    q: &[f32],
+    n_heads: usize,
+    pool: PagedPool<'_>,
+    seqs: &[PagedSeq<'_>],
+) -> Result<Vec<f32>> {
+    let PagedPool {
+        heads,
+        block_size,
+        dim,
+        ..
+    } = pool;
+    let tokens: usize = seqs.iter().map(|s| s.tokens).sum();
+    let block_len = heads * block_size * dim;
+    if heads == 0 || block_size == 0 || dim == 0 || !n_heads.is_multiple_of(heads) {
+        return Err(LlamaError::InvalidBatch(format!(
+            "{n_heads} query heads over {heads} key/value heads of {dim} values in blocks of \
+             {block_size} do not fit"
+        )));
+    }
+    if q.len() != tokens * n_heads * dim {
+        return Err(LlamaError::ShapeMismatch {
+            name: "paged attention queries".into(),
+            expected: vec![tokens, n_heads * dim],
+            actual: vec![q.len()],
+        });
+    }
+    if !pool.keys.len().is_multiple_of(block_len) || pool.values.len() != pool.keys.len() {
+        return Err(LlamaError::ShapeMismatch {
+            name: "paged attention pool".into(),
+            expected: vec![pool.keys.len() / block_len, heads, block_size, dim],
+            actual: vec![pool.keys.len(), pool.values.len()],
+        });
+    }
+    let blocks = pool.blocks();
+    for seq in seqs {
+        let end = seq.start + seq.tokens;
+        if seq.blocks.len().saturating_mul(block_size) < end
+            || seq.blocks[..end.div_ceil(block_size)]
+                .iter()
+                .any(|&b| b as usize >= blocks)
+        {
+            return Err(LlamaError::InvalidBatch(format!(
+                "a block table of {} blocks in a pool of {blocks} cannot hold {end} tokens",
+                seq.blocks.len()
+            )));
+        }
+    }
+    // The sequence and position of every token.
+    let mut owner = Vec::with_capacity(tokens);
+    for (b, seq) in seqs.iter().enumerate() {
+        owner.extend((0..seq.tokens).map(|s| (b, seq.start + s)));
+    }
+    let view = |data| PagedView {
+        data,
+        seqs,
+        heads,
+        block_size,
+    };
+    let (k, v) = (view(pool.keys), view(pool.values));
+    let groups = n_heads / heads;
+    let path = SimdPath::active();
+    let scale = 1.0 / (dim as f32).sqrt();
+    let mut out = vec![0f32; q.len()];
+    out.par_chunks_mut(dim)
+        .with_min_len(8)
+        .enumerate()
+        .for_each_init(
+            || Scores::with_capacity(0),
+            |scores, (index, o)| {
+                let (b, position) = owner[index / n_heads];
+                let query = Query {
+                    q: &q[index * dim..(index + 1) * dim],
+                    hidden: None,
+                    k: &k,
+                    v: &v,
+                    b,
+                    h: (index % n_heads) / groups,
+                    keys: position + 1,
+                    scale,
+                };
+                attend_on(path, &query, scores, o);
+            },
+        );
+    Ok(out)
 }
 
 /// `softmax(q k^T / sqrt(dim), masked) v` over contiguous slices: returns
@@ -257,12 +426,12 @@ impl Scores {
     }
 }
 
-/// One query's attention inputs.
-struct Query<'a> {
+/// One query's attention inputs: it sees keys `0..keys` that `hidden` does not hide.
+struct Query<'a, V> {
     q: &'a [f32],
     hidden: Option<&'a [bool]>,
-    k: &'a Strided<'a>,
-    v: &'a Strided<'a>,
+    k: &'a V,
+    v: &'a V,
     b: usize,
     h: usize,
     keys: usize,
@@ -272,12 +441,22 @@ struct Query<'a> {
 /// [`attend`] compiled for the widest vectors of `path`. Only element-wise operations
 /// (separate multiplies and adds, no fused ones) are vectorized by the compiler, so the
 /// result is the same bits at every width; the dot products follow `path`'s own order.
-fn attend_on(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32]) {
+fn attend_on<'a, V: KvView<'a>>(
+    path: SimdPath,
+    query: &Query<'_, V>,
+    scores: &mut Scores,
+    o: &mut [f32],
+) {
     match path {
         #[cfg(target_arch = "x86_64")]
         SimdPath::Avx512 => {
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-            fn wide(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32]) {
+            fn wide<'a, V: KvView<'a>>(
+                path: SimdPath,
+                query: &Query<'_, V>,
+                scores: &mut Scores,
+                o: &mut [f32],
+            ) {
                 attend(path, query, scores, o);
             }
             // SAFETY: the path is supported by this CPU (`SimdPath::active`).
@@ -286,7 +465,12 @@ fn attend_on(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f3
         #[cfg(target_arch = "x86_64")]
         SimdPath::Avx2 => {
             #[target_feature(enable = "avx2,fma,f16c")]
-            fn wide(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32]) {
+            fn wide<'a, V: KvView<'a>>(
+                path: SimdPath,
+                query: &Query<'_, V>,
+                scores: &mut Scores,
+                o: &mut [f32],
+            ) {
                 attend(path, query, scores, o);
             }
             // SAFETY: as above.
@@ -300,7 +484,12 @@ fn attend_on(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f3
 /// ([`exp`]) and their sum in key order, and `sum_j p_j v_j` in key order, divided by
 /// the sum.
 #[inline(always)]
-fn attend(path: SimdPath, query: &Query<'_>, scores: &mut Scores, o: &mut [f32]) {
+fn attend<'a, V: KvView<'a>>(
+    path: SimdPath,
+    query: &Query<'_, V>,
+    scores: &mut Scores,
+    o: &mut [f32],
+) {
     let dim = o.len();
     scores.keys.clear();
     scores.values.clear();
@@ -560,5 +749,102 @@ mod tests {
         assert!(
             attention_laid_out(&tokens, bad, contiguous(&k), contiguous(&v), None, shape).is_err()
         );
+    }
+
+    #[test]
+    fn paged_attention_gives_the_contiguous_bits_through_block_tables() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let (heads, groups, dim, bs, pool_blocks) = (3, 2, 64, 4, 12);
+        let n_heads = heads * groups;
+        let block_len = heads * bs * dim;
+        let keys = random(pool_blocks * block_len, &mut rng);
+        let values = random(pool_blocks * block_len, &mut rng);
+        let pool = PagedPool {
+            keys: &keys,
+            values: &values,
+            heads,
+            block_size: bs,
+            dim,
+        };
+        // Three sequences: a prompt of 6 new tokens, a decode step after 9 tokens and a
+        // chunk of 3 after 2, their blocks scattered through the pool.
+        let tables: [&[BlockId]; 3] = [&[7, 2], &[0, 11, 5], &[9, 3]];
+        let seqs: Vec<PagedSeq<'_>> = [(6, 0), (1, 9), (3, 2)]
+            .iter()
+            .zip(tables)
+            .map(|(&(tokens, start), blocks)| PagedSeq {
+                tokens,
+                start,
+                blocks,
+            })
+            .collect();
+        let tokens: usize = seqs.iter().map(|s| s.tokens).sum();
+        let q = random(tokens * n_heads * dim, &mut rng);
+        let got = paged_attention(&q, n_heads, pool, &seqs).unwrap();
+
+        // Each sequence alone, its keys copied out of its blocks into a contiguous
+        // `[1, heads, len, dim]` cache, through the contiguous kernel with a causal mask.
+        let mut first = 0;
+        for seq in &seqs {
+            let len = seq.start + seq.tokens;
+            let copy = |data: &[f32]| {
+                let mut out = Vec::with_capacity(heads * len * dim);
+                for h in 0..heads {
+                    for j in 0..len {
+                        let block = seq.blocks[j / bs] as usize;
+                        let at = ((block * heads + h) * bs + j % bs) * dim;
+                        out.extend_from_slice(&data[at..at + dim]);
+                    }
+                }
+                out
+            };
+            let (k, v) = (copy(&keys), copy(&values));
+            let shape = AttentionShape {
+                batch: 1,
+                heads,
+                queries: groups * seq.tokens,
+                keys: len,
+                dim,
+                mask_heads: 1,
+            };
+            let mut mask = Vec::new();
+            for _ in 0..groups {
+                for s in 0..seq.tokens {
+                    mask.extend((0..len).map(|j| j > seq.start + s));
+                }
+            }
+            let span = seq.tokens * n_heads * dim;
+            let want = attention_laid_out(
+                &q[first..first + span],
+                QueryLayout::TokenMajor {
+                    seq: seq.tokens,
+                    groups,
+                },
+                Strided::contiguous(&k, shape),
+                Strided::contiguous(&v, shape),
+                Some(&mask),
+                shape,
+            )
+            .unwrap();
+            assert_eq!(got[first..first + span], want[..]);
+            first += span;
+        }
+
+        // A table too short for its tokens, a block outside the pool, queries of the
+        // wrong size: typed errors.
+        let short = [PagedSeq {
+            tokens: 2,
+            start: 7,
+            blocks: &[1, 2],
+        }];
+        assert!(paged_attention(&q[..2 * n_heads * dim], n_heads, pool, &short).is_err());
+        let outside = [PagedSeq {
+            tokens: 1,
+            start: 0,
+            blocks: &[12],
+        }];
+        assert!(paged_attention(&q[..n_heads * dim], n_heads, pool, &outside).is_err());
+        assert!(paged_attention(&q[1..], n_heads, pool, &seqs).is_err());
+        assert!(paged_attention(&q, 4, pool, &seqs).is_err());
     }
 }

@@ -1,9 +1,13 @@
 //! Grouped-query self-attention over the contiguous KV cache and over the paged pool.
 
+pub use crate::kernels::attention::PagedSeq;
+
+use std::cell::OnceCell;
+
 use burn::tensor::{Bool, Int, Tensor, TensorData, backend::Backend};
 
 use crate::backend::LlamaBackend;
-use crate::cache::paged::Slot;
+use crate::cache::paged::{Slot, gather_blocks};
 use crate::cache::{BlockId, KvCache, PagedKvCache};
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
@@ -58,22 +62,189 @@ struct AttentionGroup<B: Backend> {
     mask: Tensor<B, 4, Bool>,
 }
 
-/// Everything a paged forward pass needs that does not change from layer to layer:
-/// positions, the slots where new keys and values go, the attention groups and where
-/// their outputs go back. Built once per step.
+/// The gathering path's layout of a step: its groups, and for every flat token its row
+/// in the concatenated padded group outputs.
 #[derive(Debug)]
-pub(crate) struct PagedPlan<B: Backend> {
+struct Gathered<B: Backend> {
+    groups: Vec<AttentionGroup<B>>,
+    output_index: Tensor<B, 1, Int>,
+}
+
+/// The sequences of one paged attention step, as a backend's
+/// [`paged_attention`](LlamaBackend::paged_attention) receives them: each sequence's new
+/// tokens (one after another in the queries), how many tokens its blocks already hold
+/// and its block table. The same for every layer of a step.
+#[derive(Debug)]
+pub struct PagedBatch<'a, B: Backend> {
+    seqs: Vec<PagedSeq<'a>>,
+    n_heads: usize,
+    block_size: usize,
+    device: B::Device,
+    /// Built on first use, by backends that gather blocks.
+    gathered: OnceCell<Gathered<B>>,
+}
+
+impl<'a, B: LlamaBackend> PagedBatch<'a, B> {
+    /// The sequences, in query order.
+    pub fn seqs(&self) -> &[PagedSeq<'a>] {
+        &self.seqs
+    }
+
+    /// Query heads.
+    pub fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+
+    /// Attention by gathering each group of similar sequences' blocks into a padded
+    /// batch and running [`LlamaBackend::masked_attention`] with a causal mask: the
+    /// portable path, for backends without a kernel that reads block tables. `q` is
+    /// `[tokens, n_heads * head_dim]`, `keys`/`values` a layer's pool
+    /// `[blocks, kv_heads, block_size, head_dim]`; returns the shape of `q`.
+    ///
+    /// # Errors
+    ///
+    /// As [`LlamaBackend::masked_attention`].
+    pub fn attention_by_gathering(
+        &self,
+        q: Tensor<B, 2>,
+        keys: &Tensor<B, 4>,
+        values: &Tensor<B, 4>,
+    ) -> Result<Tensor<B, 2>> {
+        let [_, kv, _, dim] = keys.dims();
+        let heads = self.n_heads;
+        let groups = heads / kv.max(1);
+        let gathered = self.gathered.get_or_init(|| self.gather_layout(groups));
+        let outputs: Vec<Tensor<B, 2>> = gathered
+            .groups
+            .iter()
+            .map(|g| {
+                let (keys, values) = (
+                    gather_blocks(keys, &g.tables, g.rows),
+                    gather_blocks(values, &g.tables, g.rows),
+                );
+                let query = q
+                    .clone()
+                    .select(0, g.query_index.clone())
+                    .reshape([g.rows, g.queries, heads, dim])
+                    .swap_dims(1, 2)
+                    .reshape([g.rows, kv, groups * g.queries, dim]);
+                Ok(
+                    B::masked_attention(query, keys, values, Some(g.mask.clone()))?
+                        .reshape([g.rows, heads, g.queries, dim])
+                        .swap_dims(1, 2)
+                        .reshape([g.rows * g.queries, heads * dim]),
+                )
+            })
+            .collect::<Result<_>>()?;
+        let all = if outputs.len() == 1 {
+            outputs.into_iter().next().unwrap_or_else(|| q.clone())
+        } else {
+            Tensor::cat(outputs, 0)
+        };
+        Ok(all.select(0, gathered.output_index.clone()))
+    }
+
+    /// Groups sequences of similar shape: sorted by (chunk, length), a sequence joins
+    /// the current group while the padded work stays within twice the real work.
+    fn gather_layout(&self, groups_per_kv: usize) -> Gathered<B> {
+        let (seqs, bs, device) = (&self.seqs, self.block_size, &self.device);
+        let mut first_token = Vec::with_capacity(seqs.len());
+        let mut total = 0;
+        for seq in seqs {
+            first_token.push(total);
+            total += seq.tokens;
+        }
+        let mut order: Vec<usize> = (0..seqs.len()).collect();
+        order.sort_by_key(|&i| (seqs[i].tokens, seqs[i].start + seqs[i].tokens));
+        let mut grouped: Vec<Vec<usize>> = Vec::new();
+        let (mut real, mut queries, mut keys) = (0usize, 0usize, 0usize);
+        for &i in &order {
+            let q = seqs[i].tokens;
+            let len = seqs[i].start + q;
+            let padded_keys = len.div_ceil(bs) * bs;
+            if let Some(group) = grouped.last_mut() {
+                let (nq, nk) = (queries.max(q), keys.max(padded_keys));
+                let padded = (group.len() + 1) * nq * nk;
+                if padded <= 2 * (real + q * len) {
+                    group.push(i);
+                    (real, queries, keys) = (real + q * len, nq, nk);
+                    continue;
+                }
+            }
+            grouped.push(vec![i]);
+            (real, queries, keys) = (q * len, q, padded_keys);
+        }
+
+        let mut output_index = vec![0i64; total];
+        let mut padded_offset = 0usize;
+        let mut groups = Vec::with_capacity(grouped.len());
+        for members in grouped {
+            let queries = members.iter().map(|&i| seqs[i].tokens).max().unwrap_or(1);
+            let blocks = members
+                .iter()
+                .map(|&i| (seqs[i].start + seqs[i].tokens).div_ceil(bs))
+                .max()
+                .unwrap_or(1);
+            let keys = blocks * bs;
+            let mut query_index = Vec::with_capacity(members.len() * queries);
+            let mut tables = Vec::with_capacity(members.len() * blocks);
+            let mut mask = Vec::with_capacity(members.len() * groups_per_kv * queries * keys);
+            for (slot, &i) in members.iter().enumerate() {
+                let seq = &seqs[i];
+                let q = seq.tokens;
+                let first = first_token[i];
+                for s in 0..queries {
+                    // Padding queries repeat the row's first token; their output is dropped.
+                    query_index.push((first + s.min(q - 1)) as i64);
+                }
+                for s in 0..q {
+                    output_index[first + s] = (padded_offset + slot * queries + s) as i64;
+                }
+                let used = (seq.start + q).div_ceil(bs);
+                tables.extend_from_slice(&seq.blocks[..used]);
+                tables.extend(std::iter::repeat_n(seq.blocks[0], blocks - used));
+                let mut per_query = Vec::with_capacity(queries * keys);
+                for s in 0..queries {
+                    // A real query sees the keys up to its own position; a padding query
+                    // sees key 0 only, so no softmax row is empty.
+                    let last = if s < q { seq.start + s } else { 0 };
+                    per_query.extend((0..keys).map(|k| k > last));
+                }
+                for _ in 0..groups_per_kv {
+                    mask.extend_from_slice(&per_query);
+                }
+            }
+            let n = members.len();
+            padded_offset += n * queries;
+            groups.push(AttentionGroup {
+                rows: n,
+                queries,
+                query_index: int_tensor(query_index, device),
+                tables,
+                mask: Tensor::from_data(
+                    TensorData::new(mask, [n, 1, groups_per_kv * queries, keys]),
+                    device,
+                ),
+            });
+        }
+        Gathered {
+            groups,
+            output_index: int_tensor(output_index, device),
+        }
+    }
+}
+
+/// Everything a paged forward pass needs that does not change from layer to layer:
+/// positions, the slots where new keys and values go, and the attention step. Built once
+/// per step.
+#[derive(Debug)]
+pub(crate) struct PagedPlan<'a, B: Backend> {
     /// RoPE position of every flat token.
     pub(crate) positions: Vec<usize>,
     /// Flat tokens whose logits are wanted (`None`: every token).
     pub(crate) logit_rows: Option<Tensor<B, 1, Int>>,
     slots: Vec<Slot>,
-    groups: Vec<AttentionGroup<B>>,
-    /// For every flat token, its row in the concatenated padded group outputs.
-    output_index: Tensor<B, 1, Int>,
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
+    batch: PagedBatch<'a, B>,
 }
 
 fn int_tensor<B: Backend>(values: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
@@ -81,10 +252,10 @@ fn int_tensor<B: Backend>(values: Vec<i64>, device: &B::Device) -> Tensor<B, 1, 
     Tensor::from_data(TensorData::new(values, [n]), device)
 }
 
-impl<B: Backend> PagedPlan<B> {
+impl<'a, B: Backend> PagedPlan<'a, B> {
     /// Checks the rows against the cache and the model and lays out the step.
     pub(crate) fn new(
-        rows: &[PagedRow<'_>],
+        rows: &[PagedRow<'a>],
         cache: &PagedKvCache<B>,
         config: &LlamaConfig,
         device: &B::Device,
@@ -105,8 +276,8 @@ impl<B: Backend> PagedPlan<B> {
         }
         let mut positions = Vec::new();
         let mut slots = Vec::new();
-        let mut first_token = Vec::with_capacity(rows.len());
         let mut logit_rows = Vec::new();
+        let mut seqs = Vec::with_capacity(rows.len());
         for row in rows {
             let end = row.start + row.tokens.len();
             if end > config.max_seq_len {
@@ -124,7 +295,6 @@ impl<B: Backend> PagedPlan<B> {
                 )));
             }
             config.check_token_ids(row.tokens)?;
-            first_token.push(positions.len());
             for p in row.start..end {
                 positions.push(p);
                 slots.push((row.blocks[p / bs], p % bs));
@@ -132,105 +302,32 @@ impl<B: Backend> PagedPlan<B> {
             if row.logits {
                 logit_rows.push((positions.len() - 1) as i64);
             }
-        }
-        let total = positions.len();
-
-        // Group rows of similar shape: sorted by (chunk, length), a row joins the current
-        // group while the padded work stays within twice the real work.
-        let mut order: Vec<usize> = (0..rows.len()).collect();
-        order.sort_by_key(|&i| (rows[i].tokens.len(), rows[i].start + rows[i].tokens.len()));
-        let mut grouped: Vec<Vec<usize>> = Vec::new();
-        let (mut real, mut queries, mut keys) = (0usize, 0usize, 0usize);
-        for &i in &order {
-            let q = rows[i].tokens.len();
-            let len = rows[i].start + q;
-            let padded_keys = len.div_ceil(bs) * bs;
-            if let Some(group) = grouped.last_mut() {
-                let (nq, nk) = (queries.max(q), keys.max(padded_keys));
-                let padded = (group.len() + 1) * nq * nk;
-                if padded <= 2 * (real + q * len) {
-                    group.push(i);
-                    (real, queries, keys) = (real + q * len, nq, nk);
-                    continue;
-                }
-            }
-            grouped.push(vec![i]);
-            (real, queries, keys) = (q * len, q, padded_keys);
-        }
-
-        let groups_per_kv = config.n_heads / config.n_kv_heads;
-        let mut output_index = vec![0i64; total];
-        let mut padded_offset = 0usize;
-        let mut groups = Vec::with_capacity(grouped.len());
-        for members in grouped {
-            let queries = members
-                .iter()
-                .map(|&i| rows[i].tokens.len())
-                .max()
-                .unwrap_or(1);
-            let blocks = members
-                .iter()
-                .map(|&i| (rows[i].start + rows[i].tokens.len()).div_ceil(bs))
-                .max()
-                .unwrap_or(1);
-            let keys = blocks * bs;
-            let mut query_index = Vec::with_capacity(members.len() * queries);
-            let mut tables = Vec::with_capacity(members.len() * blocks);
-            let mut mask = Vec::with_capacity(members.len() * groups_per_kv * queries * keys);
-            for (slot, &i) in members.iter().enumerate() {
-                let row = &rows[i];
-                let q = row.tokens.len();
-                let first = first_token[i];
-                for s in 0..queries {
-                    // Padding queries repeat the row's first token; their output is dropped.
-                    query_index.push((first + s.min(q - 1)) as i64);
-                }
-                for s in 0..q {
-                    output_index[first + s] = (padded_offset + slot * queries + s) as i64;
-                }
-                let used = (row.start + q).div_ceil(bs);
-                tables.extend_from_slice(&row.blocks[..used]);
-                tables.extend(std::iter::repeat_n(row.blocks[0], blocks - used));
-                let mut per_query = Vec::with_capacity(queries * keys);
-                for s in 0..queries {
-                    // A real query sees the keys up to its own position; a padding query
-                    // sees key 0 only, so no softmax row is empty.
-                    let last = if s < q { row.start + s } else { 0 };
-                    per_query.extend((0..keys).map(|k| k > last));
-                }
-                for _ in 0..groups_per_kv {
-                    mask.extend_from_slice(&per_query);
-                }
-            }
-            let n = members.len();
-            padded_offset += n * queries;
-            groups.push(AttentionGroup {
-                rows: n,
-                queries,
-                query_index: int_tensor(query_index, device),
-                tables,
-                mask: Tensor::from_data(
-                    TensorData::new(mask, [n, 1, groups_per_kv * queries, keys]),
-                    device,
-                ),
+            seqs.push(PagedSeq {
+                tokens: row.tokens.len(),
+                start: row.start,
+                blocks: row.blocks,
             });
         }
+        let total = positions.len();
         let logit_rows = (logit_rows.len() != total).then(|| int_tensor::<B>(logit_rows, device));
         Ok(Self {
             positions,
             logit_rows,
             slots,
-            groups,
-            output_index: int_tensor(output_index, device),
-            n_heads: config.n_heads,
-            n_kv_heads: config.n_kv_heads,
-            head_dim: config.head_dim,
+            batch: PagedBatch {
+                seqs,
+                n_heads: config.n_heads,
+                block_size: bs,
+                device: device.clone(),
+                gathered: OnceCell::new(),
+            },
         })
     }
 
     /// Attention of one layer: writes this step's keys and values into their slots, then
-    /// each group attends over its rows' blocks. `q` is `[tokens, n_heads * head_dim]`,
-    /// `k`/`v` `[tokens, n_kv_heads * head_dim]`; returns `[tokens, n_heads * head_dim]`.
+    /// the backend attends over each sequence's blocks. `q` is
+    /// `[tokens, n_heads * head_dim]`, `k`/`v` `[tokens, n_kv_heads * head_dim]`; returns
+    /// `[tokens, n_heads * head_dim]`.
     pub(crate) fn attention(
         &self,
         layer: usize,
@@ -243,32 +340,7 @@ impl<B: Backend> PagedPlan<B> {
         B: LlamaBackend,
     {
         cache.write(layer, k, v, &self.slots);
-        let (heads, kv, dim) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let groups = heads / kv;
-        let outputs: Vec<Tensor<B, 2>> = self
-            .groups
-            .iter()
-            .map(|g| {
-                let (keys, values) = cache.gather(layer, &g.tables, g.rows);
-                let query = q
-                    .clone()
-                    .select(0, g.query_index.clone())
-                    .reshape([g.rows, g.queries, heads, dim])
-                    .swap_dims(1, 2)
-                    .reshape([g.rows, kv, groups * g.queries, dim]);
-                Ok(
-                    B::masked_attention(query, keys, values, Some(g.mask.clone()))?
-                        .reshape([g.rows, heads, g.queries, dim])
-                        .swap_dims(1, 2)
-                        .reshape([g.rows * g.queries, heads * dim]),
-                )
-            })
-            .collect::<Result<_>>()?;
-        let all = if outputs.len() == 1 {
-            outputs.into_iter().next().unwrap_or_else(|| q.clone())
-        } else {
-            Tensor::cat(outputs, 0)
-        };
-        Ok(all.select(0, self.output_index.clone()))
+        let (keys, values) = cache.layer(layer);
+        B::paged_attention(q, keys, values, &self.batch)
     }
 }
