@@ -183,6 +183,31 @@ pub trait LlamaBackend: Backend {
             .reshape([rows, n_heads * dim]))
     }
 
+    /// Rotary position embedding in the rotate-half layout: `x * cos + rotate_half(x) *
+    /// sin` for `x`, `cos` and `sin` `[rows, heads * head_dim]` (the first half's sign
+    /// folded into `sin`), where `swap` is the `[head_dim, head_dim]` permutation that
+    /// swaps a head's halves. The default is Burn's operations, the swap as a product
+    /// with `swap` (exact: each output is one `1 * x` plus zeros).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] if the shapes do not agree.
+    fn rope(
+        x: Tensor<Self, 2>,
+        cos: &Tensor<Self, 2>,
+        sin: &Tensor<Self, 2>,
+        swap: &Tensor<Self, 2>,
+    ) -> Result<Tensor<Self, 2>> {
+        let [rows, width] = check_rope(&x, cos, sin, swap)?;
+        let head_dim = swap.dims()[0];
+        let rotated = x
+            .clone()
+            .reshape([rows * width / head_dim, head_dim])
+            .matmul(swap.clone())
+            .reshape([rows, width]);
+        Ok(x * cos.clone() + rotated * sin.clone())
+    }
+
     /// Attention of a paged step: `q` `[tokens, n_heads * head_dim]` (the sequences'
     /// new tokens one after another, RoPE applied) over a layer's pool `keys`/`values`
     /// `[blocks, kv_heads, block_size, head_dim]`, each sequence through its block table
@@ -228,6 +253,35 @@ pub trait LlamaBackend: Backend {
             },
         ))
     }
+}
+
+/// The shape `[rows, width]` of a RoPE call's `x`, or an error if `cos` and `sin` do
+/// not have it or `swap` is not a square of an even size dividing `width`.
+fn check_rope<B: Backend>(
+    x: &Tensor<B, 2>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    swap: &Tensor<B, 2>,
+) -> Result<[usize; 2]> {
+    let dims = x.dims();
+    let [a, b] = swap.dims();
+    for (name, t) in [("rope cos", cos), ("rope sin", sin)] {
+        if t.dims() != dims {
+            return Err(LlamaError::ShapeMismatch {
+                name: name.into(),
+                expected: dims.to_vec(),
+                actual: t.dims().to_vec(),
+            });
+        }
+    }
+    if a != b || a == 0 || !a.is_multiple_of(2) || !dims[1].is_multiple_of(a) {
+        return Err(LlamaError::ShapeMismatch {
+            name: "rope head permutation".into(),
+            expected: vec![a, a],
+            actual: vec![a, b],
+        });
+    }
+    Ok(dims)
 }
 
 /// Tokens per row and query heads per key/value head of a token-major attention call
@@ -399,6 +453,29 @@ impl LlamaBackend for burn::backend::Flex {
             TensorData::new(out, [rows, n_heads * dim]),
             &device,
         ))
+    }
+
+    fn rope(
+        x: Tensor<Self, 2>,
+        cos: &Tensor<Self, 2>,
+        sin: &Tensor<Self, 2>,
+        swap: &Tensor<Self, 2>,
+    ) -> Result<Tensor<Self, 2>> {
+        let dims = check_rope(&x, cos, sin, swap)?;
+        let head_dim = swap.dims()[0];
+        let device = x.device();
+        // One pass over the projection's output instead of a product and four
+        // element-wise operations, each with its own output tensor.
+        let out = with_values(&x, |x| {
+            with_values(cos, |cos| {
+                with_values(sin, |sin| {
+                    let mut out = vec![0f32; x.len()];
+                    crate::kernels::activation::rope(x, cos, sin, head_dim, &mut out);
+                    Ok(out)
+                })
+            })
+        })?;
+        Ok(Tensor::from_data(TensorData::new(out, dims), &device))
     }
 
     fn paged_attention(

@@ -40,6 +40,60 @@ fn swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// Rotary position embedding in the rotate-half layout, one pass:
+/// `out[i] = x[i] * cos[i] + x[j] * sin[i]` where `j` is `i`'s partner in the other half
+/// of its `head_dim`-value head (the first half's sign folded into `sin`). A multiply,
+/// a multiply and an add, rounded separately: the bits of Burn's
+/// `x * cos + rotate_half(x) * sin`.
+///
+/// `x`, `cos`, `sin` and `out` must have the same length, a multiple of `head_dim`
+/// (an even number; extra values are ignored).
+pub fn rope(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f32]) {
+    match SimdPath::active() {
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            fn wide(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f32]) {
+                rope_plain(x, cos, sin, head_dim, out);
+            }
+            // SAFETY: the active path is supported by this CPU.
+            unsafe { wide(x, cos, sin, head_dim, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn wide(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f32]) {
+                rope_plain(x, cos, sin, head_dim, out);
+            }
+            // SAFETY: as above.
+            unsafe { wide(x, cos, sin, head_dim, out) }
+        }
+        _ => rope_plain(x, cos, sin, head_dim, out),
+    }
+}
+
+#[inline(always)]
+fn rope_plain(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f32]) {
+    let half = head_dim / 2;
+    if half == 0 {
+        return;
+    }
+    let heads = out
+        .chunks_exact_mut(head_dim)
+        .zip(x.chunks_exact(head_dim))
+        .zip(cos.chunks_exact(head_dim).zip(sin.chunks_exact(head_dim)));
+    for ((o, x), (c, s)) in heads {
+        let (x1, x2) = x.split_at(half);
+        let (o1, o2) = o.split_at_mut(half);
+        let (c1, c2) = c.split_at(half);
+        let (s1, s2) = s.split_at(half);
+        for i in 0..half {
+            o1[i] = x1[i] * c1[i] + x2[i] * s1[i];
+            o2[i] = x2[i] * c2[i] + x1[i] * s2[i];
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -62,5 +116,21 @@ mod tests {
         let mut one = [0f32];
         swiglu(&gate[123..124], &up[123..124], &mut one);
         assert_eq!(one[0].to_bits(), out[123].to_bits());
+    }
+
+    #[test]
+    fn rope_rotates_each_half_by_the_other() {
+        let head_dim = 8;
+        let x: Vec<f32> = (0..32).map(|i| i as f32 * 0.25 - 3.0).collect();
+        let cos: Vec<f32> = (0..32).map(|i| (i as f32 * 0.1).cos()).collect();
+        let sin: Vec<f32> = (0..32)
+            .map(|i| if i % 8 < 4 { -1.0 } else { 1.0 } * (i as f32 * 0.1).sin())
+            .collect();
+        let mut out = vec![0f32; 32];
+        rope(&x, &cos, &sin, head_dim, &mut out);
+        for i in 0..32 {
+            let partner = i / 8 * 8 + (i % 8 + 4) % 8;
+            assert_eq!(out[i], x[i] * cos[i] + x[partner] * sin[i], "{i}");
+        }
     }
 }

@@ -197,7 +197,8 @@ pub fn matmul_transposed_on(
         .div_ceil(threads * chunks_per_thread)
         .next_multiple_of(GROUP_ROWS)
         .max(GROUP_ROWS);
-    let mut out = vec![0f32; rows * n_out];
+    // Not zeroed first: every element is written once, by the chunk that owns its column.
+    let mut out = Vec::<f32>::with_capacity(rows * n_out);
     let target = Columns {
         out: out.as_mut_ptr(),
         n_out,
@@ -209,6 +210,10 @@ pub fn matmul_transposed_on(
             columns(path, tiles, x, rows, w, start, end, &target)
         })
         .collect::<Result<()>>()?;
+    // SAFETY: the chunks cover columns `0..n_out` and each wrote all `rows` rows of its
+    // columns (every row tile of every column tile), so all `rows * n_out` values are
+    // initialized.
+    unsafe { out.set_len(rows * n_out) };
     Ok(out)
 }
 
@@ -291,6 +296,11 @@ impl Tiles {
     }
 }
 
+/// Bytes of dequantized weight rows a scratch tile pass keeps (a panel of whole groups):
+/// a tile's activation rows then stay in L1 across the panel's columns while the
+/// panel's weight rows come from L2.
+const PANEL_BYTES: usize = 192 * 1024;
+
 /// Outputs `start..end` of every row, written into `target` (`start` starts a group of
 /// the matrix).
 #[allow(clippy::too_many_arguments)]
@@ -306,50 +316,104 @@ fn columns(
 ) -> Result<()> {
     let n_in = w.cols();
     debug_assert!(end <= target.n_out && x.len() == rows * n_in);
-    let mut scratch = vec![0f32; if tiles.fused { 0 } else { GROUP_ROWS * n_in }];
-    let mut tile_out = [[0f32; 8]; MAX_TILE_ROWS];
-    for first in (start..end).step_by(GROUP_ROWS) {
-        let n = GROUP_ROWS.min(end - first);
-        if !tiles.fused {
-            dequantize_group(path, w, first, &mut scratch[..n * n_in])?;
+    if tiles.fused {
+        for first in (start..end).step_by(GROUP_ROWS) {
+            let n = GROUP_ROWS.min(end - first);
+            row_tiles(
+                tiles,
+                x,
+                rows,
+                n_in,
+                first,
+                n,
+                target,
+                |c0, cols, acts, out| {
+                    fused_tile(path, w, first, c0, cols, acts, out);
+                },
+            );
         }
-        // Row tiles outside, column tiles inside: a tile's activation rows are read
-        // from L2 once and reused from L1 for the group's other columns.
-        let mut r = 0;
-        while r < rows {
-            let tile_rows = tiles.rows.min(rows - r);
-            let mut acts: [&[f32]; MAX_TILE_ROWS] = [&[]; MAX_TILE_ROWS];
-            for (slot, a) in acts
-                .iter_mut()
-                .zip(x[r * n_in..(r + tile_rows) * n_in].chunks_exact(n_in))
-            {
-                *slot = a;
-            }
-            let acts = &acts[..tile_rows];
-            for c0 in (0..n).step_by(tiles.cols) {
-                let cols = tiles.cols.min(n - c0);
-                if tiles.fused {
-                    fused_tile(path, w, first, c0, cols, acts, &mut tile_out);
-                } else {
-                    let mut weights: [&[f32]; 8] = [&[]; 8];
-                    for (slot, w) in weights
-                        .iter_mut()
-                        .zip(scratch.chunks_exact(n_in).skip(c0).take(cols))
-                    {
-                        *slot = w;
-                    }
-                    dot_tile(path, &weights[..cols], acts, &mut tile_out);
-                }
-                for (i, row_out) in tile_out.iter().take(tile_rows).enumerate() {
-                    // SAFETY: row `r + i < rows`, columns `first + c0 .. + cols` lie in
-                    // this chunk's `start..end`, which no other chunk writes.
-                    unsafe { target.write(r + i, first + c0, &row_out[..cols]) };
-                }
-            }
-            r += tile_rows;
+        return Ok(());
+    }
+    // Scratch rows: a panel of groups is dequantized once, then every row tile runs over
+    // all of its columns.
+    let panel_rows = (PANEL_BYTES / (n_in * std::mem::size_of::<f32>())).max(GROUP_ROWS)
+        / GROUP_ROWS
+        * GROUP_ROWS;
+    let mut scratch = vec![0f32; panel_rows.min(end - start) * n_in];
+    for first in (start..end).step_by(panel_rows) {
+        let n = panel_rows.min(end - first);
+        for g in (0..n).step_by(GROUP_ROWS) {
+            let count = GROUP_ROWS.min(n - g);
+            dequantize_group(
+                path,
+                w,
+                first + g,
+                &mut scratch[g * n_in..(g + count) * n_in],
+            )?;
         }
+        row_tiles(
+            tiles,
+            x,
+            rows,
+            n_in,
+            first,
+            n,
+            target,
+            |c0, cols, acts, out| {
+                let mut weights: [&[f32]; 8] = [&[]; 8];
+                for (slot, w) in weights
+                    .iter_mut()
+                    .zip(scratch.chunks_exact(n_in).skip(c0).take(cols))
+                {
+                    *slot = w;
+                }
+                dot_tile(path, &weights[..cols], acts, out);
+            },
+        );
     }
     Ok(())
+}
+
+/// Runs `tile(c0, cols, acts, out)` over every row tile and column tile of outputs
+/// `first..first + n`, and writes each tile's results into `target`. Row tiles outside,
+/// column tiles inside: a tile's activation rows are read from L2 once and reused from
+/// L1 for the other columns.
+#[allow(clippy::too_many_arguments)]
+fn row_tiles(
+    tiles: Tiles,
+    x: &[f32],
+    rows: usize,
+    n_in: usize,
+    first: usize,
+    n: usize,
+    target: &Columns,
+    mut tile: impl FnMut(usize, usize, &[&[f32]], &mut [[f32; 8]; MAX_TILE_ROWS]),
+) {
+    let mut tile_out = [[0f32; 8]; MAX_TILE_ROWS];
+    let mut r = 0;
+    while r < rows {
+        let tile_rows = tiles.rows.min(rows - r);
+        let mut acts: [&[f32]; MAX_TILE_ROWS] = [&[]; MAX_TILE_ROWS];
+        for (slot, a) in acts
+            .iter_mut()
+            .zip(x[r * n_in..(r + tile_rows) * n_in].chunks_exact(n_in))
+        {
+            *slot = a;
+        }
+        let acts = &acts[..tile_rows];
+        let mut c0 = 0;
+        while c0 < n {
+            let cols = tiles.cols.min(n - c0);
+            tile(c0, cols, acts, &mut tile_out);
+            for (i, row_out) in tile_out.iter().take(tile_rows).enumerate() {
+                // SAFETY: row `r + i < rows`, columns `first + c0 .. + cols` lie in this
+                // chunk's `start..end`, which no other chunk writes.
+                unsafe { target.write(r + i, first + c0, &row_out[..cols]) };
+            }
+            c0 += cols;
+        }
+        r += tile_rows;
+    }
 }
 
 /// Dequantizes the rows of the group at `first` into `out` (row-major, as many rows as

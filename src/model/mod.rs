@@ -481,7 +481,7 @@ impl<B: LlamaBackend> Transformer<B> {
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps);
-            let qk = self.rope.apply(block.wqk.forward(h.clone())?, &angles);
+            let qk = self.rope.apply(block.wqk.forward(h.clone())?, &angles)?;
             let q = qk.clone().slice([0..rows, 0..q_dim]);
             let k = qk.slice([0..rows, q_dim..q_dim + kv_dim]);
             let v = block.wv.forward(h)?;

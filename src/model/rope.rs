@@ -2,14 +2,18 @@
 //! checkpoints; GGUF weights are converted to it on load).
 //!
 //! RoPE is applied to the 2-D projection output `[rows, heads * head_dim]` with
-//! same-shaped cosine/sine tensors, and the half rotation is a product with a fixed
-//! permutation matrix. Every operation then works on contiguous, equally shaped tensors,
-//! which CPU backends run far faster than broadcasts over strided views; the permutation
-//! product is exact (one term is `1 * x`, the others `0 * y`).
+//! same-shaped cosine/sine tensors by [`LlamaBackend::rope`]: the CPU backend in one pass
+//! of its own, other backends with Burn's operations, where the half rotation is a
+//! product with a fixed permutation matrix so that every operation works on contiguous,
+//! equally shaped tensors (which ran far faster than broadcasts over strided views); the
+//! permutation product is exact (one term is `1 * x`, the others `0 * y`), so both give
+//! the same bits.
 
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 
+use crate::backend::LlamaBackend;
 use crate::config::LlamaConfig;
+use crate::error::Result;
 
 /// Precomputed cosines and sines for every position of the context window.
 #[derive(Debug, Clone)]
@@ -21,7 +25,6 @@ pub struct RopeTable<B: Backend> {
     /// `[head_dim, head_dim]` permutation swapping the two halves of a head.
     swap_halves: Tensor<B, 2>,
     max_positions: usize,
-    head_dim: usize,
 }
 
 /// Cosines and sines gathered for one forward pass, `[rows, heads * head_dim]`.
@@ -60,7 +63,6 @@ impl<B: Backend> RopeTable<B> {
             sin: Tensor::from_data(TensorData::new(sin, shape), device),
             swap_halves: Tensor::from_data(TensorData::new(swap, [head_dim, head_dim]), device),
             max_positions: n,
-            head_dim,
         }
     }
 
@@ -82,14 +84,59 @@ impl<B: Backend> RopeTable<B> {
         }
     }
 
-    /// Rotates `x` (`[rows, heads * head_dim]`, heads contiguous) by `angles`.
-    pub fn apply(&self, x: Tensor<B, 2>, angles: &RopeAngles<B>) -> Tensor<B, 2> {
-        let [rows, width] = x.dims();
+    /// Rotates `x` (`[rows, heads * head_dim]`, heads contiguous) by `angles`, with the
+    /// backend's [`LlamaBackend::rope`].
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`](crate::LlamaError::ShapeMismatch) if `x` does not
+    /// have the angles' shape.
+    pub fn apply(&self, x: Tensor<B, 2>, angles: &RopeAngles<B>) -> Result<Tensor<B, 2>>
+    where
+        B: LlamaBackend,
+    {
+        B::rope(x, &angles.cos, &angles.sin, &self.swap_halves)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{DefaultBackend as B, default_device};
+
+    #[test]
+    fn the_backend_rope_gives_the_bits_of_burn_operations() {
+        let (rows, heads, head_dim) = (5, 3, 8);
+        let width = heads * head_dim;
+        let device = default_device();
+        let tensor = |f: &dyn Fn(usize) -> f32| {
+            let data: Vec<f32> = (0..rows * width).map(f).collect();
+            Tensor::<B, 2>::from_data(TensorData::new(data, [rows, width]), &device)
+        };
+        let x = tensor(&|i| (i as f32 * 0.37).sin() * 3.0);
+        let cos = tensor(&|i| (i as f32 * 0.11).cos());
+        let sin = tensor(&|i| (i as f32 * 0.11).sin() * if i % 8 < 4 { -1.0 } else { 1.0 });
+        let mut swap = vec![0f32; head_dim * head_dim];
+        for j in 0..head_dim {
+            swap[j * head_dim + (j + head_dim / 2) % head_dim] = 1.0;
+        }
+        let swap = Tensor::<B, 2>::from_data(TensorData::new(swap, [head_dim, head_dim]), &device);
         let rotated = x
             .clone()
-            .reshape([rows * width / self.head_dim, self.head_dim])
-            .matmul(self.swap_halves.clone())
+            .reshape([rows * heads, head_dim])
+            .matmul(swap.clone())
             .reshape([rows, width]);
-        x * angles.cos.clone() + rotated * angles.sin.clone()
+        let want = (x.clone() * cos.clone() + rotated * sin.clone()).into_data();
+        let got = B::rope(x.clone(), &cos, &sin, &swap).unwrap().into_data();
+        let bits = |d: TensorData| -> Vec<u32> {
+            d.to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(bits(got), bits(want));
+        let narrow = cos.clone().slice([0..rows, 0..head_dim]);
+        assert!(B::rope(x, &narrow, &sin, &swap).is_err());
     }
 }
