@@ -133,17 +133,19 @@ impl<B: Backend> KvCache<B> {
         Ok(())
     }
 
-    /// Writes `k`, `v` (`[batch, kv_heads, seq, head_dim]`) of `layer` at columns
-    /// `len..len + seq` and returns all keys and values up to the new end. The caller
+    /// Writes `k`, `v` of `layer` (a projection's output `[batch * seq, kv_heads *
+    /// head_dim]`, one token per row) at columns `len..len + seq` and returns all keys
+    /// and values up to the new end, `[batch, kv_heads, len + seq, head_dim]`. The caller
     /// must have called [`reserve`](Self::reserve) for `seq` columns, and must call
     /// [`advance`](Self::advance) once after writing every layer.
     pub(crate) fn write(
         &mut self,
         layer: usize,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
+        k: Tensor<B, 2>,
+        v: Tensor<B, 2>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let [batch, heads, seq, dim] = k.dims();
+        let (batch, heads, dim) = (self.batch(), self.kv_heads, self.head_dim);
+        let seq = k.dims()[0] / batch.max(1);
         let (start, end) = (self.len, self.len + seq);
         let capacity = self.capacity;
         let entry = &mut self.layers[layer];
@@ -331,24 +333,31 @@ impl<B: Backend> KvCache<B> {
 /// with `slice_assign` elsewhere.
 fn write_columns<B: Backend>(
     cache: Tensor<B, 4>,
-    new: Tensor<B, 4>,
+    new: Tensor<B, 2>,
     region: [std::ops::Range<usize>; 4],
     capacity: usize,
 ) -> Tensor<B, 4> {
-    let [batch, heads, seq, dim] = new.dims();
-    let start = region[2].start;
-    let written = super::host::write_in_place(cache, &new, |memory, values| {
-        for (bh, chunk) in values
-            .chunks_exact(seq * dim)
-            .enumerate()
-            .take(batch * heads)
-        {
-            let at = (bh * capacity + start) * dim;
-            memory[at..at + seq * dim].copy_from_slice(chunk);
+    let (batch, heads, dim) = (region[0].end, region[1].end, region[3].end);
+    let (start, seq) = (region[2].start, region[2].len());
+    // Token `s` of row `b` goes to column `start + s` of every head's `[capacity, dim]`
+    // plane: the transposition is done by the copy itself.
+    let written = super::host::write_in_place(cache, &new, |memory, rows| {
+        debug_assert_eq!(rows.len(), batch * seq);
+        for b in 0..batch {
+            for s in 0..seq.min(rows.len().saturating_sub(b * seq)) {
+                let row = rows.row(b * seq + s);
+                for h in 0..heads {
+                    let at = ((b * heads + h) * capacity + start + s) * dim;
+                    memory[at..at + dim].copy_from_slice(&row[h * dim..(h + 1) * dim]);
+                }
+            }
         }
     });
     match written {
         Ok(cache) => cache,
-        Err(cache) => cache.slice_assign(region, new),
+        Err(cache) => {
+            let new = new.reshape([batch, seq, heads, dim]).swap_dims(1, 2);
+            cache.slice_assign(region, new)
+        }
     }
 }

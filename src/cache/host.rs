@@ -8,14 +8,92 @@
 
 use burn::tensor::{Tensor, backend::Backend};
 
-/// Copies `source` to the host and runs `write(memory, source)` on the f32 memory of
-/// `tensor` (row-major, its full shape) when `tensor` is a uniquely held, contiguous f32
-/// Flex tensor, and returns it. Otherwise gives `tensor` back untouched as `Err`, without
-/// reading `source` (on a GPU backend nothing is downloaded).
-pub(crate) fn write_in_place<B: Backend, const D: usize, const S: usize>(
+/// The rows of a 2-D f32 tensor on the host: row `i` is
+/// `data[offset + i * stride..][..width]`. A projection's output, or a slice of its
+/// columns, read in place.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rows<'a> {
+    data: &'a [f32],
+    offset: usize,
+    stride: usize,
+    width: usize,
+    len: usize,
+}
+
+impl<'a> Rows<'a> {
+    /// Rows of `width` values, one after another.
+    fn contiguous(data: &'a [f32], width: usize) -> Self {
+        Self {
+            data,
+            offset: 0,
+            stride: width,
+            width,
+            len: data.len() / width.max(1),
+        }
+    }
+
+    /// Number of rows.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Row `i` (`i < len()`).
+    pub(crate) fn row(&self, i: usize) -> &'a [f32] {
+        let at = self.offset + i * self.stride;
+        &self.data[at..at + self.width]
+    }
+}
+
+/// Runs `read` on the rows of a 2-D f32 tensor: in place when it is a Flex tensor whose
+/// rows are each contiguous (a projection's output or a slice of its columns), else from
+/// a host copy.
+pub(crate) fn with_rows<B: Backend, R>(
+    tensor: &Tensor<B, 2>,
+    read: impl FnOnce(Rows<'_>) -> R,
+) -> Option<R> {
+    let [rows, width] = tensor.dims();
+    #[cfg(feature = "flex")]
+    {
+        use std::any::Any;
+
+        use burn::backend::flex::FlexTensor;
+        use burn::tensor::DType;
+
+        let primitive = tensor.clone().into_primitive().tensor();
+        if let Some(flex) = (&primitive as &dyn Any).downcast_ref::<FlexTensor>()
+            && flex.dtype() == DType::F32
+        {
+            let layout = flex.layout();
+            let strides = layout.strides();
+            let data = flex.storage::<f32>();
+            let offset = layout.start_offset();
+            if let [row_stride, 1] = *strides
+                && let Ok(stride) = usize::try_from(row_stride)
+                && stride >= width
+                && (rows == 0 || offset + (rows - 1) * stride + width <= data.len())
+            {
+                return Some(read(Rows {
+                    data,
+                    offset,
+                    stride,
+                    width,
+                    len: rows,
+                }));
+            }
+        }
+    }
+    let values = tensor.clone().into_data().to_vec::<f32>().ok()?;
+    Some(read(Rows::contiguous(&values, width)))
+}
+
+/// Runs `write(memory, rows)` on the f32 memory of `tensor` (row-major, its full shape)
+/// with the rows of `source` ([`with_rows`]) when `tensor` is a uniquely held, contiguous
+/// f32 Flex tensor, and returns it. Otherwise gives `tensor` back untouched as `Err`,
+/// without reading `source` (on a GPU backend nothing is downloaded).
+pub(crate) fn write_in_place<B: Backend, const D: usize>(
     tensor: Tensor<B, D>,
-    source: &Tensor<B, S>,
-    write: impl FnOnce(&mut [f32], &[f32]),
+    source: &Tensor<B, 2>,
+    write: impl FnOnce(&mut [f32], Rows<'_>),
 ) -> Result<Tensor<B, D>, Tensor<B, D>> {
     #[cfg(feature = "flex")]
     {
@@ -36,14 +114,11 @@ pub(crate) fn write_in_place<B: Backend, const D: usize, const S: usize>(
         if !usable {
             return Err(back(primitive));
         }
-        let Ok(values) = source.clone().into_data().to_vec::<f32>() else {
+        let Some(memory) = flex.try_storage_mut::<f32>() else {
             return Err(back(primitive));
         };
-        match flex.try_storage_mut::<f32>() {
-            Some(memory) => {
-                write(memory, &values);
-                Ok(back(primitive))
-            }
+        match with_rows(source, |rows| write(memory, rows)) {
+            Some(()) => Ok(back(primitive)),
             None => Err(back(primitive)),
         }
     }

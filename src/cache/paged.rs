@@ -157,9 +157,9 @@ fn write_slots<B: Backend>(
     block_size: usize,
     head_dim: usize,
 ) -> Tensor<B, 4> {
-    let width = kv_heads * head_dim;
     let written = super::host::write_in_place(pool, &values, |memory, rows| {
-        for (row, &(block, slot)) in rows.chunks_exact(width).zip(slots) {
+        for (i, &(block, slot)) in slots.iter().enumerate().take(rows.len()) {
+            let row = rows.row(i);
             for h in 0..kv_heads {
                 let dst = ((block as usize * kv_heads + h) * block_size + slot) * head_dim;
                 memory[dst..dst + head_dim].copy_from_slice(&row[h * head_dim..(h + 1) * head_dim]);

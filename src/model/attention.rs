@@ -12,23 +12,22 @@ use crate::cache::{BlockId, KvCache, PagedKvCache};
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 
-/// Attention for one layer: `q` is `[batch * seq, n_heads * head_dim]` (a projection's
-/// output, RoPE applied), `k`/`v` are this chunk's `[batch, n_kv_heads, seq, head_dim]`
-/// (RoPE applied to `k`). Writes `k`/`v` into the cache and returns `[batch * seq,
-/// n_heads * head_dim]`.
+/// Attention for one layer: `q` is `[batch * seq, n_heads * head_dim]` and `k`/`v` are
+/// `[batch * seq, n_kv_heads * head_dim]` (projection outputs, RoPE applied to `q` and
+/// `k`). Writes `k`/`v` into the cache and returns `[batch * seq, n_heads * head_dim]`.
 ///
 /// Query heads that share a key/value head are folded into the query axis, so keys and
 /// values are never repeated (see [`LlamaBackend::token_major_attention`]).
 pub fn grouped_query_attention<B: LlamaBackend>(
     q: Tensor<B, 2>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
+    k: Tensor<B, 2>,
+    v: Tensor<B, 2>,
     cache: &mut KvCache<B>,
     layer: usize,
     mask: Option<&Tensor<B, 4, burn::tensor::Bool>>,
     n_heads: usize,
 ) -> Result<Tensor<B, 2>> {
-    let batch = k.dims()[0];
+    let batch = cache.batch();
     let (keys, values) = cache.write(layer, k, v);
     B::token_major_attention(q, keys, values, mask.cloned(), batch, n_heads)
 }

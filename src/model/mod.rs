@@ -387,10 +387,7 @@ impl<B: LlamaBackend> Transformer<B> {
         let positions = cache.chunk_positions(seq);
         let groups = c.n_heads / c.n_kv_heads;
         let mask = cache.chunk_mask(seq, groups, &device);
-        let heads =
-            |t: Tensor<B, 2>, n: usize| t.reshape([batch, seq, n, c.head_dim]).swap_dims(1, 2);
         let x = self.run_blocks(tokens, &positions, |layer, q, k, v| {
-            let (k, v) = (heads(k, c.n_kv_heads), heads(v, c.n_kv_heads));
             grouped_query_attention(q, k, v, cache, layer, mask.as_ref(), c.n_heads)
         })?;
         cache.advance(seq);
