@@ -339,7 +339,46 @@ fn columns(
     let panel_rows = (PANEL_BYTES / (n_in * std::mem::size_of::<f32>())).max(GROUP_ROWS)
         / GROUP_ROWS
         * GROUP_ROWS;
-    let mut scratch = vec![0f32; panel_rows.min(end - start) * n_in];
+    SCRATCH.with_borrow_mut(|scratch| {
+        let len = panel_rows.min(end - start) * n_in;
+        if scratch.len() < len {
+            scratch.resize(len, 0.0);
+        }
+        panels(
+            path,
+            tiles,
+            x,
+            rows,
+            w,
+            (start, end),
+            panel_rows,
+            target,
+            scratch,
+        )
+    })
+}
+
+thread_local! {
+    /// Each worker thread's scratch rows, kept between calls (a panel is at most
+    /// [`PANEL_BYTES`], or one group of a very wide matrix).
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The scratch-row part of [`columns`]: outputs `start..end` a panel of `panel_rows`
+/// weight rows at a time, dequantized into `scratch`.
+#[allow(clippy::too_many_arguments)]
+fn panels(
+    path: SimdPath,
+    tiles: Tiles,
+    x: &[f32],
+    rows: usize,
+    w: &QuantMatrix,
+    (start, end): (usize, usize),
+    panel_rows: usize,
+    target: &Columns,
+    scratch: &mut [f32],
+) -> Result<()> {
+    let n_in = w.cols();
     for first in (start..end).step_by(panel_rows) {
         let n = panel_rows.min(end - first);
         for g in (0..n).step_by(GROUP_ROWS) {
