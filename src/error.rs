@@ -79,6 +79,10 @@ pub enum LlamaError {
         /// What the valid range is.
         reason: &'static str,
     },
+    /// The model produced logits no token can be chosen from: a NaN, or no finite or
+    /// `+inf` value at all (a corrupt checkpoint or an overflow).
+    #[error("invalid logits: {0}")]
+    InvalidLogits(String),
     /// A batch request is malformed (empty list, mismatched sampler count, ...).
     #[error("invalid batch: {0}")]
     InvalidBatch(String),

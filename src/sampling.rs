@@ -79,6 +79,7 @@ impl Sampler {
         if logits.is_empty() {
             return Err(LlamaError::invalid("logits", "[]", "must not be empty"));
         }
+        check_logits(logits)?;
         if temperature == 0.0 || matches!(self, Sampler::Argmax) {
             return Ok(argmax(logits));
         }
@@ -96,9 +97,14 @@ impl Sampler {
         };
         candidates.truncate(keep);
         let max = f64::from(candidates[0].1);
+        // With a `+inf` logit the softmax puts all the mass, evenly, on the `+inf` tokens
+        // (its limit); `inf - inf` would make every probability NaN.
         let mut probs: Vec<f64> = candidates
             .iter()
-            .map(|&(_, l)| ((f64::from(l) - max) / temperature).exp())
+            .map(|&(_, l)| match max {
+                f64::INFINITY => f64::from(u8::from(l == f32::INFINITY)),
+                _ => ((f64::from(l) - max) / temperature).exp(),
+            })
             .collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
@@ -127,14 +133,38 @@ impl Sampler {
         };
         let total: f64 = kept.iter().map(|&(_, p)| p).sum();
         let mut r = rng.random::<f64>() * total;
+        // Tokens of zero probability (`-inf` logits) are never drawn, even for r = 0.
+        kept.retain(|&(_, p)| p > 0.0);
         for &(id, p) in &kept {
             r -= p;
             if r <= 0.0 {
                 return Ok(id);
             }
         }
-        Ok(kept[kept.len() - 1].0)
+        kept.last()
+            .map(|&(id, _)| id)
+            .ok_or_else(|| LlamaError::InvalidLogits("no token has a probability above 0".into()))
     }
+}
+
+/// Checks that a token can be chosen from `logits`: no NaN, and at least one value
+/// above `-inf`.
+///
+/// # Errors
+///
+/// [`LlamaError::InvalidLogits`] otherwise.
+pub fn check_logits(logits: &[f32]) -> Result<()> {
+    if let Some(i) = logits.iter().position(|l| l.is_nan()) {
+        return Err(LlamaError::InvalidLogits(format!(
+            "the logit of token {i} is NaN"
+        )));
+    }
+    if logits.iter().all(|&l| l == f32::NEG_INFINITY) {
+        return Err(LlamaError::InvalidLogits(
+            "every logit is -inf: no token can be chosen".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Index of the largest logit (the first one on ties; NaN is never chosen over a number).
@@ -241,6 +271,52 @@ mod tests {
             ));
         }
         assert!(Sampler::TopK(TopK::new(0, 0)).validate().is_err());
+    }
+
+    #[test]
+    fn infinite_logits_are_chosen_and_nan_is_an_error() {
+        let mut logits = vec![0.5f32; 100];
+        logits[37] = f32::INFINITY;
+        logits[3] = f32::NEG_INFINITY;
+        let samplers = || {
+            [
+                Sampler::Argmax,
+                Sampler::TopP(TopP::new(0.9, 1)),
+                Sampler::TopP(TopP::new(1.0, 2)),
+                Sampler::TopK(TopK::new(5, 3)),
+            ]
+        };
+        for mut s in samplers() {
+            for t in [0.0, 0.7, 2.0] {
+                assert_eq!(s.sample(&logits, t).unwrap(), 37, "{s:?} at {t}");
+            }
+        }
+        // Two `+inf` tokens share the mass: both are drawn, nothing else.
+        logits[80] = f32::INFINITY;
+        let mut s = Sampler::TopP(TopP::new(1.0, 4));
+        let drawn: std::collections::BTreeSet<u32> =
+            (0..200).map(|_| s.sample(&logits, 1.0).unwrap()).collect();
+        assert_eq!(drawn.into_iter().collect::<Vec<_>>(), vec![37, 80]);
+        logits[50] = f32::NAN;
+        for mut s in samplers() {
+            assert!(matches!(
+                s.sample(&logits, 1.0),
+                Err(LlamaError::InvalidLogits(_))
+            ));
+        }
+        let none = [f32::NEG_INFINITY; 4];
+        assert!(matches!(
+            Sampler::Argmax.sample(&none, 0.0),
+            Err(LlamaError::InvalidLogits(_))
+        ));
+        // -inf logits are never drawn.
+        let mut some = [f32::NEG_INFINITY; 6];
+        some[4] = 1.0;
+        some[1] = 0.0;
+        let mut s = Sampler::TopK(TopK::new(6, 9));
+        for _ in 0..100 {
+            assert!([1, 4].contains(&s.sample(&some, 1.0).unwrap()));
+        }
     }
 
     #[test]
