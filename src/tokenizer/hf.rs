@@ -522,6 +522,10 @@ mod tests {
         assert_eq!(ids.first(), Some(&265));
         assert!(ids.contains(&266));
         assert_eq!(ids.last(), Some(&2));
+        // As plain text they are not.
+        let plain = tok.encode_text("<|im_start|>hi<|im_end|>").unwrap();
+        assert!(!plain.contains(&265) && !plain.contains(&266), "{plain:?}");
+        assert!(!plain.is_empty());
     }
 
     /// A GPT-2 style byte-level tokenizer.json in miniature.
