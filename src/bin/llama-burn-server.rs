@@ -98,6 +98,15 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
         ..ContinuousConfig::default()
     }
     .with_kv_budget_tokens(args.kv_budget_tokens);
+    if args.kv_budget_tokens < args.max_seq_len {
+        tracing::warn!(
+            "--kv-budget-tokens {} is below --max-seq-len {}: requests whose prompt plus \
+             max_tokens exceed the KV budget (chat requests without max_tokens ask for the \
+             whole context) are refused",
+            args.kv_budget_tokens,
+            args.max_seq_len
+        );
+    }
     let device = default_device();
     let start = Instant::now();
     tracing::info!(model = %path.display(), "loading the model");

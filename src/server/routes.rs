@@ -83,8 +83,9 @@ async fn authorize(State(shared): AppState, request: Request, next: Next) -> Res
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|v| v.trim().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
         if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
         }
