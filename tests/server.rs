@@ -501,6 +501,21 @@ async fn invalid_requests_get_400() {
         let error = expect_error(response, 400).await;
         assert_eq!(error["type"], "invalid_request_error", "{bad}: {error}");
     }
+    // The error names the field at fault.
+    let response = send(
+        r#"{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}"#.to_string(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(expect_error(response, 400).await["param"], "temperature");
+    let response = send(r#"{"messages": [{"role": "user", "content": 5}]}"#.to_string())
+        .await
+        .unwrap();
+    let error = expect_error(response, 400).await;
+    assert!(
+        error["param"].as_str().unwrap().starts_with("messages"),
+        "{error}"
+    );
     // Unknown fields are ignored.
     let ok = r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "foo": [1]}"#;
     assert_eq!(send(ok.to_string()).await.unwrap().status().as_u16(), 200);

@@ -6,6 +6,7 @@
 //! (`logprobs`, `tools`, penalties, ...) are accepted at their neutral value and refused
 //! otherwise, so a client never silently gets less than it asked for.
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -109,8 +110,8 @@ pub struct ChatCompletionRequest {
     pub tools: Option<Value>,
     /// Unsupported: must be absent, null or `{"type": "text"}`.
     pub response_format: Option<Value>,
-    /// The shared fields.
-    #[serde(flatten)]
+    /// The shared fields (read by [`parse_request`]).
+    #[serde(skip)]
     pub common: CommonFields,
 }
 
@@ -139,9 +140,56 @@ pub struct CompletionRequest {
     pub suffix: Option<Value>,
     /// Unsupported: must be absent, null or 1.
     pub best_of: Option<Value>,
-    /// The shared fields.
-    #[serde(flatten)]
+    /// The shared fields (read by [`parse_request`]).
+    #[serde(skip)]
     pub common: CommonFields,
+}
+
+/// A request body with the [`CommonFields`].
+pub trait OpenAiRequest: DeserializeOwned {
+    /// Where the shared fields go.
+    fn common_mut(&mut self) -> &mut CommonFields;
+}
+
+impl OpenAiRequest for ChatCompletionRequest {
+    fn common_mut(&mut self) -> &mut CommonFields {
+        &mut self.common
+    }
+}
+
+impl OpenAiRequest for CompletionRequest {
+    fn common_mut(&mut self) -> &mut CommonFields {
+        &mut self.common
+    }
+}
+
+/// Deserializes `value` as `T`; an error names the field at fault.
+fn read<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            ApiError::invalid(format!("invalid request body: {}", e.inner()), None)
+        } else {
+            ApiError::invalid(
+                format!("invalid request body at `{path}`: {}", e.inner()),
+                Some(&path),
+            )
+        }
+    })
+}
+
+/// Parses a request body: 400 for malformed JSON, a body that is not an object, or a
+/// known field of the wrong type (the error's `param` names it). Unknown fields are
+/// ignored.
+pub fn parse_request<T: OpenAiRequest>(body: &[u8]) -> Result<T, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object", None));
+    }
+    let mut request: T = read(&value)?;
+    *request.common_mut() = read(&value)?;
+    Ok(request)
 }
 
 /// What to encode for one prompt.
@@ -496,8 +544,8 @@ impl Endpoint {
 mod tests {
     use super::*;
 
-    fn chat(json: &str) -> Result<ChatCompletionRequest, serde_json::Error> {
-        serde_json::from_str(json)
+    fn chat(json: &str) -> Result<ChatCompletionRequest, ApiError> {
+        parse_request(json.as_bytes())
     }
 
     #[test]
@@ -572,7 +620,7 @@ mod tests {
     #[test]
     fn prompt_forms() {
         let parse = |json: &str| {
-            serde_json::from_str::<CompletionRequest>(json)
+            parse_request::<CompletionRequest>(json.as_bytes())
                 .unwrap()
                 .prompts()
         };
@@ -590,7 +638,11 @@ mod tests {
         assert!(parse(r#"{"prompt":[]}"#).is_err());
         assert!(parse(r#"{"prompt":"a","echo":true}"#).is_err());
         assert!(parse(r#"{"prompt":"a","echo":false,"best_of":1}"#).is_ok());
-        assert!(serde_json::from_str::<CompletionRequest>(r#"{"prompt":5}"#).is_err());
+        assert!(parse_request::<CompletionRequest>(br#"{"prompt":5}"#).is_err());
+        let e = parse_request::<CompletionRequest>(br#"{"prompt":"a","top_p":"x"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_p"));
+        assert!(parse_request::<CompletionRequest>(b"[1]").is_err());
+        assert!(parse_request::<CompletionRequest>(br#"{"prompt":"a"} x"#).is_err());
     }
 
     #[test]

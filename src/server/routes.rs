@@ -18,14 +18,14 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::stream::{self, Stream};
-use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::Shared;
 use super::error::ApiError;
 use super::generation::{ChoiceSpec, Generation, Update};
 use super::openai::{
-    ChatCompletionRequest, CompletionRequest, Endpoint, PromptInput, Sampling, Usage,
+    ChatCompletionRequest, CompletionRequest, Endpoint, OpenAiRequest, PromptInput, Sampling,
+    Usage, parse_request,
 };
 use crate::inference::GenerateRequest;
 
@@ -147,7 +147,7 @@ async fn get_model(State(shared): AppState, Path(id): Path<String>) -> Response 
 
 /// Parses a JSON body whatever its content type: 413 over the limit, 400 for malformed
 /// JSON or a field of the wrong type (naming the field).
-fn parse_body<T: DeserializeOwned>(
+fn parse_body<T: OpenAiRequest>(
     shared: &Shared,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
@@ -158,21 +158,7 @@ fn parse_body<T: DeserializeOwned>(
             ApiError::invalid(format!("could not read the body: {rejection}"), None)
         }
     })?;
-    let mut deserializer = serde_json::Deserializer::from_slice(&body);
-    let value: T = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let malformed = e.inner().is_syntax() || e.inner().is_eof();
-        let param = (path != "." && !malformed).then_some(path.as_str());
-        let message = match param {
-            Some(p) => format!("invalid request body at `{p}`: {}", e.inner()),
-            None => format!("invalid request body: {}", e.inner()),
-        };
-        ApiError::invalid(message, param)
-    })?;
-    deserializer
-        .end()
-        .map_err(|e| ApiError::invalid(format!("invalid request body: {e}"), None))?;
-    Ok(value)
+    parse_request(&body)
 }
 
 fn check_model(shared: &Shared, model: Option<&str>) -> Result<(), ApiError> {
