@@ -17,6 +17,9 @@ pub mod model;
 #[cfg_attr(docsrs, doc(cfg(feature = "pretrained")))]
 pub mod pretrained;
 pub mod sampling;
+#[cfg(feature = "server")]
+#[cfg_attr(docsrs, doc(cfg(feature = "server")))]
+pub mod server;
 
 pub mod tokenizer;
 

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use crate::cache::{KvCache, KvLedger, KvLimits, KvReservation, KvUsage};
 pub use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
+use crate::inference::GenerateRequest;
 use crate::loader::gguf::GgufFile;
 use crate::loader::safetensors::SafetensorsSource;
 use crate::loader::{GgufSource, ProgressFn, build_transformer, terminal_progress};
@@ -331,6 +332,22 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             && ids[0] != bos
         {
             ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    /// The prompt ids of `request`: its [`prompt_ids`](GenerateRequest::prompt_ids) as
+    /// they are, else its [`messages`](GenerateRequest::messages) through
+    /// [`Tokenizer::encode_chat`] (message content as plain text), else its `prompt`
+    /// through [`Llama::encode_prompt`] (special tokens written in it recognised).
+    pub fn encode_request(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
+        let ids = match (&request.prompt_ids, &request.messages) {
+            (Some(ids), _) => ids.clone(),
+            (None, Some(messages)) => self.tokenizer.encode_chat(messages, true)?,
+            (None, None) => return self.encode_prompt(&request.prompt),
+        };
+        if ids.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
         }
         Ok(ids)
     }

@@ -28,6 +28,7 @@ fn take(job: &EngineJob, n: usize) -> Vec<u32> {
         .map(|_| match job.events().recv().expect("event") {
             EngineEvent::Token(t) => t.token_id,
             EngineEvent::Done(r) => panic!("job ended early: {r:?}"),
+            EngineEvent::Accepted { .. } => panic!("not submitted with submit_announced"),
         })
         .collect()
 }

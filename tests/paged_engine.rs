@@ -67,6 +67,7 @@ fn a_long_request_among_short_ones_stays_within_the_pool() {
     loop {
         match last.events().recv().unwrap() {
             EngineEvent::Token(t) => long.push(t.token_id),
+            EngineEvent::Accepted { .. } => {}
             EngineEvent::Done(r) => {
                 r.unwrap();
                 break;

@@ -37,7 +37,8 @@ fn prepare<B: LlamaBackend, T: Tokenizer>(
     request: &GenerateRequest,
 ) -> Result<GenerationState<B>> {
     request.validate(llama.config().max_seq_len)?;
-    let state = llama.create_generation_state(&request.prompt, request.max_tokens)?;
+    let ids = llama.encode_request(request)?;
+    let state = llama.create_generation_state_from_ids(ids, request.max_tokens)?;
     Ok(if request.ignore_eos {
         state.ignore_stop_tokens()
     } else {

@@ -1,6 +1,7 @@
 //! What a client asks the inference service for, and what it gets back token by token.
 
 use crate::error::{LlamaError, Result};
+use crate::tokenizer::ChatMessage;
 
 /// One text-generation request: a prompt and the sampling settings to continue it with.
 ///
@@ -20,8 +21,20 @@ use crate::error::{LlamaError, Result};
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateRequest {
-    /// The text to continue. Must not be empty (whitespace alone is a valid prompt).
+    /// The text to continue. Must not be empty (whitespace alone is a valid prompt)
+    /// unless [`messages`](Self::messages) or [`prompt_ids`](Self::prompt_ids) is set.
+    /// Special tokens written in it are recognised, as [`Llama::generate`] documents.
+    ///
+    /// [`Llama::generate`]: crate::llama::Llama::generate
     pub prompt: String,
+    /// A conversation to continue instead of `prompt`: encoded with the model's chat
+    /// template and an assistant header by
+    /// [`Tokenizer::encode_chat`](crate::tokenizer::Tokenizer::encode_chat), message content
+    /// as plain text (it can never be read as a control token).
+    pub messages: Option<Vec<ChatMessage>>,
+    /// Token ids to continue instead of `prompt` (taken as they are: no BOS is added).
+    /// Takes precedence over `messages`.
+    pub prompt_ids: Option<Vec<u32>>,
     /// Largest number of tokens to generate (at least 1, at most the context length).
     pub max_tokens: usize,
     /// Sampling temperature; `0.0` means greedy (argmax) decoding. Finite and `>= 0`.
@@ -60,11 +73,46 @@ impl GenerateRequest {
     pub fn new(prompt: impl Into<String>) -> Self {
         Self {
             prompt: prompt.into(),
+            messages: None,
+            prompt_ids: None,
             max_tokens: Self::DEFAULT_MAX_TOKENS,
             temperature: Self::DEFAULT_TEMPERATURE,
             top_p: Self::DEFAULT_TOP_P,
             seed: Self::DEFAULT_SEED,
             ignore_eos: false,
+        }
+    }
+
+    /// A request to answer a conversation: the model's chat template is applied (with an
+    /// assistant header to generate after), and message content is encoded as plain text,
+    /// so a message writing `"<|im_end|>"` cannot end its turn.
+    ///
+    /// ```
+    /// use llama_burn::inference::GenerateRequest;
+    /// use llama_burn::tokenizer::ChatMessage;
+    ///
+    /// let request = GenerateRequest::chat(vec![ChatMessage::user("Hi!")]).with_max_tokens(8);
+    /// assert!(request.validate(2048).is_ok());
+    /// ```
+    pub fn chat(messages: Vec<ChatMessage>) -> Self {
+        Self {
+            messages: Some(messages),
+            ..Self::new("")
+        }
+    }
+
+    /// A request that continues token ids as they are (no BOS is added).
+    ///
+    /// ```
+    /// use llama_burn::inference::GenerateRequest;
+    ///
+    /// assert!(GenerateRequest::from_ids(vec![1, 2, 3]).validate(2048).is_ok());
+    /// assert!(GenerateRequest::from_ids(vec![]).validate(2048).is_err());
+    /// ```
+    pub fn from_ids(prompt_ids: Vec<u32>) -> Self {
+        Self {
+            prompt_ids: Some(prompt_ids),
+            ..Self::new("")
         }
     }
 
@@ -112,7 +160,8 @@ impl GenerateRequest {
     ///
     /// # Errors
     ///
-    /// - [`LlamaError::EmptyPrompt`] if the prompt is `""` (whitespace is accepted);
+    /// - [`LlamaError::EmptyPrompt`] if the prompt is `""` (whitespace is accepted) and
+    ///   neither messages nor ids are given, or if the ids are an empty list;
     /// - [`LlamaError::InvalidParameter`] if `max_tokens` is 0 or larger than
     ///   `max_context`, if the temperature is NaN, infinite or negative, or if `top_p` is
     ///   NaN or outside `(0, 1]`.
@@ -125,7 +174,12 @@ impl GenerateRequest {
     /// assert!(matches!(err, LlamaError::InvalidParameter { name: "top_p", .. }));
     /// ```
     pub fn validate(&self, max_context: usize) -> Result<()> {
-        if self.prompt.is_empty() {
+        let empty = match (&self.prompt_ids, &self.messages) {
+            (Some(ids), _) => ids.is_empty(),
+            (None, Some(_)) => false,
+            (None, None) => self.prompt.is_empty(),
+        };
+        if empty {
             return Err(LlamaError::EmptyPrompt);
         }
         if self.max_tokens == 0 {
@@ -202,6 +256,8 @@ mod tests {
             r,
             GenerateRequest {
                 prompt: "p".into(),
+                messages: None,
+                prompt_ids: None,
                 max_tokens: 7,
                 temperature: 0.5,
                 top_p: 0.25,

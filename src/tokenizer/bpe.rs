@@ -206,6 +206,8 @@ fn parse_merge(merge: &str) -> Option<(String, String)> {
 /// special tokens matched wherever they are written in the text, and decode to their text.
 pub struct GgufBpeTokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner` with special-token matching off, for [`Tokenizer::encode_text`].
+    plain: tokenizers::Tokenizer,
     tokens: Vec<String>,
     bytes: Vec<Vec<u8>>,
     pre: Option<String>,
@@ -349,8 +351,11 @@ impl GgufBpeTokenizer {
             inner.token_to_id(name)
         });
 
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
         Ok(Self {
             inner,
+            plain,
             tokens: data.tokens,
             bytes,
             pre: data.pre,
@@ -421,6 +426,14 @@ impl GgufBpeTokenizer {
 }
 
 impl Tokenizer for GgufBpeTokenizer {
+    fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .plain
+            .encode_fast(text, false)
+            .map_err(|e| LlamaError::Tokenizer(format!("encoding failed: {e}")))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
     fn encode(&self, text: &str, bos: bool, eos: bool) -> Result<Vec<u32>> {
         let encoding = self
             .inner

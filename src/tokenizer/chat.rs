@@ -100,14 +100,41 @@ impl ChatFormat {
     /// verbatim and, when the first message is not a system message, SmolLM2's default
     /// system prompt comes first.
     pub fn format(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> String {
-        let mut out = String::new();
+        self.pieces(messages, add_generation_prompt)
+            .iter()
+            .map(ChatPiece::text)
+            .collect()
+    }
+
+    /// The same conversation as [`ChatFormat::format`], split into the template's control
+    /// tokens ([`ChatPiece::Special`]) and everything else ([`ChatPiece::Text`]: role
+    /// names, separators and message content, adjacent text merged into one piece).
+    ///
+    /// Encoding a `Special` piece as its special token id and every `Text` piece as plain
+    /// text, with special-token parsing off, gives the ids a trusted conversation has, while
+    /// a message that *writes* a control token (`"<|im_end|>"`) cannot produce one: this is
+    /// what [`Tokenizer::encode_chat`](super::Tokenizer::encode_chat) does.
+    ///
+    /// ```
+    /// use llama_burn::tokenizer::{ChatFormat, ChatMessage, ChatPiece};
+    ///
+    /// let pieces = ChatFormat::ChatMl.pieces(&[ChatMessage::system("Be brief."), ChatMessage::user("<|im_end|>")], false);
+    /// assert_eq!(pieces, vec![
+    ///     ChatPiece::Special("<|im_start|>"), ChatPiece::Text("system\nBe brief.".into()),
+    ///     ChatPiece::Special("<|im_end|>"), ChatPiece::Text("\n".into()),
+    ///     ChatPiece::Special("<|im_start|>"), ChatPiece::Text("user\n<|im_end|>".into()),
+    ///     ChatPiece::Special("<|im_end|>"), ChatPiece::Text("\n".into()),
+    /// ]);
+    /// ```
+    pub fn pieces(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Vec<ChatPiece> {
+        let mut out = Pieces::default();
         match self {
             ChatFormat::Llama3 => {
-                out.push_str("<|begin_of_text|>");
+                out.special("<|begin_of_text|>");
                 for message in messages {
                     push_llama3_header(&mut out, &message.role);
-                    out.push_str(message.content.trim());
-                    out.push_str("<|eot_id|>");
+                    out.text(message.content.trim());
+                    out.special("<|eot_id|>");
                 }
                 if add_generation_prompt {
                     push_llama3_header(&mut out, "assistant");
@@ -121,26 +148,66 @@ impl ChatFormat {
                     push_chatml_message(&mut out, &message.role, &message.content);
                 }
                 if add_generation_prompt {
-                    out.push_str("<|im_start|>assistant\n");
+                    out.special("<|im_start|>");
+                    out.text("assistant\n");
                 }
             }
         }
-        out
+        out.0
     }
 }
 
-fn push_llama3_header(out: &mut String, role: &str) {
-    out.push_str("<|start_header_id|>");
-    out.push_str(role);
-    out.push_str("<|end_header_id|>\n\n");
+/// One piece of a formatted conversation (see [`ChatFormat::pieces`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ChatPiece {
+    /// A control token the template writes, such as `"<|im_start|>"`.
+    Special(&'static str),
+    /// Text to encode as plain text: role names, separators, message content.
+    Text(String),
 }
 
-fn push_chatml_message(out: &mut String, role: &str, content: &str) {
-    out.push_str("<|im_start|>");
-    out.push_str(role);
-    out.push('\n');
-    out.push_str(content);
-    out.push_str("<|im_end|>\n");
+impl ChatPiece {
+    /// The piece as it appears in the formatted text.
+    pub fn text(&self) -> &str {
+        match self {
+            ChatPiece::Special(token) => token,
+            ChatPiece::Text(text) => text,
+        }
+    }
+}
+
+/// Builds a piece list, merging adjacent text.
+#[derive(Default)]
+struct Pieces(Vec<ChatPiece>);
+
+impl Pieces {
+    fn special(&mut self, token: &'static str) {
+        self.0.push(ChatPiece::Special(token));
+    }
+
+    fn text(&mut self, text: &str) {
+        if let Some(ChatPiece::Text(last)) = self.0.last_mut() {
+            last.push_str(text);
+        } else {
+            self.0.push(ChatPiece::Text(text.to_string()));
+        }
+    }
+}
+
+fn push_llama3_header(out: &mut Pieces, role: &str) {
+    out.special("<|start_header_id|>");
+    out.text(role);
+    out.special("<|end_header_id|>");
+    out.text("\n\n");
+}
+
+fn push_chatml_message(out: &mut Pieces, role: &str, content: &str) {
+    out.special("<|im_start|>");
+    out.text(role);
+    out.text("\n");
+    out.text(content);
+    out.special("<|im_end|>");
+    out.text("\n");
 }
 
 #[cfg(test)]

@@ -46,6 +46,8 @@ struct ModelConfig {
 /// [`super::StreamDecoder`] works with both.
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
+    /// `inner` with special-token matching off, for [`Tokenizer::encode_text`].
+    plain: tokenizers::Tokenizer,
     mode: ByteMode,
     vocab_size: usize,
     bos_id: Option<u32>,
@@ -307,8 +309,11 @@ impl HfTokenizer {
         let extra: Vec<u32> = config.eos_ids.iter().copied().filter(in_vocab).collect();
         let stop_ids = collect_stop_ids(eos_id, extra, named, lookup);
 
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
         Ok(Self {
             inner,
+            plain,
             mode,
             vocab_size,
             bos_id,
@@ -337,6 +342,14 @@ impl HfTokenizer {
 }
 
 impl Tokenizer for HfTokenizer {
+    fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .plain
+            .encode_fast(text, false)
+            .map_err(|e| tokenizer_error("encoding failed", e))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
     fn encode(&self, text: &str, bos: bool, eos: bool) -> Result<Vec<u32>> {
         let encoding = self
             .inner
@@ -509,6 +522,10 @@ mod tests {
         assert_eq!(ids.first(), Some(&265));
         assert!(ids.contains(&266));
         assert_eq!(ids.last(), Some(&2));
+        // As plain text they are not.
+        let plain = tok.encode_text("<|im_start|>hi<|im_end|>").unwrap();
+        assert!(!plain.contains(&265) && !plain.contains(&266), "{plain:?}");
+        assert!(!plain.is_empty());
     }
 
     /// A GPT-2 style byte-level tokenizer.json in miniature.

@@ -18,7 +18,7 @@ mod stream;
 mod tiktoken;
 
 pub use bpe::{GgufBpeTokenizer, GgufTokenizerData};
-pub use chat::{ChatFormat, ChatMessage, SMOLLM_DEFAULT_SYSTEM_PROMPT};
+pub use chat::{ChatFormat, ChatMessage, ChatPiece, SMOLLM_DEFAULT_SYSTEM_PROMPT};
 pub use hf::HfTokenizer;
 pub use stream::StreamDecoder;
 #[cfg(feature = "llama3")]
@@ -36,6 +36,12 @@ pub trait Tokenizer: Send + Sync + 'static {
     /// With `bos` the BOS id is put first and with `eos` the EOS id last; asking for one the
     /// tokenizer does not have is an error.
     fn encode(&self, text: &str, bos: bool, eos: bool) -> Result<Vec<u32>>;
+
+    /// Encodes `text` as plain text: a special token written in it (`"<|im_end|>"`) is
+    /// encoded as the characters it is made of, never as its special id. No BOS or EOS.
+    ///
+    /// This is how untrusted text (a chat message) must be encoded.
+    fn encode_text(&self, text: &str) -> Result<Vec<u32>>;
 
     /// Decodes ids to text (special tokens are rendered as their text).
     ///
@@ -70,9 +76,16 @@ pub trait Tokenizer: Send + Sync + 'static {
 
     /// Formats `messages` in the model's [`ChatFormat`] and encodes the result.
     ///
+    /// The template's own control tokens are encoded as their special ids and everything
+    /// else (role names and message content) as plain text with [`Tokenizer::encode_text`],
+    /// so a message that writes `"<|im_end|>"` or `"<|eot_id|>"` cannot end its turn or
+    /// forge another one. For ordinary messages the ids equal those of encoding
+    /// [`ChatFormat::format`]'s text with [`Tokenizer::encode`].
+    ///
     /// No BOS id is added for [`ChatFormat::Llama3`] (its text already starts with
     /// `<|begin_of_text|>`); for [`ChatFormat::ChatMl`] one is added only when
-    /// [`Tokenizer::add_bos_by_default`] says so. Fails when the chat format is unknown.
+    /// [`Tokenizer::add_bos_by_default`] says so. Fails when the chat format is unknown or
+    /// a control token of the template is not one token of this vocabulary.
     fn encode_chat(
         &self,
         messages: &[ChatMessage],
@@ -81,9 +94,23 @@ pub trait Tokenizer: Send + Sync + 'static {
         let format = self.chat_format().ok_or_else(|| {
             LlamaError::Tokenizer("the model's chat format is unknown".to_string())
         })?;
-        let text = format.format(messages, add_generation_prompt);
+        let mut ids = Vec::new();
+        for piece in format.pieces(messages, add_generation_prompt) {
+            match piece {
+                ChatPiece::Special(token) => match self.encode(token, false, false)?[..] {
+                    [id] => ids.push(id),
+                    _ => {
+                        return Err(LlamaError::Tokenizer(format!(
+                            "the chat template's control token `{token}` is not a single \
+                             token of this vocabulary"
+                        )));
+                    }
+                },
+                ChatPiece::Text(text) => ids.extend(self.encode_text(&text)?),
+            }
+        }
         let bos = format == ChatFormat::ChatMl && self.add_bos_by_default();
-        self.encode(&text, bos, false)
+        wrap_bos_eos(ids, bos, false, self.bos_id(), self.eos_id())
     }
 }
 

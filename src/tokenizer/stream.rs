@@ -117,6 +117,9 @@ mod tests {
         fn encode(&self, text: &str, _bos: bool, _eos: bool) -> Result<Vec<u32>> {
             Ok(text.bytes().map(u32::from).collect())
         }
+        fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+            self.encode(text, false, false)
+        }
         fn decode(&self, ids: &[u32]) -> Result<String> {
             let bytes: Vec<u8> = ids
                 .iter()

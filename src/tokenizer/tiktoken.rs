@@ -189,6 +189,14 @@ impl Llama3Tokenizer {
 }
 
 impl Tokenizer for Llama3Tokenizer {
+    fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        for part in split_long_runs(text, MAX_RUN_CHARS) {
+            ids.extend(self.bpe.encode_ordinary(part));
+        }
+        Ok(ids)
+    }
+
     fn encode(&self, text: &str, bos: bool, eos: bool) -> Result<Vec<u32>> {
         let allowed: HashSet<&str> = self.bpe.special_tokens();
         let mut ids = Vec::new();

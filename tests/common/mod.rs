@@ -57,6 +57,7 @@ pub fn rest(job: llama_burn::inference::EngineJob) -> (Vec<u32>, llama_burn::Res
     for event in job.events().iter() {
         match event {
             EngineEvent::Token(t) => ids.push(t.token_id),
+            EngineEvent::Accepted { .. } => {}
             EngineEvent::Done(r) => return (ids, r.map(|_| ())),
         }
     }

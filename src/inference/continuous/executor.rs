@@ -156,6 +156,13 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             };
             match self.prepare(&sub) {
                 Ok((ids, state)) => {
+                    if !sub.sink.accepted(ids.len()) {
+                        // Nobody listens any more.
+                        self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+                        self.record(Outcome::Cancelled, None);
+                        sub.sink.done(Err(LlamaError::Cancelled));
+                        continue;
+                    }
                     self.scheduler.add(sub.id, ids);
                     self.requests.insert(
                         sub.id,
@@ -187,7 +194,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
     fn prepare(&self, sub: &Submission) -> Result<(Vec<u32>, GenerationState<B>)> {
         let request = &sub.request;
         request.validate(self.llama.config().max_seq_len)?;
-        let ids = self.llama.encode_prompt(&request.prompt)?;
+        let ids = self.llama.encode_request(request)?;
         let state = self
             .llama
             .unreserved_state(ids.clone(), request.max_tokens)?;

@@ -228,6 +228,13 @@ pub struct EngineMetrics {
 /// What a request's channel carries.
 #[derive(Debug)]
 pub enum EngineEvent {
+    /// The request passed validation and its prompt is `prompt_tokens` tokens long; it
+    /// waits for admission. Sent first, and only to jobs submitted with
+    /// [`ContinuousEngine::submit_announced`].
+    Accepted {
+        /// Prompt length in tokens.
+        prompt_tokens: usize,
+    },
     /// A generated token.
     Token(TokenOutput),
     /// The request ended; no more events follow.
@@ -265,6 +272,7 @@ impl EngineJob {
         for event in self.events.iter() {
             match event {
                 EngineEvent::Token(t) => tokens.push(t),
+                EngineEvent::Accepted { .. } => {}
                 EngineEvent::Done(result) => return result.map(|m| (tokens, m)),
             }
         }
@@ -281,8 +289,12 @@ impl Drop for EngineJob {
 
 /// Where a request's results go.
 enum Sink {
-    /// An [`EngineJob`]'s event channel.
-    Events(Sender<EngineEvent>),
+    /// An [`EngineJob`]'s event channel; with `announce`, an
+    /// [`EngineEvent::Accepted`] comes first.
+    Events {
+        tx: Sender<EngineEvent>,
+        announce: bool,
+    },
     /// A job of the job runtime ([`InferenceBuilder::build_continuous`]).
     Job(JobSink<TokenOutput>),
 }
@@ -291,14 +303,25 @@ impl Sink {
     /// Sends a token; false when nobody listens any more.
     fn token(&self, token: TokenOutput) -> bool {
         match self {
-            Sink::Events(tx) => tx.send(EngineEvent::Token(token)).is_ok(),
+            Sink::Events { tx, .. } => tx.send(EngineEvent::Token(token)).is_ok(),
             Sink::Job(sink) => sink.emit(token),
+        }
+    }
+
+    /// Tells an announcing sink that its request was accepted; false when nobody
+    /// listens any more.
+    fn accepted(&self, prompt_tokens: usize) -> bool {
+        match self {
+            Sink::Events { tx, announce: true } => {
+                tx.send(EngineEvent::Accepted { prompt_tokens }).is_ok()
+            }
+            _ => true,
         }
     }
 
     fn done(self, result: Result<RequestMetrics>) {
         match self {
-            Sink::Events(tx) => {
+            Sink::Events { tx, .. } => {
                 let _ = tx.send(EngineEvent::Done(result));
             }
             Sink::Job(sink) => sink.finish(result.map(drop)),
@@ -390,10 +413,15 @@ impl EngineClient {
     }
 
     /// Submits with an event channel.
-    fn submit_events(&self, request: GenerateRequest, cancel: CancelToken) -> Result<EngineJob> {
-        let (events, rx) = crossbeam_channel::unbounded();
+    fn submit_events(
+        &self,
+        request: GenerateRequest,
+        cancel: CancelToken,
+        announce: bool,
+    ) -> Result<EngineJob> {
+        let (tx, rx) = crossbeam_channel::unbounded();
         let id = self
-            .send(request, Sink::Events(events), cancel.clone())
+            .send(request, Sink::Events { tx, announce }, cancel.clone())
             .map_err(|refused| refused.1)?;
         Ok(EngineJob {
             id,
@@ -410,6 +438,7 @@ pub struct ContinuousEngine<B: LlamaBackend, T: Tokenizer> {
     client: Option<EngineClient>,
     shared: Arc<Shared>,
     config: ContinuousConfig,
+    max_seq_len: usize,
     device: B::Device,
     thread: Option<JoinHandle<Llama<B, T>>>,
     _tokenizer: std::marker::PhantomData<fn() -> T>,
@@ -451,6 +480,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let device = llama.device().clone();
+        let max_seq_len = c.max_seq_len;
         let worker = executor::Worker::new(llama, &config, num_blocks, shared.clone(), rx)?;
         let thread = std::thread::Builder::new()
             .name("llama-burn-continuous".into())
@@ -464,6 +494,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
             }),
             shared,
             config,
+            max_seq_len,
             device,
             thread: Some(thread),
             _tokenizer: std::marker::PhantomData,
@@ -488,7 +519,29 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
             .client
             .as_ref()
             .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
-        client.submit_events(request, cancel)
+        client.submit_events(request, cancel, false)
+    }
+
+    /// Like [`submit_with_cancel`](Self::submit_with_cancel), and the job's first event
+    /// is [`EngineEvent::Accepted`] once the request has passed validation (or `Done` with
+    /// the reason it did not). A server uses it to answer with an error status before it
+    /// starts streaming, and to know the prompt's length even if the request is
+    /// cancelled.
+    pub fn submit_announced(
+        &self,
+        request: GenerateRequest,
+        cancel: CancelToken,
+    ) -> Result<EngineJob> {
+        let client = self
+            .client
+            .as_ref()
+            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
+        client.submit_events(request, cancel, true)
+    }
+
+    /// The model's context length (`max_seq_len`): prompt plus generated tokens.
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
     }
 
     /// A snapshot of the engine's metrics.
@@ -565,6 +618,7 @@ pub fn continuous_batching_handler<B: LlamaBackend, T: Tokenizer>(
     for event in job.events.iter() {
         match event {
             EngineEvent::Token(token) => output.emit(token)?,
+            EngineEvent::Accepted { .. } => {}
             EngineEvent::Done(result) => return result.map(drop),
         }
     }

@@ -1,0 +1,325 @@
+//! One API request on the engine: its choices as engine requests, their events as an
+//! async sequence of [`Update`]s with stop strings applied, and cancellation of whatever
+//! still runs when the [`Generation`] is dropped (the client went away, a stop string
+//! ended a choice, the server shuts down).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use super::Shared;
+use super::error::ApiError;
+use super::openai::{Endpoint, Usage};
+use super::stop::StopMatcher;
+use crate::error::LlamaError;
+use crate::inference::{CancelToken, EngineEvent, EngineJob, GenerateRequest};
+use crate::llama::StopReason;
+
+/// Stack of the thread that forwards one engine request's events (it only moves
+/// messages).
+const RELAY_STACK_BYTES: usize = 128 * 1024;
+
+/// One choice to generate.
+#[derive(Debug, Clone)]
+pub(crate) struct ChoiceSpec {
+    /// The engine request.
+    pub request: GenerateRequest,
+    /// Which prompt of the API request it continues (for usage).
+    pub prompt: usize,
+    /// Its stop strings.
+    pub stop: Vec<String>,
+}
+
+/// What happened next in a generation.
+#[derive(Debug)]
+pub(crate) enum Update {
+    /// New text for choice `index`.
+    Text {
+        /// The choice.
+        index: usize,
+        /// The text.
+        text: String,
+    },
+    /// Choice `index` ended, with its last text.
+    Finished {
+        /// The choice.
+        index: usize,
+        /// The text held back until now (may be empty).
+        text: String,
+        /// `stop` or `length`.
+        reason: &'static str,
+    },
+    /// A choice failed; the request ends with this error.
+    Failed(ApiError),
+}
+
+struct Choice {
+    prompt: usize,
+    matcher: StopMatcher,
+    cancel: CancelToken,
+    prompt_tokens: Option<usize>,
+    completion_tokens: usize,
+    finish: Option<&'static str>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
+/// A request's choices running on the engine.
+pub(crate) struct Generation {
+    shared: Arc<Shared>,
+    id: u64,
+    endpoint: Endpoint,
+    started: Instant,
+    events: mpsc::UnboundedReceiver<(usize, EngineEvent)>,
+    pending: VecDeque<(usize, EngineEvent)>,
+    choices: Vec<Choice>,
+}
+
+/// Forwards a job's events into the async world on a small thread of its own. The job
+/// is dropped (which cancels it if it still runs) when the events end or nobody
+/// listens any more.
+fn relay(
+    job: EngineJob,
+    index: usize,
+    tx: mpsc::UnboundedSender<(usize, EngineEvent)>,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("llama-burn-relay".into())
+        .stack_size(RELAY_STACK_BYTES)
+        .spawn(move || {
+            for event in job.events().iter() {
+                let done = matches!(event, EngineEvent::Done(_));
+                if tx.send((index, event)).is_err() || done {
+                    break;
+                }
+            }
+            drop(job);
+        })
+        .map(drop)
+}
+
+impl Generation {
+    /// Submits every choice and waits until the engine has accepted them all, so that
+    /// an invalid request is an error status, not a broken stream.
+    pub(crate) async fn start(
+        shared: Arc<Shared>,
+        endpoint: Endpoint,
+        specs: Vec<ChoiceSpec>,
+    ) -> Result<Self, ApiError> {
+        let engine = shared.engine()?;
+        let (tx, events) = mpsc::unbounded_channel();
+        let id = shared.register();
+        let mut generation = Self {
+            shared: shared.clone(),
+            id,
+            endpoint,
+            started: Instant::now(),
+            events,
+            pending: VecDeque::new(),
+            choices: Vec::with_capacity(specs.len()),
+        };
+        for (index, spec) in specs.into_iter().enumerate() {
+            let cancel = CancelToken::new();
+            shared.track(id, cancel.clone());
+            let job = engine
+                .submit(spec.request, cancel.clone())
+                .map_err(|e| ApiError::from_llama(&e, endpoint.prompt_param()))?;
+            generation.choices.push(Choice {
+                prompt: spec.prompt,
+                matcher: StopMatcher::new(spec.stop),
+                cancel,
+                prompt_tokens: None,
+                completion_tokens: 0,
+                finish: None,
+                first_token: None,
+                last_token: None,
+            });
+            relay(job, index, tx.clone())
+                .map_err(|e| ApiError::internal(format!("could not start a relay thread: {e}")))?;
+        }
+        drop(tx);
+        generation.wait_accepted().await?;
+        Ok(generation)
+    }
+
+    async fn wait_accepted(&mut self) -> Result<(), ApiError> {
+        while self.choices.iter().any(|c| c.prompt_tokens.is_none()) {
+            let Some((index, event)) = self.events.recv().await else {
+                return Err(ApiError::unavailable("the engine stopped"));
+            };
+            match event {
+                EngineEvent::Accepted { prompt_tokens } => {
+                    if let Some(choice) = self.choices.get_mut(index) {
+                        choice.prompt_tokens = Some(prompt_tokens);
+                        self.shared.metrics.prompt(prompt_tokens);
+                    }
+                }
+                EngineEvent::Done(Err(e)) => {
+                    if let Some(choice) = self.choices.get_mut(index) {
+                        choice.finish = Some("error");
+                    }
+                    return Err(ApiError::from_llama(&e, self.endpoint.prompt_param()));
+                }
+                other => self.pending.push_back((index, other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of choices.
+    pub(crate) fn len(&self) -> usize {
+        self.choices.len()
+    }
+
+    /// The next update, or `None` once every choice has finished.
+    pub(crate) async fn next(&mut self) -> Option<Update> {
+        loop {
+            if self.choices.iter().all(|c| c.finish.is_some()) {
+                return None;
+            }
+            let (index, event) = match self.pending.pop_front() {
+                Some(item) => item,
+                None => match self.events.recv().await {
+                    Some(item) => item,
+                    None => {
+                        self.abort_all("error");
+                        return Some(Update::Failed(ApiError::unavailable("the engine stopped")));
+                    }
+                },
+            };
+            if let Some(update) = self.apply(index, event) {
+                return Some(update);
+            }
+        }
+    }
+
+    fn apply(&mut self, index: usize, event: EngineEvent) -> Option<Update> {
+        let choice = self.choices.get_mut(index)?;
+        if choice.finish.is_some() {
+            return None;
+        }
+        match event {
+            EngineEvent::Accepted { .. } => None,
+            EngineEvent::Token(token) => {
+                let now = Instant::now();
+                self.shared
+                    .metrics
+                    .token(choice.last_token.map(|last| now - last));
+                choice.first_token.get_or_insert(now);
+                choice.last_token = Some(now);
+                choice.completion_tokens += 1;
+                let out = choice.matcher.push(&token.token);
+                if out.stopped {
+                    // Nothing after a stop string is wanted: free the engine at once.
+                    choice.cancel.cancel();
+                    self.finish(index, "stop", None);
+                    Some(Update::Finished {
+                        index,
+                        text: out.text,
+                        reason: "stop",
+                    })
+                } else if out.text.is_empty() {
+                    None
+                } else {
+                    Some(Update::Text {
+                        index,
+                        text: out.text,
+                    })
+                }
+            }
+            EngineEvent::Done(Ok(metrics)) => {
+                let text = choice.matcher.finish();
+                let reason = match metrics.stop_reason {
+                    Some(StopReason::MaxTokens | StopReason::ContextFull) => "length",
+                    _ => "stop",
+                };
+                self.finish(index, reason, Some(metrics.queue_time));
+                Some(Update::Finished {
+                    index,
+                    text,
+                    reason,
+                })
+            }
+            EngineEvent::Done(Err(e)) => {
+                let reason = if matches!(e, LlamaError::Cancelled) {
+                    "abort"
+                } else {
+                    "error"
+                };
+                self.finish(index, reason, None);
+                self.abort_all(reason);
+                Some(Update::Failed(ApiError::from_llama(
+                    &e,
+                    self.endpoint.prompt_param(),
+                )))
+            }
+        }
+    }
+
+    fn finish(&mut self, index: usize, reason: &'static str, queue_time: Option<Duration>) {
+        let Some(choice) = self.choices.get_mut(index) else {
+            return;
+        };
+        choice.finish = Some(reason);
+        // Requests the engine refused are errors of the API request, not finished ones.
+        if choice.prompt_tokens.is_some() {
+            let ttft = choice.first_token.map(|t| t - self.started);
+            self.shared
+                .metrics
+                .finished(reason, ttft, self.started.elapsed(), queue_time);
+        }
+    }
+
+    /// Cancels every choice still running and counts it as ended for `reason`.
+    fn abort_all(&mut self, reason: &'static str) {
+        for index in 0..self.choices.len() {
+            if self.choices[index].finish.is_none() {
+                self.choices[index].cancel.cancel();
+                self.finish(index, reason, None);
+            }
+        }
+    }
+
+    /// Token counts so far: each prompt once, every choice's generated tokens.
+    pub(crate) fn usage(&self) -> Usage {
+        let mut prompts: Vec<(usize, usize)> = Vec::new();
+        for c in &self.choices {
+            if !prompts.iter().any(|&(p, _)| p == c.prompt) {
+                prompts.push((c.prompt, c.prompt_tokens.unwrap_or(0)));
+            }
+        }
+        let prompt_tokens = prompts.iter().map(|&(_, n)| n).sum();
+        let completion_tokens = self.choices.iter().map(|c| c.completion_tokens).sum();
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        let disconnected = self.choices.iter().any(|c| c.finish.is_none());
+        // Whatever still runs is abandoned (client gone): free its KV blocks now.
+        self.abort_all("abort");
+        self.shared.unregister(self.id);
+        if self.choices.is_empty() || self.choices.iter().all(|c| c.prompt_tokens.is_some()) {
+            let usage = self.usage();
+            let reasons: Vec<&str> = self.choices.iter().filter_map(|c| c.finish).collect();
+            tracing::info!(
+                request = self.id,
+                endpoint = self.endpoint.object(),
+                choices = self.choices.len(),
+                prompt_tokens = usage.prompt_tokens,
+                completion_tokens = usage.completion_tokens,
+                finish = reasons.join(",").as_str(),
+                client_gone = disconnected,
+                ms = self.started.elapsed().as_millis() as u64,
+                "request done"
+            );
+        }
+    }
+}

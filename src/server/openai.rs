@@ -1,0 +1,658 @@
+//! The OpenAI wire format: request bodies as clients send them, the checks OpenAI
+//! applies to them, and the response objects and stream chunks.
+//!
+//! Unknown fields are ignored (clients send many); a known field with the wrong type or
+//! an invalid value is refused. Fields for features this server does not have
+//! (`logprobs`, `tools`, penalties, ...) are accepted at their neutral value and refused
+//! otherwise, so a client never silently gets less than it asked for.
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::error::ApiError;
+use crate::tokenizer::ChatMessage;
+
+/// Most stop strings a request may give (OpenAI's limit).
+pub const MAX_STOP_STRINGS: usize = 4;
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    /// One stop string.
+    One(String),
+    /// Up to four stop strings.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `choices: []` and the request's usage.
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// The sampling and output fields `/v1/chat/completions` and `/v1/completions` share.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonFields {
+    /// The model to use; must be the served one when given.
+    pub model: Option<String>,
+    /// Most tokens to generate.
+    pub max_tokens: Option<u64>,
+    /// Sampling temperature in `[0, 2]` (default 1); 0 is greedy.
+    pub temperature: Option<f64>,
+    /// Nucleus-sampling mass in `(0, 1]` (default 1).
+    pub top_p: Option<f64>,
+    /// Seed of the sampler; choice `i` uses `seed + i`.
+    pub seed: Option<i64>,
+    /// Stop strings.
+    pub stop: Option<StopField>,
+    /// Number of choices (each its own request to the engine).
+    pub n: Option<u64>,
+    /// Stream the answer as server-sent events.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// An end-user id: accepted and ignored.
+    pub user: Option<String>,
+    /// Unsupported: must be absent, null, false or 0.
+    pub logprobs: Option<Value>,
+    /// Unsupported: must be absent, null or 0.
+    pub top_logprobs: Option<Value>,
+    /// Unsupported: must be absent, null or 0.
+    pub frequency_penalty: Option<Value>,
+    /// Unsupported: must be absent, null or 0.
+    pub presence_penalty: Option<Value>,
+    /// Unsupported: must be absent, null or `{}`.
+    pub logit_bias: Option<Value>,
+}
+
+/// A message's `content`: a string, a list of parts, or null.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts; only `text` parts are supported.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ContentPart {
+    /// A text part.
+    Text {
+        /// The text.
+        text: String,
+    },
+}
+
+/// One message of `messages`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct RequestMessage {
+    /// `system`, `developer` (read as `system`), `user` or `assistant`.
+    pub role: String,
+    /// The content (null only for an assistant message).
+    pub content: Option<MessageContent>,
+}
+
+/// The body of `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// The conversation.
+    pub messages: Vec<RequestMessage>,
+    /// Newer name of `max_tokens`; wins when both are given.
+    pub max_completion_tokens: Option<u64>,
+    /// Unsupported: must be absent, null or an empty list.
+    pub tools: Option<Value>,
+    /// Unsupported: must be absent, null or `{"type": "text"}`.
+    pub response_format: Option<Value>,
+    /// The shared fields (read by [`parse_request`]).
+    #[serde(skip)]
+    pub common: CommonFields,
+}
+
+/// `prompt`: a string, a list of strings, a list of token ids or a list of such lists.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum PromptField {
+    /// One prompt.
+    Text(String),
+    /// Several prompts.
+    Texts(Vec<String>),
+    /// One prompt as token ids.
+    Ids(Vec<u32>),
+    /// Several prompts as token ids.
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// The body of `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// What to continue.
+    pub prompt: PromptField,
+    /// Unsupported: must be absent, null or false.
+    pub echo: Option<Value>,
+    /// Unsupported: must be absent or null.
+    pub suffix: Option<Value>,
+    /// Unsupported: must be absent, null or 1.
+    pub best_of: Option<Value>,
+    /// The shared fields (read by [`parse_request`]).
+    #[serde(skip)]
+    pub common: CommonFields,
+}
+
+/// A request body with the [`CommonFields`].
+pub trait OpenAiRequest: DeserializeOwned {
+    /// Where the shared fields go.
+    fn common_mut(&mut self) -> &mut CommonFields;
+}
+
+impl OpenAiRequest for ChatCompletionRequest {
+    fn common_mut(&mut self) -> &mut CommonFields {
+        &mut self.common
+    }
+}
+
+impl OpenAiRequest for CompletionRequest {
+    fn common_mut(&mut self) -> &mut CommonFields {
+        &mut self.common
+    }
+}
+
+/// Deserializes `value` as `T`; an error names the field at fault.
+fn read<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            ApiError::invalid(format!("invalid request body: {}", e.inner()), None)
+        } else {
+            ApiError::invalid(
+                format!("invalid request body at `{path}`: {}", e.inner()),
+                Some(&path),
+            )
+        }
+    })
+}
+
+/// Parses a request body: 400 for malformed JSON, a body that is not an object, or a
+/// known field of the wrong type (the error's `param` names it). Unknown fields are
+/// ignored.
+pub fn parse_request<T: OpenAiRequest>(body: &[u8]) -> Result<T, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    if !value.is_object() {
+        return Err(ApiError::invalid("the body must be a JSON object", None));
+    }
+    let mut request: T = read(&value)?;
+    *request.common_mut() = read(&value)?;
+    Ok(request)
+}
+
+/// What to encode for one prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    /// A conversation, encoded with the chat template (content as plain text).
+    Chat(Vec<ChatMessage>),
+    /// Text, encoded as `generate` encodes prompts.
+    Text(String),
+    /// Token ids.
+    Ids(Vec<u32>),
+}
+
+/// A request's checked settings, ready to become engine requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// Tokens to generate at most (`None`: the server's default).
+    pub max_tokens: Option<usize>,
+    /// Temperature (0 is greedy).
+    pub temperature: f64,
+    /// Top-p.
+    pub top_p: f64,
+    /// The seed of choice 0 (`None`: a random one per choice).
+    pub seed: Option<u64>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Choices per prompt.
+    pub n: usize,
+    /// Stream the answer.
+    pub stream: bool,
+    /// Add a usage chunk at the end of the stream.
+    pub include_usage: bool,
+}
+
+fn is_neutral(value: &Option<Value>, neutral: &[Value]) -> bool {
+    match value {
+        None | Some(Value::Null) => true,
+        Some(v) => neutral.contains(v),
+    }
+}
+
+/// Refuses an unsupported feature asked for with a non-neutral value.
+fn refuse_unsupported(
+    name: &str,
+    value: &Option<Value>,
+    neutral: &[Value],
+) -> Result<(), ApiError> {
+    if is_neutral(value, neutral) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            format!("`{name}` is not supported by this server"),
+            Some(name),
+        ))
+    }
+}
+
+impl CommonFields {
+    /// Checks the shared fields; `max_tokens` is the value the endpoint takes, `max_n`
+    /// the most choices allowed.
+    pub fn sampling(&self, max_tokens: Option<u64>, max_n: usize) -> Result<Sampling, ApiError> {
+        let zero = [Value::from(0), Value::from(0.0)];
+        refuse_unsupported(
+            "logprobs",
+            &self.logprobs,
+            &[Value::Bool(false), Value::from(0)],
+        )?;
+        refuse_unsupported("top_logprobs", &self.top_logprobs, &zero)?;
+        refuse_unsupported("frequency_penalty", &self.frequency_penalty, &zero)?;
+        refuse_unsupported("presence_penalty", &self.presence_penalty, &zero)?;
+        refuse_unsupported(
+            "logit_bias",
+            &self.logit_bias,
+            &[Value::Object(Default::default())],
+        )?;
+
+        let max_tokens = match max_tokens {
+            None => None,
+            Some(0) => {
+                return Err(ApiError::invalid(
+                    "`max_tokens` must be at least 1",
+                    Some("max_tokens"),
+                ));
+            }
+            Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::invalid(
+                format!("`temperature` = {temperature} is outside [0, 2]"),
+                Some("temperature"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid(
+                format!("`top_p` = {top_p} is outside (0, 1]"),
+                Some("top_p"),
+            ));
+        }
+        let n = self.n.unwrap_or(1);
+        if n == 0 || n > max_n as u64 {
+            return Err(ApiError::invalid(
+                format!("`n` = {n} is outside [1, {max_n}]"),
+                Some("n"),
+            ));
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(list)) => list.clone(),
+        };
+        if stop.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid(
+                format!(
+                    "`stop` has {} strings; at most {MAX_STOP_STRINGS} are allowed",
+                    stop.len()
+                ),
+                Some("stop"),
+            ));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(ApiError::invalid(
+                "`stop` strings must not be empty",
+                Some("stop"),
+            ));
+        }
+        let stream = self.stream.unwrap_or(false);
+        let include_usage = match &self.stream_options {
+            None => false,
+            Some(_) if !stream => {
+                return Err(ApiError::invalid(
+                    "`stream_options` is only allowed when `stream` is true",
+                    Some("stream_options"),
+                ));
+            }
+            Some(options) => options.include_usage.unwrap_or(false),
+        };
+        Ok(Sampling {
+            max_tokens,
+            temperature,
+            top_p,
+            // Negative seeds are valid OpenAI seeds: reinterpret the bits.
+            seed: self.seed.map(|s| s as u64),
+            stop,
+            n: n as usize,
+            stream,
+            include_usage,
+        })
+    }
+}
+
+impl ChatCompletionRequest {
+    /// The conversation as chat messages, checked.
+    pub fn conversation(&self) -> Result<Vec<ChatMessage>, ApiError> {
+        refuse_unsupported("tools", &self.tools, &[Value::Array(Vec::new())])?;
+        refuse_unsupported(
+            "response_format",
+            &self.response_format,
+            &[serde_json::json!({"type": "text"})],
+        )?;
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid(
+                "`messages` must not be empty",
+                Some("messages"),
+            ));
+        }
+        self.messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let role = match m.role.as_str() {
+                    "system" | "developer" => "system",
+                    "user" => "user",
+                    "assistant" => "assistant",
+                    other => {
+                        return Err(ApiError::invalid(
+                            format!(
+                                "`messages[{i}].role` = `{other}` is not supported (system, \
+                                 developer, user or assistant)"
+                            ),
+                            Some(&format!("messages[{i}].role")),
+                        ));
+                    }
+                };
+                let content = match &m.content {
+                    Some(MessageContent::Text(text)) => text.clone(),
+                    Some(MessageContent::Parts(parts)) => parts
+                        .iter()
+                        .map(|ContentPart::Text { text }| text.as_str())
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                    None if role == "assistant" => String::new(),
+                    None => {
+                        return Err(ApiError::invalid(
+                            format!("`messages[{i}].content` is required"),
+                            Some(&format!("messages[{i}].content")),
+                        ));
+                    }
+                };
+                Ok(ChatMessage::new(role, content))
+            })
+            .collect()
+    }
+
+    /// `max_completion_tokens`, else `max_tokens`.
+    pub fn max_tokens(&self) -> Option<u64> {
+        self.max_completion_tokens.or(self.common.max_tokens)
+    }
+}
+
+impl CompletionRequest {
+    /// The prompts, checked.
+    pub fn prompts(&self) -> Result<Vec<PromptInput>, ApiError> {
+        refuse_unsupported("echo", &self.echo, &[Value::Bool(false)])?;
+        refuse_unsupported("suffix", &self.suffix, &[])?;
+        refuse_unsupported("best_of", &self.best_of, &[Value::from(1)])?;
+        let prompts: Vec<PromptInput> = match &self.prompt {
+            PromptField::Text(text) => vec![PromptInput::Text(text.clone())],
+            PromptField::Texts(texts) => texts.iter().cloned().map(PromptInput::Text).collect(),
+            PromptField::Ids(ids) => vec![PromptInput::Ids(ids.clone())],
+            PromptField::IdLists(lists) => lists.iter().cloned().map(PromptInput::Ids).collect(),
+        };
+        if prompts.is_empty() {
+            return Err(ApiError::invalid(
+                "`prompt` must not be an empty list",
+                Some("prompt"),
+            ));
+        }
+        let empty = prompts.iter().any(|p| match p {
+            PromptInput::Text(t) => t.is_empty(),
+            PromptInput::Ids(ids) => ids.is_empty(),
+            PromptInput::Chat(_) => false,
+        });
+        if empty {
+            return Err(ApiError::invalid(
+                "`prompt` must not be empty",
+                Some("prompt"),
+            ));
+        }
+        Ok(prompts)
+    }
+}
+
+/// Token counts of a request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens (each prompt counted once, whatever `n`).
+    pub prompt_tokens: usize,
+    /// Generated tokens over all choices.
+    pub completion_tokens: usize,
+    /// The sum of both.
+    pub total_tokens: usize,
+}
+
+/// Which endpoint a response is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+}
+
+impl Endpoint {
+    /// The field a prompt comes from, for errors.
+    pub fn prompt_param(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "messages",
+            Endpoint::Completions => "prompt",
+        }
+    }
+
+    /// The prefix of response ids.
+    pub fn id_prefix(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chatcmpl-",
+            Endpoint::Completions => "cmpl-",
+        }
+    }
+
+    /// The `object` of a whole response.
+    pub fn object(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat.completion",
+            Endpoint::Completions => "text_completion",
+        }
+    }
+
+    /// The `object` of a stream chunk.
+    pub fn chunk_object(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        }
+    }
+
+    /// A finished choice of a whole response.
+    pub fn choice(self, index: usize, text: &str, finish_reason: &str) -> Value {
+        match self {
+            Endpoint::Chat => serde_json::json!({
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }),
+            Endpoint::Completions => serde_json::json!({
+                "index": index,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }),
+        }
+    }
+
+    /// A choice of a stream chunk: new text and, on the last one, why it finished.
+    /// `first` marks a chat choice's first chunk (it carries the role).
+    pub fn chunk_choice(
+        self,
+        index: usize,
+        text: Option<&str>,
+        first: bool,
+        finish_reason: Option<&str>,
+    ) -> Value {
+        match self {
+            Endpoint::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(text) = text {
+                    delta.insert("content".into(), text.into());
+                }
+                serde_json::json!({
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": null,
+                    "finish_reason": finish_reason,
+                })
+            }
+            Endpoint::Completions => serde_json::json!({
+                "index": index,
+                "text": text.unwrap_or(""),
+                "logprobs": null,
+                "finish_reason": finish_reason,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(json: &str) -> Result<ChatCompletionRequest, ApiError> {
+        parse_request(json.as_bytes())
+    }
+
+    #[test]
+    fn parses_content_forms_and_ignores_unknown_fields() {
+        let r = chat(
+            r#"{"model":"m","messages":[{"role":"developer","content":"Be brief."},
+                {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
+                {"role":"assistant","content":null}],"whatever":{"x":1},"user":"u"}"#,
+        )
+        .unwrap();
+        let messages = r.conversation().unwrap();
+        assert_eq!(
+            messages,
+            vec![
+                ChatMessage::system("Be brief."),
+                ChatMessage::user("a\nb"),
+                ChatMessage::assistant("")
+            ]
+        );
+        let s = r.common.sampling(r.max_tokens(), 8).unwrap();
+        assert_eq!(s.temperature, 1.0);
+        assert_eq!(s.n, 1);
+        assert!(!s.stream);
+    }
+
+    #[test]
+    fn refuses_wrong_types_and_values() {
+        assert!(
+            chat(r#"{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#).is_err()
+        );
+        assert!(chat(r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#).is_err());
+        assert!(chat(r#"{"messages":"hi"}"#).is_err());
+        assert!(
+            chat(
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#
+            )
+            .is_err()
+        );
+        let bad = [
+            r#"{"messages":[{"role":"user","content":"x"}],"temperature":2.5}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"top_p":0}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"n":0}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":0}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"stop":""}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true}"#,
+        ];
+        for json in bad {
+            let r = chat(json).unwrap();
+            assert!(r.common.sampling(r.max_tokens(), 8).is_err(), "{json}");
+        }
+        for json in [
+            r#"{"messages":[]}"#,
+            r#"{"messages":[{"role":"tool","content":"x"}]}"#,
+            r#"{"messages":[{"role":"user","content":null}]}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#,
+        ] {
+            assert!(chat(json).unwrap().conversation().is_err(), "{json}");
+        }
+    }
+
+    #[test]
+    fn max_completion_tokens_wins() {
+        let r = chat(
+            r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_completion_tokens":7}"#,
+        )
+        .unwrap();
+        assert_eq!(r.max_tokens(), Some(7));
+    }
+
+    #[test]
+    fn prompt_forms() {
+        let parse = |json: &str| {
+            parse_request::<CompletionRequest>(json.as_bytes())
+                .unwrap()
+                .prompts()
+        };
+        assert_eq!(
+            parse(r#"{"prompt":"a"}"#).unwrap(),
+            vec![PromptInput::Text("a".into())]
+        );
+        assert_eq!(parse(r#"{"prompt":["a","b"]}"#).unwrap().len(), 2);
+        assert_eq!(
+            parse(r#"{"prompt":[1,2]}"#).unwrap(),
+            vec![PromptInput::Ids(vec![1, 2])]
+        );
+        assert_eq!(parse(r#"{"prompt":[[1],[2]]}"#).unwrap().len(), 2);
+        assert!(parse(r#"{"prompt":""}"#).is_err());
+        assert!(parse(r#"{"prompt":[]}"#).is_err());
+        assert!(parse(r#"{"prompt":"a","echo":true}"#).is_err());
+        assert!(parse(r#"{"prompt":"a","echo":false,"best_of":1}"#).is_ok());
+        assert!(parse_request::<CompletionRequest>(br#"{"prompt":5}"#).is_err());
+        let e = parse_request::<CompletionRequest>(br#"{"prompt":"a","top_p":"x"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_p"));
+        assert!(parse_request::<CompletionRequest>(b"[1]").is_err());
+        assert!(parse_request::<CompletionRequest>(br#"{"prompt":"a"} x"#).is_err());
+    }
+
+    #[test]
+    fn chunk_shapes() {
+        let c = Endpoint::Chat.chunk_choice(1, Some("hi"), true, None);
+        assert_eq!(c["delta"]["role"], "assistant");
+        assert_eq!(c["delta"]["content"], "hi");
+        assert!(c["finish_reason"].is_null());
+        let c = Endpoint::Completions.chunk_choice(0, None, false, Some("stop"));
+        assert_eq!(c["text"], "");
+        assert_eq!(c["finish_reason"], "stop");
+    }
+}
