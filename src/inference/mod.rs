@@ -9,8 +9,8 @@ pub mod runtime;
 
 pub use batch::{DEFAULT_MAX_BATCH, generate_batch, generate_batch_with_max};
 pub use continuous::{
-    ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, EngineMetrics, KvBudget, Outcome,
-    RequestMetrics, continuous_batching_handler,
+    ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, EngineMetrics, EventHandler,
+    KvBudget, Outcome, RequestMetrics, continuous_batching_handler,
 };
 pub use handlers::{concurrent_streaming_handler, request_sampler, streaming_handler};
 pub use request::{GenerateRequest, TokenOutput};

@@ -14,12 +14,8 @@ use super::error::ApiError;
 use super::openai::{Endpoint, Usage};
 use super::stop::StopMatcher;
 use crate::error::LlamaError;
-use crate::inference::{CancelToken, EngineEvent, EngineJob, GenerateRequest};
+use crate::inference::{CancelToken, EngineEvent, GenerateRequest};
 use crate::llama::StopReason;
-
-/// Stack of the thread that forwards one engine request's events (it only moves
-/// messages).
-const RELAY_STACK_BYTES: usize = 128 * 1024;
 
 /// One choice to generate.
 #[derive(Debug, Clone)]
@@ -77,29 +73,6 @@ pub(crate) struct Generation {
     choices: Vec<Choice>,
 }
 
-/// Forwards a job's events into the async world on a small thread of its own. The job
-/// is dropped (which cancels it if it still runs) when the events end or nobody
-/// listens any more.
-fn relay(
-    job: EngineJob,
-    index: usize,
-    tx: mpsc::UnboundedSender<(usize, EngineEvent)>,
-) -> std::io::Result<()> {
-    std::thread::Builder::new()
-        .name("llama-burn-relay".into())
-        .stack_size(RELAY_STACK_BYTES)
-        .spawn(move || {
-            for event in job.events().iter() {
-                let done = matches!(event, EngineEvent::Done(_));
-                if tx.send((index, event)).is_err() || done {
-                    break;
-                }
-            }
-            drop(job);
-        })
-        .map(drop)
-}
-
 impl Generation {
     /// Submits every choice and waits until the engine has accepted them all, so that
     /// an invalid request is an error status, not a broken stream.
@@ -123,8 +96,13 @@ impl Generation {
         for (index, spec) in specs.into_iter().enumerate() {
             let cancel = CancelToken::new();
             shared.track(id, cancel.clone());
-            let job = engine
-                .submit(spec.request, cancel.clone())
+            // The engine thread sends the choice's events straight into this request's
+            // channel; once the request is gone, sending fails and the engine drops the
+            // choice.
+            let tx = tx.clone();
+            let on_event = Box::new(move |event| tx.send((index, event)).is_ok());
+            engine
+                .submit(spec.request, cancel.clone(), on_event)
                 .map_err(|e| ApiError::from_llama(&e, endpoint.prompt_param()))?;
             generation.choices.push(Choice {
                 prompt: spec.prompt,
@@ -136,8 +114,6 @@ impl Generation {
                 first_token: None,
                 last_token: None,
             });
-            relay(job, index, tx.clone())
-                .map_err(|e| ApiError::internal(format!("could not start a relay thread: {e}")))?;
         }
         drop(tx);
         generation.wait_accepted().await?;

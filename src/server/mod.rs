@@ -54,16 +54,23 @@ pub use stop::{StopMatcher, StopOutput};
 
 use crate::backend::LlamaBackend;
 use crate::error::{LlamaError, Result};
-use crate::inference::{CancelToken, ContinuousEngine, EngineJob, EngineMetrics, GenerateRequest};
+use crate::inference::{
+    CancelToken, ContinuousEngine, EngineMetrics, EventHandler, GenerateRequest,
+};
 use crate::tokenizer::Tokenizer;
 
 /// What the server needs from an engine. [`ContinuousEngine`] implements it whatever
 /// its backend and tokenizer, so the router is not generic.
 pub trait Engine: Send + Sync + 'static {
-    /// Queues `request`, cancelled through `cancel`. The job's first event must be
-    /// [`EngineEvent::Accepted`](crate::inference::EngineEvent::Accepted) or the
-    /// `Done` error that refuses it (see [`ContinuousEngine::submit_announced`]).
-    fn submit(&self, request: GenerateRequest, cancel: CancelToken) -> Result<EngineJob>;
+    /// Queues `request`, cancelled through `cancel`, its events delivered to
+    /// `on_event`: first [`EngineEvent::Accepted`](crate::inference::EngineEvent::Accepted)
+    /// or the `Done` error that refuses it (see [`ContinuousEngine::submit_to`]).
+    fn submit(
+        &self,
+        request: GenerateRequest,
+        cancel: CancelToken,
+        on_event: EventHandler,
+    ) -> Result<()>;
     /// A snapshot of the engine's metrics.
     fn metrics(&self) -> EngineMetrics;
     /// The context length: prompt plus generated tokens.
@@ -74,8 +81,13 @@ impl<B: LlamaBackend, T: Tokenizer> Engine for ContinuousEngine<B, T>
 where
     ContinuousEngine<B, T>: Send + Sync,
 {
-    fn submit(&self, request: GenerateRequest, cancel: CancelToken) -> Result<EngineJob> {
-        self.submit_announced(request, cancel)
+    fn submit(
+        &self,
+        request: GenerateRequest,
+        cancel: CancelToken,
+        on_event: EventHandler,
+    ) -> Result<()> {
+        self.submit_to(request, cancel, on_event).map(drop)
     }
 
     fn metrics(&self) -> EngineMetrics {

@@ -295,15 +295,24 @@ enum Sink {
         tx: Sender<EngineEvent>,
         announce: bool,
     },
+    /// A caller's handler, called on the engine thread
+    /// ([`ContinuousEngine::submit_to`]); an [`EngineEvent::Accepted`] comes first.
+    Handler(EventHandler),
     /// A job of the job runtime ([`InferenceBuilder::build_continuous`]).
     Job(JobSink<TokenOutput>),
 }
+
+/// Receives one request's events on the engine thread, in order: `Accepted`, tokens,
+/// then `Done`. It returns `false` when nobody listens any more, and the request is then
+/// dropped at once. It must not block: every request shares the thread.
+pub type EventHandler = Box<dyn Fn(EngineEvent) -> bool + Send>;
 
 impl Sink {
     /// Sends a token; false when nobody listens any more.
     fn token(&self, token: TokenOutput) -> bool {
         match self {
             Sink::Events { tx, .. } => tx.send(EngineEvent::Token(token)).is_ok(),
+            Sink::Handler(f) => f(EngineEvent::Token(token)),
             Sink::Job(sink) => sink.emit(token),
         }
     }
@@ -315,6 +324,7 @@ impl Sink {
             Sink::Events { tx, announce: true } => {
                 tx.send(EngineEvent::Accepted { prompt_tokens }).is_ok()
             }
+            Sink::Handler(f) => f(EngineEvent::Accepted { prompt_tokens }),
             _ => true,
         }
     }
@@ -323,6 +333,9 @@ impl Sink {
         match self {
             Sink::Events { tx, .. } => {
                 let _ = tx.send(EngineEvent::Done(result));
+            }
+            Sink::Handler(f) => {
+                f(EngineEvent::Done(result));
             }
             Sink::Job(sink) => sink.finish(result.map(drop)),
         }
@@ -537,6 +550,31 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
             .as_ref()
             .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
         client.submit_events(request, cancel, true)
+    }
+
+    /// Queues `request` with a handler that receives its events on the engine thread
+    /// (`Accepted` or the `Done` error that refuses it, then tokens, then `Done`), as
+    /// [`submit_announced`](Self::submit_announced) delivers them to a job, without a
+    /// channel in between: an async server passes a closure that sends into its own
+    /// channel. Cancel the request through `cancel`. Returns the engine-assigned id.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::Overloaded`] if the queue is full, and
+    /// [`LlamaError::ModelUnavailable`] if the engine has stopped.
+    pub fn submit_to(
+        &self,
+        request: GenerateRequest,
+        cancel: CancelToken,
+        on_event: impl Fn(EngineEvent) -> bool + Send + 'static,
+    ) -> Result<u64> {
+        let client = self
+            .client
+            .as_ref()
+            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
+        client
+            .send(request, Sink::Handler(Box::new(on_event)), cancel)
+            .map_err(|refused| refused.1)
     }
 
     /// The model's context length (`max_seq_len`): prompt plus generated tokens.
