@@ -183,6 +183,22 @@ pub trait LlamaBackend: Backend {
             .reshape([rows, n_heads * dim]))
     }
 
+    /// RMSNorm over the last axis of `x` (`[rows, d]`), scaled by `weight` (`[d]`):
+    /// `x / sqrt(mean(x^2) + eps) * weight`. The default is Burn's operations.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] if `weight` does not have `d` values.
+    fn rms_norm(x: Tensor<Self, 2>, weight: &Tensor<Self, 1>, eps: f64) -> Result<Tensor<Self, 2>> {
+        check_norm(&x, weight)?;
+        let inv_rms = (x.clone() * x.clone())
+            .mean_dim(1)
+            .add_scalar(eps)
+            .sqrt()
+            .recip();
+        Ok(x * inv_rms * weight.clone().unsqueeze::<2>())
+    }
+
     /// Rotary position embedding in the rotate-half layout: `x * cos + rotate_half(x) *
     /// sin` for `x`, `cos` and `sin` `[rows, heads * head_dim]` (the first half's sign
     /// folded into `sin`), where `swap` is the `[head_dim, head_dim]` permutation that
@@ -252,6 +268,20 @@ pub trait LlamaBackend: Backend {
                 is_causal: false,
             },
         ))
+    }
+}
+
+/// An error unless `weight` has one value per column of `x`.
+fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) -> Result<()> {
+    let [_, d] = x.dims();
+    if weight.dims() == [d] {
+        Ok(())
+    } else {
+        Err(LlamaError::ShapeMismatch {
+            name: "rms_norm weight".into(),
+            expected: vec![d],
+            actual: weight.dims().to_vec(),
+        })
     }
 }
 
@@ -453,6 +483,21 @@ impl LlamaBackend for burn::backend::Flex {
             TensorData::new(out, [rows, n_heads * dim]),
             &device,
         ))
+    }
+
+    fn rms_norm(x: Tensor<Self, 2>, weight: &Tensor<Self, 1>, eps: f64) -> Result<Tensor<Self, 2>> {
+        check_norm(&x, weight)?;
+        let dims = x.dims();
+        let device = x.device();
+        // One pass per row instead of seven tensor operations, each with its own output.
+        let out = with_values(&x, |x| {
+            with_values(weight, |weight| {
+                let mut out = vec![0f32; x.len()];
+                crate::kernels::activation::rms_norm(x, weight, eps as f32, &mut out);
+                Ok(out)
+            })
+        })?;
+        Ok(Tensor::from_data(TensorData::new(out, dims), &device))
     }
 
     fn rope(

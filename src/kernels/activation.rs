@@ -1,4 +1,5 @@
-//! Element-wise kernels between projections on the CPU.
+//! Element-wise and row-wise kernels between projections on the CPU: the feed-forward
+//! gate, RoPE and RMSNorm.
 
 use super::attention::exp;
 use super::cpu::SimdPath;
@@ -94,6 +95,81 @@ fn rope_plain(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f
     }
 }
 
+/// RMSNorm of each `d`-value row of `x`, scaled by `weight` (`d` values):
+/// `out = x * (1 / sqrt(mean(x^2) + eps)) * weight`. The squares are summed in 16
+/// interleaved partial sums (value `i` into sum `i % 16`), added pairwise at the end,
+/// with separate multiplies and adds: the same bits at every vector width and for a row
+/// alone or in any batch. Rows are split across threads when there are many.
+///
+/// `x` and `out` must hold the same whole number of rows (extra values are ignored).
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    use rayon::prelude::*;
+    let d = weight.len();
+    if d == 0 {
+        return;
+    }
+    let rows = (x.len() / d).min(out.len() / d);
+    let (x, out) = (&x[..rows * d], &mut out[..rows * d]);
+    // Rows per task: about 64 Ki values, so a decode step's few rows stay on one thread.
+    let per_task = (65_536 / d).max(1);
+    out.par_chunks_mut(per_task * d)
+        .zip(x.par_chunks(per_task * d))
+        .for_each(|(out, x)| rms_norm_rows(x, weight, eps, out));
+}
+
+fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    match SimdPath::active() {
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+            fn wide(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+                rms_norm_plain(x, weight, eps, out);
+            }
+            // SAFETY: the active path is supported by this CPU.
+            unsafe { wide(x, weight, eps, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn wide(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+                rms_norm_plain(x, weight, eps, out);
+            }
+            // SAFETY: as above.
+            unsafe { wide(x, weight, eps, out) }
+        }
+        _ => rms_norm_plain(x, weight, eps, out),
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn rms_norm_plain(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (o, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+        let mut acc = [0f32; 16];
+        let mut chunks = x.chunks_exact(16);
+        for c in &mut chunks {
+            for l in 0..16 {
+                acc[l] += c[l] * c[l];
+            }
+        }
+        for (l, &v) in chunks.remainder().iter().enumerate() {
+            acc[l] += v * v;
+        }
+        let mut width = 8;
+        while width > 0 {
+            for l in 0..width {
+                acc[l] += acc[l + width];
+            }
+            width /= 2;
+        }
+        let inv = 1.0 / (acc[0] / d as f32 + eps).sqrt();
+        for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
+            *o = x * inv * w;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +207,32 @@ mod tests {
         for i in 0..32 {
             let partner = i / 8 * 8 + (i % 8 + 4) % 8;
             assert_eq!(out[i], x[i] * cos[i] + x[partner] * sin[i], "{i}");
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_f64_and_is_the_same_alone_and_in_a_batch() {
+        let d = 100;
+        let x: Vec<f32> = (0..7 * d)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03)
+            .collect();
+        let w: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 * 0.01).collect();
+        let mut out = vec![0f32; x.len()];
+        rms_norm(&x, &w, 1e-5, &mut out);
+        for (r, row) in x.chunks(d).enumerate() {
+            let ms = row
+                .iter()
+                .map(|&v| f64::from(v) * f64::from(v))
+                .sum::<f64>()
+                / d as f64;
+            let inv = 1.0 / (ms + 1e-5).sqrt();
+            for i in 0..d {
+                let want = f64::from(row[i]) * inv * f64::from(w[i]);
+                assert!((f64::from(out[r * d + i]) - want).abs() <= 1e-5 * want.abs().max(1e-3));
+            }
+            let mut alone = vec![0f32; d];
+            rms_norm(row, &w, 1e-5, &mut alone);
+            assert_eq!(alone, out[r * d..(r + 1) * d]);
         }
     }
 }

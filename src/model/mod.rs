@@ -477,7 +477,7 @@ impl<B: LlamaBackend> Transformer<B> {
 
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps);
+            let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps)?;
             let qk = self.rope.apply(block.wqk.forward(h.clone())?, &angles)?;
             let q = qk.clone().slice([0..rows, 0..q_dim]);
             let k = qk.slice([0..rows, q_dim..q_dim + kv_dim]);
@@ -485,7 +485,7 @@ impl<B: LlamaBackend> Transformer<B> {
             let attn = attend(layer, q, k, v)?;
             x = x + block.wo.forward(attn)?;
 
-            let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps);
+            let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps)?;
             let gated = B::swiglu(block.w_gate.forward(h.clone())?, block.w_up.forward(h)?)?;
             x = x + block.w_down.forward(gated)?;
         }
@@ -494,7 +494,7 @@ impl<B: LlamaBackend> Transformer<B> {
 
     /// Final norm and output head: `[rows, d_model]` to `[rows, vocab]`.
     fn head(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
-        let x = rms_norm(x, &self.norm, self.config.norm_eps);
+        let x = rms_norm(x, &self.norm, self.config.norm_eps)?;
         self.lm_head.project(x)
     }
 }
