@@ -6,6 +6,12 @@ use serde::Deserialize;
 use crate::error::{LlamaError, Result};
 use crate::loader::gguf::GgufFile;
 
+/// Most layers a configuration may declare (the largest Llama models have 126).
+const MAX_LAYERS: usize = 4096;
+
+/// Most elements one weight matrix may have (2^40: 4 TiB of f32).
+const MAX_WEIGHT_ELEMENTS: usize = 1 << 40;
+
 /// Llama 3.1-style RoPE frequency scaling (as in Llama 3.1 / 3.2 checkpoints).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RopeScaling {
@@ -324,7 +330,8 @@ impl LlamaConfig {
         Ok(config)
     }
 
-    /// Checks that the dimensions are consistent.
+    /// Checks that the dimensions are consistent, and small enough that every weight's
+    /// size is a number ([`LlamaError::Config`] otherwise).
     pub fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(LlamaError::Config(msg));
         if self.vocab_size == 0 || self.d_model == 0 || self.n_layers == 0 {
@@ -350,6 +357,45 @@ impl LlamaConfig {
         }
         if self.ffn_hidden == 0 {
             return bad("ffn_hidden must be positive".into());
+        }
+        // Every weight's element count must be a number: a wrapped product would reach
+        // the loader's shape checks and the projection splitter as a small one.
+        let q_width = self.n_heads.checked_mul(self.head_dim);
+        let kv_width = self.n_kv_heads.checked_mul(self.head_dim);
+        let weights = [
+            (
+                "the query projection",
+                q_width.and_then(|w| w.checked_mul(self.d_model)),
+            ),
+            (
+                "a key/value projection",
+                kv_width.and_then(|w| w.checked_mul(self.d_model)),
+            ),
+            ("the embedding", self.vocab_size.checked_mul(self.d_model)),
+            (
+                "a feed-forward projection",
+                self.ffn_hidden.checked_mul(self.d_model),
+            ),
+        ];
+        for (what, elements) in weights {
+            if elements.is_none_or(|e| e > MAX_WEIGHT_ELEMENTS) {
+                return bad(format!(
+                    "{what} would have more than {MAX_WEIGHT_ELEMENTS} elements \
+                     (vocab_size {}, d_model {}, heads {}/{} of {}, ffn_hidden {})",
+                    self.vocab_size,
+                    self.d_model,
+                    self.n_heads,
+                    self.n_kv_heads,
+                    self.head_dim,
+                    self.ffn_hidden
+                ));
+            }
+        }
+        if self.n_layers > MAX_LAYERS {
+            return bad(format!(
+                "{} layers (at most {MAX_LAYERS} are accepted)",
+                self.n_layers
+            ));
         }
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
             return bad(format!("rms_norm_eps {} must be positive", self.norm_eps));
@@ -430,6 +476,38 @@ struct HfConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn absurd_dimensions_are_config_errors() {
+        let base = LlamaConfig::smollm2_135m();
+        let cases = [
+            LlamaConfig {
+                n_layers: 4_000_000_000,
+                ..base.clone()
+            },
+            LlamaConfig {
+                n_heads: usize::MAX / 32 * 3,
+                n_kv_heads: 3,
+                ..base.clone()
+            },
+            LlamaConfig {
+                head_dim: usize::MAX / 2 + 1,
+                ..base.clone()
+            },
+            LlamaConfig {
+                vocab_size: usize::MAX / 64,
+                ..base.clone()
+            },
+            LlamaConfig {
+                ffn_hidden: 1 << 40,
+                ..base.clone()
+            },
+        ];
+        for c in cases {
+            assert!(matches!(c.validate(), Err(LlamaError::Config(_))), "{c:?}");
+        }
+        assert!(base.validate().is_ok());
+    }
 
     #[test]
     fn presets_are_valid() {

@@ -383,6 +383,14 @@ fn hf_directory_gives_the_gguf_logits_and_typed_errors() {
         }
         other => panic!("expected ShapeMismatch, got {other:?}"),
     }
+    // Absurd or wrong layer counts: a typed error before anything is allocated for them.
+    for layers in [4_000_000_000u64, 31] {
+        let mut json = demo_config_json(576);
+        json["num_hidden_layers"] = layers.into();
+        write_json(&dir.join("config.json"), &json);
+        let err = load_hf(dir.path(), demo_tokenizer(&gguf), 256).expect_err("layer count");
+        assert!(matches!(err, LlamaError::Config(_)), "{layers}: {err:?}");
+    }
     write_json(&dir.join("config.json"), &demo_config_json(576));
 
     // One tensor missing (from its shard and from the index).

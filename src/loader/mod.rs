@@ -192,12 +192,20 @@ pub fn build_transformer<B: LlamaBackend>(
 ) -> Result<Transformer<B>> {
     config.validate()?;
     let c = config;
+    // The declared layer count must match the tensors present before anything is
+    // allocated for it.
+    if !source.contains(&layer_name(c.n_layers - 1, "input_layernorm.weight")) {
+        return Err(LlamaError::Config(format!(
+            "the configuration declares {} layers, the checkpoint's tensors do not",
+            c.n_layers
+        )));
+    }
     let tied = c.tie_embeddings || !source.contains("lm_head.weight");
     let mut w = WeightReader::<B> {
         source,
         progress,
         done: 0,
-        total: 2 + usize::from(!tied) + 9 * c.n_layers,
+        total: 2 + usize::from(!tied) + 9 * c.n_layers, // bounded by `validate`
         device: device.clone(),
         quantized: B::keeps_quantized_weights(),
         blocks: default_blocks::<B>(),

@@ -44,6 +44,25 @@ fn parse_error(path: &Path, file_len: usize, e: SafeTensorError) -> LlamaError {
     }
 }
 
+/// `dir/name` for a shard named in an index's `weight_map`, refused unless `name` is a
+/// relative path that stays inside `dir` (no `..`, no root, no drive prefix): a
+/// downloaded index must not make the loader open files elsewhere.
+fn shard_path(dir: &Path, name: &str, index_path: &Path) -> Result<PathBuf> {
+    let rel = Path::new(name);
+    let inside = !name.is_empty()
+        && rel
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+    if inside {
+        Ok(dir.join(rel))
+    } else {
+        Err(format_error(
+            index_path,
+            format!("weight_map names the file `{name}`, outside the model directory"),
+        ))
+    }
+}
+
 impl SafetensorsSource {
     /// Opens the checkpoint in a Hugging Face model directory: the index file if present,
     /// else `model.safetensors`.
@@ -65,7 +84,10 @@ impl SafetensorsSource {
                 .collect();
             files.sort();
             files.dedup();
-            let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+            let paths = files
+                .iter()
+                .map(|f| shard_path(dir, f, &index_path))
+                .collect::<Result<Vec<_>>>()?;
             return Self::open_files(&paths);
         }
         Self::open_files(&[dir.join("model.safetensors")])
@@ -168,6 +190,34 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let mut ok = SafetensorsSource::open_files(std::slice::from_ref(&path)).unwrap();
         assert_eq!(ok.read("w").unwrap().0, vec![8, 8]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_index_naming_files_outside_the_directory_is_refused() {
+        let dir = std::env::temp_dir().join(format!("llama-burn-st-index-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for shard in [
+            "../model.safetensors",
+            "sub/../../x.safetensors",
+            "/etc/passwd",
+            "",
+        ] {
+            let index = serde_json::json!({ "weight_map": { "w": shard } });
+            std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+            let err = SafetensorsSource::open_dir(&dir).err().unwrap();
+            assert!(
+                matches!(&err, LlamaError::InvalidFormat(m) if m.contains("outside the model directory")),
+                "{shard}: {err}"
+            );
+        }
+        // A shard in a subdirectory is fine (it is then simply missing here).
+        let index = serde_json::json!({ "weight_map": { "w": "shards/a.safetensors" } });
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        assert!(matches!(
+            SafetensorsSource::open_dir(&dir).err().unwrap(),
+            LlamaError::Io { .. }
+        ));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
