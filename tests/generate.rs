@@ -12,6 +12,22 @@ use llama_burn::sampling::{Sampler, TopP};
 fn bad_input_is_a_typed_error() {
     let mut llama = demo(64);
     let mut greedy = Sampler::Argmax;
+    // A cache built for another model (3 layers, not 30): an error, not an index panic.
+    let mut foreign = llama_burn::cache::KvCache::<common::B>::new(
+        3,
+        3,
+        64,
+        vec![0],
+        8,
+        8,
+        &llama_burn::backend::default_device(),
+    );
+    assert!(matches!(
+        llama
+            .model
+            .forward(&[1, 2], &mut foreign, llama_burn::model::Logits::Last),
+        Err(LlamaError::InvalidBatch(_))
+    ));
     assert!(matches!(
         llama.generate("", 5, 0.0, &mut greedy),
         Err(LlamaError::EmptyPrompt)

@@ -65,6 +65,21 @@ impl<B: Backend> KvCache<B> {
         }
     }
 
+    /// Layers of the cache.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Key/value heads per layer.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Values per head vector.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     /// Rows in the cache.
     pub fn batch(&self) -> usize {
         self.starts.len()

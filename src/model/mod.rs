@@ -381,6 +381,20 @@ impl<B: LlamaBackend> Transformer<B> {
         let batch = cache.batch();
         let seq = columns(tokens, batch)?;
         let c = &self.config;
+        if (cache.n_layers(), cache.kv_heads(), cache.head_dim())
+            != (c.n_layers, c.n_kv_heads, c.head_dim)
+        {
+            return Err(LlamaError::InvalidBatch(format!(
+                "the KV cache was built for another model ({} layers of {} x {}, this model \
+                 has {} of {} x {})",
+                cache.n_layers(),
+                cache.kv_heads(),
+                cache.head_dim(),
+                c.n_layers,
+                c.n_kv_heads,
+                c.head_dim
+            )));
+        }
         c.check_token_ids(tokens)?;
         cache.reserve(seq)?;
         let device = self.device.clone();
