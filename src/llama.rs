@@ -21,6 +21,10 @@ use crate::model::{Logits, Transformer};
 use crate::sampling::{Sampler, apply_repetition_penalty, validate_temperature};
 use crate::tokenizer::{GgufBpeTokenizer, HfTokenizer, StreamDecoder, Tokenizer};
 
+/// Most bytes of text one token covers, in any tokenizer this crate reads (the longest
+/// tokens of Llama-family vocabularies are a few dozen bytes): the bound that refuses an
+/// over-long prompt before it is tokenized.
+pub const MAX_TOKEN_BYTES: usize = 256;
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
@@ -321,6 +325,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         if prompt.is_empty() {
             return Err(LlamaError::EmptyPrompt);
         }
+        self.check_text_fits(prompt.len())?;
         let mut ids = self.tokenizer.encode(prompt, false, false)?;
         if ids.is_empty() {
             return Err(LlamaError::EmptyPrompt);
@@ -343,13 +348,36 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     pub fn encode_request(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
         let ids = match (&request.prompt_ids, &request.messages) {
             (Some(ids), _) => ids.clone(),
-            (None, Some(messages)) => self.tokenizer.encode_chat(messages, true)?,
+            (None, Some(messages)) => {
+                self.check_text_fits(
+                    messages
+                        .iter()
+                        .map(|m| m.content.len() + m.role.len())
+                        .sum(),
+                )?;
+                self.tokenizer.encode_chat(messages, true)?
+            }
             (None, None) => return self.encode_prompt(&request.prompt),
         };
         if ids.is_empty() {
             return Err(LlamaError::EmptyPrompt);
         }
         Ok(ids)
+    }
+
+    /// Refuses text of `bytes` bytes that cannot fit the context window whatever its
+    /// tokens: no token covers more than [`MAX_TOKEN_BYTES`] bytes. Checked before
+    /// tokenizing, so a huge prompt costs nothing on a thread other requests share.
+    fn check_text_fits(&self, bytes: usize) -> Result<()> {
+        let max = self.config().max_seq_len;
+        if bytes > max.saturating_mul(MAX_TOKEN_BYTES) {
+            return Err(LlamaError::invalid(
+                "prompt",
+                format!("{bytes} bytes"),
+                "longer than the context window can hold in any tokenization",
+            ));
+        }
+        Ok(())
     }
 
     /// Checks a prompt length and token budget against the context window.

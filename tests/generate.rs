@@ -32,6 +32,12 @@ fn bad_input_is_a_typed_error() {
         llama.generate("", 5, 0.0, &mut greedy),
         Err(LlamaError::EmptyPrompt)
     ));
+    // Far more bytes than the context can hold: refused before tokenizing.
+    let huge = "x".repeat(64 * llama_burn::llama::MAX_TOKEN_BYTES + 1);
+    assert!(matches!(
+        llama.generate(&huge, 5, 0.0, &mut greedy),
+        Err(LlamaError::InvalidParameter { name: "prompt", .. })
+    ));
     let long = "word ".repeat(200);
     assert!(matches!(
         llama.generate(&long, 5, 0.0, &mut greedy),

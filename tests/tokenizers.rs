@@ -241,6 +241,26 @@ fn chat_encoding_of_ordinary_messages_is_unchanged() {
     }
 }
 
+/// The longest text a single token of `tok` decodes to, in bytes.
+fn longest_token_bytes<T: Tokenizer + ?Sized>(tok: &T) -> usize {
+    (0..tok.vocab_size() as u32)
+        .filter_map(|id| tok.decode(&[id]).ok())
+        .map(|text| text.len())
+        .max()
+        .unwrap_or(0)
+}
+
+/// The bound `Llama` uses to refuse an over-long prompt before tokenizing holds for the
+/// demo model's vocabulary.
+#[test]
+fn no_token_is_longer_than_the_prompt_bound() {
+    let longest = longest_token_bytes(demo());
+    assert!(
+        longest > 4 && longest <= llama_burn::llama::MAX_TOKEN_BYTES,
+        "{longest}"
+    );
+}
+
 #[cfg(feature = "llama3")]
 mod llama3 {
     use super::*;
@@ -254,6 +274,15 @@ mod llama3 {
         )
         .expect("fetch tokenizer.model");
         Llama3Tokenizer::from_file(path).expect("Llama 3 tokenizer")
+    }
+
+    #[test]
+    fn no_token_is_longer_than_the_prompt_bound() {
+        let longest = longest_token_bytes(&llama3());
+        assert!(
+            longest > 4 && longest <= llama_burn::llama::MAX_TOKEN_BYTES,
+            "{longest}"
+        );
     }
 
     #[test]
