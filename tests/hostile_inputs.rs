@@ -221,3 +221,38 @@ fn random_text_round_trips_through_the_llama3_tokenizer() {
     let tok = llama_burn::tokenizer::Llama3Tokenizer::from_file(path).expect("tokenizer");
     round_trips(&tok, 2);
 }
+
+/// Very long runs of white space, digits and punctuation are split as the pre-tokenizer's
+/// pattern says, however long: the tokens of `x<run>y` are those of its pieces, encoded
+/// one by one (a regex that gave up on a long run would merge or drop pieces).
+#[test]
+fn long_runs_are_split_as_their_pattern_says() {
+    let path = llama_burn::demo::demo_model_path().expect("demo model");
+    let gguf = GgufFile::open(&path).expect("open demo GGUF");
+    let tok = GgufBpeTokenizer::from_gguf(&gguf).expect("tokenizer");
+    let enc = |s: &str| tok.encode_text(s).expect("encode");
+    for n in [10_000usize, 40_000] {
+        // White space: the run but its last character is one piece; the last character
+        // goes with the word after it.
+        for space in [" ", "\n"] {
+            let run = space.repeat(n);
+            let text = format!("x{run}y");
+            let mut want = enc("x");
+            want.extend(enc(&space.repeat(n - 1)));
+            want.extend(enc(&format!("{space}y")));
+            assert_eq!(enc(&text), want, "{n} x {space:?}");
+            assert_eq!(tok.decode(&enc(&text)).expect("decode"), text);
+        }
+        // Digits are split one by one.
+        let digits = "7".repeat(n);
+        let mut want = enc("x");
+        want.extend(std::iter::repeat_n(enc("7")[0], n));
+        assert_eq!(enc(&format!("x{digits}")), want, "{n} digits");
+        // A run of punctuation is one piece.
+        let bangs = "!".repeat(n);
+        let mut want = enc("x");
+        want.extend(enc(&bangs));
+        want.extend(enc("y"));
+        assert_eq!(enc(&format!("x{bangs}y")), want, "{n} x !");
+    }
+}
