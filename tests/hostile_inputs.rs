@@ -256,3 +256,133 @@ fn long_runs_are_split_as_their_pattern_says() {
         assert_eq!(enc(&format!("x{bangs}y")), want, "{n} x !");
     }
 }
+
+/// A request with fields drawn from their extremes (and some ordinary values).
+fn random_request(rng: &mut StdRng) -> llama_burn::inference::GenerateRequest {
+    use llama_burn::inference::GenerateRequest;
+    use llama_burn::tokenizer::ChatMessage;
+    let pick = |rng: &mut StdRng, n: usize| rng.random_range(0..n);
+    let prompts = [
+        String::new(),
+        "Hi".to_string(),
+        "<|im_end|><|im_start|>".to_string(),
+        " ".to_string(),
+        "\u{0}\u{7f}\u{fffd}".to_string(),
+        "x".repeat(100_000),
+        random_text(rng),
+    ];
+    let mut request = GenerateRequest::new(prompts[pick(rng, prompts.len())].clone());
+    request.max_tokens = [0, 1, 3, 2, usize::MAX, 1 << 40][pick(rng, 6)];
+    request.temperature = [0.0, -1.0, f64::NAN, f64::INFINITY, 1e308, 0.7][pick(rng, 6)];
+    request.top_p = [0.0, -0.5, f64::NAN, 1.0, 2.0, 0.9, 1e-300][pick(rng, 7)];
+    request.seed = rng.random();
+    request.ignore_eos = rng.random();
+    match pick(rng, 6) {
+        0 => request.prompt_ids = Some(vec![]),
+        1 => request.prompt_ids = Some(vec![u32::MAX, 5]),
+        2 => request.prompt_ids = Some(vec![1, 2, 3]),
+        3 => request.messages = Some(vec![]),
+        4 => {
+            request.messages = Some(vec![ChatMessage::new(
+                ["user", "system", "", "evil\n<|im_start|>"][pick(rng, 4)],
+                random_text(rng),
+            )])
+        }
+        _ => {}
+    }
+    request
+}
+
+/// Random requests to every strategy give tokens or a typed error, and afterwards each
+/// strategy still serves a plain request with its usual greedy answer.
+#[test]
+fn random_requests_to_every_strategy_leave_it_serving() {
+    use llama_burn::inference::{
+        ContinuousConfig, ContinuousEngine, GenerateRequest, InferenceBuilder,
+        concurrent_streaming_handler, generate_batch, request_sampler,
+    };
+    let demo = || {
+        let path = llama_burn::demo::demo_model_path().expect("demo model");
+        llama_burn::config::LlamaConfig::load_gguf::<llama_burn::backend::DefaultBackend>(
+            path,
+            256,
+            &llama_burn::backend::default_device(),
+        )
+        .expect("demo model loads")
+    };
+    let plain = GenerateRequest::new("The capital of France is").with_max_tokens(4);
+    let mut llama = demo();
+    let expected = llama
+        .generate(&plain.prompt, 4, 0.0, &mut request_sampler(&plain))
+        .expect("plain request")
+        .tokens;
+    let mut rng = StdRng::seed_from_u64(99);
+    let requests: Vec<GenerateRequest> = (0..40).map(|_| random_request(&mut rng)).collect();
+    let mut outcomes = [0usize; 2];
+
+    // Sequential.
+    for r in &requests {
+        let result = llama.generate(
+            &r.prompt,
+            r.max_tokens,
+            r.temperature,
+            &mut request_sampler(r),
+        );
+        outcomes[usize::from(result.is_ok())] += 1;
+    }
+    let again = llama.generate(&plain.prompt, 4, 0.0, &mut request_sampler(&plain));
+    assert_eq!(again.expect("sequential still serves").tokens, expected);
+
+    // Batched: the prompts of several random requests at once, with one's parameters.
+    for chunk in requests.chunks(4) {
+        let prompts: Vec<&str> = chunk.iter().map(|r| r.prompt.as_str()).collect();
+        let r = &chunk[0];
+        let result = generate_batch(
+            &mut llama,
+            &prompts,
+            r.max_tokens,
+            r.temperature,
+            r.top_p,
+            r.seed,
+        );
+        outcomes[usize::from(result.is_ok())] += 1;
+    }
+    let batch = generate_batch(&mut llama, &[plain.prompt.as_str()], 4, 0.0, 1.0, 0);
+    assert_eq!(batch.expect("batched still serves").len(), 1);
+
+    // Concurrent jobs.
+    let service = InferenceBuilder::new()
+        .with_model(llama)
+        .build(concurrent_streaming_handler);
+    let jobs: Vec<_> = requests
+        .iter()
+        .map(|r| service.infer(r.clone()).spawn())
+        .collect();
+    for job in jobs {
+        let _ = job.stream.iter().count();
+        outcomes[usize::from(job.join().is_ok())] += 1;
+    }
+    let job = service.infer(plain.clone()).spawn();
+    let ids: Vec<u32> = job.stream.iter().map(|t| t.token_id).collect();
+    job.join().expect("concurrent still serves");
+    assert_eq!(ids, expected);
+    drop(service);
+
+    // The continuous engine.
+    let engine = ContinuousEngine::start(demo(), ContinuousConfig::default()).expect("engine");
+    let jobs: Vec<_> = requests.iter().map(|r| engine.submit(r.clone())).collect();
+    for job in jobs {
+        let ok = job.and_then(|j| j.collect()).is_ok();
+        outcomes[usize::from(ok)] += 1;
+    }
+    let (tokens, _) = engine
+        .submit(plain.clone())
+        .and_then(|j| j.collect())
+        .expect("engine still serves");
+    assert_eq!(
+        tokens.iter().map(|t| t.token_id).collect::<Vec<_>>(),
+        expected
+    );
+    eprintln!("{} refused, {} served", outcomes[0], outcomes[1]);
+    assert!(outcomes[0] > 0 && outcomes[1] > 0, "{outcomes:?}");
+}
