@@ -514,6 +514,13 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         })
     }
 
+    /// The handle that queues requests, while the engine runs.
+    fn client(&self) -> Result<&EngineClient> {
+        self.client
+            .as_ref()
+            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))
+    }
+
     /// Queues a request. Fails at once with [`LlamaError::Overloaded`] when
     /// `max_waiting` requests are already waiting; other problems with the request
     /// arrive as its `Done` event.
@@ -528,11 +535,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         request: GenerateRequest,
         cancel: CancelToken,
     ) -> Result<EngineJob> {
-        let client = self
-            .client
-            .as_ref()
-            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
-        client.submit_events(request, cancel, false)
+        self.client()?.submit_events(request, cancel, false)
     }
 
     /// Like [`submit_with_cancel`](Self::submit_with_cancel), and the job's first event
@@ -545,11 +548,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         request: GenerateRequest,
         cancel: CancelToken,
     ) -> Result<EngineJob> {
-        let client = self
-            .client
-            .as_ref()
-            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
-        client.submit_events(request, cancel, true)
+        self.client()?.submit_events(request, cancel, true)
     }
 
     /// Queues `request` with a handler that receives its events on the engine thread
@@ -568,11 +567,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         cancel: CancelToken,
         on_event: impl Fn(EngineEvent) -> bool + Send + 'static,
     ) -> Result<u64> {
-        let client = self
-            .client
-            .as_ref()
-            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
-        client
+        self.client()?
             .send(request, Sink::Handler(Box::new(on_event)), cancel)
             .map_err(|refused| refused.1)
     }
