@@ -10,7 +10,7 @@
 //!
 //! Attention reads a step's rows through their block tables: on the CPU backend our
 //! kernel reads the pool in place ([`paged_attention`](crate::kernels::attention::paged_attention));
-//! elsewhere [`gather_blocks`] copies the blocks of a group of rows into one
+//! elsewhere `gather_blocks` copies the blocks of a group of rows into one
 //! `[rows, n_kv_heads, blocks * block_size, head_dim]` tensor for the backend's fused
 //! attention, and that copy is dropped when the layer's attention returns.
 //!

@@ -29,7 +29,7 @@ pub trait TensorSource {
     /// Reads a tensor as row-major f32 with its shape (PyTorch order).
     fn read(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
     /// Reads a 2-D tensor in its block format, if it is stored in one the CPU kernels
-    /// take ([`QuantFormat`](crate::kernels::QuantFormat)); `None` otherwise. Rows are in
+    /// take ([`QuantFormat`]); `None` otherwise. Rows are in
     /// Hugging Face order, as [`read`](Self::read) gives them.
     fn read_quantized(&mut self, _name: &str) -> Result<Option<QuantMatrix>> {
         Ok(None)
