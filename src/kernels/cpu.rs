@@ -344,17 +344,34 @@ fn columns(
         if scratch.len() < len {
             scratch.resize(len, 0.0);
         }
-        panels(
-            path,
-            tiles,
-            x,
-            rows,
-            w,
-            (start, end),
-            panel_rows,
-            target,
-            scratch,
-        )
+        for first in (start..end).step_by(panel_rows) {
+            let n = panel_rows.min(end - first);
+            for g in (0..n).step_by(GROUP_ROWS) {
+                let count = GROUP_ROWS.min(n - g);
+                let rows_of_group = &mut scratch[g * n_in..(g + count) * n_in];
+                dequantize_group(path, w, first + g, rows_of_group)?;
+            }
+            row_tiles(
+                tiles,
+                x,
+                rows,
+                n_in,
+                first,
+                n,
+                target,
+                |c0, cols, acts, out| {
+                    let mut weights: [&[f32]; 8] = [&[]; 8];
+                    for (slot, w) in weights
+                        .iter_mut()
+                        .zip(scratch.chunks_exact(n_in).skip(c0).take(cols))
+                    {
+                        *slot = w;
+                    }
+                    dot_tile(path, &weights[..cols], acts, out);
+                },
+            );
+        }
+        Ok(())
     })
 }
 
@@ -362,55 +379,6 @@ thread_local! {
     /// Each worker thread's scratch rows, kept between calls (a panel is at most
     /// [`PANEL_BYTES`], or one group of a very wide matrix).
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// The scratch-row part of [`columns`]: outputs `start..end` a panel of `panel_rows`
-/// weight rows at a time, dequantized into `scratch`.
-#[allow(clippy::too_many_arguments)]
-fn panels(
-    path: SimdPath,
-    tiles: Tiles,
-    x: &[f32],
-    rows: usize,
-    w: &QuantMatrix,
-    (start, end): (usize, usize),
-    panel_rows: usize,
-    target: &Columns,
-    scratch: &mut [f32],
-) -> Result<()> {
-    let n_in = w.cols();
-    for first in (start..end).step_by(panel_rows) {
-        let n = panel_rows.min(end - first);
-        for g in (0..n).step_by(GROUP_ROWS) {
-            let count = GROUP_ROWS.min(n - g);
-            dequantize_group(
-                path,
-                w,
-                first + g,
-                &mut scratch[g * n_in..(g + count) * n_in],
-            )?;
-        }
-        row_tiles(
-            tiles,
-            x,
-            rows,
-            n_in,
-            first,
-            n,
-            target,
-            |c0, cols, acts, out| {
-                let mut weights: [&[f32]; 8] = [&[]; 8];
-                for (slot, w) in weights
-                    .iter_mut()
-                    .zip(scratch.chunks_exact(n_in).skip(c0).take(cols))
-                {
-                    *slot = w;
-                }
-                dot_tile(path, &weights[..cols], acts, out);
-            },
-        );
-    }
-    Ok(())
 }
 
 /// Runs `tile(c0, cols, acts, out)` over every row tile and column tile of outputs
