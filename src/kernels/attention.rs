@@ -257,30 +257,11 @@ pub fn paged_attention(
     };
     let (k, v) = (view(pool.keys), view(pool.values));
     let groups = n_heads / heads;
-    let path = SimdPath::active();
-    let scale = 1.0 / (dim as f32).sqrt();
-    let mut out = vec![0f32; q.len()];
-    out.par_chunks_mut(dim)
-        .with_min_len(8)
-        .enumerate()
-        .for_each_init(
-            || Scores::with_capacity(0),
-            |scores, (index, o)| {
-                let (b, position) = owner[index / n_heads];
-                let query = Query {
-                    q: &q[index * dim..(index + 1) * dim],
-                    hidden: None,
-                    k: &k,
-                    v: &v,
-                    b,
-                    h: (index % n_heads) / groups,
-                    keys: position + 1,
-                    scale,
-                };
-                attend_on(path, &query, scores, o);
-            },
-        );
-    Ok(out)
+    Ok(attend_queries(q, dim, &k, &v, 0, |index| {
+        let (b, position) = owner[index / n_heads];
+        let h = (index % n_heads) / groups;
+        (b, h, None, position + 1)
+    }))
 }
 
 /// `softmax(q k^T / sqrt(dim), masked) v` over contiguous slices: returns
@@ -382,24 +363,42 @@ pub fn attention_laid_out(
         }
         check("mask", m.len(), batch * mask_heads * queries * keys)?;
     }
+    Ok(attend_queries(q, dim, &k, &v, keys, |index| {
+        let (b, h, i) = layout.locate(index, heads, queries);
+        let mask_base = (b * mask_heads + if mask_heads == 1 { 0 } else { h }) * queries;
+        let hidden = mask.map(|m| &m[(mask_base + i) * keys..(mask_base + i + 1) * keys]);
+        (b, h, hidden, keys)
+    }))
+}
+
+/// Attention of every `dim`-value query vector of `q` (the output has their layout):
+/// `locate(index)` says which row and key/value head query `index` belongs to, which
+/// keys it may not see, and how many keys it has. Every query is independent: the work
+/// is split by queries, not only by (row, head) (a prompt's 3 key/value heads on 2 cores
+/// left one core idle a third of the time).
+fn attend_queries<'a, 'm, V: KvView<'a>>(
+    q: &[f32],
+    dim: usize,
+    k: &V,
+    v: &V,
+    keys_hint: usize,
+    locate: impl Fn(usize) -> (usize, usize, Option<&'m [bool]>, usize) + Sync,
+) -> Vec<f32> {
     let path = SimdPath::active();
     let scale = 1.0 / (dim as f32).sqrt();
     let mut out = vec![0f32; q.len()];
-    // Every query is independent: split the work by queries, not only by (row, head)
-    // (a prompt's 3 key/value heads on 2 cores left one core idle a third of the time).
     out.par_chunks_mut(dim)
         .with_min_len(8)
         .enumerate()
         .for_each_init(
-            || Scores::with_capacity(keys),
-            |scores, (qi_index, o)| {
-                let (b, h, i) = layout.locate(qi_index, heads, queries);
-                let mask_base = (b * mask_heads + if mask_heads == 1 { 0 } else { h }) * queries;
+            || Scores::with_capacity(keys_hint),
+            |scores, (index, o)| {
+                let (b, h, hidden, keys) = locate(index);
                 let query = Query {
-                    q: &q[qi_index * dim..(qi_index + 1) * dim],
-                    hidden: mask.map(|m| &m[(mask_base + i) * keys..(mask_base + i + 1) * keys]),
-                    k: &k,
-                    v: &v,
+                    q: &q[index * dim..(index + 1) * dim],
+                    hidden,
+                    k,
+                    v,
                     b,
                     h,
                     keys,
@@ -408,7 +407,7 @@ pub fn attention_laid_out(
                 attend_on(path, &query, scores, o);
             },
         );
-    Ok(out)
+    out
 }
 
 /// The visible keys of one query and their scores (then probabilities), in key order.
