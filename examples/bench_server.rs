@@ -56,6 +56,10 @@ struct Args {
     /// Turns per conversation in multi-turn mode.
     #[arg(long, default_value_t = 4)]
     turns: usize,
+    /// Mean pause between a conversation's turns in milliseconds (exponentially
+    /// distributed, seeded): the user reading and typing.
+    #[arg(long, default_value_t = 0.0)]
+    think_ms: f64,
     /// A server's base URL whose /metrics to read before and after (repeat for each
     /// replica behind a balancer) for the prefix-cache hit tokens.
     #[arg(long)]
@@ -96,9 +100,14 @@ async fn conversation(
     i: usize,
 ) -> Vec<Sample> {
     let session = format!("bench-{}-{i}", args.seed);
+    let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(i as u64));
     let mut messages = vec![json!({"role": "system", "content": SYSTEM})];
     let mut samples = Vec::with_capacity(args.turns);
     for turn in 0..args.turns {
+        if turn > 0 && args.think_ms > 0.0 {
+            let u: f64 = rng.random_range(f64::EPSILON..1.0);
+            tokio::time::sleep(Duration::from_secs_f64(-u.ln() * args.think_ms / 1e3)).await;
+        }
         let question = QUESTIONS[(i + turn) % QUESTIONS.len()];
         messages.push(json!({"role": "user", "content": question}));
         let sample = one(&client, &args, &model, &messages, Some(&session)).await;
@@ -264,6 +273,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         return Err("--rate must be a positive number".into());
     }
+    if !(args.think_ms.is_finite() && args.think_ms >= 0.0) {
+        return Err("--think-ms must be a number of milliseconds".into());
+    }
     let client = reqwest::Client::new();
     let model = match &args.model {
         Some(m) => m.clone(),
@@ -347,6 +359,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "requests": samples.len(),
         "conversations": args.conversations,
         "turns": args.conversations.map(|_| args.turns),
+        "think_ms": args.conversations.map(|_| args.think_ms),
         "rate": args.rate,
         "max_tokens": args.max_tokens,
         "completed": ok.len(),
