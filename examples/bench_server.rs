@@ -93,12 +93,7 @@ struct Sample {
 
 /// A multi-turn conversation: each turn asks the next question after the earlier turns
 /// and their answers.
-async fn conversation(
-    client: reqwest::Client,
-    args: Args,
-    model: String,
-    i: usize,
-) -> Vec<Sample> {
+async fn conversation(client: reqwest::Client, args: Args, model: String, i: usize) -> Vec<Sample> {
     let session = format!("bench-{}-{i}", args.seed);
     let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(i as u64));
     let mut messages = vec![json!({"role": "system", "content": SYSTEM})];
@@ -323,8 +318,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .map(|(i, offset)| {
                 let (client, args, model) = (client.clone(), args.clone(), model.clone());
                 tokio::spawn(async move {
-                    tokio::time::sleep_until(tokio::time::Instant::from_std(start + offset))
-                        .await;
+                    tokio::time::sleep_until(tokio::time::Instant::from_std(start + offset)).await;
                     let question = QUESTIONS[i % QUESTIONS.len()];
                     let messages = [json!({"role": "user", "content": question})];
                     one(&client, &args, &model, &messages, None).await

@@ -278,7 +278,6 @@ pub trait LlamaBackend: Backend {
     }
 }
 
-/// An error unless `weight` has one value per column of `x`.
 /// Row-major `[rows, cols]` host data as a tensor on `device`, uploaded whole, or in blocks
 /// of rows of at most [`LlamaBackend::max_upload_bytes`] concatenated on the device.
 pub(crate) fn upload_matrix<B: LlamaBackend>(
@@ -303,6 +302,7 @@ pub(crate) fn upload_matrix<B: LlamaBackend>(
     }
 }
 
+/// An error unless `weight` has one value per column of `x`.
 fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) -> Result<()> {
     let [_, d] = x.dims();
     if weight.dims() == [d] {

@@ -239,7 +239,10 @@ async fn request_id_header_comes_back() {
     }
     for id in [None, Some("has space"), Some("quote\"")] {
         let response = send(id, false).await.unwrap();
-        let header = response.headers()["x-request-id"].to_str().unwrap().to_string();
+        let header = response.headers()["x-request-id"]
+            .to_str()
+            .unwrap()
+            .to_string();
         let body: Value = response.json().await.unwrap();
         assert_eq!(header, body["id"].as_str().unwrap(), "{id:?}");
     }
