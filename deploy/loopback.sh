@@ -118,9 +118,28 @@ wait_state() {
   return 1
 }
 
+# Waits until replica N itself answers /health with 200 (its model is loaded).
+wait_healthy() {
+  local n=$1 timeout=${2:-300}
+  for _ in $(seq $((timeout * 10))); do
+    curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$(replica_port "$n")/health" 2>/dev/null && return 0
+    if ! alive "$LB_DIR/replica$n.pid"; then
+      log "replica $n exited; the end of its log:"
+      tail -5 "$LB_DIR/replica$n.log" >&2
+      return 1
+    fi
+    sleep 0.1
+  done
+  log "replica $n not healthy after ${timeout}s"
+  return 1
+}
+
 up() {
   start_replica 1
   start_replica 2
+  # HAProxy 3.0 counts a server UP from its start until checks fail: start it once the
+  # replicas are ready, so that no request meets a replica that is still loading.
+  wait_healthy 1 && wait_healthy 2
   start_balancer
   wait_state 1 UP && wait_state 2 UP
   log "up: http://$LB_ADDR"
