@@ -14,6 +14,7 @@ use crate::cache::{KvCache, KvLedger, KvLimits, KvReservation, KvUsage};
 pub use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::inference::GenerateRequest;
+use crate::inference::request::check_request_size;
 use crate::loader::gguf::GgufFile;
 use crate::loader::safetensors::SafetensorsSource;
 use crate::loader::{GgufSource, ProgressFn, build_transformer, terminal_progress};
@@ -382,27 +383,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
 
     /// Checks a prompt length and token budget against the context window.
     pub fn check_budget(&self, prompt_len: usize, max_tokens: usize) -> Result<()> {
-        let max = self.config().max_seq_len;
-        if prompt_len == 0 {
-            return Err(LlamaError::EmptyPrompt);
-        }
-        if max_tokens == 0 {
-            return Err(LlamaError::invalid("max_tokens", 0, "must be at least 1"));
-        }
-        if max_tokens > max {
-            return Err(LlamaError::invalid(
-                "max_tokens",
-                max_tokens,
-                "exceeds the model's context window",
-            ));
-        }
-        if prompt_len >= max {
-            return Err(LlamaError::PromptTooLong {
-                tokens: prompt_len,
-                max: max - 1,
-            });
-        }
-        Ok(())
+        check_request_size(Some(prompt_len), max_tokens, self.config().max_seq_len)
     }
 
     /// Prepares a request: tokenizes and validates, nothing heavier. The prompt is
