@@ -1,11 +1,24 @@
-//! Reading checkpoints: GGUF files and Hugging Face safetensors directories.
+//! Loading, all of it: GGUF files, Hugging Face safetensors directories and (feature
+//! `pretrained`) hub downloads.
 //!
-//! Both formats are read through [`TensorSource`], which hands out tensors by their
-//! Hugging Face names as row-major f32 data; [`build_transformer`] assembles the model
-//! from any source, so the two formats cannot drift apart.
+//! - `load.rs`: the entry points, [`LlamaConfig::load_gguf`], [`LlamaConfig::load_hf_dir`],
+//!   the `*_pretrained` constructors, and the configuration readers
+//!   [`LlamaConfig::from_gguf`] / [`LlamaConfig::from_hf_json`];
+//! - [`gguf`]: the GGUF file reader; `ggml.rs`: the ggml type table (ids, names, block
+//!   layouts) that the reader and [`dequant`] share; [`dequant`]: ggml blocks to `f32`;
+//! - [`safetensors`]: safetensors files and shards;
+//! - `pretrained` (feature `pretrained`): hub downloads;
+//! - this file: [`TensorSource`], which hands out tensors by their Hugging Face names as
+//!   row-major f32 data, and [`build_transformer`], which assembles the model from any
+//!   source, so the formats cannot drift apart.
 
 pub mod dequant;
+mod ggml;
 pub mod gguf;
+mod load;
+#[cfg(feature = "pretrained")]
+#[cfg_attr(docsrs, doc(cfg(feature = "pretrained")))]
+pub mod pretrained;
 pub mod safetensors;
 
 use std::io::IsTerminal;

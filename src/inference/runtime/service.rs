@@ -22,11 +22,11 @@ use crate::error::{LlamaError, Result};
 /// handler that is a struct, and pass it to [`InferenceBuilder::build_handler`].
 pub trait Handler<M, I, O>: Send + Sync + 'static {
     /// Serves one job. Return `Err(LlamaError::Cancelled)` when stopping because of
-    /// cancellation; the error (or `Ok`) is what [`Job::join`] reports.
+    /// cancellation; the error (or `Ok`) is what [`Job::join`](super::Job::join) reports.
     ///
     /// # Errors
     ///
-    /// Whatever the handler decides; it reaches [`Job::join`] unchanged.
+    /// Whatever the handler decides; it reaches [`Job::join`](super::Job::join) unchanged.
     fn handle(
         &self,
         input: In<I>,
