@@ -415,9 +415,7 @@ mod tests {
 
     #[test]
     fn cancel_mid_stream_stops_the_job() {
-        let inference = InferenceBuilder::new()
-            .with_model(Toy::new())
-            .build(endless_handler);
+        let inference = endless_inference();
         let job = inference.infer(()).spawn();
         let first: Vec<u32> = job.stream.iter().take(3).collect();
         assert_eq!(first, vec![0, 1, 2]);
@@ -437,9 +435,7 @@ mod tests {
 
     #[test]
     fn cancel_from_another_thread_via_token() {
-        let inference = InferenceBuilder::new()
-            .with_model(Toy::new())
-            .build(endless_handler);
+        let inference = endless_inference();
         let job = inference.infer(()).spawn();
         assert_eq!(job.stream.recv(), Some(0));
         let token = job.cancel_token();

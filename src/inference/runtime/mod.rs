@@ -163,6 +163,13 @@ mod testkit {
             .build(steps_handler)
     }
 
+    /// A service running [`endless_handler`] on a fresh toy model.
+    pub(super) fn endless_inference() -> Inference<Toy, (), u32> {
+        InferenceBuilder::new()
+            .with_model(Toy::new())
+            .build(endless_handler)
+    }
+
     /// Emits 0, 1, 2, ... until told to stop (via emit failing).
     pub(super) fn endless_handler(
         _input: In<()>,

@@ -368,9 +368,7 @@ mod tests {
         assert!(matches!(handle.join(), Err(LlamaError::Cancelled)));
 
         // Dropping the whole job (stream included) stops an endless emitter too.
-        let endless = InferenceBuilder::new()
-            .with_model(Toy::new())
-            .build(endless_handler);
+        let endless = endless_inference();
         let job = endless.infer(()).spawn();
         let token = job.cancel_token();
         assert_eq!(job.stream.recv(), Some(0));
