@@ -19,7 +19,7 @@ use crate::inference::GenerateRequest;
 use crate::inference::request::check_request_size;
 use crate::model::{Logits, Transformer};
 use crate::sampling::{Sampler, apply_repetition_penalty, validate_temperature};
-use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::tokenizer::{DynTokenizer, StreamDecoder, Tokenizer};
 
 /// Most bytes of text one token covers, in any tokenizer this crate reads (the longest
 /// tokens of Llama-family vocabularies are a few dozen bytes): the bound that refuses an
@@ -211,7 +211,7 @@ impl<B: LlamaBackend> GenerationState<B> {
 
 /// A Llama-architecture model with its tokenizer, on backend `B`.
 #[derive(Debug)]
-pub struct Llama<B: LlamaBackend, T: Tokenizer> {
+pub struct Llama<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
     /// The transformer.
     pub model: Transformer<B>,
     /// The tokenizer.

@@ -5,6 +5,7 @@
 //! [`crate::config`].
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -17,9 +18,7 @@ use crate::backend::LlamaBackend;
 use crate::config::{LlamaConfig, RopeFrequencies, RopeScaling};
 use crate::error::{LlamaError, Result};
 use crate::llama::Llama;
-#[cfg(all(feature = "pretrained", feature = "llama3"))]
-use crate::tokenizer::Llama3Tokenizer;
-use crate::tokenizer::{GgufBpeTokenizer, HfTokenizer, Tokenizer};
+use crate::tokenizer::{DynTokenizer, GgufBpeTokenizer, HfTokenizer, Tokenizer};
 
 impl LlamaConfig {
     /// Reads the configuration from a GGUF file's `llama.*` metadata. The RoPE factors
@@ -139,14 +138,14 @@ impl LlamaConfig {
         Ok(config)
     }
 
-    /// Loads a GGUF checkpoint with its embedded tokenizer, allocating for `max_seq_len`
-    /// tokens of context. Shows progress on a terminal. On the CPU backend Q8_0, Q4_0,
+    /// Loads a GGUF checkpoint with its embedded tokenizer (as a [`DynTokenizer`]),
+    /// allocating for `max_seq_len` tokens of context. Shows progress on a terminal. On the CPU backend Q8_0, Q4_0,
     /// Q4_1, Q4_K and Q6_K weights stay quantized; everything else is dequantized to f32.
     pub fn load_gguf<B: LlamaBackend>(
         path: impl AsRef<Path>,
         max_seq_len: usize,
         device: &B::Device,
-    ) -> Result<Llama<B, GgufBpeTokenizer>> {
+    ) -> Result<Llama<B, DynTokenizer>> {
         let path = path.as_ref();
         let label = format!("loading {}", path.display());
         let mut progress = terminal_progress(&label);
@@ -159,24 +158,25 @@ impl LlamaConfig {
         max_seq_len: usize,
         device: &B::Device,
         progress: ProgressFn<'_>,
-    ) -> Result<Llama<B, GgufBpeTokenizer>> {
+    ) -> Result<Llama<B, DynTokenizer>> {
         let gguf = GgufFile::open(path)?;
         let config = Self::from_gguf(&gguf)?.checked_max_seq_len(max_seq_len)?;
-        let tokenizer = GgufBpeTokenizer::from_gguf(&gguf)?;
+        let tokenizer: DynTokenizer = Arc::new(GgufBpeTokenizer::from_gguf(&gguf)?);
         let mut source = GgufSource::new(&gguf, &config);
         let model = build_transformer(&config, &mut source, device, progress)?;
         Llama::new(model, tokenizer)
     }
 
     /// Loads a Hugging Face model directory (`config.json`, `model.safetensors` or
-    /// shards with `model.safetensors.index.json`, `tokenizer.json`).
+    /// shards with `model.safetensors.index.json`, `tokenizer.json`), with its tokenizer
+    /// as a [`DynTokenizer`].
     pub fn load_hf_dir<B: LlamaBackend>(
         dir: impl AsRef<Path>,
         max_seq_len: usize,
         device: &B::Device,
-    ) -> Result<Llama<B, HfTokenizer>> {
+    ) -> Result<Llama<B, DynTokenizer>> {
         let dir = dir.as_ref();
-        let tokenizer = HfTokenizer::from_dir(dir)?;
+        let tokenizer: DynTokenizer = Arc::new(HfTokenizer::from_dir(dir)?);
         let label = format!("loading {}", dir.display());
         let mut progress = terminal_progress(&label);
         Self::load_hf_dir_with_tokenizer(dir, tokenizer, max_seq_len, device, &mut progress)
@@ -227,7 +227,7 @@ impl LlamaConfig {
     pub fn llama3_2_1b_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
-    ) -> Result<Llama<B, Llama3Tokenizer>> {
+    ) -> Result<Llama<B, DynTokenizer>> {
         pretrained::load_llama3(
             &pretrained::LLAMA3_2_1B_INSTRUCT,
             Self::llama3_2_1b(),
@@ -257,7 +257,7 @@ impl LlamaConfig {
     pub fn llama3_2_3b_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
-    ) -> Result<Llama<B, Llama3Tokenizer>> {
+    ) -> Result<Llama<B, DynTokenizer>> {
         pretrained::load_llama3(
             &pretrained::LLAMA3_2_3B_INSTRUCT,
             Self::llama3_2_3b(),
@@ -288,7 +288,7 @@ impl LlamaConfig {
     pub fn llama3_1_8b_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
-    ) -> Result<Llama<B, Llama3Tokenizer>> {
+    ) -> Result<Llama<B, DynTokenizer>> {
         pretrained::load_llama3(
             &pretrained::LLAMA3_1_8B_INSTRUCT,
             Self::llama3_1_8b(),
@@ -319,7 +319,7 @@ impl LlamaConfig {
     pub fn llama3_8b_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
-    ) -> Result<Llama<B, Llama3Tokenizer>> {
+    ) -> Result<Llama<B, DynTokenizer>> {
         pretrained::load_llama3(
             &pretrained::LLAMA3_8B_INSTRUCT,
             Self::llama3_8b(),
@@ -355,7 +355,7 @@ impl LlamaConfig {
     pub fn tiny_llama_pretrained<B: LlamaBackend>(
         max_seq_len: usize,
         device: &B::Device,
-    ) -> Result<Llama<B, HfTokenizer>> {
+    ) -> Result<Llama<B, DynTokenizer>> {
         Self::tiny_llama().checked_max_seq_len(max_seq_len)?;
         let dir = pretrained::TINY_LLAMA_1_1B_CHAT.download()?;
         Self::load_hf_dir(&dir, max_seq_len, device)

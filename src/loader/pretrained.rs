@@ -50,7 +50,7 @@ use crate::error::{LlamaError, Result};
 #[cfg(feature = "llama3")]
 use crate::llama::Llama;
 #[cfg(feature = "llama3")]
-use crate::tokenizer::Llama3Tokenizer;
+use crate::tokenizer::{DynTokenizer, Llama3Tokenizer};
 
 /// Name of the single weights file of an unsharded checkpoint.
 pub const SINGLE_WEIGHTS_FILE: &str = "model.safetensors";
@@ -346,11 +346,13 @@ pub(super) fn load_llama3<B: LlamaBackend>(
     preset: LlamaConfig,
     max_seq_len: usize,
     device: &B::Device,
-) -> Result<Llama<B, Llama3Tokenizer>> {
+) -> Result<Llama<B, DynTokenizer>> {
     // Refuse an impossible context before downloading gigabytes.
     preset.checked_max_seq_len(max_seq_len)?;
     let dir = model.download()?;
-    let tokenizer = Llama3Tokenizer::from_file(dir.join("original").join("tokenizer.model"))?;
+    let tokenizer: DynTokenizer = std::sync::Arc::new(Llama3Tokenizer::from_file(
+        dir.join("original").join("tokenizer.model"),
+    )?);
     let label = format!("loading {}", model.repo_id);
     let mut progress = super::terminal_progress(&label);
     LlamaConfig::load_hf_dir_with_tokenizer(&dir, tokenizer, max_seq_len, device, &mut progress)

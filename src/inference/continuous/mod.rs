@@ -62,7 +62,7 @@ pub use crate::cache::KvBudget;
 use crate::cache::paged::block_bytes;
 use crate::error::{LlamaError, Result};
 use crate::llama::{Llama, StopReason};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{DynTokenizer, Tokenizer};
 
 /// Sizing of a [`ContinuousEngine`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -447,7 +447,7 @@ impl EngineClient {
 /// The continuous-batching engine: a model on its own thread serving every submitted
 /// request in a running batch over a paged KV cache. Dropping it cancels what is left
 /// and stops the thread; [`ContinuousEngine::shutdown`] finishes the queue first.
-pub struct ContinuousEngine<B: LlamaBackend, T: Tokenizer> {
+pub struct ContinuousEngine<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
     client: Option<EngineClient>,
     shared: Arc<Shared>,
     config: ContinuousConfig,
