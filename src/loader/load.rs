@@ -139,8 +139,9 @@ impl LlamaConfig {
     }
 
     /// Loads a GGUF checkpoint with its embedded tokenizer (as a [`DynTokenizer`]),
-    /// allocating for `max_seq_len` tokens of context. Shows progress on a terminal. On the CPU backend Q8_0, Q4_0,
-    /// Q4_1, Q4_K and Q6_K weights stay quantized; everything else is dequantized to f32.
+    /// allocating for `max_seq_len` tokens of context. Shows progress on a terminal. On
+    /// the CPU backend Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights stay quantized; everything
+    /// else is dequantized to f32.
     pub fn load_gguf<B: LlamaBackend>(
         path: impl AsRef<Path>,
         max_seq_len: usize,
@@ -205,8 +206,8 @@ impl LlamaConfig {
     /// [Llama 3.2 1B Instruct](https://huggingface.co/meta-llama/Llama-3.2-1B-Instruct),
     /// allocating for `max_seq_len` tokens of context (at most 131 072).
     ///
-    /// The repository is gated: see the [module documentation](crate::loader::pretrained) for the
-    /// token. Fails with [`LlamaError::InvalidParameter`] for an impossible
+    /// The repository is gated: see the
+    /// [module documentation](crate::loader::pretrained) for the token. Fails with [`LlamaError::InvalidParameter`] for an impossible
     /// `max_seq_len` (before downloading anything), [`LlamaError::Download`] when the
     /// files cannot be fetched, and the loader's errors for a damaged checkpoint.
     ///

@@ -12,8 +12,10 @@ use crate::error::{LlamaError, Result};
 
 /// The devices a model's tensors live on.
 ///
-/// [`InferenceBuilder::build`](super::InferenceBuilder::build) reads them once, on the model thread, and a job asking for
-/// devices ([`JobBuilder::with_devices`](super::JobBuilder::with_devices)) is only run if the model lives on one of them.
+/// [`InferenceBuilder::build`](super::InferenceBuilder::build) reads them once, on the
+/// model thread, and a job asking for devices
+/// ([`JobBuilder::with_devices`](super::JobBuilder::with_devices)) is only run if the
+/// model lives on one of them.
 ///
 /// ```
 /// use llama_burn::inference::ModelDevice;
@@ -145,8 +147,8 @@ fn model_gone() -> LlamaError {
 
 /// A dedicated thread that owns a model and runs submitted closures on it in FIFO order.
 ///
-/// [`InferenceBuilder`](super::InferenceBuilder) uses one internally; use it directly to build other serving
-/// strategies on the same pattern. The thread stops, dropping the model, once the
+/// [`InferenceBuilder`](super::InferenceBuilder) uses one internally; use it directly to
+/// build other serving strategies on the same pattern. The thread stops, dropping the model, once the
 /// `ModelHost` and every [`ModelAccessor`] from it are gone.
 ///
 /// ```

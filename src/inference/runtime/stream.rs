@@ -112,8 +112,8 @@ impl fmt::Debug for CancelToken {
 
 /// Where a handler sends its results; the job's [`JobStream`] receives them in order.
 ///
-/// Clones feed the same stream (handy to emit from inside a [`ModelAccessor::submit`](super::ModelAccessor::submit)
-/// closure). Whatever happens, the job's stream ends when its handler returns; an
+/// Clones feed the same stream (handy to emit from inside a
+/// [`ModelAccessor::submit`](super::ModelAccessor::submit) closure). Whatever happens, the job's stream ends when its handler returns; an
 /// `OutStream` kept past that point refuses further items.
 pub struct OutStream<O> {
     pub(super) items: Sender<O>,
