@@ -112,26 +112,26 @@ impl SimdPath {
 /// that width; `$plain` should be `#[inline(always)]`), or as it is on other paths.
 /// `[$generics]` are the copy's generic parameters, when `$plain` has any.
 macro_rules! on_simd_path {
+    (@copy $features:tt, $plain:ident [$($generics:tt)*] ($($arg:ident: $ty:ty),*)) => {{
+        #[target_feature(enable = $features)]
+        fn wide<$($generics)*>($($arg: $ty),*) {
+            $plain($($arg),*)
+        }
+        // SAFETY: the path is supported by this CPU (`SimdPath::active`).
+        unsafe { wide($($arg),*) }
+    }};
     ($path:expr, $plain:ident $([$($generics:tt)*])? ($($arg:ident: $ty:ty),* $(,)?)) => {
         match $path {
             #[cfg(target_arch = "x86_64")]
-            $crate::kernels::cpu::SimdPath::Avx512 => {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-                fn wide$(<$($generics)*>)?($($arg: $ty),*) {
-                    $plain($($arg),*)
-                }
-                // SAFETY: the path is supported by this CPU (`SimdPath::active`).
-                unsafe { wide($($arg),*) }
-            }
+            $crate::kernels::cpu::SimdPath::Avx512 => $crate::kernels::cpu::on_simd_path!(
+                @copy "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+                $plain [$($($generics)*)?] ($($arg: $ty),*)
+            ),
             #[cfg(target_arch = "x86_64")]
-            $crate::kernels::cpu::SimdPath::Avx2 => {
-                #[target_feature(enable = "avx2,fma,f16c")]
-                fn wide$(<$($generics)*>)?($($arg: $ty),*) {
-                    $plain($($arg),*)
-                }
-                // SAFETY: as above.
-                unsafe { wide($($arg),*) }
-            }
+            $crate::kernels::cpu::SimdPath::Avx2 => $crate::kernels::cpu::on_simd_path!(
+                @copy "avx2,fma,f16c",
+                $plain [$($($generics)*)?] ($($arg: $ty),*)
+            ),
             _ => $plain($($arg),*),
         }
     };
