@@ -13,8 +13,7 @@ use crate::backend::LlamaBackend;
 
 use crate::cache::{KvCache, KvReservation};
 use crate::error::{LlamaError, Result};
-use crate::llama::{GenerationState, Llama, logits_to_vec};
-use crate::model::Logits;
+use crate::llama::{GenerationState, Llama};
 use crate::sampling::{Sampler, TopP, validate_temperature, validate_top_p};
 use crate::tokenizer::Tokenizer;
 
@@ -247,12 +246,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             .cache
             .as_mut()
             .ok_or_else(|| LlamaError::Runtime("batch lost its cache".into()))?;
-        let logits = if first {
-            self.model.forward_prompt(&input, cache)?
-        } else {
-            self.model.forward(&input, cache, Logits::Last)?
-        };
-        let logits = logits_to_vec(logits)?;
+        let logits = self.step_logits(&input, cache, first)?;
         let vocab = self.config().vocab_size;
 
         let mut still_running = Vec::with_capacity(state.active.len());

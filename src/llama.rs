@@ -481,12 +481,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             .cache
             .as_mut()
             .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
-        let logits = if first {
-            self.model.forward_prompt(&input, cache)?
-        } else {
-            self.model.forward(&input, cache, Logits::Last)?
-        };
-        let logits = logits_to_vec(logits)?;
+        let logits = self.step_logits(&input, cache, first)?;
         let token = state.sample_next(&logits, temperature, sampler)?;
         Ok(self.accept_token(state, token))
     }
@@ -585,6 +580,25 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             .chunks(vocab)
             .map(<[f32]>::to_vec)
             .collect())
+    }
+}
+
+impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
+    /// One generation step's forward pass over `input` (row-major, one row per cache row):
+    /// the prompts on the `first` step (read in chunks), else each row's last token. Returns
+    /// the logits of each row's last position on the host, `[rows, vocab]` row-major.
+    pub(crate) fn step_logits(
+        &self,
+        input: &[u32],
+        cache: &mut KvCache<B>,
+        first: bool,
+    ) -> Result<Vec<f32>> {
+        let logits = if first {
+            self.model.forward_prompt(input, cache)?
+        } else {
+            self.model.forward(input, cache, Logits::Last)?
+        };
+        logits_to_vec(logits)
     }
 }
 
