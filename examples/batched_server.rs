@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use common::{B, load_model};
+use common::{B, run_on_model};
 use llama_burn::inference::generate_batch;
 use llama_burn::llama::Llama;
 use llama_burn::sampling::Sampler;
@@ -129,8 +129,5 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
 
 fn main() {
     let args = Args::parse();
-    if let Err(e) = load_model(args.model.as_deref(), 2048).and_then(|llama| run(&args, llama)) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    run_on_model(args.model.as_deref(), 2048, |llama| run(&args, llama));
 }

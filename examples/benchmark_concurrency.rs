@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::{B, context_length, load_model, model_name, peak_rss_bytes, reset_peak_rss};
+use common::{
+    B, context_length, exit_on_error, load_model, model_name, peak_rss_bytes, reset_peak_rss,
+};
 use llama_burn::cache::{KvBudget, KvLimits};
 use llama_burn::inference::{
     ContinuousConfig, GenerateRequest, InferenceBuilder, concurrent_streaming_handler,
@@ -498,10 +500,8 @@ fn main() {
         Some(n) => Ok(n),
         None => context_length(args.model.as_deref()),
     };
-    if let Err(e) = max_seq_len
-        .and_then(|n| load_model(args.model.as_deref(), n).and_then(|llama| run(&args, llama)))
-    {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    exit_on_error(
+        max_seq_len
+            .and_then(|n| load_model(args.model.as_deref(), n).and_then(|llama| run(&args, llama))),
+    );
 }

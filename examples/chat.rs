@@ -11,7 +11,7 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
 use clap::Parser;
-use common::{B, load_model};
+use common::{B, run_on_model};
 use llama_burn::llama::Llama;
 use llama_burn::sampling::{Sampler, TopP};
 use llama_burn::tokenizer::{ChatMessage, Tokenizer};
@@ -89,10 +89,7 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
 
 fn main() {
     let args = Args::parse();
-    if let Err(e) =
-        load_model(args.model.as_deref(), args.max_seq_len).and_then(|llama| run(&args, llama))
-    {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    run_on_model(args.model.as_deref(), args.max_seq_len, |llama| {
+        run(&args, llama)
+    });
 }

@@ -13,7 +13,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use clap::Parser;
-use common::{B, load_model};
+use common::{B, run_on_model};
 use llama_burn::inference::{GenerateRequest, InferenceBuilder, concurrent_streaming_handler};
 use llama_burn::llama::Llama;
 
@@ -133,8 +133,5 @@ fn run(args: &Args, llama: Llama<B>) -> llama_burn::Result<()> {
 
 fn main() {
     let args = Args::parse();
-    if let Err(e) = load_model(args.model.as_deref(), 2048).and_then(|llama| run(&args, llama)) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    run_on_model(args.model.as_deref(), 2048, |llama| run(&args, llama));
 }

@@ -24,6 +24,23 @@ pub fn load_model(model: Option<&Path>, max_seq_len: usize) -> Result<Llama<B>> 
     }
 }
 
+/// Loads the model, runs `job` on it, and exits with the error if either fails.
+pub fn run_on_model(
+    model: Option<&Path>,
+    max_seq_len: usize,
+    job: impl FnOnce(Llama<B>) -> Result<()>,
+) {
+    exit_on_error(load_model(model, max_seq_len).and_then(job));
+}
+
+/// Prints the error and exits with status 1 if `result` is one.
+pub fn exit_on_error(result: Result<()>) {
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// Name of the model for reports.
 pub fn model_name(model: Option<&Path>) -> String {
     match model {
