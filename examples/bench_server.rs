@@ -8,6 +8,13 @@
 //! cargo run --release --example bench_server -- --requests 16                # all at once
 //! cargo run --release --example bench_server -- --requests 32 --rate 2 --json # Poisson, 2 req/s
 //! ```
+//!
+//! With `--conversations C --turns T` it runs C multi-turn conversations at once instead:
+//! each turn sends the whole conversation so far (the earlier answers included) with an
+//! `X-Session-Id` header, as a chat application does. With `--metrics-url` (once per
+//! replica) it reads each server's prefix-cache counters before and after, and reports
+//! how many prompt tokens were served from the cache: the measure of session stickiness
+//! behind a load balancer (see DEPLOYMENT.md).
 
 use std::time::{Duration, Instant};
 
@@ -43,6 +50,20 @@ struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Multi-turn mode: this many conversations at once (instead of --requests).
+    #[arg(long)]
+    conversations: Option<usize>,
+    /// Turns per conversation in multi-turn mode.
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// Mean pause between a conversation's turns in milliseconds (exponentially
+    /// distributed, seeded): the user reading and typing.
+    #[arg(long, default_value_t = 0.0)]
+    think_ms: f64,
+    /// A server's base URL whose /metrics to read before and after (repeat for each
+    /// replica behind a balancer) for the prefix-cache hit tokens.
+    #[arg(long)]
+    metrics_url: Vec<String>,
 }
 
 const QUESTIONS: &[&str] = &[
@@ -66,6 +87,62 @@ struct Sample {
     itl: Vec<Duration>,
     e2e: Duration,
     output_tokens: usize,
+    /// The answer's text.
+    text: String,
+}
+
+/// A multi-turn conversation: each turn asks the next question after the earlier turns
+/// and their answers.
+async fn conversation(client: reqwest::Client, args: Args, model: String, i: usize) -> Vec<Sample> {
+    let session = format!("bench-{}-{i}", args.seed);
+    let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(i as u64));
+    let mut messages = vec![json!({"role": "system", "content": SYSTEM})];
+    let mut samples = Vec::with_capacity(args.turns);
+    for turn in 0..args.turns {
+        if turn > 0 && args.think_ms > 0.0 {
+            let u: f64 = rng.random_range(f64::EPSILON..1.0);
+            tokio::time::sleep(Duration::from_secs_f64(-u.ln() * args.think_ms / 1e3)).await;
+        }
+        let question = QUESTIONS[(i + turn) % QUESTIONS.len()];
+        messages.push(json!({"role": "user", "content": question}));
+        let sample = one(&client, &args, &model, &messages, Some(&session)).await;
+        let ok = sample.ok;
+        messages.push(json!({"role": "assistant", "content": sample.text}));
+        samples.push(sample);
+        if !ok {
+            break;
+        }
+    }
+    samples
+}
+
+/// The system prompt of multi-turn conversations (a shared prefix, as applications have).
+const SYSTEM: &str = "You are a helpful assistant. Answer briefly and precisely.";
+
+/// The sum over `urls` of the prefix-cache (queries, hits) counters in tokens.
+async fn prefix_cache_counters(client: &reqwest::Client, urls: &[String]) -> (f64, f64) {
+    let mut totals = (0.0, 0.0);
+    for url in urls {
+        let Ok(response) = client.get(format!("{url}/metrics")).send().await else {
+            continue;
+        };
+        let Ok(text) = response.text().await else {
+            continue;
+        };
+        for line in text.lines() {
+            let mut parts = line.split_whitespace();
+            let (Some(name), Some(value)) = (parts.next(), parts.next()) else {
+                continue;
+            };
+            let value: f64 = value.parse().unwrap_or(0.0);
+            if name.starts_with("llama_burn:prefix_cache_queries_total") {
+                totals.0 += value;
+            } else if name.starts_with("llama_burn:prefix_cache_hits_total") {
+                totals.1 += value;
+            }
+        }
+    }
+    totals
 }
 
 fn request(client: &reqwest::Client, args: &Args) -> reqwest::RequestBuilder {
@@ -76,10 +153,17 @@ fn request(client: &reqwest::Client, args: &Args) -> reqwest::RequestBuilder {
     }
 }
 
-async fn one(client: reqwest::Client, args: Args, model: String, i: usize) -> Sample {
+/// One streamed chat request; `session` goes in an `X-Session-Id` header.
+async fn one(
+    client: &reqwest::Client,
+    args: &Args,
+    model: &str,
+    messages: &[Value],
+    session: Option<&str>,
+) -> Sample {
     let body = json!({
         "model": model,
-        "messages": [{"role": "user", "content": QUESTIONS[i % QUESTIONS.len()]}],
+        "messages": messages,
         "max_tokens": args.max_tokens,
         "temperature": 0,
         "stream": true,
@@ -87,7 +171,11 @@ async fn one(client: reqwest::Client, args: Args, model: String, i: usize) -> Sa
     });
     let start = Instant::now();
     let mut sample = Sample::default();
-    let response = match request(&client, &args).json(&body).send().await {
+    let mut builder = request(client, args).json(&body);
+    if let Some(session) = session {
+        builder = builder.header("x-session-id", session);
+    }
+    let response = match builder.send().await {
         Ok(r) => r,
         Err(e) => {
             sample.error = Some(e.to_string());
@@ -128,14 +216,14 @@ async fn one(client: reqwest::Client, args: Args, model: String, i: usize) -> Sa
             if let Some(n) = value["usage"]["completion_tokens"].as_u64() {
                 sample.output_tokens = n as usize;
             }
-            let has_text = value["choices"].as_array().is_some_and(|c| {
-                c.iter().any(|c| {
-                    c["delta"]["content"]
-                        .as_str()
-                        .is_some_and(|t| !t.is_empty())
-                })
-            });
-            if has_text {
+            let text: String = value["choices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c["delta"]["content"].as_str())
+                .collect();
+            if !text.is_empty() {
+                sample.text.push_str(&text);
                 let now = Instant::now();
                 match last {
                     None => sample.ttft = Some(now - start),
@@ -180,6 +268,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         return Err("--rate must be a positive number".into());
     }
+    if !(args.think_ms.is_finite() && args.think_ms >= 0.0) {
+        return Err("--think-ms must be a number of milliseconds".into());
+    }
     let client = reqwest::Client::new();
     let model = match &args.model {
         Some(m) => m.clone(),
@@ -210,23 +301,45 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
 
+    let cache_before = prefix_cache_counters(&client, &args.metrics_url).await;
     let start = Instant::now();
-    let tasks: Vec<_> = offsets
-        .into_iter()
-        .enumerate()
-        .map(|(i, offset)| {
-            let (client, args, model) = (client.clone(), args.clone(), model.clone());
-            tokio::spawn(async move {
-                tokio::time::sleep_until(tokio::time::Instant::from_std(start + offset)).await;
-                one(client, args, model, i).await
+    let mut samples = Vec::new();
+    if let Some(conversations) = args.conversations {
+        let tasks: Vec<_> = (0..conversations)
+            .map(|i| tokio::spawn(conversation(client.clone(), args.clone(), model.clone(), i)))
+            .collect();
+        for task in tasks {
+            samples.extend(task.await?);
+        }
+    } else {
+        let tasks: Vec<_> = offsets
+            .into_iter()
+            .enumerate()
+            .map(|(i, offset)| {
+                let (client, args, model) = (client.clone(), args.clone(), model.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep_until(tokio::time::Instant::from_std(start + offset)).await;
+                    let question = QUESTIONS[i % QUESTIONS.len()];
+                    let messages = [json!({"role": "user", "content": question})];
+                    one(&client, &args, &model, &messages, None).await
+                })
             })
-        })
-        .collect();
-    let mut samples = Vec::with_capacity(tasks.len());
-    for task in tasks {
-        samples.push(task.await?);
+            .collect();
+        for task in tasks {
+            samples.push(task.await?);
+        }
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let cache_after = prefix_cache_counters(&client, &args.metrics_url).await;
+    let prefix_cache = (!args.metrics_url.is_empty()).then(|| {
+        let queries = cache_after.0 - cache_before.0;
+        let hits = cache_after.1 - cache_before.1;
+        json!({
+            "prompt_tokens": queries,
+            "hit_tokens": hits,
+            "hit_rate": if queries > 0.0 { hits / queries } else { 0.0 },
+        })
+    });
 
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
     let failed = samples.len() - ok.len();
@@ -237,7 +350,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let e2e = stats(ok.iter().map(|s| ms(&s.e2e)).collect());
     let report = json!({
         "model": model,
-        "requests": args.requests,
+        "requests": samples.len(),
+        "conversations": args.conversations,
+        "turns": args.conversations.map(|_| args.turns),
+        "think_ms": args.conversations.map(|_| args.think_ms),
         "rate": args.rate,
         "max_tokens": args.max_tokens,
         "completed": ok.len(),
@@ -250,17 +366,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "itl_ms": itl,
         "e2e_ms": e2e,
         "errors": samples.iter().filter_map(|s| s.error.clone()).take(5).collect::<Vec<_>>(),
+        "prefix_cache": prefix_cache,
     });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    let rate = args
-        .rate
-        .map_or("all at once".to_string(), |r| format!("Poisson {r} req/s"));
+    let arrivals = match (args.conversations, args.rate) {
+        (Some(c), _) => format!("{c} conversations of {} turns at once", args.turns),
+        (None, Some(r)) => format!("Poisson {r} req/s"),
+        (None, None) => "all at once".to_string(),
+    };
     println!(
-        "{} requests to {} ({rate}), {} tokens max",
-        args.requests, args.url, args.max_tokens
+        "{} requests to {} ({arrivals}), {} tokens max",
+        samples.len(),
+        args.url,
+        args.max_tokens
     );
     println!("completed {} / failed {failed} in {elapsed:.2} s", ok.len());
     println!(
@@ -275,6 +396,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             s["p50"].as_f64().unwrap_or(f64::NAN),
             s["p95"].as_f64().unwrap_or(f64::NAN),
             s["p99"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    if let Some(cache) = &report["prefix_cache"].as_object() {
+        println!(
+            "prefix cache: {} of {} prompt tokens were hits ({:.1}%)",
+            cache["hit_tokens"],
+            cache["prompt_tokens"],
+            cache["hit_rate"].as_f64().unwrap_or(0.0) * 100.0
         );
     }
     if let Some(errors) = report["errors"].as_array().filter(|e| !e.is_empty()) {

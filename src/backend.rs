@@ -120,6 +120,13 @@ pub trait LlamaBackend: Backend {
         false
     }
 
+    /// The largest weight, in bytes, that loading hands to the backend in one piece;
+    /// larger matrices go in blocks of rows, concatenated on the device. The default,
+    /// `None`, is no limit.
+    fn max_upload_bytes() -> Option<usize> {
+        None
+    }
+
     /// `x @ W^T` for activations `x` `[rows, in]` and a quantized `W` `[out, in]`:
     /// `[rows, out]`. The default dequantizes `W` and uses Burn's matmul.
     ///
@@ -268,6 +275,30 @@ pub trait LlamaBackend: Backend {
                 is_causal: false,
             },
         ))
+    }
+}
+
+/// Row-major `[rows, cols]` host data as a tensor on `device`, uploaded whole, or in blocks
+/// of rows of at most [`LlamaBackend::max_upload_bytes`] concatenated on the device.
+pub(crate) fn upload_matrix<B: LlamaBackend>(
+    data: Vec<f32>,
+    [rows, cols]: [usize; 2],
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    let row_bytes = cols.max(1) * std::mem::size_of::<f32>();
+    match B::max_upload_bytes() {
+        Some(limit) if rows > 1 && rows * row_bytes > limit => {
+            let block_rows = (limit / row_bytes).max(1);
+            let blocks = data
+                .chunks(block_rows * cols.max(1))
+                .map(|block| {
+                    let n = block.len() / cols.max(1);
+                    Tensor::from_data(TensorData::new(block.to_vec(), [n, cols]), device)
+                })
+                .collect();
+            Tensor::cat(blocks, 0)
+        }
+        _ => Tensor::from_data(TensorData::new(data, [rows, cols]), device),
     }
 }
 
@@ -601,3 +632,22 @@ impl LlamaBackend for burn::backend::Wgpu {}
 
 #[cfg(feature = "vulkan")]
 impl LlamaBackend for burn::backend::Vulkan {}
+
+/// Burn's remote backend: every tensor operation goes to the server's device, so the
+/// portable defaults (dequantized weights, Burn's operations) are the only path; our CPU
+/// kernels run on host memory and never see the server's tensors.
+#[cfg(feature = "remote")]
+impl LlamaBackend for burn::backend::RemoteBackend {
+    /// Burn 0.21's client sends a tensor's data as one WebSocket message and its server
+    /// (axum's defaults) closes the connection on a message over 16 MiB, so weights go in
+    /// blocks of 8 MiB (the demo model's 113 MB embedding table would not load).
+    fn max_upload_bytes() -> Option<usize> {
+        Some(8 << 20)
+    }
+}
+
+/// Burn's router over the CPU backend: the operations the remote backend sends, run in
+/// this process without a network (the control of examples/remote_backend.rs, which
+/// separates the cost of the portable path from the cost of the wire). Portable defaults.
+#[cfg(all(feature = "remote", feature = "flex"))]
+impl LlamaBackend for burn::backend::Router<(burn::backend::Flex, burn::backend::Flex)> {}

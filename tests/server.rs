@@ -218,6 +218,36 @@ async fn chat_completion_equals_generate() {
     assert_eq!(usage["total_tokens"].as_u64().unwrap(), prompt + completion);
 }
 
+/// `X-Request-Id`: a well-formed one comes back (streamed or not), a malformed one is
+/// replaced by the response's own id, and without one the response id is sent.
+#[tokio::test]
+async fn request_id_header_comes_back() {
+    let url = format!("{}/v1/chat/completions", base());
+    let send = |id: Option<&'static str>, stream: bool| {
+        let mut body = chat_body("Hi", 2);
+        body["stream"] = json!(stream);
+        let mut request = client().post(&url).json(&body);
+        if let Some(id) = id {
+            request = request.header("x-request-id", id);
+        }
+        request.send()
+    };
+    for stream in [false, true] {
+        let response = send(Some("lb-7f3a:2"), stream).await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["x-request-id"], "lb-7f3a:2");
+    }
+    for id in [None, Some("has space"), Some("quote\"")] {
+        let response = send(id, false).await.unwrap();
+        let header = response.headers()["x-request-id"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(header, body["id"].as_str().unwrap(), "{id:?}");
+    }
+}
+
 #[tokio::test]
 async fn streamed_chat_equals_generate_and_reports_usage() {
     let question = "Name three colours.";

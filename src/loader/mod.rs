@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use burn::tensor::{Tensor, TensorData};
 
-use crate::backend::LlamaBackend;
+use crate::backend::{LlamaBackend, upload_matrix};
 
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
@@ -148,8 +148,9 @@ impl<B: LlamaBackend> WeightReader<'_, '_, B> {
             return Ok(VocabMatrix::Quantized(Arc::new(m)));
         }
         let data = self.f32(name, &[vocab, d])?;
-        Ok(VocabMatrix::Dense(Tensor::from_data(
-            TensorData::new(data, [vocab, d]),
+        Ok(VocabMatrix::Dense(upload_matrix::<B>(
+            data,
+            [vocab, d],
             &self.device,
         )))
     }

@@ -9,10 +9,10 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn::tensor::{Tensor, backend::Backend};
 use rayon::prelude::*;
 
-use crate::backend::LlamaBackend;
+use crate::backend::{LlamaBackend, upload_matrix};
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
 
@@ -77,29 +77,6 @@ impl<B: Backend> Projection<B> {
         })
     }
 
-    /// A projection from row-major `[in, out]` host data, split into `blocks` contiguous
-    /// column blocks (fewer if `out` is small).
-    pub fn from_host(data: &[f32], dims: [usize; 2], blocks: usize, device: &B::Device) -> Self {
-        let [rows, cols] = dims;
-        let blocks = blocks.clamp(1, cols.div_ceil(64).max(1));
-        let width = cols.div_ceil(blocks);
-        let parts: Vec<Tensor<B, 2>> = (0..cols)
-            .step_by(width)
-            .map(|start| {
-                let end = (start + width).min(cols);
-                let mut block = Vec::with_capacity(rows * (end - start));
-                for r in 0..rows {
-                    block.extend_from_slice(&data[r * cols + start..r * cols + end]);
-                }
-                Tensor::<B, 2>::from_data(TensorData::new(block, [rows, end - start]), device)
-            })
-            .collect();
-        Self {
-            parts: parts.into_iter().map(Part::Dense).collect(),
-            dims,
-        }
-    }
-
     /// `[in, out]`.
     pub fn dims(&self) -> [usize; 2] {
         self.dims
@@ -123,6 +100,29 @@ impl<B: Backend> Projection<B> {
 }
 
 impl<B: LlamaBackend> Projection<B> {
+    /// A projection from row-major `[in, out]` host data, split into `blocks` contiguous
+    /// column blocks (fewer if `out` is small).
+    pub fn from_host(data: &[f32], dims: [usize; 2], blocks: usize, device: &B::Device) -> Self {
+        let [rows, cols] = dims;
+        let blocks = blocks.clamp(1, cols.div_ceil(64).max(1));
+        let width = cols.div_ceil(blocks);
+        let parts: Vec<Tensor<B, 2>> = (0..cols)
+            .step_by(width)
+            .map(|start| {
+                let end = (start + width).min(cols);
+                let mut block = Vec::with_capacity(rows * (end - start));
+                for r in 0..rows {
+                    block.extend_from_slice(&data[r * cols + start..r * cols + end]);
+                }
+                upload_matrix::<B>(block, [rows, end - start], device)
+            })
+            .collect();
+        Self {
+            parts: parts.into_iter().map(Part::Dense).collect(),
+            dims,
+        }
+    }
+
     /// `x @ W` for `x` of shape `[rows, in]`.
     ///
     /// # Errors
@@ -150,11 +150,29 @@ impl<B: LlamaBackend> Projection<B> {
 }
 
 /// How many column blocks to split projections into on backend `B`: one per core on
-/// Burn's CPU backend (Flex), one elsewhere (GPU backends parallelise each product).
+/// Burn's CPU backend (Flex), one elsewhere (GPU backends parallelise each product; a
+/// router or remote backend over Flex sends each product as one operation).
 pub fn default_blocks<B: Backend>() -> usize {
-    if std::any::type_name::<B>().contains("burn_flex") {
+    if std::any::type_name::<B>().starts_with("burn_flex::") {
         std::thread::available_parallelism().map_or(1, usize::from)
     } else {
         1
+    }
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use burn::backend::Flex;
+
+    #[test]
+    fn one_block_per_core_only_on_flex_itself() {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        assert_eq!(super::default_blocks::<Flex>(), cores);
+        // A router over Flex names Flex in its type, and sends each product as one op.
+        #[cfg(feature = "remote")]
+        assert_eq!(
+            super::default_blocks::<burn::backend::Router<(Flex, Flex)>>(),
+            1
+        );
     }
 }

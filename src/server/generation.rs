@@ -66,6 +66,8 @@ struct Choice {
 pub(crate) struct Generation {
     shared: Arc<Shared>,
     id: u64,
+    /// The client's `X-Request-Id`, or the response id: logged with the request.
+    request_id: String,
     endpoint: Endpoint,
     started: Instant,
     events: mpsc::UnboundedReceiver<(usize, EngineEvent)>,
@@ -80,6 +82,7 @@ impl Generation {
         shared: Arc<Shared>,
         endpoint: Endpoint,
         specs: Vec<ChoiceSpec>,
+        request_id: String,
     ) -> Result<Self, ApiError> {
         let engine = shared.engine()?;
         let (tx, events) = mpsc::unbounded_channel();
@@ -87,6 +90,7 @@ impl Generation {
         let mut generation = Self {
             shared: shared.clone(),
             id,
+            request_id,
             endpoint,
             started: Instant::now(),
             events,
@@ -287,6 +291,7 @@ impl Drop for Generation {
             let reasons: Vec<&str> = self.choices.iter().filter_map(|c| c.finish).collect();
             tracing::info!(
                 request = self.id,
+                request_id = self.request_id.as_str(),
                 endpoint = self.endpoint.object(),
                 choices = self.choices.len(),
                 prompt_tokens = usage.prompt_tokens,

@@ -12,7 +12,7 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -52,6 +52,7 @@ pub(super) fn router(shared: Arc<Shared>) -> Router {
 async fn log_request(request: Request, next: Next) -> Response {
     let method = request.method().clone();
     let path = request.uri().path().to_string();
+    let request_id = client_request_id(request.headers()).unwrap_or_default();
     let start = Instant::now();
     let response = next.run(request).await;
     let status = response.status();
@@ -61,11 +62,21 @@ async fn log_request(request: Request, next: Next) -> Response {
             %method,
             path = path.as_str(),
             status = status.as_u16(),
+            request_id = request_id.as_str(),
             ms = start.elapsed().as_millis() as u64,
             "request"
         );
     }
     response
+}
+
+/// The client's `X-Request-Id`, if it is 1 to 128 characters of `[A-Za-z0-9._:-]` (so
+/// that it is safe to log and to send back). A balancer or gateway that sets it can match
+/// its own log lines to the replica's.
+fn client_request_id(headers: &HeaderMap) -> Option<String> {
+    let id = headers.get("x-request-id")?.to_str().ok()?;
+    let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | ':' | '-');
+    ((1..=128).contains(&id.len()) && id.chars().all(safe)).then(|| id.to_string())
 }
 
 /// Compares in time independent of where the strings differ.
@@ -173,6 +184,7 @@ fn check_model(shared: &Shared, model: Option<&str>) -> Result<(), ApiError> {
 
 async fn chat_completions(
     State(shared): AppState,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let request: ChatCompletionRequest = parse_body(&shared, body)?;
@@ -188,12 +200,14 @@ async fn chat_completions(
         vec![PromptInput::Chat(messages)],
         sampling,
         default_max,
+        client_request_id(&headers),
     )
     .await
 }
 
 async fn completions(
     State(shared): AppState,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let request: CompletionRequest = parse_body(&shared, body)?;
@@ -210,6 +224,7 @@ async fn completions(
         prompts,
         sampling,
         default_max,
+        client_request_id(&headers),
     )
     .await
 }
@@ -277,6 +292,7 @@ async fn run(
     prompts: Vec<PromptInput>,
     sampling: Sampling,
     default_max_tokens: Option<usize>,
+    request_id: Option<String>,
 ) -> Result<Response, ApiError> {
     let max_seq_len = shared.engine()?.max_seq_len();
     let max_tokens = sampling
@@ -290,15 +306,23 @@ async fn run(
         created: super::unix_now(),
         model: shared.config.served_model_name.clone(),
     };
-    let generation = Generation::start(shared, endpoint, specs).await?;
-    if sampling.stream {
+    // The client's id, or else the response's own: the replica's log line carries it,
+    // and so does the response.
+    let request_id = request_id.unwrap_or_else(|| envelope.id.clone());
+    let header_value = HeaderValue::from_str(&request_id).ok();
+    let generation = Generation::start(shared, endpoint, specs, request_id).await?;
+    let mut response = if sampling.stream {
         let events = sse_events(generation, envelope, sampling.include_usage);
-        Ok(Sse::new(events)
+        Sse::new(events)
             .keep_alive(KeepAlive::default())
-            .into_response())
+            .into_response()
     } else {
-        whole_response(generation, envelope).await
+        whole_response(generation, envelope).await?
+    };
+    if let Some(value) = header_value {
+        response.headers_mut().insert("x-request-id", value);
     }
+    Ok(response)
 }
 
 /// Waits for every choice and answers with one JSON object. If the client goes away
