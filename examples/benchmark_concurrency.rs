@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::{
-    B, WithModel, context_length, model_name, peak_rss_bytes, reset_peak_rss, with_model,
+    B, context_length, exit_on_error, load_model, model_name, peak_rss_bytes, reset_peak_rss,
 };
 use llama_burn::cache::{KvBudget, KvLimits};
 use llama_burn::inference::{
@@ -107,7 +107,7 @@ const PROMPTS: &[&str] = &[
 
 /// A passage of exactly `tokens` tokens (as the model's tokenizer counts them) that every
 /// prompt starts with when `--shared-prefix-tokens` is set.
-fn shared_prefix<T: Tokenizer>(llama: &Llama<B, T>, tokens: usize) -> llama_burn::Result<String> {
+fn shared_prefix(llama: &Llama<B>, tokens: usize) -> llama_burn::Result<String> {
     if tokens == 0 {
         return Ok(String::new());
     }
@@ -221,8 +221,8 @@ fn summarise(
     })
 }
 
-fn sequential<T: Tokenizer>(
-    llama: &mut Llama<B, T>,
+fn sequential(
+    llama: &mut Llama<B>,
     reqs: &[GenerateRequest],
     arrive: &[Duration],
 ) -> llama_burn::Result<(Duration, Vec<Trace>, Memory)> {
@@ -253,8 +253,8 @@ fn sequential<T: Tokenizer>(
 
 /// Static batching: each batch takes every request that has arrived (up to
 /// `max_batch`) and runs until its last row ends; later arrivals wait for the next batch.
-fn batched<T: Tokenizer>(
-    llama: &mut Llama<B, T>,
+fn batched(
+    llama: &mut Llama<B>,
     reqs: &[GenerateRequest],
     arrive: &[Duration],
     max_batch: usize,
@@ -349,151 +349,149 @@ fn through_service<M: llama_burn::inference::ModelDevice + Send + 'static>(
     Ok((wall, traces))
 }
 
-impl WithModel for &Args {
-    type Output = ();
-    fn run<T: Tokenizer>(self, mut llama: Llama<B, T>) -> llama_burn::Result<()> {
-        let prefix = shared_prefix(&llama, self.shared_prefix_tokens)?;
-        let reqs: Vec<GenerateRequest> = (0..self.requests)
-            .map(|i| request(i, self, &prefix))
-            .collect();
-        let wanted: Vec<&str> = self.strategies.split(',').map(str::trim).collect();
-        for s in &wanted {
-            if !["sequential", "concurrent", "batched", "continuous"].contains(s) {
-                return Err(llama_burn::LlamaError::invalid(
-                    "strategies",
-                    s,
-                    "unknown strategy",
-                ));
-            }
+/// What the example does with the loaded model.
+fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
+    let prefix = shared_prefix(&llama, args.shared_prefix_tokens)?;
+    let reqs: Vec<GenerateRequest> = (0..args.requests)
+        .map(|i| request(i, args, &prefix))
+        .collect();
+    let wanted: Vec<&str> = args.strategies.split(',').map(str::trim).collect();
+    for s in &wanted {
+        if !["sequential", "concurrent", "batched", "continuous"].contains(s) {
+            return Err(llama_burn::LlamaError::invalid(
+                "strategies",
+                s,
+                "unknown strategy",
+            ));
         }
-        if let Some(tokens) = self.kv_budget_tokens {
-            llama.set_kv_limits(KvLimits {
-                budget: KvBudget::Tokens(tokens),
-                ..KvLimits::default_for(llama.config().max_seq_len)
-            })?;
-        }
-        let arrive = arrivals(self);
-        // Warm up (first-touch allocations, thread pools) outside the measurements.
-        llama.generate("Warm up", 4, 0.0, &mut Sampler::Argmax)?;
-        let mut results = Vec::new();
-        let mut report = |name: &str, (wall, traces, memory): (Duration, Vec<Trace>, Memory)| {
-            let summary = summarise(name, wall, &traces, &memory);
-            if !self.json {
-                println!(
-                    "{name:>11}: {:6.2} s wall, {:4} tokens, {:7.1} tokens/s, TTFT p50 {:7.0} ms p95 {:7.0} ms, TPOT p50 {:6.1} ms p95 {:6.1} ms",
-                    summary["wall_s"].as_f64().unwrap_or(0.0),
-                    summary["output_tokens"],
-                    summary["tokens_per_s"].as_f64().unwrap_or(0.0),
-                    summary["ttft_ms_p50"].as_f64().unwrap_or(0.0),
-                    summary["ttft_ms_p95"].as_f64().unwrap_or(0.0),
-                    summary["tpot_ms_p50"].as_f64().unwrap_or(0.0),
-                    summary["tpot_ms_p95"].as_f64().unwrap_or(0.0),
-                );
-                println!(
-                    "{:>11}  peak KV {:.1} MB, peak RSS {:.1} MB, {} preemptions, {} prefix-hit tokens",
-                    "",
-                    memory.peak_kv_bytes as f64 / 1e6,
-                    peak_rss_bytes().unwrap_or(0) as f64 / 1e6,
-                    memory.preemptions,
-                    memory.prefix_hit_tokens,
-                );
-            }
-            results.push(summary);
-        };
-        if !self.json {
-            let arrival = match self.rate {
-                Some(r) => format!("Poisson arrivals at {r} requests/s"),
-                None => "all arriving at t = 0".to_string(),
-            };
-            println!(
-                "{} requests x {} tokens on {} ({}), {arrival}",
-                self.requests,
-                self.max_tokens,
-                model_name(self.model.as_deref()),
-                llama_burn::backend::BACKEND_NAME
-            );
-        }
-        if wanted.contains(&"sequential") {
-            reset_peak_rss();
-            report("sequential", sequential(&mut llama, &reqs, &arrive)?);
-        }
-        if wanted.contains(&"batched") {
-            reset_peak_rss();
-            report(
-                "batched",
-                batched(&mut llama, &reqs, &arrive, self.max_batch)?,
-            );
-        }
-        if wanted.contains(&"continuous") {
-            let mut config = ContinuousConfig {
-                max_running: self.max_batch,
-                max_waiting: self.requests.max(1),
-                prefix_caching: !self.no_prefix_cache,
-                ..ContinuousConfig::default()
-            };
-            if let Some(tokens) = self.kv_budget_tokens {
-                config = config.with_kv_budget_tokens(tokens);
-            }
-            reset_peak_rss();
-            let service = InferenceBuilder::new()
-                .with_model(llama)
-                .build_continuous(config)?;
-            let (wall, traces) = through_service(&service, &reqs, &arrive)?;
-            let m = service.with_model_blocking(|engine| engine.metrics())?;
-            let memory = Memory {
-                peak_kv_bytes: m.peak_kv_bytes_used,
-                preemptions: m.preemptions,
-                prefix_hit_tokens: m.prefix_hit_tokens,
-            };
-            report("continuous", (wall, traces, memory));
-            let engine = service.into_model()?;
-            llama = engine.shutdown()?;
-        }
-        if wanted.contains(&"concurrent") {
-            llama.reset_kv_peak();
-            let service = InferenceBuilder::new()
-                .with_model(llama)
-                .build(concurrent_streaming_handler);
-            reset_peak_rss();
-            let (wall, traces) = through_service(&service, &reqs, &arrive)?;
-            // Per-request caches live inside the jobs; the model's KV account saw them.
-            let usage = service.with_model_blocking(|llama| llama.kv_usage())?;
-            let memory = Memory {
-                peak_kv_bytes: usage.peak_bytes,
-                ..Memory::default()
-            };
-            report("concurrent", (wall, traces, memory));
-        }
-        // Same outputs across strategies is the batch-invariance claim; say so.
-        let outputs: Vec<&serde_json::Value> = results.iter().map(|r| &r["outputs"]).collect();
-        let identical = outputs.windows(2).all(|w| w[0] == w[1]);
-        if self.json {
-            let mut order = wanted.clone();
-            order.retain(|s| results.iter().any(|r| r["strategy"] == *s));
-            results.sort_by_key(|r| order.iter().position(|s| r["strategy"] == *s));
-            println!(
-                "{}",
-                json!({
-                    "model": model_name(self.model.as_deref()),
-                    "backend": llama_burn::backend::BACKEND_NAME,
-                    "requests": self.requests,
-                    "max_tokens": self.max_tokens,
-                    "long_requests": self.long_requests,
-                    "long_max_tokens": self.long_max_tokens,
-                    "shared_prefix_tokens": self.shared_prefix_tokens,
-                    "prefix_caching": !self.no_prefix_cache,
-                    "kv_budget_tokens": self.kv_budget_tokens,
-                    "temperature": self.temperature,
-                    "rate": self.rate,
-                    "identical_outputs": identical,
-                    "results": results,
-                })
-            );
-        } else {
-            println!("outputs identical across strategies: {identical}");
-        }
-        Ok(())
     }
+    if let Some(tokens) = args.kv_budget_tokens {
+        llama.set_kv_limits(KvLimits {
+            budget: KvBudget::Tokens(tokens),
+            ..KvLimits::default_for(llama.config().max_seq_len)
+        })?;
+    }
+    let arrive = arrivals(args);
+    // Warm up (first-touch allocations, thread pools) outside the measurements.
+    llama.generate("Warm up", 4, 0.0, &mut Sampler::Argmax)?;
+    let mut results = Vec::new();
+    let mut report = |name: &str, (wall, traces, memory): (Duration, Vec<Trace>, Memory)| {
+        let summary = summarise(name, wall, &traces, &memory);
+        if !args.json {
+            println!(
+                "{name:>11}: {:6.2} s wall, {:4} tokens, {:7.1} tokens/s, TTFT p50 {:7.0} ms p95 {:7.0} ms, TPOT p50 {:6.1} ms p95 {:6.1} ms",
+                summary["wall_s"].as_f64().unwrap_or(0.0),
+                summary["output_tokens"],
+                summary["tokens_per_s"].as_f64().unwrap_or(0.0),
+                summary["ttft_ms_p50"].as_f64().unwrap_or(0.0),
+                summary["ttft_ms_p95"].as_f64().unwrap_or(0.0),
+                summary["tpot_ms_p50"].as_f64().unwrap_or(0.0),
+                summary["tpot_ms_p95"].as_f64().unwrap_or(0.0),
+            );
+            println!(
+                "{:>11}  peak KV {:.1} MB, peak RSS {:.1} MB, {} preemptions, {} prefix-hit tokens",
+                "",
+                memory.peak_kv_bytes as f64 / 1e6,
+                peak_rss_bytes().unwrap_or(0) as f64 / 1e6,
+                memory.preemptions,
+                memory.prefix_hit_tokens,
+            );
+        }
+        results.push(summary);
+    };
+    if !args.json {
+        let arrival = match args.rate {
+            Some(r) => format!("Poisson arrivals at {r} requests/s"),
+            None => "all arriving at t = 0".to_string(),
+        };
+        println!(
+            "{} requests x {} tokens on {} ({}), {arrival}",
+            args.requests,
+            args.max_tokens,
+            model_name(args.model.as_deref()),
+            llama_burn::backend::BACKEND_NAME
+        );
+    }
+    if wanted.contains(&"sequential") {
+        reset_peak_rss();
+        report("sequential", sequential(&mut llama, &reqs, &arrive)?);
+    }
+    if wanted.contains(&"batched") {
+        reset_peak_rss();
+        report(
+            "batched",
+            batched(&mut llama, &reqs, &arrive, args.max_batch)?,
+        );
+    }
+    if wanted.contains(&"continuous") {
+        let mut config = ContinuousConfig {
+            max_running: args.max_batch,
+            max_waiting: args.requests.max(1),
+            prefix_caching: !args.no_prefix_cache,
+            ..ContinuousConfig::default()
+        };
+        if let Some(tokens) = args.kv_budget_tokens {
+            config = config.with_kv_budget_tokens(tokens);
+        }
+        reset_peak_rss();
+        let service = InferenceBuilder::new()
+            .with_model(llama)
+            .build_continuous(config)?;
+        let (wall, traces) = through_service(&service, &reqs, &arrive)?;
+        let m = service.with_model_blocking(|engine| engine.metrics())?;
+        let memory = Memory {
+            peak_kv_bytes: m.peak_kv_bytes_used,
+            preemptions: m.preemptions,
+            prefix_hit_tokens: m.prefix_hit_tokens,
+        };
+        report("continuous", (wall, traces, memory));
+        let engine = service.into_model()?;
+        llama = engine.shutdown()?;
+    }
+    if wanted.contains(&"concurrent") {
+        llama.reset_kv_peak();
+        let service = InferenceBuilder::new()
+            .with_model(llama)
+            .build(concurrent_streaming_handler);
+        reset_peak_rss();
+        let (wall, traces) = through_service(&service, &reqs, &arrive)?;
+        // Per-request caches live inside the jobs; the model's KV account saw them.
+        let usage = service.with_model_blocking(|llama| llama.kv_usage())?;
+        let memory = Memory {
+            peak_kv_bytes: usage.peak_bytes,
+            ..Memory::default()
+        };
+        report("concurrent", (wall, traces, memory));
+    }
+    // Same outputs across strategies is the batch-invariance claim; say so.
+    let outputs: Vec<&serde_json::Value> = results.iter().map(|r| &r["outputs"]).collect();
+    let identical = outputs.windows(2).all(|w| w[0] == w[1]);
+    if args.json {
+        let mut order = wanted.clone();
+        order.retain(|s| results.iter().any(|r| r["strategy"] == *s));
+        results.sort_by_key(|r| order.iter().position(|s| r["strategy"] == *s));
+        println!(
+            "{}",
+            json!({
+                "model": model_name(args.model.as_deref()),
+                "backend": llama_burn::backend::BACKEND_NAME,
+                "requests": args.requests,
+                "max_tokens": args.max_tokens,
+                "long_requests": args.long_requests,
+                "long_max_tokens": args.long_max_tokens,
+                "shared_prefix_tokens": args.shared_prefix_tokens,
+                "prefix_caching": !args.no_prefix_cache,
+                "kv_budget_tokens": args.kv_budget_tokens,
+                "temperature": args.temperature,
+                "rate": args.rate,
+                "identical_outputs": identical,
+                "results": results,
+            })
+        );
+    } else {
+        println!("outputs identical across strategies: {identical}");
+    }
+    Ok(())
 }
 
 fn main() {
@@ -502,8 +500,8 @@ fn main() {
         Some(n) => Ok(n),
         None => context_length(args.model.as_deref()),
     };
-    if let Err(e) = max_seq_len.and_then(|n| with_model(args.model.as_deref(), n, &args)) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    exit_on_error(
+        max_seq_len
+            .and_then(|n| load_model(args.model.as_deref(), n).and_then(|llama| run(&args, llama))),
+    );
 }

@@ -11,7 +11,7 @@ use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
 use clap::Parser;
-use common::{B, WithModel, with_model};
+use common::{B, run_on_model};
 use llama_burn::llama::Llama;
 use llama_burn::sampling::{Sampler, TopP};
 use llama_burn::tokenizer::{ChatMessage, Tokenizer};
@@ -42,57 +42,54 @@ struct Args {
     max_seq_len: usize,
 }
 
-impl WithModel for &Args {
-    type Output = ();
-    fn run<T: Tokenizer>(self, mut llama: Llama<B, T>) -> llama_burn::Result<()> {
-        let format = llama.tokenizer.chat_format().ok_or_else(|| {
-            llama_burn::LlamaError::Tokenizer("this model has no known chat format".into())
-        })?;
-        let mut sampler = Sampler::TopP(TopP::new(self.top_p, self.seed));
-        let mut history: Vec<ChatMessage> = Vec::new();
-        let stdin = std::io::stdin();
-        let mut lines = stdin.lock().lines();
-        loop {
-            let user = match &self.prompt {
-                Some(p) => p.clone(),
-                None => {
-                    print!("> ");
-                    std::io::stdout().flush().ok();
-                    match lines.next() {
-                        Some(Ok(line)) if !line.trim().is_empty() => line,
-                        Some(Ok(_)) => continue,
-                        _ => break,
-                    }
-                }
-            };
-            history.push(ChatMessage::user(&user));
-            let prompt = format.format(&history, true);
-            let mut state = llama.create_generation_state(&prompt, self.max_tokens)?;
-            let mut answer = String::new();
-            loop {
-                let (_, piece, done) =
-                    llama.generate_single_token(&mut state, self.temperature, &mut sampler)?;
-                print!("{piece}");
+/// What the example does with the loaded model.
+fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
+    let format = llama.tokenizer.chat_format().ok_or_else(|| {
+        llama_burn::LlamaError::Tokenizer("this model has no known chat format".into())
+    })?;
+    let mut sampler = Sampler::TopP(TopP::new(args.top_p, args.seed));
+    let mut history: Vec<ChatMessage> = Vec::new();
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines();
+    loop {
+        let user = match &args.prompt {
+            Some(p) => p.clone(),
+            None => {
+                print!("> ");
                 std::io::stdout().flush().ok();
-                answer.push_str(&piece);
-                if done {
-                    break;
+                match lines.next() {
+                    Some(Ok(line)) if !line.trim().is_empty() => line,
+                    Some(Ok(_)) => continue,
+                    _ => break,
                 }
             }
-            println!();
-            history.push(ChatMessage::assistant(&answer));
-            if self.prompt.is_some() {
+        };
+        history.push(ChatMessage::user(&user));
+        let prompt = format.format(&history, true);
+        let mut state = llama.create_generation_state(&prompt, args.max_tokens)?;
+        let mut answer = String::new();
+        loop {
+            let (_, piece, done) =
+                llama.generate_single_token(&mut state, args.temperature, &mut sampler)?;
+            print!("{piece}");
+            std::io::stdout().flush().ok();
+            answer.push_str(&piece);
+            if done {
                 break;
             }
         }
-        Ok(())
+        println!();
+        history.push(ChatMessage::assistant(&answer));
+        if args.prompt.is_some() {
+            break;
+        }
     }
+    Ok(())
 }
 
 fn main() {
     let args = Args::parse();
-    if let Err(e) = with_model(args.model.as_deref(), args.max_seq_len, &args) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    run_on_model(args.model.as_deref(), args.max_seq_len, |llama| {
+        run(&args, llama)
+    });
 }

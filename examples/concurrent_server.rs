@@ -13,10 +13,9 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use clap::Parser;
-use common::{B, WithModel, with_model};
+use common::{B, run_on_model};
 use llama_burn::inference::{GenerateRequest, InferenceBuilder, concurrent_streaming_handler};
 use llama_burn::llama::Llama;
-use llama_burn::tokenizer::Tokenizer;
 
 #[derive(Parser, Debug)]
 #[command(about = "Concurrent requests over one model")]
@@ -29,115 +28,110 @@ struct Args {
     stress: usize,
 }
 
-impl WithModel for &Args {
-    type Output = ();
-    // Devices are `Copy` only on the CPU backend; GPU devices must be cloned.
-    #[allow(clippy::clone_on_copy)]
-    fn run<T: Tokenizer>(self, llama: Llama<B, T>) -> llama_burn::Result<()> {
-        let device = llama.device().clone();
-        let inference = InferenceBuilder::new()
-            .with_model(llama)
-            .build(concurrent_streaming_handler);
+/// What the example does with the loaded model.
+// Devices are `Copy` only on the CPU backend; GPU devices must be cloned.
+#[allow(clippy::clone_on_copy)]
+fn run(args: &Args, llama: Llama<B>) -> llama_burn::Result<()> {
+    let device = llama.device().clone();
+    let inference = InferenceBuilder::new()
+        .with_model(llama)
+        .build(concurrent_streaming_handler);
 
-        println!("== 1. single request (baseline)");
-        let t = Instant::now();
-        let job = inference
-            .infer(GenerateRequest::new("The capital of France is").with_max_tokens(20))
-            .with_devices([device.clone()])
-            .spawn();
-        for token in job.stream.iter() {
-            print!("{}", token.token);
-        }
-        job.join()?;
-        println!("\n   ({:.2} s)\n", t.elapsed().as_secs_f64());
-
-        println!("== 2. three concurrent requests (each token is tagged with its request)");
-        let prompts = [
-            "Once upon a time",
-            "The three primary colours are",
-            "def add(a, b):",
-        ];
-        let (tx, rx) = mpsc::channel();
-        let t = Instant::now();
-        let jobs: Vec<_> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let job = inference
-                    .infer(GenerateRequest::new(*p).with_max_tokens(16))
-                    .spawn();
-                let tx = tx.clone();
-                std::thread::spawn(move || {
-                    for token in job.stream.iter() {
-                        let _ = tx.send((i, token.token));
-                    }
-                    job.join()
-                })
-            })
-            .collect();
-        drop(tx);
-        let mut texts = vec![String::new(); prompts.len()];
-        for (i, piece) in rx {
-            print!("[{}]{:?} ", i + 1, piece);
-            texts[i].push_str(&piece);
-        }
-        for j in jobs {
-            j.join()
-                .map_err(|_| llama_burn::LlamaError::Runtime("consumer panicked".into()))??;
-        }
-        println!("\n");
-        for (p, text) in prompts.iter().zip(&texts) {
-            println!("   {p}{text}");
-        }
-        println!("   ({:.2} s for all three)\n", t.elapsed().as_secs_f64());
-
-        println!("== 3. cancellation");
-        let job = inference
-            .infer(GenerateRequest::new("Count slowly: one, two,").with_max_tokens(100))
-            .spawn();
-        let mut received = 0;
-        for token in job.stream.iter() {
-            print!("{}", token.token);
-            received += 1;
-            if received == 5 {
-                job.cancel();
-            }
-        }
-        println!(
-            "\n   cancelled after {received} tokens: {:?}\n",
-            job.join().err()
-        );
-
-        println!("== 4. stress: {} requests at once", self.stress);
-        let t = Instant::now();
-        let jobs: Vec<_> = (0..self.stress)
-            .map(|i| {
-                inference
-                    .infer(
-                        GenerateRequest::new(format!("Fact number {i} about the ocean:"))
-                            .with_max_tokens(12),
-                    )
-                    .spawn()
-            })
-            .collect();
-        let mut total = 0;
-        for job in jobs {
-            total += job.stream.iter().count();
-            job.join()?;
-        }
-        let secs = t.elapsed().as_secs_f64();
-        println!(
-            "   {total} tokens in {secs:.2} s ({:.1} tokens/s), every request completed",
-            total as f64 / secs
-        );
-        Ok(())
+    println!("== 1. single request (baseline)");
+    let t = Instant::now();
+    let job = inference
+        .infer(GenerateRequest::new("The capital of France is").with_max_tokens(20))
+        .with_devices([device.clone()])
+        .spawn();
+    for token in job.stream.iter() {
+        print!("{}", token.token);
     }
+    job.join()?;
+    println!("\n   ({:.2} s)\n", t.elapsed().as_secs_f64());
+
+    println!("== 2. three concurrent requests (each token is tagged with its request)");
+    let prompts = [
+        "Once upon a time",
+        "The three primary colours are",
+        "def add(a, b):",
+    ];
+    let (tx, rx) = mpsc::channel();
+    let t = Instant::now();
+    let jobs: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let job = inference
+                .infer(GenerateRequest::new(*p).with_max_tokens(16))
+                .spawn();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for token in job.stream.iter() {
+                    let _ = tx.send((i, token.token));
+                }
+                job.join()
+            })
+        })
+        .collect();
+    drop(tx);
+    let mut texts = vec![String::new(); prompts.len()];
+    for (i, piece) in rx {
+        print!("[{}]{:?} ", i + 1, piece);
+        texts[i].push_str(&piece);
+    }
+    for j in jobs {
+        j.join()
+            .map_err(|_| llama_burn::LlamaError::Runtime("consumer panicked".into()))??;
+    }
+    println!("\n");
+    for (p, text) in prompts.iter().zip(&texts) {
+        println!("   {p}{text}");
+    }
+    println!("   ({:.2} s for all three)\n", t.elapsed().as_secs_f64());
+
+    println!("== 3. cancellation");
+    let job = inference
+        .infer(GenerateRequest::new("Count slowly: one, two,").with_max_tokens(100))
+        .spawn();
+    let mut received = 0;
+    for token in job.stream.iter() {
+        print!("{}", token.token);
+        received += 1;
+        if received == 5 {
+            job.cancel();
+        }
+    }
+    println!(
+        "\n   cancelled after {received} tokens: {:?}\n",
+        job.join().err()
+    );
+
+    println!("== 4. stress: {} requests at once", args.stress);
+    let t = Instant::now();
+    let jobs: Vec<_> = (0..args.stress)
+        .map(|i| {
+            inference
+                .infer(
+                    GenerateRequest::new(format!("Fact number {i} about the ocean:"))
+                        .with_max_tokens(12),
+                )
+                .spawn()
+        })
+        .collect();
+    let mut total = 0;
+    for job in jobs {
+        total += job.stream.iter().count();
+        job.join()?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    println!(
+        "   {total} tokens in {secs:.2} s ({:.1} tokens/s), every request completed",
+        total as f64 / secs
+    );
+    Ok(())
 }
 
 fn main() {
     let args = Args::parse();
-    if let Err(e) = with_model(args.model.as_deref(), 2048, &args) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    run_on_model(args.model.as_deref(), 2048, |llama| run(&args, llama));
 }

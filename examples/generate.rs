@@ -10,7 +10,7 @@ mod common;
 use std::path::PathBuf;
 
 use clap::Parser;
-use common::{B, WithModel, model_name, with_model};
+use common::{B, model_name, run_on_model};
 use llama_burn::llama::Llama;
 use llama_burn::sampling::{Sampler, TopP};
 use llama_burn::tokenizer::{ChatMessage, Tokenizer};
@@ -47,52 +47,49 @@ struct Args {
     json: bool,
 }
 
-impl WithModel for &Args {
-    type Output = ();
-    fn run<T: Tokenizer>(self, mut llama: Llama<B, T>) -> llama_burn::Result<()> {
-        let prompt = if self.chat {
-            let format = llama.tokenizer.chat_format().ok_or_else(|| {
-                llama_burn::LlamaError::Tokenizer("this model has no known chat format".into())
-            })?;
-            format.format(&[ChatMessage::user(&self.prompt)], true)
-        } else {
-            self.prompt.clone()
-        };
-        let mut sampler = Sampler::TopP(TopP::new(self.top_p, self.seed));
-        let out = llama.generate(&prompt, self.max_tokens, self.temperature, &mut sampler)?;
-        if self.json {
-            let json = serde_json::json!({
-                "model": model_name(self.model.as_deref()),
-                "backend": llama_burn::backend::BACKEND_NAME,
-                "prompt": prompt,
-                "prompt_tokens": out.prompt_tokens,
-                "tokens": out.tokens,
-                "text": out.text,
-                "stop_reason": format!("{:?}", out.stop_reason),
-                "prompt_ms": out.prompt_time.as_secs_f64() * 1e3,
-                "decode_ms": out.decode_time.as_secs_f64() * 1e3,
-                "decode_tokens_per_s": out.decode_tokens_per_s(),
-            });
-            println!("{json}");
-        } else {
-            println!("{}{}", self.prompt, out.text);
-            eprintln!(
-                "\n[{} prompt tokens in {:.0} ms; {} tokens at {:.1} tokens/s; stopped: {:?}]",
-                out.prompt_tokens.len(),
-                out.prompt_time.as_secs_f64() * 1e3,
-                out.tokens.len(),
-                out.decode_tokens_per_s(),
-                out.stop_reason
-            );
-        }
-        Ok(())
+/// What the example does with the loaded model.
+fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
+    let prompt = if args.chat {
+        let format = llama.tokenizer.chat_format().ok_or_else(|| {
+            llama_burn::LlamaError::Tokenizer("this model has no known chat format".into())
+        })?;
+        format.format(&[ChatMessage::user(&args.prompt)], true)
+    } else {
+        args.prompt.clone()
+    };
+    let mut sampler = Sampler::TopP(TopP::new(args.top_p, args.seed));
+    let out = llama.generate(&prompt, args.max_tokens, args.temperature, &mut sampler)?;
+    if args.json {
+        let json = serde_json::json!({
+            "model": model_name(args.model.as_deref()),
+            "backend": llama_burn::backend::BACKEND_NAME,
+            "prompt": prompt,
+            "prompt_tokens": out.prompt_tokens,
+            "tokens": out.tokens,
+            "text": out.text,
+            "stop_reason": format!("{:?}", out.stop_reason),
+            "prompt_ms": out.prompt_time.as_secs_f64() * 1e3,
+            "decode_ms": out.decode_time.as_secs_f64() * 1e3,
+            "decode_tokens_per_s": out.decode_tokens_per_s(),
+        });
+        println!("{json}");
+    } else {
+        println!("{}{}", args.prompt, out.text);
+        eprintln!(
+            "\n[{} prompt tokens in {:.0} ms; {} tokens at {:.1} tokens/s; stopped: {:?}]",
+            out.prompt_tokens.len(),
+            out.prompt_time.as_secs_f64() * 1e3,
+            out.tokens.len(),
+            out.decode_tokens_per_s(),
+            out.stop_reason
+        );
     }
+    Ok(())
 }
 
 fn main() {
     let args = Args::parse();
-    if let Err(e) = with_model(args.model.as_deref(), args.max_seq_len, &args) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    run_on_model(args.model.as_deref(), args.max_seq_len, |llama| {
+        run(&args, llama)
+    });
 }

@@ -53,7 +53,7 @@ use llama_burn::backend::LlamaBackend;
 use llama_burn::llama::{Llama, LlamaConfig};
 use llama_burn::model::Logits;
 use llama_burn::sampling::Sampler;
-use llama_burn::tokenizer::{GgufBpeTokenizer, Tokenizer};
+use llama_burn::tokenizer::Tokenizer;
 use serde_json::json;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -278,10 +278,7 @@ fn relay(target: String) -> Result<(u16, Arc<Traffic>), Error> {
     Ok((port, traffic))
 }
 
-fn load<B: LlamaBackend>(
-    device: &B::Device,
-    max_seq_len: usize,
-) -> Result<(Llama<B, GgufBpeTokenizer>, f64), Error> {
+fn load<B: LlamaBackend>(device: &B::Device, max_seq_len: usize) -> Result<(Llama<B>, f64), Error> {
     let path = llama_burn::demo::demo_model_path()?;
     let start = Instant::now();
     let llama = LlamaConfig::load_gguf::<B>(path, max_seq_len, device)?;
@@ -299,7 +296,7 @@ fn read_logits<B: LlamaBackend>(logits: Tensor<B, 3>) -> Result<Vec<f32>, Error>
 /// (the prefill's greedy token), each including the read of the logits. Milliseconds, and
 /// the traffic of each (when going through a [`relay`]).
 fn sample<B: LlamaBackend>(
-    llama: &Llama<B, GgufBpeTokenizer>,
+    llama: &Llama<B>,
     ids: &[u32],
     rows: usize,
     traffic: Option<&Traffic>,
@@ -356,7 +353,7 @@ fn median(values: &mut [f64]) -> f64 {
 }
 
 fn greedy<B: LlamaBackend>(
-    llama: &mut Llama<B, GgufBpeTokenizer>,
+    llama: &mut Llama<B>,
     prompt: &str,
     tokens: usize,
 ) -> Result<Vec<u32>, Error> {

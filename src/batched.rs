@@ -1,5 +1,9 @@
 //! The batched strategy: many prompts advance together, one forward pass per step.
 //!
+//! Everything batching lives here: [`BatchedGenerationState`], the batched-state methods
+//! of [`Llama`], the left padding, and [`generate_batch`], the strategy in one call
+//! (re-exported as `llama_burn::inference::generate_batch`).
+//!
 //! Prompts are *left*-padded to a common length and padded keys are masked, so each row
 //! computes exactly what it would alone (RoPE depends only on relative positions). Rows
 //! that finish are dropped from the cache and from later forward passes, so a long row
@@ -9,9 +13,8 @@ use crate::backend::LlamaBackend;
 
 use crate::cache::{KvCache, KvReservation};
 use crate::error::{LlamaError, Result};
-use crate::llama::{GenerationState, Llama, logits_to_vec};
-use crate::model::Logits;
-use crate::sampling::{Sampler, validate_temperature};
+use crate::llama::{GenerationState, Llama};
+use crate::sampling::{Sampler, TopP, validate_temperature, validate_top_p};
 use crate::tokenizer::Tokenizer;
 
 /// Token id written into padding slots (masked, so its value never matters).
@@ -119,15 +122,21 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         prompts: &[S],
         max_tokens: usize,
     ) -> Result<BatchedGenerationState<B>> {
+        let ids = self.encode_prompts(prompts)?;
+        let limits = vec![max_tokens; ids.len()];
+        self.create_batched_generation_state_from_ids(ids, limits)
+    }
+
+    /// Encodes every prompt of a batch (see [`Llama::encode_prompt`]) before any runs, so
+    /// a bad row fails fast.
+    fn encode_prompts<S: AsRef<str>>(&self, prompts: &[S]) -> Result<Vec<Vec<u32>>> {
         if prompts.is_empty() {
             return Err(LlamaError::InvalidBatch("no prompts given".into()));
         }
-        let ids = prompts
+        prompts
             .iter()
             .map(|p| self.encode_prompt(p.as_ref()))
-            .collect::<Result<Vec<_>>>()?;
-        let limits = vec![max_tokens; ids.len()];
-        self.create_batched_generation_state_from_ids(ids, limits)
+            .collect()
     }
 
     /// Prepares a batch from token ids with a token budget per row.
@@ -237,12 +246,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             .cache
             .as_mut()
             .ok_or_else(|| LlamaError::Runtime("batch lost its cache".into()))?;
-        let logits = if first {
-            self.model.forward_prompt(&input, cache)?
-        } else {
-            self.model.forward(&input, cache, Logits::Last)?
-        };
-        let logits = logits_to_vec(logits)?;
+        let logits = self.step_logits(&input, cache, first)?;
         let vocab = self.config().vocab_size;
 
         let mut still_running = Vec::with_capacity(state.active.len());
@@ -291,4 +295,89 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         }
         Ok(())
     }
+}
+
+/// Largest number of rows [`generate_batch`] puts in one forward pass.
+pub const DEFAULT_MAX_BATCH: usize = 32;
+
+/// Generates up to `max_tokens` tokens for every prompt, batched, and returns each
+/// prompt's generated text pieces in order. Row `i` samples with its own seed
+/// `seed + i`, so results do not depend on how rows are grouped. Temperature 0 is
+/// greedy. Batches larger than [`DEFAULT_MAX_BATCH`] are split.
+///
+/// ```no_run
+/// # fn main() -> llama_burn::Result<()> {
+/// use llama_burn::{backend::{DefaultBackend, default_device}, llama::LlamaConfig};
+/// use llama_burn::inference::generate_batch;
+///
+/// let path = llama_burn::demo::demo_model_path()?;
+/// let mut llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 1024, &default_device())?;
+/// let prompts = ["What is the capital of France?", "Explain quantum computing."];
+/// let results = generate_batch(&mut llama, &prompts, 50, 0.7, 0.9, 42)?;
+/// for (prompt, pieces) in prompts.iter().zip(&results) {
+///     println!("{prompt}: {}", pieces.concat());
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub fn generate_batch<B: LlamaBackend, T: Tokenizer, S: AsRef<str>>(
+    llama: &mut Llama<B, T>,
+    prompts: &[S],
+    max_tokens: usize,
+    temperature: f64,
+    top_p: f64,
+    seed: u64,
+) -> Result<Vec<Vec<String>>> {
+    generate_batch_with_max(
+        llama,
+        prompts,
+        max_tokens,
+        temperature,
+        top_p,
+        seed,
+        DEFAULT_MAX_BATCH,
+    )
+}
+
+/// [`generate_batch`] with an explicit largest batch size.
+pub fn generate_batch_with_max<B: LlamaBackend, T: Tokenizer, S: AsRef<str>>(
+    llama: &mut Llama<B, T>,
+    prompts: &[S],
+    max_tokens: usize,
+    temperature: f64,
+    top_p: f64,
+    seed: u64,
+    max_batch: usize,
+) -> Result<Vec<Vec<String>>> {
+    validate_temperature(temperature)?;
+    validate_top_p(top_p)?;
+    if max_batch == 0 {
+        return Err(LlamaError::invalid("max_batch", 0, "must be at least 1"));
+    }
+    let ids = llama.encode_prompts(prompts)?;
+    let mut results = Vec::with_capacity(prompts.len());
+    for (chunk_index, chunk) in ids.chunks(max_batch).enumerate() {
+        let first_row = chunk_index * max_batch;
+        let mut state = llama.create_batched_generation_state_from_ids(
+            chunk.to_vec(),
+            vec![max_tokens; chunk.len()],
+        )?;
+        let mut samplers: Vec<Sampler> = (0..chunk.len())
+            .map(|i| Sampler::TopP(TopP::new(top_p, seed.wrapping_add((first_row + i) as u64))))
+            .collect();
+        let mut pieces = vec![Vec::new(); chunk.len()];
+        while !state.is_done() {
+            let steps =
+                llama.generate_batched_single_token(&mut state, temperature, &mut samplers)?;
+            for (row, step) in steps.into_iter().enumerate() {
+                if let Some((_, piece, _)) = step
+                    && !piece.is_empty()
+                {
+                    pieces[row].push(piece);
+                }
+            }
+        }
+        results.extend(pieces);
+    }
+    Ok(results)
 }

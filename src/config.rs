@@ -1,10 +1,8 @@
-//! Model hyper-parameters: presets for known Llama models, and readers for GGUF metadata
-//! and Hugging Face `config.json`.
-
-use serde::Deserialize;
+//! Model hyper-parameters: what a [`LlamaConfig`] holds, presets for known Llama models,
+//! and the checks and sizes derived from it. Reading one from a checkpoint (and loading a
+//! whole model) is the loader's: see [`crate::loader`].
 
 use crate::error::{LlamaError, Result};
-use crate::loader::gguf::GgufFile;
 
 /// Most layers a configuration may declare (the largest Llama models have 126).
 const MAX_LAYERS: usize = 4096;
@@ -213,121 +211,16 @@ impl LlamaConfig {
         self
     }
 
-    /// Reads the configuration from a GGUF file's `llama.*` metadata. The RoPE factors
-    /// tensor (`rope_freqs.weight`), when present, is read too.
-    pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
-        let arch = gguf.architecture()?;
-        if arch != "llama" {
-            return Err(LlamaError::Config(format!(
-                "unsupported architecture `{arch}` (only `llama` is supported)"
-            )));
+    /// Sets `max_seq_len`, refusing 0 and values beyond the trained context.
+    pub fn checked_max_seq_len(self, max_seq_len: usize) -> Result<Self> {
+        if max_seq_len < 2 || max_seq_len > self.context_length {
+            return Err(LlamaError::InvalidParameter {
+                name: "max_seq_len",
+                value: max_seq_len.to_string(),
+                reason: "must be between 2 and the model's trained context length",
+            });
         }
-        let key = |name: &str| format!("{arch}.{name}");
-        let usize_key = |name: &str| -> Result<usize> {
-            let v = gguf.get_u64(&key(name))?;
-            usize::try_from(v).map_err(|_| LlamaError::Config(format!("{name} = {v} is too large")))
-        };
-        let d_model = usize_key("embedding_length")?;
-        let n_heads = usize_key("attention.head_count")?;
-        let n_kv_heads = if gguf.get(&key("attention.head_count_kv")).is_some() {
-            usize_key("attention.head_count_kv")?
-        } else {
-            n_heads
-        };
-        let head_dim = if gguf.get(&key("attention.key_length")).is_some() {
-            usize_key("attention.key_length")?
-        } else {
-            d_model.checked_div(n_heads).unwrap_or(0)
-        };
-        let vocab_size = match gguf.tensor_info("token_embd.weight") {
-            Some(info) => info.shape().first().copied().unwrap_or(0),
-            None => return Err(LlamaError::MissingTensor("token_embd.weight".into())),
-        };
-        let rope_theta = match gguf.get(&key("rope.freq_base")) {
-            Some(_) => f64::from(gguf.get_f32(&key("rope.freq_base"))?),
-            None => 10_000.0,
-        };
-        let norm_eps = match gguf.get(&key("attention.layer_norm_rms_epsilon")) {
-            Some(_) => f64::from(gguf.get_f32(&key("attention.layer_norm_rms_epsilon"))?),
-            None => 1e-5,
-        };
-        let rope_frequencies = if gguf.tensor_info("rope_freqs.weight").is_some() {
-            let (_, factors) = gguf.read_tensor_f32("rope_freqs.weight")?;
-            RopeFrequencies::Factors(factors)
-        } else {
-            RopeFrequencies::Plain
-        };
-        let context_length = usize_key("context_length")?;
-        let config = Self {
-            vocab_size,
-            d_model,
-            n_layers: usize_key("block_count")?,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            ffn_hidden: usize_key("feed_forward_length")?,
-            norm_eps,
-            rope_theta,
-            rope_frequencies,
-            tie_embeddings: gguf.tensor_info("output.weight").is_none(),
-            context_length,
-            max_seq_len: context_length,
-        };
-        config.validate()?;
-        Ok(config)
-    }
-
-    /// Reads a Hugging Face `config.json` (Llama architecture).
-    pub fn from_hf_json(json: &str) -> Result<Self> {
-        let raw: HfConfig = serde_json::from_str(json)
-            .map_err(|e| LlamaError::Config(format!("config.json: {e}")))?;
-        if let Some(model_type) = &raw.model_type
-            && model_type != "llama"
-        {
-            return Err(LlamaError::Config(format!(
-                "unsupported model_type `{model_type}` (only `llama` is supported)"
-            )));
-        }
-        let n_heads = raw.num_attention_heads;
-        let rope_frequencies = match raw.rope_scaling {
-            Some(s) if s.rope_type.as_deref().or(s.kind.as_deref()) == Some("llama3") => {
-                RopeFrequencies::Llama3(RopeScaling {
-                    factor: s.factor.unwrap_or(1.0),
-                    low_freq_factor: s.low_freq_factor.unwrap_or(1.0),
-                    high_freq_factor: s.high_freq_factor.unwrap_or(4.0),
-                    original_max_position: s.original_max_position_embeddings.unwrap_or(8192),
-                })
-            }
-            Some(s) => {
-                let kind = s.rope_type.or(s.kind).unwrap_or_default();
-                if kind != "default" {
-                    return Err(LlamaError::Config(format!(
-                        "unsupported rope_scaling type `{kind}`"
-                    )));
-                }
-                RopeFrequencies::Plain
-            }
-            None => RopeFrequencies::Plain,
-        };
-        let config = Self {
-            vocab_size: raw.vocab_size,
-            d_model: raw.hidden_size,
-            n_layers: raw.num_hidden_layers,
-            n_heads,
-            n_kv_heads: raw.num_key_value_heads.unwrap_or(n_heads),
-            head_dim: raw
-                .head_dim
-                .unwrap_or(raw.hidden_size.checked_div(n_heads).unwrap_or(0)),
-            ffn_hidden: raw.intermediate_size,
-            norm_eps: raw.rms_norm_eps.unwrap_or(1e-5),
-            rope_theta: raw.rope_theta.unwrap_or(10_000.0),
-            rope_frequencies,
-            tie_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            context_length: raw.max_position_embeddings.unwrap_or(2048),
-            max_seq_len: raw.max_position_embeddings.unwrap_or(2048),
-        };
-        config.validate()?;
-        Ok(config)
+        Ok(self.with_max_seq_len(max_seq_len))
     }
 
     /// Checks that the dimensions are consistent, and small enough that every weight's
@@ -445,34 +338,6 @@ impl LlamaConfig {
     }
 }
 
-#[derive(Deserialize)]
-struct HfRopeScaling {
-    rope_type: Option<String>,
-    #[serde(rename = "type")]
-    kind: Option<String>,
-    factor: Option<f64>,
-    low_freq_factor: Option<f64>,
-    high_freq_factor: Option<f64>,
-    original_max_position_embeddings: Option<usize>,
-}
-
-#[derive(Deserialize)]
-struct HfConfig {
-    model_type: Option<String>,
-    vocab_size: usize,
-    hidden_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    intermediate_size: usize,
-    rms_norm_eps: Option<f64>,
-    rope_theta: Option<f64>,
-    rope_scaling: Option<HfRopeScaling>,
-    tie_word_embeddings: Option<bool>,
-    max_position_embeddings: Option<usize>,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -535,26 +400,5 @@ mod tests {
         assert_eq!(scaled[0], base[0]);
         let last = base.len() - 1;
         assert!((scaled[last] - base[last] / 32.0).abs() < 1e-15);
-    }
-
-    #[test]
-    fn hf_config_parses_and_rejects_bad_values() {
-        let json = r#"{"model_type":"llama","vocab_size":49152,"hidden_size":576,
-            "num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,
-            "intermediate_size":1536,"rms_norm_eps":1e-5,"rope_theta":100000.0,
-            "tie_word_embeddings":true,"max_position_embeddings":8192}"#;
-        let c = LlamaConfig::from_hf_json(json).unwrap();
-        assert_eq!(c, LlamaConfig::smollm2_135m());
-        let bad = json.replace("\"num_key_value_heads\":3", "\"num_key_value_heads\":4");
-        assert!(matches!(
-            LlamaConfig::from_hf_json(&bad),
-            Err(LlamaError::Config(_))
-        ));
-        let other = json.replace("\"llama\"", "\"gpt2\"");
-        assert!(matches!(
-            LlamaConfig::from_hf_json(&other),
-            Err(LlamaError::Config(_))
-        ));
-        assert!(LlamaConfig::from_hf_json("{").is_err());
     }
 }

@@ -13,9 +13,6 @@ pub mod kernels;
 pub mod llama;
 pub mod loader;
 pub mod model;
-#[cfg(feature = "pretrained")]
-#[cfg_attr(docsrs, doc(cfg(feature = "pretrained")))]
-pub mod pretrained;
 pub mod sampling;
 #[cfg(feature = "server")]
 #[cfg_attr(docsrs, doc(cfg(feature = "server")))]
@@ -24,6 +21,12 @@ pub mod server;
 pub mod tokenizer;
 
 pub use batched::BatchedGenerationState;
+pub use config::LlamaConfig;
 pub use error::{LlamaError, Result};
-pub use llama::{GenerationOutput, GenerationState, Llama, LlamaConfig, StopReason};
+pub use llama::{GenerationOutput, GenerationState, Llama, StopReason};
 pub use sampling::{Sampler, TopK, TopP};
+
+/// The hub downloads' old path; they live in [`loader::pretrained`].
+#[cfg(feature = "pretrained")]
+#[doc(hidden)]
+pub use loader::pretrained;

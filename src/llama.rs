@@ -1,7 +1,6 @@
 //! [`Llama`]: a model plus its tokenizer, with the sequential and per-request-state
 //! generation strategies, and the loading entry points on [`LlamaConfig`].
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use burn::tensor::Tensor;
@@ -11,15 +10,16 @@ use crate::backend::LlamaBackend;
 use std::sync::Arc;
 
 use crate::cache::{KvCache, KvLedger, KvLimits, KvReservation, KvUsage};
+/// Re-exported here because the API spec imports it from `llama_burn::llama`; it is
+/// defined in [`crate::config`].
+#[doc(no_inline)]
 pub use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::inference::GenerateRequest;
-use crate::loader::gguf::GgufFile;
-use crate::loader::safetensors::SafetensorsSource;
-use crate::loader::{GgufSource, ProgressFn, build_transformer, terminal_progress};
+use crate::inference::request::check_request_size;
 use crate::model::{Logits, Transformer};
 use crate::sampling::{Sampler, apply_repetition_penalty, validate_temperature};
-use crate::tokenizer::{GgufBpeTokenizer, HfTokenizer, StreamDecoder, Tokenizer};
+use crate::tokenizer::{DynTokenizer, StreamDecoder, Tokenizer};
 
 /// Most bytes of text one token covers, in any tokenizer this crate reads (the longest
 /// tokens of Llama-family vocabularies are a few dozen bytes): the bound that refuses an
@@ -211,7 +211,7 @@ impl<B: LlamaBackend> GenerationState<B> {
 
 /// A Llama-architecture model with its tokenizer, on backend `B`.
 #[derive(Debug)]
-pub struct Llama<B: LlamaBackend, T: Tokenizer> {
+pub struct Llama<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
     /// The transformer.
     pub model: Transformer<B>,
     /// The tokenizer.
@@ -382,27 +382,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
 
     /// Checks a prompt length and token budget against the context window.
     pub fn check_budget(&self, prompt_len: usize, max_tokens: usize) -> Result<()> {
-        let max = self.config().max_seq_len;
-        if prompt_len == 0 {
-            return Err(LlamaError::EmptyPrompt);
-        }
-        if max_tokens == 0 {
-            return Err(LlamaError::invalid("max_tokens", 0, "must be at least 1"));
-        }
-        if max_tokens > max {
-            return Err(LlamaError::invalid(
-                "max_tokens",
-                max_tokens,
-                "exceeds the model's context window",
-            ));
-        }
-        if prompt_len >= max {
-            return Err(LlamaError::PromptTooLong {
-                tokens: prompt_len,
-                max: max - 1,
-            });
-        }
-        Ok(())
+        check_request_size(Some(prompt_len), max_tokens, self.config().max_seq_len)
     }
 
     /// Prepares a request: tokenizes and validates, nothing heavier. The prompt is
@@ -501,12 +481,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             .cache
             .as_mut()
             .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
-        let logits = if first {
-            self.model.forward_prompt(&input, cache)?
-        } else {
-            self.model.forward(&input, cache, Logits::Last)?
-        };
-        let logits = logits_to_vec(logits)?;
+        let logits = self.step_logits(&input, cache, first)?;
         let token = state.sample_next(&logits, temperature, sampler)?;
         Ok(self.accept_token(state, token))
     }
@@ -608,6 +583,25 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     }
 }
 
+impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
+    /// One generation step's forward pass over `input` (row-major, one row per cache row):
+    /// the prompts on the `first` step (read in chunks), else each row's last token. Returns
+    /// the logits of each row's last position on the host, `[rows, vocab]` row-major.
+    pub(crate) fn step_logits(
+        &self,
+        input: &[u32],
+        cache: &mut KvCache<B>,
+        first: bool,
+    ) -> Result<Vec<f32>> {
+        let logits = if first {
+            self.model.forward_prompt(input, cache)?
+        } else {
+            self.model.forward(input, cache, Logits::Last)?
+        };
+        logits_to_vec(logits)
+    }
+}
+
 /// Copies logits to the host as f32, row-major.
 pub(crate) fn logits_to_vec<B: LlamaBackend, const D: usize>(
     logits: Tensor<B, D>,
@@ -617,80 +611,4 @@ pub(crate) fn logits_to_vec<B: LlamaBackend, const D: usize>(
         .convert::<f32>()
         .to_vec::<f32>()
         .map_err(|e| LlamaError::Runtime(format!("reading logits: {e:?}")))
-}
-
-impl LlamaConfig {
-    /// Loads a GGUF checkpoint with its embedded tokenizer, allocating for `max_seq_len`
-    /// tokens of context. Shows progress on a terminal. On the CPU backend Q8_0, Q4_0,
-    /// Q4_1, Q4_K and Q6_K weights stay quantized; everything else is dequantized to f32.
-    pub fn load_gguf<B: LlamaBackend>(
-        path: impl AsRef<Path>,
-        max_seq_len: usize,
-        device: &B::Device,
-    ) -> Result<Llama<B, GgufBpeTokenizer>> {
-        let path = path.as_ref();
-        let label = format!("loading {}", path.display());
-        let mut progress = terminal_progress(&label);
-        Self::load_gguf_with_progress(path, max_seq_len, device, &mut progress)
-    }
-
-    /// [`load_gguf`](Self::load_gguf) with a progress callback `(done, total)`.
-    pub fn load_gguf_with_progress<B: LlamaBackend>(
-        path: impl AsRef<Path>,
-        max_seq_len: usize,
-        device: &B::Device,
-        progress: ProgressFn<'_>,
-    ) -> Result<Llama<B, GgufBpeTokenizer>> {
-        let gguf = GgufFile::open(path)?;
-        let config = Self::from_gguf(&gguf)?.checked_max_seq_len(max_seq_len)?;
-        let tokenizer = GgufBpeTokenizer::from_gguf(&gguf)?;
-        let mut source = GgufSource::new(&gguf, &config);
-        let model = build_transformer(&config, &mut source, device, progress)?;
-        Llama::new(model, tokenizer)
-    }
-
-    /// Loads a Hugging Face model directory (`config.json`, `model.safetensors` or
-    /// shards with `model.safetensors.index.json`, `tokenizer.json`).
-    pub fn load_hf_dir<B: LlamaBackend>(
-        dir: impl AsRef<Path>,
-        max_seq_len: usize,
-        device: &B::Device,
-    ) -> Result<Llama<B, HfTokenizer>> {
-        let dir = dir.as_ref();
-        let tokenizer = HfTokenizer::from_dir(dir)?;
-        let label = format!("loading {}", dir.display());
-        let mut progress = terminal_progress(&label);
-        Self::load_hf_dir_with_tokenizer(dir, tokenizer, max_seq_len, device, &mut progress)
-    }
-
-    /// Loads the weights of a Hugging Face model directory and pairs them with the given
-    /// tokenizer (for example a Llama 3 `tokenizer.model`).
-    pub fn load_hf_dir_with_tokenizer<B: LlamaBackend, T: Tokenizer>(
-        dir: impl AsRef<Path>,
-        tokenizer: T,
-        max_seq_len: usize,
-        device: &B::Device,
-        progress: ProgressFn<'_>,
-    ) -> Result<Llama<B, T>> {
-        let dir = dir.as_ref();
-        let config_path = dir.join("config.json");
-        let json =
-            std::fs::read_to_string(&config_path).map_err(|e| LlamaError::io(&config_path, e))?;
-        let config = Self::from_hf_json(&json)?.checked_max_seq_len(max_seq_len)?;
-        let mut source = SafetensorsSource::open_dir(dir)?;
-        let model = build_transformer(&config, &mut source, device, progress)?;
-        Llama::new(model, tokenizer)
-    }
-
-    /// Sets `max_seq_len`, refusing 0 and values beyond the trained context.
-    pub fn checked_max_seq_len(self, max_seq_len: usize) -> Result<Self> {
-        if max_seq_len < 2 || max_seq_len > self.context_length {
-            return Err(LlamaError::InvalidParameter {
-                name: "max_seq_len",
-                value: max_seq_len.to_string(),
-                reason: "must be between 2 and the model's trained context length",
-            });
-        }
-        Ok(self.with_max_seq_len(max_seq_len))
-    }
 }

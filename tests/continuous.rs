@@ -10,10 +10,10 @@ use llama_burn::inference::{
     Outcome,
 };
 use llama_burn::sampling::Sampler;
-use llama_burn::tokenizer::GgufBpeTokenizer;
+use llama_burn::tokenizer::DynTokenizer;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
-type Engine = ContinuousEngine<B, GgufBpeTokenizer>;
+type Engine = ContinuousEngine<B, DynTokenizer>;
 
 fn solo(llama: &mut Demo, prompt: &str, max_tokens: usize) -> Vec<u32> {
     llama

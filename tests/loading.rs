@@ -22,7 +22,7 @@ use llama_burn::loader::gguf::GgufFile;
 use llama_burn::loader::safetensors::SafetensorsSource;
 use llama_burn::loader::{GgufSource, TensorSource};
 use llama_burn::model::Transformer;
-use llama_burn::tokenizer::{GgufBpeTokenizer, Tokenizer};
+use llama_burn::tokenizer::{DynTokenizer, GgufBpeTokenizer, Tokenizer};
 use llama_burn::{Llama, LlamaConfig, LlamaError};
 
 // ---------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ fn demo_tokenizer(gguf: &GgufFile) -> GgufBpeTokenizer {
 }
 
 /// Loads a GGUF file without a progress display.
-fn load_gguf(path: &Path, max_seq_len: usize) -> Result<Llama<B, GgufBpeTokenizer>, LlamaError> {
+fn load_gguf(path: &Path, max_seq_len: usize) -> Result<Llama<B, DynTokenizer>, LlamaError> {
     LlamaConfig::load_gguf_with_progress::<B>(path, max_seq_len, &default_device(), &mut |_, _| {})
 }
 

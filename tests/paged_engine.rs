@@ -10,10 +10,10 @@ use llama_burn::inference::{
     ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, GenerateRequest, KvBudget,
 };
 use llama_burn::sampling::{Sampler, TopP};
-use llama_burn::tokenizer::GgufBpeTokenizer;
+use llama_burn::tokenizer::DynTokenizer;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
-type Engine = ContinuousEngine<B, GgufBpeTokenizer>;
+type Engine = ContinuousEngine<B, DynTokenizer>;
 
 /// What a request gets alone (sequential strategy), generating exactly `n` tokens.
 fn alone(llama: &mut Demo, request: &GenerateRequest) -> Vec<u32> {

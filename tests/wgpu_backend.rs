@@ -10,17 +10,17 @@ use llama_burn::backend::LlamaBackend;
 use llama_burn::inference::{ContinuousConfig, ContinuousEngine, GenerateRequest};
 use llama_burn::llama::{Llama, LlamaConfig};
 use llama_burn::sampling::Sampler;
-use llama_burn::tokenizer::{GgufBpeTokenizer, Tokenizer};
+use llama_burn::tokenizer::{DynTokenizer, Tokenizer};
 
 const PROMPTS: [&str; 3] = ["The capital of France is", "Hi", "def fibonacci(n):"];
 const TOKENS: usize = 6;
 
-fn demo<B: LlamaBackend>(device: &B::Device) -> Llama<B, GgufBpeTokenizer> {
+fn demo<B: LlamaBackend>(device: &B::Device) -> Llama<B, DynTokenizer> {
     let path = llama_burn::demo::demo_model_path().expect("demo model");
     LlamaConfig::load_gguf::<B>(path, 128, device).expect("demo model loads")
 }
 
-fn greedy<B: LlamaBackend>(llama: &mut Llama<B, GgufBpeTokenizer>, prompt: &str) -> Vec<u32> {
+fn greedy<B: LlamaBackend>(llama: &mut Llama<B, DynTokenizer>, prompt: &str) -> Vec<u32> {
     llama
         .generate(prompt, TOKENS, 0.0, &mut Sampler::Argmax)
         .expect("generate")

@@ -6,35 +6,38 @@ use std::path::{Path, PathBuf};
 use llama_burn::Result;
 use llama_burn::backend::{DefaultBackend, default_device};
 use llama_burn::llama::{Llama, LlamaConfig};
-use llama_burn::tokenizer::Tokenizer;
 
 /// The backend chosen by cargo features.
 pub type B = DefaultBackend;
 
-/// Something to do with a loaded model, whatever its tokenizer type.
-pub trait WithModel {
-    /// The result.
-    type Output;
-    /// Runs on the loaded model.
-    fn run<T: Tokenizer>(self, llama: Llama<B, T>) -> Result<Self::Output>;
-}
-
-/// Loads `--model PATH` (a `.gguf` file or a Hugging Face directory), or the demo model,
-/// and hands it to `job`.
-pub fn with_model<J: WithModel>(
-    model: Option<&Path>,
-    max_seq_len: usize,
-    job: J,
-) -> Result<J::Output> {
+/// Loads `--model PATH` (a `.gguf` file or a Hugging Face directory), or the demo model.
+pub fn load_model(model: Option<&Path>, max_seq_len: usize) -> Result<Llama<B>> {
     let path: PathBuf = match model {
         Some(p) => p.to_path_buf(),
         None => llama_burn::demo::demo_model_path()?,
     };
     let device = default_device();
     if path.is_dir() {
-        job.run(LlamaConfig::load_hf_dir::<B>(&path, max_seq_len, &device)?)
+        LlamaConfig::load_hf_dir::<B>(&path, max_seq_len, &device)
     } else {
-        job.run(LlamaConfig::load_gguf::<B>(&path, max_seq_len, &device)?)
+        LlamaConfig::load_gguf::<B>(&path, max_seq_len, &device)
+    }
+}
+
+/// Loads the model, runs `job` on it, and exits with the error if either fails.
+pub fn run_on_model(
+    model: Option<&Path>,
+    max_seq_len: usize,
+    job: impl FnOnce(Llama<B>) -> Result<()>,
+) {
+    exit_on_error(load_model(model, max_seq_len).and_then(job));
+}
+
+/// Prints the error and exits with status 1 if `result` is one.
+pub fn exit_on_error(result: Result<()>) {
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
     }
 }
 

@@ -54,15 +54,7 @@ pub(crate) fn with_rows<B: Backend, R>(
     let [rows, width] = tensor.dims();
     #[cfg(feature = "flex")]
     {
-        use std::any::Any;
-
-        use burn::backend::flex::FlexTensor;
-        use burn::tensor::DType;
-
-        let primitive = tensor.clone().into_primitive().tensor();
-        if let Some(flex) = (&primitive as &dyn Any).downcast_ref::<FlexTensor>()
-            && flex.dtype() == DType::F32
-        {
+        if let Some(flex) = flex_f32(tensor) {
             let layout = flex.layout();
             let strides = layout.strides();
             let data = flex.storage::<f32>();
@@ -137,16 +129,8 @@ pub(crate) fn read_in_place<B: Backend, const D: usize, R>(
 ) -> Option<R> {
     #[cfg(feature = "flex")]
     {
-        use std::any::Any;
-
-        use burn::backend::flex::FlexTensor;
-        use burn::tensor::DType;
-
-        let primitive = tensor.clone().into_primitive().tensor();
-        let flex = (&primitive as &dyn Any).downcast_ref::<FlexTensor>()?;
-        let usable = flex.dtype() == DType::F32
-            && flex.layout().is_contiguous()
-            && flex.layout().start_offset() == 0;
+        let flex = flex_f32(tensor)?;
+        let usable = flex.layout().is_contiguous() && flex.layout().start_offset() == 0;
         usable.then(|| read(flex.storage::<f32>()))
     }
     #[cfg(not(feature = "flex"))]
@@ -154,4 +138,17 @@ pub(crate) fn read_in_place<B: Backend, const D: usize, R>(
         let _ = (tensor, read);
         None
     }
+}
+
+/// A handle to `tensor`'s Flex primitive, if it is an f32 Flex tensor: the one downcast
+/// the readers share.
+#[cfg(feature = "flex")]
+fn flex_f32<B: Backend, const D: usize>(
+    tensor: &Tensor<B, D>,
+) -> Option<burn::backend::flex::FlexTensor> {
+    let primitive: Box<dyn std::any::Any> = Box::new(tensor.clone().into_primitive().tensor());
+    let flex = primitive
+        .downcast::<burn::backend::flex::FlexTensor>()
+        .ok()?;
+    (flex.dtype() == burn::tensor::DType::F32).then_some(*flex)
 }

@@ -1,13 +1,12 @@
-//! Serving strategies over one model: the job runtime and its handlers, and batched
-//! generation.
+//! Serving strategies over one model: the job runtime and its handlers, the continuous
+//! engine, and (re-exported from [`crate::batched`]) batched generation in one call.
 
-pub mod batch;
 pub mod continuous;
 pub mod handlers;
 pub mod request;
 pub mod runtime;
 
-pub use batch::{DEFAULT_MAX_BATCH, generate_batch, generate_batch_with_max};
+pub use crate::batched::{DEFAULT_MAX_BATCH, generate_batch, generate_batch_with_max};
 pub use continuous::{
     ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, EngineMetrics, EventHandler,
     KvBudget, Outcome, RequestMetrics, continuous_batching_handler,

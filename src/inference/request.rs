@@ -182,23 +182,45 @@ impl GenerateRequest {
         if empty {
             return Err(LlamaError::EmptyPrompt);
         }
-        if self.max_tokens == 0 {
-            return Err(LlamaError::invalid(
-                "max_tokens",
-                self.max_tokens,
-                "must be at least 1",
-            ));
-        }
-        if self.max_tokens > max_context {
-            return Err(LlamaError::invalid(
-                "max_tokens",
-                self.max_tokens,
-                "must not exceed the model's context length",
-            ));
-        }
+        // The prompt is not tokenized yet: its length is checked when it is.
+        check_request_size(None, self.max_tokens, max_context)?;
         crate::sampling::validate_temperature(self.temperature)?;
         crate::sampling::validate_top_p(self.top_p)?;
         Ok(())
+    }
+}
+
+/// The one check of a request's size against a context window of `context` positions,
+/// for every strategy: `max_tokens` is at least 1 and at most `context`, and a prompt of
+/// `prompt_len` tokens (when known) is not empty and leaves room for one generated token.
+///
+/// [`GenerateRequest::validate`] calls it before tokenizing (`prompt_len` `None`),
+/// [`Llama::check_budget`](crate::Llama::check_budget) after; the sequential, concurrent,
+/// batched and continuous strategies all go through those two.
+pub(crate) fn check_request_size(
+    prompt_len: Option<usize>,
+    max_tokens: usize,
+    context: usize,
+) -> Result<()> {
+    if prompt_len == Some(0) {
+        return Err(LlamaError::EmptyPrompt);
+    }
+    if max_tokens == 0 {
+        return Err(LlamaError::invalid("max_tokens", 0, "must be at least 1"));
+    }
+    if max_tokens > context {
+        return Err(LlamaError::invalid(
+            "max_tokens",
+            max_tokens,
+            "exceeds the model's context window",
+        ));
+    }
+    match prompt_len {
+        Some(tokens) if tokens >= context => Err(LlamaError::PromptTooLong {
+            tokens,
+            max: context - 1,
+        }),
+        _ => Ok(()),
     }
 }
 

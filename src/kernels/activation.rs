@@ -2,7 +2,7 @@
 //! gate, RoPE and RMSNorm.
 
 use super::attention::exp;
-use super::cpu::SimdPath;
+use super::cpu::{SimdPath, on_simd_path};
 
 /// `out = silu(gate) * up = gate / (1 + e^-gate) * up`, element by element, with the
 /// softmax's [`exp`]: one pass instead of Burn's three (sigmoid, multiply, multiply),
@@ -11,27 +11,10 @@ use super::cpu::SimdPath;
 ///
 /// `out`, `gate` and `up` must have the same length (extra values are ignored).
 pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    match SimdPath::active() {
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx512 => {
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-            fn wide(gate: &[f32], up: &[f32], out: &mut [f32]) {
-                swiglu_plain(gate, up, out);
-            }
-            // SAFETY: the active path is supported by this CPU.
-            unsafe { wide(gate, up, out) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx2 => {
-            #[target_feature(enable = "avx2,fma,f16c")]
-            fn wide(gate: &[f32], up: &[f32], out: &mut [f32]) {
-                swiglu_plain(gate, up, out);
-            }
-            // SAFETY: as above.
-            unsafe { wide(gate, up, out) }
-        }
-        _ => swiglu_plain(gate, up, out),
-    }
+    on_simd_path!(
+        SimdPath::active(),
+        swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32])
+    );
 }
 
 #[inline(always)]
@@ -50,27 +33,10 @@ fn swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]) {
 /// `x`, `cos`, `sin` and `out` must have the same length, a multiple of `head_dim`
 /// (an even number; extra values are ignored).
 pub fn rope(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f32]) {
-    match SimdPath::active() {
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx512 => {
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-            fn wide(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f32]) {
-                rope_plain(x, cos, sin, head_dim, out);
-            }
-            // SAFETY: the active path is supported by this CPU.
-            unsafe { wide(x, cos, sin, head_dim, out) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx2 => {
-            #[target_feature(enable = "avx2,fma,f16c")]
-            fn wide(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f32]) {
-                rope_plain(x, cos, sin, head_dim, out);
-            }
-            // SAFETY: as above.
-            unsafe { wide(x, cos, sin, head_dim, out) }
-        }
-        _ => rope_plain(x, cos, sin, head_dim, out),
-    }
+    on_simd_path!(
+        SimdPath::active(),
+        rope_plain(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f32])
+    );
 }
 
 #[inline(always)]
@@ -118,27 +84,10 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    match SimdPath::active() {
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx512 => {
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-            fn wide(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-                rms_norm_plain(x, weight, eps, out);
-            }
-            // SAFETY: the active path is supported by this CPU.
-            unsafe { wide(x, weight, eps, out) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx2 => {
-            #[target_feature(enable = "avx2,fma,f16c")]
-            fn wide(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-                rms_norm_plain(x, weight, eps, out);
-            }
-            // SAFETY: as above.
-            unsafe { wide(x, weight, eps, out) }
-        }
-        _ => rms_norm_plain(x, weight, eps, out),
-    }
+    on_simd_path!(
+        SimdPath::active(),
+        rms_norm_plain(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32])
+    );
 }
 
 #[inline(always)]

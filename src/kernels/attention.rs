@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use super::cpu::{SimdPath, dot};
+use super::cpu::{SimdPath, dot, on_simd_path};
 use crate::cache::BlockId;
 use crate::error::{LlamaError, Result};
 
@@ -446,37 +446,15 @@ fn attend_on<'a, V: KvView<'a>>(
     scores: &mut Scores,
     o: &mut [f32],
 ) {
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx512 => {
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-            fn wide<'a, V: KvView<'a>>(
-                path: SimdPath,
-                query: &Query<'_, V>,
-                scores: &mut Scores,
-                o: &mut [f32],
-            ) {
-                attend(path, query, scores, o);
-            }
-            // SAFETY: the path is supported by this CPU (`SimdPath::active`).
-            unsafe { wide(path, query, scores, o) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx2 => {
-            #[target_feature(enable = "avx2,fma,f16c")]
-            fn wide<'a, V: KvView<'a>>(
-                path: SimdPath,
-                query: &Query<'_, V>,
-                scores: &mut Scores,
-                o: &mut [f32],
-            ) {
-                attend(path, query, scores, o);
-            }
-            // SAFETY: as above.
-            unsafe { wide(path, query, scores, o) }
-        }
-        _ => attend(path, query, scores, o),
-    }
+    on_simd_path!(
+        path,
+        attend['a, V: KvView<'a>](
+            path: SimdPath,
+            query: &Query<'_, V>,
+            scores: &mut Scores,
+            o: &mut [f32],
+        )
+    );
 }
 
 /// One query: scores of the visible keys in key order, their maximum, the exponentials

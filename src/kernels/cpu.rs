@@ -107,6 +107,37 @@ impl SimdPath {
     }
 }
 
+/// Calls the plain function `$plain($args)` compiled for SIMD path `$path`: a copy with
+/// the AVX-512 or AVX2 target features enabled (so the compiler vectorises its loops for
+/// that width; `$plain` should be `#[inline(always)]`), or as it is on other paths.
+/// `[$generics]` are the copy's generic parameters, when `$plain` has any.
+macro_rules! on_simd_path {
+    (@copy $features:tt, $plain:ident [$($generics:tt)*] ($($arg:ident: $ty:ty),*)) => {{
+        #[target_feature(enable = $features)]
+        fn wide<$($generics)*>($($arg: $ty),*) {
+            $plain($($arg),*)
+        }
+        // SAFETY: the path is supported by this CPU (`SimdPath::active`).
+        unsafe { wide($($arg),*) }
+    }};
+    ($path:expr, $plain:ident $([$($generics:tt)*])? ($($arg:ident: $ty:ty),* $(,)?)) => {
+        match $path {
+            #[cfg(target_arch = "x86_64")]
+            $crate::kernels::cpu::SimdPath::Avx512 => $crate::kernels::cpu::on_simd_path!(
+                @copy "avx512f,avx512bw,avx512vl,avx2,fma,f16c",
+                $plain [$($($generics)*)?] ($($arg: $ty),*)
+            ),
+            #[cfg(target_arch = "x86_64")]
+            $crate::kernels::cpu::SimdPath::Avx2 => $crate::kernels::cpu::on_simd_path!(
+                @copy "avx2,fma,f16c",
+                $plain [$($($generics)*)?] ($($arg: $ty),*)
+            ),
+            _ => $plain($($arg),*),
+        }
+    };
+}
+pub(crate) use on_simd_path;
+
 #[cfg(target_arch = "x86_64")]
 fn avx2_supported() -> bool {
     std::arch::is_x86_feature_detected!("avx2")

@@ -6,13 +6,14 @@
 //! bit-identical to ggml's and gguf-py's.
 //!
 //! Supported: `F32`, `F16`, `BF16`, `F64`, `Q4_0`, `Q4_1`, `Q5_0`, `Q5_1`, `Q8_0`, `Q2_K`,
-//! `Q3_K`, `Q4_K`, `Q5_K`, `Q6_K`, `Q8_K`, `IQ4_NL` and `IQ4_XS` (see
-//! [`GgmlType::can_dequantize`]).
+//! `Q3_K`, `Q4_K`, `Q5_K`, `Q6_K`, `Q8_K`, `IQ4_NL` and `IQ4_XS`: the list is the
+//! `decoder` table below, which [`GgmlType::can_dequantize`] reads too. Block layouts come
+//! from the ggml type table ([`GgmlType`]).
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use super::gguf::GgmlType;
+use super::ggml::GgmlType;
 use crate::error::{LlamaError, Result};
 
 /// Number of values in a K-quant super-block.
@@ -41,40 +42,52 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n_elements: usize) -> Result<Vec<f
 /// Errors as [`dequantize`] does; on error `out` may be partially written.
 pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     check(ty, bytes.len(), out.len())?;
-    match ty {
-        GgmlType::F32 => f32_le(bytes, out),
-        GgmlType::F16 => f16_le(bytes, out),
-        GgmlType::BF16 => bf16_le(bytes, out),
-        GgmlType::F64 => f64_le(bytes, out),
-        GgmlType::Q4_0 => q4_0(bytes, out),
-        GgmlType::Q4_1 => q4_1(bytes, out),
-        GgmlType::Q5_0 => q5_0(bytes, out),
-        GgmlType::Q5_1 => q5_1(bytes, out),
-        GgmlType::Q8_0 => q8_0(bytes, out),
-        GgmlType::Q2_K => q2_k(bytes, out),
-        GgmlType::Q3_K => q3_k(bytes, out),
-        GgmlType::Q4_K => q4_k(bytes, out),
-        GgmlType::Q5_K => q5_k(bytes, out),
-        GgmlType::Q6_K => q6_k(bytes, out),
-        GgmlType::Q8_K => q8_k(bytes, out),
-        GgmlType::IQ4_NL => iq4_nl(bytes, out),
-        GgmlType::IQ4_XS => iq4_xs(bytes, out),
-        _ => return Err(unsupported(ty)),
-    }
+    let decode = decoder(ty).ok_or_else(|| unsupported(ty))?;
+    decode(bytes, out);
     Ok(())
 }
 
-/// Dequantizes whole blocks of one of the kernel formats (Q8_0, Q4_0, Q4_1, Q4_K,
-/// Q6_K) without [`dequantize_into`]'s checks, for callers that hold checked blocks: the
-/// values are the same. Other types leave `out` untouched.
+/// Dequantizes whole blocks without [`dequantize_into`]'s checks, for callers that hold
+/// checked blocks (the CPU kernels' formats): the values are the same. Types this module
+/// cannot decode leave `out` untouched.
 pub(crate) fn dequantize_block(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
-    match ty {
-        GgmlType::Q8_0 => q8_0(bytes, out),
-        GgmlType::Q4_0 => q4_0(bytes, out),
-        GgmlType::Q4_1 => q4_1(bytes, out),
-        GgmlType::Q4_K => q4_k(bytes, out),
-        GgmlType::Q6_K => q6_k(bytes, out),
-        _ => {}
+    if let Some(decode) = decoder(ty) {
+        decode(bytes, out);
+    }
+}
+
+/// Decodes whole blocks of one type from `bytes` into `out`.
+type Decoder = fn(&[u8], &mut [f32]);
+
+/// The one list of the types this module decodes, with the routine for each.
+fn decoder(ty: GgmlType) -> Option<Decoder> {
+    Some(match ty {
+        GgmlType::F32 => f32_le,
+        GgmlType::F16 => f16_le,
+        GgmlType::BF16 => bf16_le,
+        GgmlType::F64 => f64_le,
+        GgmlType::Q4_0 => q4_0,
+        GgmlType::Q4_1 => q4_1,
+        GgmlType::Q5_0 => q5_0,
+        GgmlType::Q5_1 => q5_1,
+        GgmlType::Q8_0 => q8_0,
+        GgmlType::Q2_K => q2_k,
+        GgmlType::Q3_K => q3_k,
+        GgmlType::Q4_K => q4_k,
+        GgmlType::Q5_K => q5_k,
+        GgmlType::Q6_K => q6_k,
+        GgmlType::Q8_K => q8_k,
+        GgmlType::IQ4_NL => iq4_nl,
+        GgmlType::IQ4_XS => iq4_xs,
+        _ => return None,
+    })
+}
+
+impl GgmlType {
+    /// Whether [`dequantize`] can turn this type into `f32` (answered by the
+    /// dequantizer's own list, so the two cannot drift apart).
+    pub fn can_dequantize(self) -> bool {
+        decoder(self).is_some()
     }
 }
 

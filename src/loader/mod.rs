@@ -1,11 +1,24 @@
-//! Reading checkpoints: GGUF files and Hugging Face safetensors directories.
+//! Loading, all of it: GGUF files, Hugging Face safetensors directories and (feature
+//! `pretrained`) hub downloads.
 //!
-//! Both formats are read through [`TensorSource`], which hands out tensors by their
-//! Hugging Face names as row-major f32 data; [`build_transformer`] assembles the model
-//! from any source, so the two formats cannot drift apart.
+//! - `load.rs`: the entry points, [`LlamaConfig::load_gguf`], [`LlamaConfig::load_hf_dir`],
+//!   the `*_pretrained` constructors, and the configuration readers
+//!   [`LlamaConfig::from_gguf`] / [`LlamaConfig::from_hf_json`];
+//! - [`gguf`]: the GGUF file reader; `ggml.rs`: the ggml type table (ids, names, block
+//!   layouts) that the reader and [`dequant`] share; [`dequant`]: ggml blocks to `f32`;
+//! - [`safetensors`]: safetensors files and shards;
+//! - `pretrained` (feature `pretrained`): hub downloads;
+//! - this file: [`TensorSource`], which hands out tensors by their Hugging Face names as
+//!   row-major f32 data, and [`build_transformer`], which assembles the model from any
+//!   source, so the formats cannot drift apart.
 
 pub mod dequant;
+mod ggml;
 pub mod gguf;
+mod load;
+#[cfg(feature = "pretrained")]
+#[cfg_attr(docsrs, doc(cfg(feature = "pretrained")))]
+pub mod pretrained;
 pub mod safetensors;
 
 use std::io::IsTerminal;
@@ -19,7 +32,10 @@ use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::kernels::{QuantFormat, QuantMatrix};
 use crate::model::linear::default_blocks;
-use crate::model::{Block, Projection, Transformer, VocabMatrix};
+use crate::model::weights::{
+    BLOCK_WEIGHTS, EMBED, FINAL_NORM, LM_HEAD, WeightKind, layer_name, tensor_count,
+};
+use crate::model::{Block, BlockTensor, Projection, Transformer, VocabMatrix};
 use gguf::GgufFile;
 
 /// A checkpoint that hands out tensors by Hugging Face name (`model.layers.0.self_attn.q_proj.weight`, ...).
@@ -57,10 +73,6 @@ pub fn terminal_progress(label: &str) -> impl FnMut(usize, usize) + '_ {
             }
         }
     }
-}
-
-fn layer_name(i: usize, suffix: &str) -> String {
-    format!("model.layers.{i}.{suffix}")
 }
 
 /// Reads named tensors from a source, checks their shapes and reports progress.
@@ -195,52 +207,50 @@ pub fn build_transformer<B: LlamaBackend>(
     let c = config;
     // The declared layer count must match the tensors present before anything is
     // allocated for it.
-    if !source.contains(&layer_name(c.n_layers - 1, "input_layernorm.weight")) {
+    if !source.contains(&layer_name(c.n_layers - 1, BLOCK_WEIGHTS[0].parts[0].hf)) {
         return Err(LlamaError::Config(format!(
             "the configuration declares {} layers, the checkpoint's tensors do not",
             c.n_layers
         )));
     }
-    let tied = c.tie_embeddings || !source.contains("lm_head.weight");
+    let tied = c.tie_embeddings || !source.contains(LM_HEAD.0);
     let mut w = WeightReader::<B> {
         source,
         progress,
         done: 0,
-        total: 2 + usize::from(!tied) + 9 * c.n_layers, // bounded by `validate`
+        total: tensor_count(c, tied), // bounded by `validate`
         device: device.clone(),
         quantized: B::keeps_quantized_weights(),
         blocks: default_blocks::<B>(),
     };
-    let (d, hd) = (c.d_model, c.head_dim);
-    let (q_rows, kv_rows) = (c.n_heads * hd, c.n_kv_heads * hd);
+    let d = c.d_model;
 
-    let embed = w.vocab("model.embed_tokens.weight", c.vocab_size, d)?;
+    let embed = w.vocab(EMBED.0, c.vocab_size, d)?;
     let mut blocks = Vec::with_capacity(c.n_layers);
     for i in 0..c.n_layers {
-        let name = |suffix: &str| layer_name(i, suffix);
-        blocks.push(Block {
-            attn_norm: w.vector(&name("input_layernorm.weight"), d)?,
-            // Queries and keys share one projection (one product instead of two).
-            wqk: w.projection(
-                &[
-                    (&name("self_attn.q_proj.weight"), q_rows),
-                    (&name("self_attn.k_proj.weight"), kv_rows),
-                ],
-                d,
-            )?,
-            wv: w.projection(&[(&name("self_attn.v_proj.weight"), kv_rows)], d)?,
-            wo: w.projection(&[(&name("self_attn.o_proj.weight"), d)], q_rows)?,
-            ffn_norm: w.vector(&name("post_attention_layernorm.weight"), d)?,
-            w_gate: w.projection(&[(&name("mlp.gate_proj.weight"), c.ffn_hidden)], d)?,
-            w_up: w.projection(&[(&name("mlp.up_proj.weight"), c.ffn_hidden)], d)?,
-            w_down: w.projection(&[(&name("mlp.down_proj.weight"), d)], c.ffn_hidden)?,
-        });
+        let mut weights = Vec::with_capacity(BLOCK_WEIGHTS.len());
+        for spec in &BLOCK_WEIGHTS {
+            let names: Vec<(String, usize)> = spec
+                .parts
+                .iter()
+                .map(|t| (layer_name(i, t.hf), (t.rows)(c)))
+                .collect();
+            weights.push(match spec.kind {
+                WeightKind::Norm => BlockTensor::Norm(w.vector(&names[0].0, spec.rows(c))?),
+                WeightKind::Projection => {
+                    let parts: Vec<(&str, usize)> =
+                        names.iter().map(|(n, rows)| (n.as_str(), *rows)).collect();
+                    BlockTensor::Projection(w.projection(&parts, (spec.cols)(c))?)
+                }
+            });
+        }
+        blocks.push(Block::from_weights(weights)?);
     }
-    let norm = w.vector("model.norm.weight", d)?;
+    let norm = w.vector(FINAL_NORM.0, d)?;
     let lm_head = if tied {
         None
     } else {
-        Some(w.vocab("lm_head.weight", c.vocab_size, d)?)
+        Some(w.vocab(LM_HEAD.0, c.vocab_size, d)?)
     };
     let mut config = config.clone();
     config.tie_embeddings = tied;
@@ -265,29 +275,10 @@ impl<'a> GgufSource<'a> {
         }
     }
 
-    /// The GGUF name of a Hugging Face tensor name, if it has one.
+    /// The GGUF name of a Hugging Face tensor name, if it has one (from the model's
+    /// weight table, [`crate::model::weights`]).
     pub fn gguf_name(name: &str) -> Option<String> {
-        match name {
-            "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
-            "model.norm.weight" => return Some("output_norm.weight".into()),
-            "lm_head.weight" => return Some("output.weight".into()),
-            _ => {}
-        }
-        let rest = name.strip_prefix("model.layers.")?;
-        let (layer, suffix) = rest.split_once('.')?;
-        let mapped = match suffix {
-            "input_layernorm.weight" => "attn_norm.weight",
-            "self_attn.q_proj.weight" => "attn_q.weight",
-            "self_attn.k_proj.weight" => "attn_k.weight",
-            "self_attn.v_proj.weight" => "attn_v.weight",
-            "self_attn.o_proj.weight" => "attn_output.weight",
-            "post_attention_layernorm.weight" => "ffn_norm.weight",
-            "mlp.gate_proj.weight" => "ffn_gate.weight",
-            "mlp.up_proj.weight" => "ffn_up.weight",
-            "mlp.down_proj.weight" => "ffn_down.weight",
-            _ => return None,
-        };
-        Some(format!("blk.{layer}.{mapped}"))
+        crate::model::weights::gguf_name(name)
     }
 }
 

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod linear;
 pub mod norm;
 pub mod rope;
+pub mod weights;
 
 use std::sync::Arc;
 
@@ -23,6 +24,7 @@ use attention::{PagedPlan, grouped_query_attention};
 pub use linear::Projection;
 use norm::rms_norm;
 use rope::RopeTable;
+use weights::{BLOCK_WEIGHTS, WeightKind};
 
 /// Weights of one transformer block. Projection matrices are stored `[in, out]`, so a
 /// projection is `x @ w` over contiguous memory: on the CPU backend that was 1.5-6x faster
@@ -45,6 +47,107 @@ pub struct Block<B: Backend> {
     pub w_up: Projection<B>,
     /// Down projection, `[ffn_hidden, d_model]`.
     pub w_down: Projection<B>,
+}
+
+/// One weight of a [`Block`], owned: what [`Block::from_weights`] takes.
+#[derive(Debug, Clone)]
+pub enum BlockTensor<B: Backend> {
+    /// An RMSNorm weight.
+    Norm(Tensor<B, 1>),
+    /// A projection.
+    Projection(Projection<B>),
+}
+
+/// One weight of a [`Block`], borrowed: what [`Block::weights`] gives.
+#[derive(Debug, Clone, Copy)]
+pub enum BlockTensorRef<'a, B: Backend> {
+    /// An RMSNorm weight.
+    Norm(&'a Tensor<B, 1>),
+    /// A projection.
+    Projection(&'a Projection<B>),
+}
+
+impl<B: LlamaBackend> BlockTensorRef<'_, B> {
+    /// Its shape: `[len]` for a norm, `[in, out]` for a projection.
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Self::Norm(t) => t.dims().to_vec(),
+            Self::Projection(p) => p.dims().to_vec(),
+        }
+    }
+
+    /// Bytes of weights held.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Self::Norm(t) => t.shape().num_elements() * std::mem::size_of::<f32>(),
+            Self::Projection(p) => p.weight_bytes(),
+        }
+    }
+}
+
+impl<B: Backend> BlockTensor<B> {
+    fn into_norm(self, name: &str) -> Result<Tensor<B, 1>> {
+        match self {
+            Self::Norm(t) => Ok(t),
+            Self::Projection(_) => Err(LlamaError::Config(format!(
+                "block weight {name}: a norm was expected, a projection given"
+            ))),
+        }
+    }
+
+    fn into_projection(self, name: &str) -> Result<Projection<B>> {
+        match self {
+            Self::Projection(p) => Ok(p),
+            Self::Norm(_) => Err(LlamaError::Config(format!(
+                "block weight {name}: a projection was expected, a norm given"
+            ))),
+        }
+    }
+}
+
+impl<B: Backend> Block<B> {
+    /// Assembles a block from its weights in [`BLOCK_WEIGHTS`] order (the order
+    /// [`Block::weights`] gives them back in). Shapes are checked by the [`Transformer`].
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::Config`] if a weight is missing or of the wrong kind.
+    pub fn from_weights(weights: impl IntoIterator<Item = BlockTensor<B>>) -> Result<Self> {
+        let weights: Vec<BlockTensor<B>> = weights.into_iter().collect();
+        let given = weights.len();
+        let [attn_norm, wqk, wv, wo, ffn_norm, w_gate, w_up, w_down] =
+            <[BlockTensor<B>; BLOCK_WEIGHTS.len()]>::try_from(weights).map_err(|_| {
+                LlamaError::Config(format!(
+                    "a block has {} weights, {given} were given",
+                    BLOCK_WEIGHTS.len()
+                ))
+            })?;
+        Ok(Self {
+            attn_norm: attn_norm.into_norm("attn_norm")?,
+            wqk: wqk.into_projection("wqk")?,
+            wv: wv.into_projection("wv")?,
+            wo: wo.into_projection("wo")?,
+            ffn_norm: ffn_norm.into_norm("ffn_norm")?,
+            w_gate: w_gate.into_projection("w_gate")?,
+            w_up: w_up.into_projection("w_up")?,
+            w_down: w_down.into_projection("w_down")?,
+        })
+    }
+
+    /// The block's weights, in [`BLOCK_WEIGHTS`] order.
+    pub fn weights(&self) -> [BlockTensorRef<'_, B>; BLOCK_WEIGHTS.len()] {
+        use BlockTensorRef::{Norm, Projection as Proj};
+        [
+            Norm(&self.attn_norm),
+            Proj(&self.wqk),
+            Proj(&self.wv),
+            Proj(&self.wo),
+            Norm(&self.ffn_norm),
+            Proj(&self.w_gate),
+            Proj(&self.w_up),
+            Proj(&self.w_down),
+        ]
+    }
 }
 
 /// Most prompt columns read in one forward pass by [`Transformer::forward_prompt`].
@@ -212,46 +315,14 @@ impl<B: LlamaBackend> Transformer<B> {
                 c.n_layers
             )));
         }
-        let qk_rows = (c.n_heads + c.n_kv_heads) * c.head_dim;
-        let kv_rows = c.n_kv_heads * c.head_dim;
         for (i, b) in blocks.iter().enumerate() {
-            check(
-                &format!("blk.{i}.attn_norm"),
-                b.attn_norm.dims().to_vec(),
-                vec![c.d_model],
-            )?;
-            check(
-                &format!("blk.{i}.wqk"),
-                b.wqk.dims().to_vec(),
-                vec![c.d_model, qk_rows],
-            )?;
-            check(
-                &format!("blk.{i}.wv"),
-                b.wv.dims().to_vec(),
-                vec![c.d_model, kv_rows],
-            )?;
-            check(
-                &format!("blk.{i}.wo"),
-                b.wo.dims().to_vec(),
-                vec![c.n_heads * c.head_dim, c.d_model],
-            )?;
-            check(
-                &format!("blk.{i}.ffn_norm"),
-                b.ffn_norm.dims().to_vec(),
-                vec![c.d_model],
-            )?;
-            for (name, w) in [("w_gate", &b.w_gate), ("w_up", &b.w_up)] {
+            for (spec, weight) in BLOCK_WEIGHTS.iter().zip(b.weights()) {
                 check(
-                    &format!("blk.{i}.{name}"),
-                    w.dims().to_vec(),
-                    vec![c.d_model, c.ffn_hidden],
+                    &format!("blk.{i}.{}", spec.name),
+                    weight.dims(),
+                    spec.shape(c),
                 )?;
             }
-            check(
-                &format!("blk.{i}.w_down"),
-                b.w_down.dims().to_vec(),
-                vec![c.ffn_hidden, c.d_model],
-            )?;
         }
         let lm_head = match lm_head {
             Some(head) => {
@@ -293,17 +364,15 @@ impl<B: LlamaBackend> Transformer<B> {
         let ones = || Tensor::<B, 1>::ones([c.d_model], device);
         let embed = matrix(c.vocab_size, c.d_model);
         let blocks = (0..c.n_layers)
-            .map(|_| Block {
-                attn_norm: ones(),
-                wqk: Projection::new(matrix(c.d_model, (c.n_heads + c.n_kv_heads) * c.head_dim)),
-                wv: Projection::new(matrix(c.d_model, c.n_kv_heads * c.head_dim)),
-                wo: Projection::new(matrix(c.n_heads * c.head_dim, c.d_model)),
-                ffn_norm: ones(),
-                w_gate: Projection::new(matrix(c.d_model, c.ffn_hidden)),
-                w_up: Projection::new(matrix(c.d_model, c.ffn_hidden)),
-                w_down: Projection::new(matrix(c.ffn_hidden, c.d_model)),
+            .map(|_| {
+                Block::from_weights(BLOCK_WEIGHTS.iter().map(|w| match w.kind {
+                    WeightKind::Norm => BlockTensor::Norm(Tensor::ones([w.rows(c)], device)),
+                    WeightKind::Projection => {
+                        BlockTensor::Projection(Projection::new(matrix((w.cols)(c), w.rows(c))))
+                    }
+                }))
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         let lm_head = (!c.tie_embeddings).then(|| matrix(c.vocab_size, c.d_model));
         Self::new(config.clone(), embed, blocks, ones(), lm_head, device)
     }
@@ -325,14 +394,8 @@ impl<B: LlamaBackend> Transformer<B> {
         let blocks: usize = self
             .blocks
             .iter()
-            .map(|b| {
-                f32_bytes(&b.attn_norm)
-                    + f32_bytes(&b.ffn_norm)
-                    + [&b.wqk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down]
-                        .iter()
-                        .map(|p| p.weight_bytes())
-                        .sum::<usize>()
-            })
+            .flat_map(|b| b.weights())
+            .map(|w| w.weight_bytes())
             .sum();
         let head = if self.config.tie_embeddings {
             0

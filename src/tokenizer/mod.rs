@@ -7,6 +7,9 @@
 //!   directory's `tokenizer_config.json`, `generation_config.json` and `config.json`);
 //! - `Llama3Tokenizer` (feature `llama3`): Meta's tiktoken `tokenizer.model` for Llama 3.
 //!
+//! The loaders return them as a [`DynTokenizer`] (`Arc<dyn Tokenizer>`), which is a
+//! [`Tokenizer`] too, so an application names one model type whatever it loads.
+//!
 //! [`StreamDecoder`] turns generated ids into text piece by piece without ever splitting a
 //! UTF-8 character, and [`ChatFormat`] writes conversations in the model's chat format.
 
@@ -24,6 +27,8 @@ pub use stream::StreamDecoder;
 #[cfg(feature = "llama3")]
 #[cfg_attr(docsrs, doc(cfg(feature = "llama3")))]
 pub use tiktoken::Llama3Tokenizer;
+
+use std::sync::Arc;
 
 use crate::error::{LlamaError, Result};
 
@@ -111,6 +116,87 @@ pub trait Tokenizer: Send + Sync + 'static {
         }
         let bos = format == ChatFormat::ChatMl && self.add_bos_by_default();
         wrap_bos_eos(ids, bos, false, self.bos_id(), self.eos_id())
+    }
+}
+
+/// A tokenizer chosen at run time, shared: what the loaders return, so an application
+/// names one concrete model type, `Llama<B, DynTokenizer>`, whatever file it loads.
+///
+/// ```
+/// use std::sync::Arc;
+/// use llama_burn::tokenizer::{DynTokenizer, GgufBpeTokenizer, Tokenizer};
+///
+/// # fn main() -> llama_burn::Result<()> {
+/// let tokenizer: DynTokenizer = Arc::new(GgufBpeTokenizer::bytes_only()?);
+/// let ids = tokenizer.encode("hi", false, false)?;
+/// assert_eq!(tokenizer.decode(&ids)?, "hi");
+/// # Ok(())
+/// # }
+/// ```
+pub type DynTokenizer = Arc<dyn Tokenizer>;
+
+impl std::fmt::Debug for dyn Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("chat_format", &self.chat_format())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A shared tokenizer is one: every method is the shared one's (its own `is_stop` and
+/// `encode_chat` included).
+impl<T: Tokenizer + ?Sized> Tokenizer for Arc<T> {
+    fn encode(&self, text: &str, bos: bool, eos: bool) -> Result<Vec<u32>> {
+        (**self).encode(text, bos, eos)
+    }
+
+    fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        (**self).encode_text(text)
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        (**self).decode(ids)
+    }
+
+    fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        (**self).token_bytes(id)
+    }
+
+    fn vocab_size(&self) -> usize {
+        (**self).vocab_size()
+    }
+
+    fn bos_id(&self) -> Option<u32> {
+        (**self).bos_id()
+    }
+
+    fn eos_id(&self) -> Option<u32> {
+        (**self).eos_id()
+    }
+
+    fn stop_ids(&self) -> &[u32] {
+        (**self).stop_ids()
+    }
+
+    fn add_bos_by_default(&self) -> bool {
+        (**self).add_bos_by_default()
+    }
+
+    fn chat_format(&self) -> Option<ChatFormat> {
+        (**self).chat_format()
+    }
+
+    fn is_stop(&self, id: u32) -> bool {
+        (**self).is_stop(id)
+    }
+
+    fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        (**self).encode_chat(messages, add_generation_prompt)
     }
 }
 

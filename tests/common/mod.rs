@@ -3,12 +3,12 @@
 
 use llama_burn::backend::{DefaultBackend, default_device};
 use llama_burn::llama::{Llama, LlamaConfig};
-use llama_burn::tokenizer::GgufBpeTokenizer;
+use llama_burn::tokenizer::DynTokenizer;
 
 /// The backend the tests run on.
 pub type B = DefaultBackend;
 /// The demo model type.
-pub type Demo = Llama<B, GgufBpeTokenizer>;
+pub type Demo = Llama<B, DynTokenizer>;
 
 /// Loads the demo model (SmolLM2-135M-Instruct), fetching it on first use.
 pub fn demo(max_seq_len: usize) -> Demo {

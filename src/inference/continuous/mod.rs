@@ -62,7 +62,7 @@ pub use crate::cache::KvBudget;
 use crate::cache::paged::block_bytes;
 use crate::error::{LlamaError, Result};
 use crate::llama::{Llama, StopReason};
-use crate::tokenizer::Tokenizer;
+use crate::tokenizer::{DynTokenizer, Tokenizer};
 
 /// Sizing of a [`ContinuousEngine`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -289,14 +289,9 @@ impl Drop for EngineJob {
 
 /// Where a request's results go.
 enum Sink {
-    /// An [`EngineJob`]'s event channel; with `announce`, an
-    /// [`EngineEvent::Accepted`] comes first.
-    Events {
-        tx: Sender<EngineEvent>,
-        announce: bool,
-    },
-    /// A caller's handler, called on the engine thread
-    /// ([`ContinuousEngine::submit_to`]); an [`EngineEvent::Accepted`] comes first.
+    /// A handler called on the engine thread with every event, an
+    /// [`EngineEvent::Accepted`] first: a caller's ([`ContinuousEngine::submit_to`]), or
+    /// the one that feeds an [`EngineJob`]'s channel.
     Handler(EventHandler),
     /// A job of the job runtime ([`InferenceBuilder::build_continuous`]).
     Job(JobSink<TokenOutput>),
@@ -311,29 +306,21 @@ impl Sink {
     /// Sends a token; false when nobody listens any more.
     fn token(&self, token: TokenOutput) -> bool {
         match self {
-            Sink::Events { tx, .. } => tx.send(EngineEvent::Token(token)).is_ok(),
             Sink::Handler(f) => f(EngineEvent::Token(token)),
             Sink::Job(sink) => sink.emit(token),
         }
     }
 
-    /// Tells an announcing sink that its request was accepted; false when nobody
-    /// listens any more.
+    /// Tells the sink that its request was accepted; false when nobody listens any more.
     fn accepted(&self, prompt_tokens: usize) -> bool {
         match self {
-            Sink::Events { tx, announce: true } => {
-                tx.send(EngineEvent::Accepted { prompt_tokens }).is_ok()
-            }
             Sink::Handler(f) => f(EngineEvent::Accepted { prompt_tokens }),
-            _ => true,
+            Sink::Job(_) => true,
         }
     }
 
     fn done(self, result: Result<RequestMetrics>) {
         match self {
-            Sink::Events { tx, .. } => {
-                let _ = tx.send(EngineEvent::Done(result));
-            }
             Sink::Handler(f) => {
                 f(EngineEvent::Done(result));
             }
@@ -425,7 +412,8 @@ impl EngineClient {
         }
     }
 
-    /// Submits with an event channel.
+    /// Submits with an event channel, fed by a handler on the engine thread; without
+    /// `announce` the [`EngineEvent::Accepted`] event is left out.
     fn submit_events(
         &self,
         request: GenerateRequest,
@@ -433,8 +421,12 @@ impl EngineClient {
         announce: bool,
     ) -> Result<EngineJob> {
         let (tx, rx) = crossbeam_channel::unbounded();
+        let on_event = move |event: EngineEvent| match event {
+            EngineEvent::Accepted { .. } if !announce => true,
+            event => tx.send(event).is_ok(),
+        };
         let id = self
-            .send(request, Sink::Events { tx, announce }, cancel.clone())
+            .send(request, Sink::Handler(Box::new(on_event)), cancel.clone())
             .map_err(|refused| refused.1)?;
         Ok(EngineJob {
             id,
@@ -447,7 +439,7 @@ impl EngineClient {
 /// The continuous-batching engine: a model on its own thread serving every submitted
 /// request in a running batch over a paged KV cache. Dropping it cancels what is left
 /// and stops the thread; [`ContinuousEngine::shutdown`] finishes the queue first.
-pub struct ContinuousEngine<B: LlamaBackend, T: Tokenizer> {
+pub struct ContinuousEngine<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
     client: Option<EngineClient>,
     shared: Arc<Shared>,
     config: ContinuousConfig,

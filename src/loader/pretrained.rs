@@ -1,8 +1,10 @@
 //! Pretrained checkpoints from the Hugging Face hub (feature `pretrained`).
 //!
-//! The `*_pretrained` constructors on [`LlamaConfig`] download a model's files with
-//! [`hf_hub`]'s blocking API and load them with the Hugging Face directory loader
-//! ([`LlamaConfig::load_hf_dir_with_tokenizer`] / [`LlamaConfig::load_hf_dir`]):
+//! The `*_pretrained` constructors on [`crate::LlamaConfig`] download a
+//! model's files with [`hf_hub`]'s blocking API and load them with the Hugging Face
+//! directory loader
+//! ([`crate::LlamaConfig::load_hf_dir_with_tokenizer`]
+//! / [`crate::LlamaConfig::load_hf_dir`]):
 //!
 //! | constructor | repository | tokenizer |
 //! |---|---|---|
@@ -10,7 +12,7 @@
 //! | `llama3_2_3b_pretrained` (`llama3`) | `meta-llama/Llama-3.2-3B-Instruct` | `original/tokenizer.model` |
 //! | `llama3_1_8b_pretrained` (`llama3`) | `meta-llama/Llama-3.1-8B-Instruct` | `original/tokenizer.model` |
 //! | `llama3_8b_pretrained` (`llama3`) | `meta-llama/Meta-Llama-3-8B-Instruct` | `original/tokenizer.model` |
-//! | [`tiny_llama_pretrained`](LlamaConfig::tiny_llama_pretrained) | `TinyLlama/TinyLlama-1.1B-Chat-v1.0` | `tokenizer.json` |
+//! | [`tiny_llama_pretrained`](crate::LlamaConfig::tiny_llama_pretrained) | `TinyLlama/TinyLlama-1.1B-Chat-v1.0` | `tokenizer.json` |
 //!
 //! Files are kept in the hub's usual cache (`$HF_HOME/hub`, by default
 //! `~/.cache/huggingface/hub`) and are only downloaded once; a fully cached model loads
@@ -37,16 +39,18 @@
 use std::io::IsTerminal;
 use std::path::{Component, Path, PathBuf};
 
-use crate::backend::LlamaBackend;
 use hf_hub::api::sync::{ApiBuilder, ApiError, ApiRepo};
 use hf_hub::{Cache, CacheRepo, Repo};
 
+#[cfg(feature = "llama3")]
+use crate::backend::LlamaBackend;
+#[cfg(feature = "llama3")]
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
-use crate::llama::Llama;
-use crate::tokenizer::HfTokenizer;
 #[cfg(feature = "llama3")]
-use crate::tokenizer::Llama3Tokenizer;
+use crate::llama::Llama;
+#[cfg(feature = "llama3")]
+use crate::tokenizer::{DynTokenizer, Llama3Tokenizer};
 
 /// Name of the single weights file of an unsharded checkpoint.
 pub const SINGLE_WEIGHTS_FILE: &str = "model.safetensors";
@@ -142,14 +146,14 @@ impl PretrainedModel {
 
     /// Fetches the checkpoint into the hub cache (downloading only what is not cached yet)
     /// and returns the local directory holding all its files, ready for
-    /// [`LlamaConfig::load_hf_dir_with_tokenizer`].
+    /// [`crate::LlamaConfig::load_hf_dir_with_tokenizer`].
     ///
     /// Fails with [`LlamaError::Download`] when a file cannot be fetched (hub unreachable,
     /// gated repository without an accepted license or token, ...).
     ///
     /// ```no_run
     /// # fn main() -> llama_burn::Result<()> {
-    /// use llama_burn::pretrained::TINY_LLAMA_1_1B_CHAT;
+    /// use llama_burn::loader::pretrained::TINY_LLAMA_1_1B_CHAT;
     ///
     /// let dir = TINY_LLAMA_1_1B_CHAT.download()?;
     /// println!("TinyLlama is in {}", dir.display());
@@ -337,174 +341,21 @@ fn download_error(repo_id: &str, file: &str, cache_dir: &Path, err: ApiError) ->
 
 /// Downloads a Llama 3 checkpoint and loads it with Meta's tokenizer.
 #[cfg(feature = "llama3")]
-fn load_llama3<B: LlamaBackend>(
+pub(super) fn load_llama3<B: LlamaBackend>(
     model: &PretrainedModel,
     preset: LlamaConfig,
     max_seq_len: usize,
     device: &B::Device,
-) -> Result<Llama<B, Llama3Tokenizer>> {
+) -> Result<Llama<B, DynTokenizer>> {
     // Refuse an impossible context before downloading gigabytes.
     preset.checked_max_seq_len(max_seq_len)?;
     let dir = model.download()?;
-    let tokenizer = Llama3Tokenizer::from_file(dir.join("original").join("tokenizer.model"))?;
+    let tokenizer: DynTokenizer = std::sync::Arc::new(Llama3Tokenizer::from_file(
+        dir.join("original").join("tokenizer.model"),
+    )?);
     let label = format!("loading {}", model.repo_id);
-    let mut progress = crate::loader::terminal_progress(&label);
+    let mut progress = super::terminal_progress(&label);
     LlamaConfig::load_hf_dir_with_tokenizer(&dir, tokenizer, max_seq_len, device, &mut progress)
-}
-
-impl LlamaConfig {
-    /// Downloads (on first use) and loads
-    /// [Llama 3.2 1B Instruct](https://huggingface.co/meta-llama/Llama-3.2-1B-Instruct),
-    /// allocating for `max_seq_len` tokens of context (at most 131 072).
-    ///
-    /// The repository is gated: see the [module documentation](crate::pretrained) for the
-    /// token. Fails with [`LlamaError::InvalidParameter`] for an impossible
-    /// `max_seq_len` (before downloading anything), [`LlamaError::Download`] when the
-    /// files cannot be fetched, and the loader's errors for a damaged checkpoint.
-    ///
-    /// ```no_run
-    /// # fn main() -> llama_burn::Result<()> {
-    /// use llama_burn::backend::{DefaultBackend, default_device};
-    /// use llama_burn::LlamaConfig;
-    /// use llama_burn::sampling::Sampler;
-    ///
-    /// let mut llama = LlamaConfig::llama3_2_1b_pretrained::<DefaultBackend>(4096, &default_device())?;
-    /// let out = llama.generate("The capital of France is", 32, 0.0, &mut Sampler::Argmax)?;
-    /// println!("{}", out.text);
-    /// # Ok(())
-    /// # }
-    /// ```
-    #[cfg(feature = "llama3")]
-    #[cfg_attr(docsrs, doc(cfg(all(feature = "pretrained", feature = "llama3"))))]
-    pub fn llama3_2_1b_pretrained<B: LlamaBackend>(
-        max_seq_len: usize,
-        device: &B::Device,
-    ) -> Result<Llama<B, Llama3Tokenizer>> {
-        load_llama3(
-            &LLAMA3_2_1B_INSTRUCT,
-            Self::llama3_2_1b(),
-            max_seq_len,
-            device,
-        )
-    }
-
-    /// Downloads (on first use) and loads
-    /// [Llama 3.2 3B Instruct](https://huggingface.co/meta-llama/Llama-3.2-3B-Instruct)
-    /// (two shards), allocating for `max_seq_len` tokens of context (at most 131 072).
-    ///
-    /// Gated, and fails as [`llama3_2_1b_pretrained`](Self::llama3_2_1b_pretrained) does.
-    ///
-    /// ```no_run
-    /// # fn main() -> llama_burn::Result<()> {
-    /// use llama_burn::backend::{DefaultBackend, default_device};
-    /// use llama_burn::LlamaConfig;
-    ///
-    /// let llama = LlamaConfig::llama3_2_3b_pretrained::<DefaultBackend>(8192, &default_device())?;
-    /// println!("{} layers", llama.config().n_layers);
-    /// # Ok(())
-    /// # }
-    /// ```
-    #[cfg(feature = "llama3")]
-    #[cfg_attr(docsrs, doc(cfg(all(feature = "pretrained", feature = "llama3"))))]
-    pub fn llama3_2_3b_pretrained<B: LlamaBackend>(
-        max_seq_len: usize,
-        device: &B::Device,
-    ) -> Result<Llama<B, Llama3Tokenizer>> {
-        load_llama3(
-            &LLAMA3_2_3B_INSTRUCT,
-            Self::llama3_2_3b(),
-            max_seq_len,
-            device,
-        )
-    }
-
-    /// Downloads (on first use) and loads
-    /// [Llama 3.1 8B Instruct](https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct)
-    /// (four shards, 16 GB), allocating for `max_seq_len` tokens of context (at most
-    /// 131 072).
-    ///
-    /// Gated, and fails as [`llama3_2_1b_pretrained`](Self::llama3_2_1b_pretrained) does.
-    ///
-    /// ```no_run
-    /// # fn main() -> llama_burn::Result<()> {
-    /// use llama_burn::backend::{DefaultBackend, default_device};
-    /// use llama_burn::LlamaConfig;
-    ///
-    /// let llama = LlamaConfig::llama3_1_8b_pretrained::<DefaultBackend>(8192, &default_device())?;
-    /// println!("{} layers", llama.config().n_layers);
-    /// # Ok(())
-    /// # }
-    /// ```
-    #[cfg(feature = "llama3")]
-    #[cfg_attr(docsrs, doc(cfg(all(feature = "pretrained", feature = "llama3"))))]
-    pub fn llama3_1_8b_pretrained<B: LlamaBackend>(
-        max_seq_len: usize,
-        device: &B::Device,
-    ) -> Result<Llama<B, Llama3Tokenizer>> {
-        load_llama3(
-            &LLAMA3_1_8B_INSTRUCT,
-            Self::llama3_1_8b(),
-            max_seq_len,
-            device,
-        )
-    }
-
-    /// Downloads (on first use) and loads
-    /// [Llama 3 8B Instruct](https://huggingface.co/meta-llama/Meta-Llama-3-8B-Instruct)
-    /// (four shards, 16 GB), allocating for `max_seq_len` tokens of context (at most
-    /// 8192).
-    ///
-    /// Gated, and fails as [`llama3_2_1b_pretrained`](Self::llama3_2_1b_pretrained) does.
-    ///
-    /// ```no_run
-    /// # fn main() -> llama_burn::Result<()> {
-    /// use llama_burn::backend::{DefaultBackend, default_device};
-    /// use llama_burn::LlamaConfig;
-    ///
-    /// let llama = LlamaConfig::llama3_8b_pretrained::<DefaultBackend>(8192, &default_device())?;
-    /// println!("{} layers", llama.config().n_layers);
-    /// # Ok(())
-    /// # }
-    /// ```
-    #[cfg(feature = "llama3")]
-    #[cfg_attr(docsrs, doc(cfg(all(feature = "pretrained", feature = "llama3"))))]
-    pub fn llama3_8b_pretrained<B: LlamaBackend>(
-        max_seq_len: usize,
-        device: &B::Device,
-    ) -> Result<Llama<B, Llama3Tokenizer>> {
-        load_llama3(&LLAMA3_8B_INSTRUCT, Self::llama3_8b(), max_seq_len, device)
-    }
-
-    /// Downloads (on first use) and loads
-    /// [TinyLlama 1.1B Chat v1.0](https://huggingface.co/TinyLlama/TinyLlama-1.1B-Chat-v1.0)
-    /// with its `tokenizer.json`, allocating for `max_seq_len` tokens of context (at most
-    /// 2048).
-    ///
-    /// The repository is public: no token is needed. Fails with
-    /// [`LlamaError::InvalidParameter`] for an impossible `max_seq_len` (before
-    /// downloading anything), [`LlamaError::Download`] when the files cannot be fetched,
-    /// and the loader's errors for a damaged checkpoint.
-    ///
-    /// ```no_run
-    /// # fn main() -> llama_burn::Result<()> {
-    /// use llama_burn::backend::{DefaultBackend, default_device};
-    /// use llama_burn::LlamaConfig;
-    /// use llama_burn::sampling::Sampler;
-    ///
-    /// let mut llama = LlamaConfig::tiny_llama_pretrained::<DefaultBackend>(2048, &default_device())?;
-    /// let out = llama.generate("Once upon a time", 32, 0.0, &mut Sampler::Argmax)?;
-    /// println!("{}", out.text);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn tiny_llama_pretrained<B: LlamaBackend>(
-        max_seq_len: usize,
-        device: &B::Device,
-    ) -> Result<Llama<B, HfTokenizer>> {
-        Self::tiny_llama().checked_max_seq_len(max_seq_len)?;
-        let dir = TINY_LLAMA_1_1B_CHAT.download()?;
-        Self::load_hf_dir(&dir, max_seq_len, device)
-    }
 }
 
 #[cfg(test)]
