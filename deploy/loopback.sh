@@ -103,36 +103,33 @@ replica_state() {
     awk -F, -v s="replica$1" '$1 == "replicas" && $2 == s { print $18 }' | cut -d' ' -f1
 }
 
-wait_state() {
-  local n=$1 want=$2 timeout=${3:-300}
+# Polls `CHECK...` every 0.1 s until it succeeds: 0; 1 after TIMEOUT seconds, or at once
+# when replica N has exited while we wait for it to come up (`WHAT` names the wait).
+poll() {
+  local n=$1 timeout=$2 what=$3
+  shift 3
   for _ in $(seq $((timeout * 10))); do
-    [ "$(replica_state "$n")" = "$want" ] && return 0
-    if [ "$want" = UP ] && ! alive "$LB_DIR/replica$n.pid"; then
+    "$@" && return 0
+    if [ "$what" != DOWN ] && ! alive "$LB_DIR/replica$n.pid"; then
       log "replica $n exited; the end of its log:"
       tail -5 "$LB_DIR/replica$n.log" >&2
       return 1
     fi
     sleep 0.1
   done
-  log "replica $n not $want after ${timeout}s"
+  log "replica $n not $what after ${timeout}s"
   return 1
 }
 
+in_state() { [ "$(replica_state "$1")" = "$2" ]; }
+
+healthy() { curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$(replica_port "$1")/health" 2>/dev/null; }
+
+# Waits until the balancer marks replica N so (UP or DOWN).
+wait_state() { poll "$1" "${3:-300}" "$2" in_state "$1" "$2"; }
+
 # Waits until replica N itself answers /health with 200 (its model is loaded).
-wait_healthy() {
-  local n=$1 timeout=${2:-300}
-  for _ in $(seq $((timeout * 10))); do
-    curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$(replica_port "$n")/health" 2>/dev/null && return 0
-    if ! alive "$LB_DIR/replica$n.pid"; then
-      log "replica $n exited; the end of its log:"
-      tail -5 "$LB_DIR/replica$n.log" >&2
-      return 1
-    fi
-    sleep 0.1
-  done
-  log "replica $n not healthy after ${timeout}s"
-  return 1
-}
+wait_healthy() { poll "$1" "${2:-300}" healthy healthy "$1"; }
 
 up() {
   start_replica 1

@@ -176,17 +176,6 @@ def refuses(port):
         return False
 
 
-def balancer_state(n):
-    connection = http.client.HTTPConnection("127.0.0.1", LB_PORT + 9, timeout=5)
-    connection.request("GET", "/stats;csv")
-    rows = connection.getresponse().read().decode().splitlines()
-    for row in rows:
-        cells = row.split(",")
-        if cells[:2] == ["replicas", f"replica{n}"]:
-            return cells[17].split(" ")[0]
-    return None
-
-
 def test_stickiness():
     log("stickiness: 6 conversations x 3 turns, by header and by `user`")
 
@@ -271,7 +260,7 @@ def test_kill_under_load():
         # can still reach the dying process (its listen queue) and is in flight there.
         wait_until(lambda: refuses(LB_PORT + 1), 10, "replica1's port to refuse")
         dead_at = time.monotonic()
-        wait_until(lambda: balancer_state(1) == "DOWN", 30, "replica1 DOWN")
+        lb("wait", "1", "DOWN", "30")
         detected = time.monotonic() - killed_at
         # Keep the load on replica2 alone for a while.
         count = len(load.answers)

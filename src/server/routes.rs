@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -17,6 +16,7 @@ use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Extension, Json};
 use futures_util::stream::{self, Stream};
 use serde_json::{Value, json};
 
@@ -49,10 +49,13 @@ pub(super) fn router(shared: Arc<Shared>) -> Router {
 
 /// Logs one line per request; the completion endpoints log their own line when the
 /// answer is complete (with token counts), unless they fail early.
-async fn log_request(request: Request, next: Next) -> Response {
+async fn log_request(mut request: Request, next: Next) -> Response {
     let method = request.method().clone();
     let path = request.uri().path().to_string();
-    let request_id = client_request_id(request.headers()).unwrap_or_default();
+    // Read once here; the completion handlers take it from the request's extensions.
+    let id = ClientRequestId(client_request_id(request.headers()));
+    let request_id = id.0.clone().unwrap_or_default();
+    request.extensions_mut().insert(id);
     let start = Instant::now();
     let response = next.run(request).await;
     let status = response.status();
@@ -69,6 +72,11 @@ async fn log_request(request: Request, next: Next) -> Response {
     }
     response
 }
+
+/// The client's well-formed `X-Request-Id`, if any ([`client_request_id`]), as the
+/// logging middleware found it.
+#[derive(Clone)]
+struct ClientRequestId(Option<String>);
 
 /// The client's `X-Request-Id`, if it is 1 to 128 characters of `[A-Za-z0-9._:-]` (so
 /// that it is safe to log and to send back). A balancer or gateway that sets it can match
@@ -184,7 +192,7 @@ fn check_model(shared: &Shared, model: Option<&str>) -> Result<(), ApiError> {
 
 async fn chat_completions(
     State(shared): AppState,
-    headers: HeaderMap,
+    Extension(ClientRequestId(request_id)): Extension<ClientRequestId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let request: ChatCompletionRequest = parse_body(&shared, body)?;
@@ -200,14 +208,14 @@ async fn chat_completions(
         vec![PromptInput::Chat(messages)],
         sampling,
         default_max,
-        client_request_id(&headers),
+        request_id,
     )
     .await
 }
 
 async fn completions(
     State(shared): AppState,
-    headers: HeaderMap,
+    Extension(ClientRequestId(request_id)): Extension<ClientRequestId>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let request: CompletionRequest = parse_body(&shared, body)?;
@@ -224,7 +232,7 @@ async fn completions(
         prompts,
         sampling,
         default_max,
-        client_request_id(&headers),
+        request_id,
     )
     .await
 }
