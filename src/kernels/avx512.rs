@@ -304,7 +304,7 @@ const PREFETCH_BYTES: usize = 1024;
 /// on all four side by side (fewer shuffles per result).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn reduce4(a: __m512, b: __m512, c: __m512, d: __m512) -> [f32; 4] {
+fn reduce4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
     // t = acc[0..8] + acc[8..16], two accumulators per register.
     let ab = _mm512_add_ps(
         _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
@@ -322,10 +322,9 @@ fn reduce4(a: __m512, b: __m512, c: __m512, d: __m512) -> [f32; 4] {
     // (u[0] + u[2]) + (u[1] + u[3]) in every 4-lane group.
     let v = _mm512_add_ps(u, _mm512_permute_ps::<0b01_00_11_10>(u));
     let w = _mm512_add_ps(v, _mm512_permute_ps::<0b10_11_00_01>(v));
-    let mut lanes = [0f32; 16];
-    // SAFETY: `lanes` holds 16 values.
-    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), w) };
-    [lanes[0], lanes[4], lanes[8], lanes[12]]
+    // Lanes 0, 4, 8 and 12: the four results.
+    let pick = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castps512_ps128(_mm512_permutexvar_ps(pick, w))
 }
 
 /// `out[r][c] = x[r] . W[c0 + c]` for `R` activation rows and `C` rows of the group at
@@ -465,11 +464,13 @@ unsafe fn fused_tile_as<const F: u8>(
     }
 }
 
-/// `out[r][c] = x[r] . w[c]` over f32 rows of `n` values (a multiple of 16).
+/// `out[r * stride + c] = x[r] . w[c]` for `R` activation rows and `C` weight rows of
+/// `n` values (a multiple of 16), stored straight into the output.
 ///
 /// # Safety
 ///
-/// This path's CPU features; every row holds `n` values.
+/// This path's CPU features; every row holds `n` values, and `out` has room for `R` rows
+/// of `stride` values from `C` columns on.
 #[inline]
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -477,7 +478,8 @@ unsafe fn tile<const R: usize, const C: usize>(
     w: [*const f32; C],
     x: [*const f32; R],
     n: usize,
-    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+    out: *mut f32,
+    stride: usize,
 ) {
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     let mut k = 0;
@@ -496,55 +498,91 @@ unsafe fn tile<const R: usize, const C: usize>(
         k += 16;
     }
     for r in 0..R {
-        if C == 4 {
-            let [a, b, c, d] = reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-            out[r][..4].copy_from_slice(&[a, b, c, d]);
-        } else {
-            for c in 0..C {
-                out[r][c] = reduce(acc[r][c]);
+        // SAFETY: row `r` of the output has room for `C` values (the caller's contract).
+        unsafe {
+            let dst = out.add(r * stride);
+            if C == 4 {
+                let sums = reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+                _mm_storeu_ps(dst, sums);
+            } else {
+                for c in 0..C {
+                    *dst.add(c) = reduce(acc[r][c]);
+                }
             }
         }
     }
 }
 
-/// A tile of up to [`TILE_ROWS`] rows and [`TILE_COLS`] columns over f32 weight rows
-/// (scratch rows):
-/// `out[r][c] = acts[r] . weights[c]`.
+/// Every column tile of `R` activation rows: `out[r * stride + c] = x[r] . w[c]` for the
+/// `cols` weight rows at `w` (`n` values each, one after another).
 ///
 /// # Safety
 ///
-/// This path's CPU features; every slice holds the same number of values, a multiple of
-/// 16.
-#[allow(clippy::needless_range_loop)]
+/// As [`panel`], for these `R` rows.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_tile(
-    weights: &[&[f32]],
-    acts: &[&[f32]],
-    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+unsafe fn panel_rows<const R: usize>(
+    w: *const f32,
+    cols: usize,
+    x: [*const f32; R],
+    n: usize,
+    out: *mut f32,
+    stride: usize,
 ) {
-    let n = weights.first().map_or(0, |w| w.len());
-    debug_assert!(n.is_multiple_of(16));
-    debug_assert!(weights.iter().all(|w| w.len() == n) && acts.iter().all(|a| a.len() == n));
-    let w = |c: usize| weights[c].as_ptr();
-    let x = |r: usize| acts[r].as_ptr();
-    // SAFETY: forwarded from this function's contract.
+    let mut c = 0;
+    // SAFETY: weight rows `c .. c + TILE_COLS` (or `c`) exist and their outputs are
+    // columns of `out` (the caller's contract).
     unsafe {
-        match (acts.len(), weights.len()) {
-            (6, 4) => tile::<6, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
-            (5, 4) => tile::<5, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
-            (4, 4) => tile::<4, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
-            (3, 4) => tile::<3, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
-            (2, 4) => tile::<2, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
-            (1, 4) => tile::<1, 4>(std::array::from_fn(w), std::array::from_fn(x), n, out),
-            (r, c) => {
-                for ci in 0..c {
-                    let mut one = [[0f32; 8]; MAX_TILE_ROWS];
-                    let wc = [w(ci)];
-                    for ri in 0..r {
-                        tile::<1, 1>(wc, [x(ri)], n, &mut one);
-                        out[ri][ci] = one[0][0];
-                    }
-                }
+        while c + TILE_COLS <= cols {
+            let wc = std::array::from_fn(|i| w.add((c + i) * n));
+            tile::<R, TILE_COLS>(wc, x, n, out.add(c), stride);
+            c += TILE_COLS;
+        }
+        while c < cols {
+            tile::<R, 1>([w.add(c * n)], x, n, out.add(c), stride);
+            c += 1;
+        }
+    }
+}
+
+/// A panel of f32 weight rows (scratch rows) times every activation row:
+/// `out[r * stride + c] = x[r] . w[c]` for the `rows` rows of `x` and the `cols` rows of
+/// `w`, all of `n` values (a multiple of 16). Each row tile (up to [`TILE_ROWS`] rows,
+/// balanced so that none is much smaller than the others: 32 rows are 6, 6, 5, 5, 5, 5)
+/// runs over all of the panel's column tiles, so its activation rows stay in L1 while the
+/// panel's rows come from L2.
+///
+/// # Safety
+///
+/// This path's CPU features; `w` holds `cols * n` values, `x` holds `rows * n`, and
+/// `out` has room for `rows` rows of `stride` values from `cols` columns on, which no
+/// other thread writes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) unsafe fn panel(
+    w: &[f32],
+    cols: usize,
+    x: &[f32],
+    rows: usize,
+    n: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    debug_assert!(n.is_multiple_of(16) && w.len() >= cols * n && x.len() >= rows * n);
+    let tiles = rows.div_ceil(TILE_ROWS);
+    let (w, x) = (w.as_ptr(), x.as_ptr());
+    for t in 0..tiles {
+        let (r0, r1) = (rows * t / tiles, rows * (t + 1) / tiles);
+        // SAFETY: rows `r0..r1` of `x` and of `out` exist (the caller's contract).
+        unsafe {
+            let xr = |i: usize| x.add((r0 + i) * n);
+            let o = out.add(r0 * stride);
+            match r1 - r0 {
+                6 => panel_rows::<6>(w, cols, std::array::from_fn(xr), n, o, stride),
+                5 => panel_rows::<5>(w, cols, std::array::from_fn(xr), n, o, stride),
+                4 => panel_rows::<4>(w, cols, std::array::from_fn(xr), n, o, stride),
+                3 => panel_rows::<3>(w, cols, std::array::from_fn(xr), n, o, stride),
+                2 => panel_rows::<2>(w, cols, std::array::from_fn(xr), n, o, stride),
+                _ => panel_rows::<1>(w, cols, std::array::from_fn(xr), n, o, stride),
             }
         }
     }

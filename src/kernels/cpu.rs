@@ -382,28 +382,65 @@ fn columns(
                 let rows_of_group = &mut scratch[g * n_in..(g + count) * n_in];
                 dequantize_group(path, w, first + g, rows_of_group)?;
             }
-            row_tiles(
-                tiles,
-                x,
-                rows,
-                n_in,
-                first,
-                n,
-                target,
-                |c0, cols, acts, out| {
-                    let mut weights: [&[f32]; 8] = [&[]; 8];
-                    for (slot, w) in weights
-                        .iter_mut()
-                        .zip(scratch.chunks_exact(n_in).skip(c0).take(cols))
-                    {
-                        *slot = w;
-                    }
-                    dot_tile(path, &weights[..cols], acts, out);
-                },
-            );
+            scratch_panel(path, tiles, &scratch[..n * n_in], n, x, rows, first, target);
         }
         Ok(())
     })
+}
+
+/// Outputs `first..first + n` of every row from the `n` dequantized weight rows in
+/// `weights`, written into `target`.
+#[allow(clippy::too_many_arguments)]
+fn scratch_panel(
+    path: SimdPath,
+    tiles: Tiles,
+    weights: &[f32],
+    n: usize,
+    x: &[f32],
+    rows: usize,
+    first: usize,
+    target: &Columns,
+) {
+    let n_in = weights.len() / n;
+    #[cfg(target_arch = "x86_64")]
+    if path == SimdPath::Avx512 {
+        let _ = tiles;
+        // SAFETY: the path was checked to be supported by this CPU; `weights` holds `n`
+        // rows and `x` `rows` rows of `n_in` values, a multiple of 32 (whole blocks);
+        // columns `first..first + n` of every row lie in this chunk, which no other chunk
+        // writes.
+        unsafe {
+            super::avx512::panel(
+                weights,
+                n,
+                x,
+                rows,
+                n_in,
+                target.out.add(first),
+                target.n_out,
+            )
+        };
+        return;
+    }
+    row_tiles(
+        tiles,
+        x,
+        rows,
+        n_in,
+        first,
+        n,
+        target,
+        |c0, cols, acts, out| {
+            let mut rows_of: [&[f32]; 8] = [&[]; 8];
+            for (slot, w) in rows_of
+                .iter_mut()
+                .zip(weights.chunks_exact(n_in).skip(c0).take(cols))
+            {
+                *slot = w;
+            }
+            dot_tile(path, &rows_of[..cols], acts, out);
+        },
+    );
 }
 
 thread_local! {
@@ -527,11 +564,6 @@ fn dot_tile(
             // SAFETY: the path was checked to be supported by this CPU; every slice holds
             // the same number of values, a multiple of 32 (whole blocks).
             unsafe { super::avx2::dot_tile(weights, acts, out) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx512 => {
-            // SAFETY: as above.
-            unsafe { super::avx512::dot_tile(weights, acts, out) }
         }
         #[cfg(target_arch = "aarch64")]
         SimdPath::Neon => {
