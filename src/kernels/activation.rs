@@ -1,6 +1,8 @@
 //! Element-wise and row-wise kernels between projections on the CPU: the feed-forward
 //! gate, RoPE and RMSNorm.
 
+use rayon::prelude::*;
+
 use super::attention::exp;
 use super::cpu::{SimdPath, on_simd_path};
 
@@ -11,11 +13,26 @@ use super::cpu::{SimdPath, on_simd_path};
 ///
 /// `out`, `gate` and `up` must have the same length (extra values are ignored).
 pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    on_simd_path!(
-        SimdPath::active(),
-        swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32])
-    );
+    let path = SimdPath::active();
+    let n = out.len().min(gate.len()).min(up.len());
+    if n < SWIGLU_SPLIT {
+        on_simd_path!(path, swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]));
+        return;
+    }
+    // A prompt's gate (128 rows of 1,536 values and a division each) took 2.4% of a
+    // prefill on one core while the other waited: split it across the cores.
+    out[..n]
+        .par_chunks_mut(SWIGLU_SPLIT / 2)
+        .zip(gate[..n].par_chunks(SWIGLU_SPLIT / 2))
+        .zip(up[..n].par_chunks(SWIGLU_SPLIT / 2))
+        .for_each(|((out, gate), up)| {
+            on_simd_path!(path, swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]));
+        });
 }
+
+/// Values from which [`swiglu`] is split across threads (a decode step of a few rows
+/// stays on one: a hand-over costs more than it saves).
+const SWIGLU_SPLIT: usize = 32 * 1024;
 
 #[inline(always)]
 fn swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]) {

@@ -4,13 +4,16 @@
 //! padded in a batch sums over a different number of terms than the same row alone. Here
 //! masked keys are skipped: a query's result depends only on the keys it sees, taken in
 //! column order. Scores are dot products in the kernels' canonical order (see
-//! [`super::cpu`]); the softmax takes the maximum, the exponentials and their sum in key
-//! order; the output accumulates `p_j * v_j` in key order. So a row's attention is
-//! bitwise the same alone, left-padded in a batch, or with its prompt read in chunks.
+//! [`super::cpu`]); the softmax takes the maximum, the exponentials, and their sum in an
+//! order fixed by each term's place among the visible keys (16 interleaved partial sums);
+//! the output accumulates `p_j * v_j` in two interleaved sums, even and odd places, each
+//! in key order. Nothing depends on the other rows, the padding or the chunking, so a
+//! row's attention is bitwise the same alone, left-padded in a batch, or with its prompt
+//! read in chunks.
 
 use rayon::prelude::*;
 
-use super::cpu::{SimdPath, dot, on_simd_path};
+use super::cpu::{SimdPath, dot, finish, on_simd_path};
 use crate::cache::BlockId;
 use crate::error::{LlamaError, Result};
 
@@ -458,8 +461,8 @@ fn attend_on<'a, V: KvView<'a>>(
 }
 
 /// One query: scores of the visible keys in key order, their maximum, the exponentials
-/// ([`exp`]) and their sum in key order, and `sum_j p_j v_j` in key order, divided by
-/// the sum.
+/// ([`exp`]) and their sum ([`sum_of`]), and `sum_j p_j v_j` ([`weighted_sum`]), divided
+/// by the sum.
 #[inline(always)]
 fn attend<'a, V: KvView<'a>>(
     path: SimdPath,
@@ -468,42 +471,62 @@ fn attend<'a, V: KvView<'a>>(
     o: &mut [f32],
 ) {
     let dim = o.len();
-    scores.keys.clear();
-    scores.values.clear();
-    let visible = |j: &usize| query.hidden.is_none_or(|m| !m[*j]);
-    scores.keys.extend((0..query.keys).filter(visible));
-    let key = |j: usize| query.k.vector(query.b, query.h, j, dim);
-    let mut chunks = scores.keys.chunks_exact(4);
-    for four in &mut chunks {
-        let k = [key(four[0]), key(four[1]), key(four[2]), key(four[3])];
-        scores
-            .values
-            .extend(dot4(path, query.q, k).map(|s| s * query.scale));
+    let Scores { keys, values } = scores;
+    values.clear();
+    // The visible keys: a run `first..end` (no mask, or a causal and padding mask, whose
+    // visible keys are one run) without listing them, or else listed one by one.
+    let run = match query.hidden {
+        None => Some(0..query.keys),
+        Some(hidden) => visible_run(&hidden[..query.keys]),
+    };
+    let list: &[usize] = match &run {
+        Some(_) => &[],
+        None => {
+            keys.clear();
+            let hidden = query.hidden.unwrap_or_default();
+            keys.extend((0..query.keys).filter(|&j| !hidden[j]));
+            keys
+        }
+    };
+    let n = run.as_ref().map_or(list.len(), |r| r.len());
+    let at = |i: usize| match &run {
+        Some(r) => r.start + i,
+        None => list[i],
+    };
+    let key = |i: usize| query.k.vector(query.b, query.h, at(i), dim);
+    let mut i = 0;
+    while i + 4 <= n {
+        let k = [key(i), key(i + 1), key(i + 2), key(i + 3)];
+        values.extend(dot4(path, query.q, k).map(|s| s * query.scale));
+        i += 4;
     }
-    for &j in chunks.remainder() {
-        scores.values.push(dot(path, query.q, key(j)) * query.scale);
+    for i in i..n {
+        values.push(dot(path, query.q, key(i)) * query.scale);
     }
-    let max = scores
-        .values
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    for s in scores.values.iter_mut() {
+    let max = max_of(values);
+    for s in values.iter_mut() {
         *s = exp(*s - max);
     }
-    let sum = scores.values.iter().fold(0f32, |sum, &p| sum + p);
+    let sum = sum_of(values);
     let value = |j: usize| query.v.vector(query.b, query.h, j, dim);
-    let pairs = scores.keys.iter().zip(&scores.values);
+    let pairs = values.iter().enumerate().map(|(i, &p)| (at(i), p));
     // The usual head sizes accumulate in registers (a local array the compiler keeps in
     // vector registers); others in `o`. Same operations, same order either way.
     match dim {
         64 => weighted_sum::<64>(pairs, value, o),
         128 => weighted_sum::<128>(pairs, value, o),
         _ => {
+            // The same two interleaved sums as `weighted_sum`, in `o` and a second buffer.
             o.fill(0.0);
-            for (&j, &p) in pairs {
-                for (o, &x) in o.iter_mut().zip(value(j)) {
+            let mut odd = vec![0f32; dim];
+            for (i, (j, p)) in pairs.enumerate() {
+                let acc = if i % 2 == 0 { &mut *o } else { &mut odd[..] };
+                for (o, &x) in acc.iter_mut().zip(value(j)) {
                     *o += p * x;
                 }
+            }
+            for (o, &x) in o.iter_mut().zip(&odd) {
+                *o += x;
             }
         }
     }
@@ -514,22 +537,93 @@ fn attend<'a, V: KvView<'a>>(
     }
 }
 
-/// `o = sum_j p_j v_j` in key order, for `D`-value vectors held in registers.
+/// `o = sum_j p_j v_j` for `D`-value vectors held in registers: the visible keys'
+/// terms go alternately into two sums (even and odd places in key order), each taken in
+/// key order, and `o` is their sum. Two independent chains of additions instead of one
+/// (an addition waits for the previous one's result).
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
 fn weighted_sum<'a, const D: usize>(
-    pairs: impl Iterator<Item = (&'a usize, &'a f32)>,
+    pairs: impl Iterator<Item = (usize, f32)>,
     value: impl Fn(usize) -> &'a [f32],
     o: &mut [f32],
 ) {
-    let mut acc = [0f32; D];
-    for (&j, &p) in pairs {
-        let v: &[f32; D] = value(j).try_into().unwrap_or(&[0.0; D]);
-        for d in 0..D {
-            acc[d] += p * v[d];
+    let (mut even, mut odd) = ([0f32; D], [0f32; D]);
+    let vector = |j: usize| -> &'a [f32; D] { value(j).try_into().unwrap_or(&[0.0; D]) };
+    let mut pairs = pairs;
+    while let Some((j0, p0)) = pairs.next() {
+        let v0 = vector(j0);
+        match pairs.next() {
+            Some((j1, p1)) => {
+                let v1 = vector(j1);
+                for d in 0..D {
+                    even[d] += p0 * v0[d];
+                    odd[d] += p1 * v1[d];
+                }
+            }
+            None => {
+                for d in 0..D {
+                    even[d] += p0 * v0[d];
+                }
+            }
         }
     }
-    o.copy_from_slice(&acc);
+    for d in 0..D {
+        o[d] = even[d] + odd[d];
+    }
+}
+
+/// The visible keys of a mask row (`true` hides a key) as one run `first..end`, if they
+/// are one (`0..0` if none is visible).
+fn visible_run(hidden: &[bool]) -> Option<std::ops::Range<usize>> {
+    let Some(first) = hidden.iter().position(|&h| !h) else {
+        return Some(0..0);
+    };
+    let end = hidden
+        .iter()
+        .rposition(|&h| !h)
+        .map_or(first, |last| last + 1);
+    (!hidden[first..end].contains(&true)).then_some(first..end)
+}
+
+/// The largest score (the order does not matter to a maximum; 16 lanes, which the
+/// compiler vectorizes). Scores are never NaN here (finite inputs).
+#[inline(always)]
+fn max_of(values: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = values.chunks_exact(16);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    for (m, &v) in lanes.iter_mut().zip(rest) {
+        *m = if v > *m { v } else { *m };
+    }
+    lanes
+        .into_iter()
+        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+}
+
+/// The sum of the probabilities in one fixed order: 16 partial sums (term `i` goes to
+/// sum `i % 16`, each in key order), then `t[l] = s[l] + s[l + 8]` finished as the
+/// kernels' 8-lane order (see [`super::cpu`]). Element-wise adds only, so the bits are
+/// the same at every vector width.
+#[inline(always)]
+fn sum_of(values: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let chunks = values.chunks_exact(16);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (s, &v) in lanes.iter_mut().zip(chunk) {
+            *s += v;
+        }
+    }
+    for (s, &v) in lanes.iter_mut().zip(rest) {
+        *s += v;
+    }
+    finish(&std::array::from_fn(|l| lanes[l] + lanes[l + 8]))
 }
 
 /// Four dot products of `q` on `path`, each as [`dot`] computes it.
@@ -575,6 +669,17 @@ mod tests {
 
     fn random(n: usize, rng: &mut StdRng) -> Vec<f32> {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    #[test]
+    fn visible_keys_are_a_run_only_when_they_are_one() {
+        let (t, f) = (true, false);
+        assert_eq!(visible_run(&[t, t, f, f, f, t]), Some(2..5));
+        assert_eq!(visible_run(&[f, f, f]), Some(0..3));
+        assert_eq!(visible_run(&[t, t]), Some(0..0));
+        assert_eq!(visible_run(&[]), Some(0..0));
+        assert_eq!(visible_run(&[t, f, t, f]), None);
+        assert_eq!(visible_run(&[f, t, t, f]), None);
     }
 
     #[test]
@@ -631,6 +736,30 @@ mod tests {
         )
         .unwrap();
         assert_eq!(hidden, dropped);
+        // Keys hidden in the middle (not one run) too: keys 1 and 4 of 7.
+        let mut holes = vec![false; keys];
+        holes[1] = true;
+        holes[4] = true;
+        let kept = |x: &[f32]| -> Vec<f32> {
+            x.chunks(dim)
+                .enumerate()
+                .filter(|(j, _)| !holes[*j])
+                .flat_map(|(_, c)| c.to_vec())
+                .collect()
+        };
+        let with_holes = attention(&q, &k, &v, Some(&holes), shape).unwrap();
+        let without = attention(
+            &q,
+            &kept(&k),
+            &kept(&v),
+            None,
+            AttentionShape {
+                keys: keys - 2,
+                ..shape
+            },
+        )
+        .unwrap();
+        assert_eq!(with_holes, without);
         // The softmax's exponential is within 2e-7 relative of f64's on [-87, 0].
         for i in 0..1990 {
             let x = -(i as f32) * 0.0437;
