@@ -1,8 +1,6 @@
 //! Element-wise and row-wise kernels between projections on the CPU: the feed-forward
 //! gate, RoPE and RMSNorm.
 
-use rayon::prelude::*;
-
 use super::attention::exp;
 use super::cpu::{SimdPath, on_simd_path};
 
@@ -21,13 +19,15 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
     // A prompt's gate (128 rows of 1,536 values and a division each) took 2.4% of a
     // prefill on one core while the other waited: split it across the cores.
-    out[..n]
-        .par_chunks_mut(SWIGLU_SPLIT / 2)
-        .zip(gate[..n].par_chunks(SWIGLU_SPLIT / 2))
-        .zip(up[..n].par_chunks(SWIGLU_SPLIT / 2))
-        .for_each(|((out, gate), up)| {
-            on_simd_path!(path, swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]));
-        });
+    let per_chunk = SWIGLU_SPLIT / 2;
+    let target = super::pool::Disjoint::new(&mut out[..n]);
+    super::pool::for_each_chunk(n.div_ceil(per_chunk), &|c| {
+        let (start, end) = (c * per_chunk, ((c + 1) * per_chunk).min(n));
+        // SAFETY: values `start..end < n` of `out` belong to this chunk alone.
+        let out = unsafe { target.part(start, end - start) };
+        let (gate, up) = (&gate[start..end], &up[start..end]);
+        on_simd_path!(path, swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]));
+    });
 }
 
 /// Values from which [`swiglu`] is split across threads (a decode step of a few rows

@@ -11,8 +11,6 @@
 //! row's attention is bitwise the same alone, left-padded in a batch, or with its prompt
 //! read in chunks.
 
-use rayon::prelude::*;
-
 use super::cpu::{SimdPath, dot, finish, on_simd_path};
 use crate::cache::BlockId;
 use crate::error::{LlamaError, Result};
@@ -390,26 +388,30 @@ fn attend_queries<'a, 'm, V: KvView<'a>>(
     let path = SimdPath::active();
     let scale = 1.0 / (dim as f32).sqrt();
     let mut out = vec![0f32; q.len()];
-    out.par_chunks_mut(dim)
-        .with_min_len(8)
-        .enumerate()
-        .for_each_init(
-            || Scores::with_capacity(keys_hint),
-            |scores, (index, o)| {
-                let (b, h, hidden, keys) = locate(index);
-                let query = Query {
-                    q: &q[index * dim..(index + 1) * dim],
-                    hidden,
-                    k,
-                    v,
-                    b,
-                    h,
-                    keys,
-                    scale,
-                };
-                attend_on(path, &query, scores, o);
-            },
-        );
+    let n = if dim == 0 { 0 } else { q.len() / dim };
+    // About four runs of queries per thread, handed out in turn.
+    let per_chunk = n.div_ceil(4 * rayon::current_num_threads().max(1)).max(1);
+    let target = super::pool::Disjoint::new(&mut out);
+    super::pool::for_each_chunk(n.div_ceil(per_chunk), &|c| {
+        let mut scores = Scores::with_capacity(keys_hint);
+        for index in c * per_chunk..((c + 1) * per_chunk).min(n) {
+            let (b, h, hidden, keys) = locate(index);
+            let query = Query {
+                q: &q[index * dim..(index + 1) * dim],
+                hidden,
+                k,
+                v,
+                b,
+                h,
+                keys,
+                scale,
+            };
+            // SAFETY: query `index < n` owns values `index * dim ..` of `out` (`n * dim`
+            // values), and only this chunk writes them.
+            let o = unsafe { target.part(index * dim, dim) };
+            attend_on(path, &query, &mut scores, o);
+        }
+    });
     out
 }
 

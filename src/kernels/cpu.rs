@@ -22,8 +22,6 @@
 
 use std::sync::OnceLock;
 
-use rayon::prelude::*;
-
 use super::quant::{GROUP_ROWS, QuantMatrix};
 use crate::error::{LlamaError, Result};
 
@@ -173,6 +171,9 @@ fn neon_supported() -> bool {
     false
 }
 
+/// Chunks of output columns per thread in one product.
+const CHUNKS_PER_THREAD: usize = 4;
+
 /// Rows of activations per tile on the portable and AVX2 paths.
 const ROW_TILE: usize = 4;
 
@@ -221,11 +222,10 @@ pub fn matmul_transposed_on(
     }
     let tiles = Tiles::of(path, rows);
     let threads = rayon::current_num_threads().max(1);
-    // One chunk of columns per thread for a few rows (each split costs a hand-over);
-    // four per thread for many, so a thread slowed by something else is made up for.
-    let chunks_per_thread = if rows > 4 { 4 } else { 1 };
+    // Four chunks of columns per thread, handed out in turn (one atomic add each), so a
+    // thread that starts late or is slowed by something else is made up for.
     let per_chunk = n_out
-        .div_ceil(threads * chunks_per_thread)
+        .div_ceil(threads * CHUNKS_PER_THREAD)
         .next_multiple_of(GROUP_ROWS)
         .max(GROUP_ROWS);
     // Not zeroed first: every element is written once, by the chunk that owns its column.
@@ -234,15 +234,18 @@ pub fn matmul_transposed_on(
         out: out.as_mut_ptr(),
         n_out,
     };
-    (0..n_out.div_ceil(per_chunk))
-        .into_par_iter()
-        .map(|c| {
-            let (start, end) = (c * per_chunk, ((c + 1) * per_chunk).min(n_out));
-            columns(path, tiles, x, rows, w, start, end, &target)
-        })
-        .collect::<Result<()>>()?;
+    let failure = std::sync::Mutex::new(None);
+    super::pool::for_each_chunk(n_out.div_ceil(per_chunk), &|c| {
+        let (start, end) = (c * per_chunk, ((c + 1) * per_chunk).min(n_out));
+        if let Err(e) = columns(path, tiles, x, rows, w, start, end, &target) {
+            *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        }
+    });
+    if let Some(e) = failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
     // SAFETY: the chunks cover columns `0..n_out` and each wrote all `rows` rows of its
-    // columns (every row tile of every column tile), so all `rows * n_out` values are
+    // columns (or failed, and then this returned above) (every row tile of every column tile), so all `rows * n_out` values are
     // initialized.
     unsafe { out.set_len(rows * n_out) };
     Ok(out)
