@@ -388,7 +388,7 @@ fn attend_queries<'a, 'm, V: KvView<'a>>(
     let path = SimdPath::active();
     let scale = 1.0 / (dim as f32).sqrt();
     let mut out = vec![0f32; q.len()];
-    let n = if dim == 0 { 0 } else { q.len() / dim };
+    let n = q.len().checked_div(dim).unwrap_or(0);
     // About four runs of queries per thread, handed out in turn.
     let per_chunk = n.div_ceil(4 * rayon::current_num_threads().max(1)).max(1);
     let target = super::pool::Disjoint::new(&mut out);
