@@ -19,7 +19,7 @@ mod avx512;
 pub mod cpu;
 #[cfg(target_arch = "aarch64")]
 mod neon;
-mod pool;
+pub(crate) mod pool;
 pub mod quant;
 
 pub use cpu::{SimdPath, matmul_transposed, matmul_transposed_on};

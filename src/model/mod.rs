@@ -255,6 +255,7 @@ fn columns(tokens: &[u32], batch: usize) -> Result<usize> {
 /// part on that thread, instead of handing every part over from an outside thread and
 /// sleeping (about 180 hand-overs per decoded token on the demo model).
 fn on_workers<R: Send>(pass: impl FnOnce() -> R + Send) -> R {
+    let _running = crate::kernels::pool::ForwardPass::start();
     rayon::scope(|_| pass())
 }
 
