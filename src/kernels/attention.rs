@@ -258,7 +258,7 @@ pub fn paged_attention(
     };
     let (k, v) = (view(pool.keys), view(pool.values));
     let groups = n_heads / heads;
-    Ok(attend_queries(q, dim, &k, &v, 0, |index| {
+    Ok(attend_queries(q, dim, &k, &v, 0, groups, |index| {
         let (b, position) = owner[index / n_heads];
         let h = (index % n_heads) / groups;
         (b, h, None, position + 1)
@@ -364,7 +364,13 @@ pub fn attention_laid_out(
         }
         check("mask", m.len(), batch * mask_heads * queries * keys)?;
     }
-    Ok(attend_queries(q, dim, &k, &v, keys, |index| {
+    // A token's query heads over one key/value head are adjacent in a token-major
+    // layout (and see the same keys when their mask rows agree).
+    let group_hint = match layout {
+        QueryLayout::TokenMajor { groups, .. } => groups,
+        QueryLayout::HeadMajor => 1,
+    };
+    Ok(attend_queries(q, dim, &k, &v, keys, group_hint, |index| {
         let (b, h, i) = layout.locate(index, heads, queries);
         let mask_base = (b * mask_heads + if mask_heads == 1 { 0 } else { h }) * queries;
         let hidden = mask.map(|m| &m[(mask_base + i) * keys..(mask_base + i + 1) * keys]);
@@ -383,37 +389,66 @@ fn attend_queries<'a, 'm, V: KvView<'a>>(
     k: &V,
     v: &V,
     keys_hint: usize,
+    group_hint: usize,
     locate: impl Fn(usize) -> (usize, usize, Option<&'m [bool]>, usize) + Sync,
 ) -> Vec<f32> {
     let path = SimdPath::active();
     let scale = 1.0 / (dim as f32).sqrt();
     let mut out = vec![0f32; q.len()];
     let n = q.len().checked_div(dim).unwrap_or(0);
-    // About four runs of queries per thread, handed out in turn.
-    let per_chunk = n.div_ceil(4 * rayon::current_num_threads().max(1)).max(1);
+    // About four runs of queries per thread, handed out in turn, in whole groups of the
+    // queries that may share their keys.
+    let group_hint = group_hint.clamp(1, MAX_GROUP);
+    let per_chunk = n
+        .div_ceil(4 * rayon::current_num_threads().max(1))
+        .next_multiple_of(group_hint);
+    let query = |index: usize| {
+        let (b, h, hidden, keys) = locate(index);
+        Query {
+            q: &q[index * dim..(index + 1) * dim],
+            hidden,
+            k,
+            v,
+            b,
+            h,
+            keys,
+            scale,
+        }
+    };
     let target = super::pool::Disjoint::new(&mut out);
-    super::pool::for_each_chunk(n.div_ceil(per_chunk), &|c| {
+    super::pool::for_each_chunk(n.div_ceil(per_chunk.max(1)), &|c| {
         let mut scores = Scores::with_capacity(keys_hint);
-        for index in c * per_chunk..((c + 1) * per_chunk).min(n) {
-            let (b, h, hidden, keys) = locate(index);
-            let query = Query {
-                q: &q[index * dim..(index + 1) * dim],
-                hidden,
-                k,
-                v,
-                b,
-                h,
-                keys,
-                scale,
-            };
-            // SAFETY: query `index < n` owns values `index * dim ..` of `out` (`n * dim`
-            // values), and only this chunk writes them.
-            let o = unsafe { target.part(index * dim, dim) };
-            attend_on(path, &query, &mut scores, o);
+        let mut group = Vec::with_capacity(MAX_GROUP);
+        let (mut index, end) = (c * per_chunk, ((c + 1) * per_chunk).min(n));
+        while index < end {
+            // Consecutive queries that see the same keys (a token's query heads over one
+            // key/value head) are attended together.
+            group.clear();
+            group.push(query(index));
+            while group.len() < MAX_GROUP
+                && index + group.len() < end
+                && group[0].sees_what(&query(index + group.len()))
+            {
+                group.push(query(index + group.len()));
+            }
+            // SAFETY: queries `index .. index + group.len() <= n` own values
+            // `index * dim ..` of `out` (`n * dim` values), and only this chunk writes them.
+            let o = unsafe { target.part(index * dim, group.len() * dim) };
+            attend_on(path, &group, &mut scores, o);
+            index += group.len();
         }
     });
     out
 }
+
+/// Most queries attended together (those of one key/value head: 3 in the demo model, 4
+/// in Llama 3 8B, 8 at most here).
+const MAX_GROUP: usize = 8;
+
+/// Keys per block of a group's score and value loops: a block's keys (then values),
+/// 16 KiB for 64-value heads, stay in L1 while each query of the group reads them, so a
+/// key/value head is read from memory once for all its query heads, not once for each.
+const KEY_BLOCK: usize = 64;
 
 /// The visible keys of one query and their scores (then probabilities), in key order.
 struct Scores {
@@ -442,51 +477,69 @@ struct Query<'a, V> {
     scale: f32,
 }
 
+impl<V> Query<'_, V> {
+    /// Whether `other` sees the same keys and values as this query.
+    fn sees_what(&self, other: &Self) -> bool {
+        let hidden = match (self.hidden, other.hidden) {
+            (None, None) => true,
+            (Some(a), Some(b)) => std::ptr::eq(a, b) || a.get(..self.keys) == b.get(..self.keys),
+            _ => false,
+        };
+        self.b == other.b && self.h == other.h && self.keys == other.keys && hidden
+    }
+}
+
 /// [`attend`] compiled for the widest vectors of `path`. Only element-wise operations
 /// (separate multiplies and adds, no fused ones) are vectorized by the compiler, so the
 /// result is the same bits at every width; the dot products follow `path`'s own order.
 fn attend_on<'a, V: KvView<'a>>(
     path: SimdPath,
-    query: &Query<'_, V>,
+    group: &[Query<'_, V>],
     scores: &mut Scores,
-    o: &mut [f32],
+    out: &mut [f32],
 ) {
     on_simd_path!(
         path,
         attend['a, V: KvView<'a>](
             path: SimdPath,
-            query: &Query<'_, V>,
+            group: &[Query<'_, V>],
             scores: &mut Scores,
-            o: &mut [f32],
+            out: &mut [f32],
         )
     );
 }
 
-/// One query: scores of the visible keys in key order, their maximum, the exponentials
-/// ([`exp`]) and their sum ([`sum_of`]), and `sum_j p_j v_j` ([`weighted_sum`]), divided
-/// by the sum.
+/// A group of queries that see the same keys (one query alone, or a token's query heads
+/// over one key/value head), each written to its `dim` values of `out` in turn. For
+/// each query: scores of the visible keys in key order, their maximum, the
+/// exponentials ([`exp`]) and their sum ([`sum_of`]), and `sum_j p_j v_j`
+/// ([`weighted_sum`]), divided by the sum. The loops run over blocks of [`KEY_BLOCK`]
+/// keys, each query of the group in turn, so a block is read from memory once; every
+/// query's operations and their order are the same as alone.
 #[inline(always)]
 fn attend<'a, V: KvView<'a>>(
     path: SimdPath,
-    query: &Query<'_, V>,
+    group: &[Query<'_, V>],
     scores: &mut Scores,
-    o: &mut [f32],
+    out: &mut [f32],
 ) {
-    let dim = o.len();
+    let Some(first) = group.first() else {
+        return;
+    };
+    let dim = out.len() / group.len();
     let Scores { keys, values } = scores;
-    values.clear();
     // The visible keys: a run `first..end` (no mask, or a causal and padding mask, whose
     // visible keys are one run) without listing them, or else listed one by one.
-    let run = match query.hidden {
-        None => Some(0..query.keys),
-        Some(hidden) => visible_run(&hidden[..query.keys]),
+    let run = match first.hidden {
+        None => Some(0..first.keys),
+        Some(hidden) => visible_run(&hidden[..first.keys]),
     };
     let list: &[usize] = match &run {
         Some(_) => &[],
         None => {
             keys.clear();
-            let hidden = query.hidden.unwrap_or_default();
-            keys.extend((0..query.keys).filter(|&j| !hidden[j]));
+            let hidden = first.hidden.unwrap_or_default();
+            keys.extend((0..first.keys).filter(|&j| !hidden[j]));
             keys
         }
     };
@@ -495,84 +548,124 @@ fn attend<'a, V: KvView<'a>>(
         Some(r) => r.start + i,
         None => list[i],
     };
-    let key = |i: usize| query.k.vector(query.b, query.h, at(i), dim);
-    let mut i = 0;
-    while i + 4 <= n {
-        let k = [key(i), key(i + 1), key(i + 2), key(i + 3)];
-        values.extend(dot4(path, query.q, k).map(|s| s * query.scale));
-        i += 4;
-    }
-    for i in i..n {
-        values.push(dot(path, query.q, key(i)) * query.scale);
-    }
-    let max = max_of(values);
-    for s in values.iter_mut() {
-        *s = exp(*s - max);
-    }
-    let sum = sum_of(values);
-    let value = |j: usize| query.v.vector(query.b, query.h, j, dim);
-    let pairs = values.iter().enumerate().map(|(i, &p)| (at(i), p));
-    // The usual head sizes accumulate in registers (a local array the compiler keeps in
-    // vector registers); others in `o`. Same operations, same order either way.
-    match dim {
-        64 => weighted_sum::<64>(pairs, value, o),
-        128 => weighted_sum::<128>(pairs, value, o),
-        _ => {
-            // The same two interleaved sums as `weighted_sum`, in `o` and a second buffer.
-            o.fill(0.0);
-            let mut odd = vec![0f32; dim];
-            for (i, (j, p)) in pairs.enumerate() {
-                let acc = if i % 2 == 0 { &mut *o } else { &mut odd[..] };
-                for (o, &x) in acc.iter_mut().zip(value(j)) {
-                    *o += p * x;
-                }
+    // Scores: query `g`'s are `values[g * n..(g + 1) * n]`.
+    values.clear();
+    values.resize(group.len() * n, 0.0);
+    let key = |i: usize| first.k.vector(first.b, first.h, at(i), dim);
+    for block in (0..n).step_by(KEY_BLOCK) {
+        let end = (block + KEY_BLOCK).min(n);
+        for (query, s) in group.iter().zip(values.chunks_exact_mut(n)) {
+            // Four keys at a time from the first visible key on (blocks start at
+            // multiples of 4); the last few one by one.
+            let mut i = block;
+            while i + 4 <= end {
+                let k = [key(i), key(i + 1), key(i + 2), key(i + 3)];
+                let four = dot4(path, query.q, k).map(|d| d * query.scale);
+                s[i..i + 4].copy_from_slice(&four);
+                i += 4;
             }
-            for (o, &x) in o.iter_mut().zip(&odd) {
-                *o += x;
+            for i in i..end {
+                s[i] = dot(path, query.q, key(i)) * query.scale;
             }
         }
     }
-    if sum > 0.0 {
-        for o in o.iter_mut() {
-            *o /= sum;
+    let mut sums = [0f32; MAX_GROUP];
+    for (s, sum) in values.chunks_exact_mut(n.max(1)).zip(&mut sums) {
+        let max = max_of(s);
+        for p in s.iter_mut() {
+            *p = exp(*p - max);
+        }
+        *sum = sum_of(s);
+    }
+    let value = |i: usize| first.v.vector(first.b, first.h, at(i), dim);
+    // The usual head sizes accumulate in registers (local arrays the compiler keeps in
+    // vector registers); others in `out`. Same operations, same order either way.
+    match dim {
+        64 => weighted_sums::<64>(group.len(), n, values, value, out),
+        128 => weighted_sums::<128>(group.len(), n, values, value, out),
+        _ => {
+            for (o, p) in out.chunks_exact_mut(dim).zip(values.chunks_exact(n.max(1))) {
+                // The same two interleaved sums as `weighted_sum`, in `o` and a second
+                // buffer.
+                o.fill(0.0);
+                let mut odd = vec![0f32; dim];
+                for (i, &p) in p.iter().enumerate().take(n) {
+                    let acc = if i % 2 == 0 { &mut *o } else { &mut odd[..] };
+                    for (o, &x) in acc.iter_mut().zip(value(i)) {
+                        *o += p * x;
+                    }
+                }
+                for (o, &x) in o.iter_mut().zip(&odd) {
+                    *o += x;
+                }
+            }
+        }
+    }
+    for (o, &sum) in out.chunks_exact_mut(dim).zip(&sums) {
+        if sum > 0.0 {
+            for o in o.iter_mut() {
+                *o /= sum;
+            }
         }
     }
 }
 
-/// `o = sum_j p_j v_j` for `D`-value vectors held in registers: the visible keys'
-/// terms go alternately into two sums (even and odd places in key order), each taken in
-/// key order, and `o` is their sum. Two independent chains of additions instead of one
-/// (an addition waits for the previous one's result).
+/// [`weighted_sum`] for each of a group's `queries` (probabilities `probs[g * n..]`),
+/// block by block of [`KEY_BLOCK`] keys, into `out` (`D` values per query).
+#[inline(always)]
+fn weighted_sums<'a, const D: usize>(
+    queries: usize,
+    n: usize,
+    probs: &[f32],
+    value: impl Fn(usize) -> &'a [f32],
+    out: &mut [f32],
+) {
+    let mut acc = [[[0f32; D]; 2]; MAX_GROUP];
+    for block in (0..n).step_by(KEY_BLOCK) {
+        let end = (block + KEY_BLOCK).min(n);
+        for (g, acc) in acc.iter_mut().enumerate().take(queries) {
+            weighted_sum::<D>(acc, block..end, &probs[g * n..(g + 1) * n], &value);
+        }
+    }
+    for (o, [even, odd]) in out.chunks_exact_mut(D).zip(&acc) {
+        for d in 0..D {
+            o[d] = even[d] + odd[d];
+        }
+    }
+}
+
+/// `sum_j p_j v_j` over the visible keys `keys` (places among the visible keys, a
+/// block starting at an even place), continued in `acc`: the terms go alternately into
+/// two sums (even and odd places in key order), each taken in key order; the result is
+/// their sum. Two independent chains of additions instead of one (an addition waits for
+/// the previous one's result).
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
 fn weighted_sum<'a, const D: usize>(
-    pairs: impl Iterator<Item = (usize, f32)>,
-    value: impl Fn(usize) -> &'a [f32],
-    o: &mut [f32],
+    acc: &mut [[f32; D]; 2],
+    keys: std::ops::Range<usize>,
+    probs: &[f32],
+    value: &impl Fn(usize) -> &'a [f32],
 ) {
-    let (mut even, mut odd) = ([0f32; D], [0f32; D]);
-    let vector = |j: usize| -> &'a [f32; D] { value(j).try_into().unwrap_or(&[0.0; D]) };
-    let mut pairs = pairs;
-    while let Some((j0, p0)) = pairs.next() {
-        let v0 = vector(j0);
-        match pairs.next() {
-            Some((j1, p1)) => {
-                let v1 = vector(j1);
-                for d in 0..D {
-                    even[d] += p0 * v0[d];
-                    odd[d] += p1 * v1[d];
-                }
-            }
-            None => {
-                for d in 0..D {
-                    even[d] += p0 * v0[d];
-                }
-            }
+    let [mut even, mut odd] = *acc;
+    let vector = |i: usize| -> &'a [f32; D] { value(i).try_into().unwrap_or(&[0.0; D]) };
+    let mut i = keys.start;
+    while i + 1 < keys.end {
+        let (v0, v1) = (vector(i), vector(i + 1));
+        let (p0, p1) = (probs[i], probs[i + 1]);
+        for d in 0..D {
+            even[d] += p0 * v0[d];
+            odd[d] += p1 * v1[d];
+        }
+        i += 2;
+    }
+    if i < keys.end {
+        let (v0, p0) = (vector(i), probs[i]);
+        for d in 0..D {
+            even[d] += p0 * v0[d];
         }
     }
-    for d in 0..D {
-        o[d] = even[d] + odd[d];
-    }
+    *acc = [even, odd];
 }
 
 /// The visible keys of a mask row (`true` hides a key) as one run `first..end`, if they
@@ -857,6 +950,64 @@ mod tests {
         assert!(
             attention_laid_out(&tokens, bad, contiguous(&k), contiguous(&v), None, shape).is_err()
         );
+    }
+
+    #[test]
+    fn grouped_query_heads_give_each_head_alone_bits() {
+        // A token's 3 query heads over one key/value head see the same keys (a causal
+        // mask, or none), so they are attended together in blocks of KEY_BLOCK keys; each
+        // must give the bits it gives alone. Key counts cross block boundaries and are
+        // odd; 32-value heads take the generic path.
+        let mut rng = StdRng::seed_from_u64(21);
+        for (keys, dim, masked) in [(150, 64, true), (131, 64, false), (70, 32, true)] {
+            let (heads, groups, seq) = (2, 3, 4);
+            let shape = AttentionShape {
+                batch: 1,
+                heads,
+                queries: groups * seq,
+                keys,
+                dim,
+                mask_heads: 1,
+            };
+            let k = random(heads * keys * dim, &mut rng);
+            let v = random(heads * keys * dim, &mut rng);
+            // Token s sees keys 0..keys - seq + s + 1, the same for each of its groups.
+            let mask: Vec<bool> = (0..groups * seq * keys)
+                .map(|i| {
+                    let (row, j) = (i / keys, i % keys);
+                    j > keys - seq + row % seq
+                })
+                .collect();
+            let mask = masked.then_some(&mask[..]);
+            let tokens = random(seq * heads * groups * dim, &mut rng);
+            let layout = QueryLayout::TokenMajor { seq, groups };
+            let contiguous = |data| Strided::contiguous(data, shape);
+            let got =
+                attention_laid_out(&tokens, layout, contiguous(&k), contiguous(&v), mask, shape)
+                    .unwrap();
+            for s in 0..seq {
+                for h in 0..heads {
+                    for g in 0..groups {
+                        let at = ((s * heads + h) * groups + g) * dim;
+                        let one = AttentionShape {
+                            heads: 1,
+                            queries: 1,
+                            ..shape
+                        };
+                        let row = g * seq + s;
+                        let alone = attention(
+                            &tokens[at..at + dim],
+                            &k[h * keys * dim..(h + 1) * keys * dim],
+                            &v[h * keys * dim..(h + 1) * keys * dim],
+                            mask.map(|m| &m[row * keys..(row + 1) * keys]),
+                            one,
+                        )
+                        .unwrap();
+                        assert_eq!(got[at..at + dim], alone[..], "{keys} keys, token {s}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
