@@ -564,8 +564,8 @@ fn attend<'a, V: KvView<'a>>(
                 s[i..i + 4].copy_from_slice(&four);
                 i += 4;
             }
-            for i in i..end {
-                s[i] = dot(path, query.q, key(i)) * query.scale;
+            for (i, s) in s.iter_mut().enumerate().take(end).skip(i) {
+                *s = dot(path, query.q, key(i)) * query.scale;
             }
         }
     }
