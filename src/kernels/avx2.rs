@@ -333,3 +333,148 @@ pub(crate) unsafe fn dot_tile(
         }
     }
 }
+
+/// Whether [`fused_row`] takes weights of `format` (the 32-value formats; the K-quants
+/// go through scratch rows).
+pub(crate) fn fuses(format: QuantFormat) -> bool {
+    matches!(
+        format,
+        QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1
+    )
+}
+
+/// One activation row times `cols` rows of the group at `first` (from its row `c0` on),
+/// each block decoded in registers, with the operations of [`dequantize_group`], and
+/// multiplied at once: `out[c] = x . W[first + c0 + c]` in the 8-lane order, the bits
+/// of the scratch path. Nothing is stored but the results, and the group is read once,
+/// in memory order.
+///
+/// # Safety
+///
+/// AVX2, FMA and F16C; `w`'s format [`fuses`]; `first` starts a group holding
+/// `c0 + cols` rows, and `x` holds `w.cols()` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn fused_row(
+    w: &QuantMatrix,
+    first: usize,
+    c0: usize,
+    cols: usize,
+    x: &[f32],
+    out: &mut [f32; 8],
+) {
+    let (group, n) = w.group(first);
+    debug_assert!(fuses(w.format()) && c0 + cols <= n && x.len() == w.cols());
+    let (g, xp, blocks) = (group.as_ptr(), x.as_ptr(), w.blocks_per_row());
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match (w.format(), cols) {
+            (QuantFormat::Q8_0, 8) => row_as::<FUSED_Q8_0, 8>(g, n, c0, xp, blocks, out),
+            (QuantFormat::Q4_0, 8) => row_as::<FUSED_Q4_0, 8>(g, n, c0, xp, blocks, out),
+            (QuantFormat::Q4_1, 8) => row_as::<FUSED_Q4_1, 8>(g, n, c0, xp, blocks, out),
+            (format, _) => {
+                // A group's last rows: one at a time.
+                for c in 0..cols {
+                    let mut one = [0f32; 8];
+                    match format {
+                        QuantFormat::Q8_0 => {
+                            row_as::<FUSED_Q8_0, 1>(g, n, c0 + c, xp, blocks, &mut one)
+                        }
+                        QuantFormat::Q4_0 => {
+                            row_as::<FUSED_Q4_0, 1>(g, n, c0 + c, xp, blocks, &mut one)
+                        }
+                        _ => row_as::<FUSED_Q4_1, 1>(g, n, c0 + c, xp, blocks, &mut one),
+                    }
+                    out[c] = one[0];
+                }
+            }
+        }
+    }
+}
+
+const FUSED_Q8_0: u8 = 0;
+const FUSED_Q4_0: u8 = 1;
+const FUSED_Q4_1: u8 = 2;
+
+/// [`fused_row`] for format `F` and `C` rows.
+///
+/// # Safety
+///
+/// As [`fused_row`]: `group` holds `blocks` steps of `n` blocks of `F`, `c0 + C <= n`.
+#[inline]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn row_as<const F: u8, const C: usize>(
+    group: *const u8,
+    n: usize,
+    c0: usize,
+    x: *const f32,
+    blocks: usize,
+    out: &mut [f32; 8],
+) {
+    let (bb, hb) = match F {
+        FUSED_Q8_0 => (34, 2),
+        FUSED_Q4_0 => (18, 2),
+        _ => (20, 4),
+    };
+    let per_scale = hb / 2;
+    let mut acc = [_mm256_setzero_ps(); C];
+    let mut scales = [0f32; 16];
+    for blk in 0..blocks {
+        // SAFETY: step `blk` of the group (its `n` blocks' scales, then their values)
+        // and values `32 blk .. 32 blk + 32` of `x` exist (the caller's contract); a
+        // prefetch is only a hint.
+        unsafe {
+            let step = group.add(blk * n * bb);
+            for line in 0..3 {
+                _mm_prefetch::<_MM_HINT_T0>(step.wrapping_add(1024 + 64 * line).cast());
+            }
+            // The step's scales as f32: `d` (and `m`) of each row, side by side.
+            let count = n * per_scale;
+            if count == 8 || count == 16 {
+                for half in 0..count / 8 {
+                    let h = _mm_loadu_si128(step.add(16 * half).cast());
+                    _mm256_storeu_ps(scales.as_mut_ptr().add(8 * half), _mm256_cvtph_ps(h));
+                }
+            } else {
+                for (i, s) in scales.iter_mut().take(count).enumerate() {
+                    *s = f16(*step.add(2 * i), *step.add(2 * i + 1));
+                }
+            }
+            let xb = x.add(32 * blk);
+            let xv: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.add(8 * i)));
+            for c in 0..C {
+                let col = c0 + c;
+                let q = step.add(n * hb + col * (bb - hb));
+                let d = _mm256_set1_ps(scales[col * per_scale]);
+                // The block's four 8-value chunks, in order, as `dequantize_group`
+                // computes them.
+                let chunks: [__m256; 4] = match F {
+                    FUSED_Q8_0 => std::array::from_fn(|i| {
+                        let v = _mm_loadl_epi64(q.add(8 * i).cast());
+                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d)
+                    }),
+                    FUSED_Q4_0 => {
+                        let (lo, hi) = nibbles(_mm_loadu_si128(q.cast()));
+                        let eight = _mm256_set1_epi32(8);
+                        [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)].map(|q| {
+                            let v = _mm256_sub_epi32(_mm256_cvtepu8_epi32(q), eight);
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(v), d)
+                        })
+                    }
+                    _ => {
+                        let m = _mm256_set1_ps(scales[col * per_scale + 1]);
+                        let (lo, hi) = nibbles(_mm_loadu_si128(q.cast()));
+                        [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)]
+                            .map(|q| _mm256_add_ps(_mm256_mul_ps(widen_u8(q), d), m))
+                    }
+                };
+                for i in 0..4 {
+                    acc[c] = _mm256_fmadd_ps(chunks[i], xv[i], acc[c]);
+                }
+            }
+        }
+    }
+    for c in 0..C {
+        out[c] = reduce(acc[c]);
+    }
+}

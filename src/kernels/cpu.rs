@@ -220,7 +220,7 @@ pub fn matmul_transposed_on(
     if rows == 0 || n_out == 0 {
         return Ok(Vec::new());
     }
-    let tiles = Tiles::of(path, rows);
+    let tiles = Tiles::of(path, rows, w.format());
     let threads = rayon::current_num_threads().max(1);
     // Four chunks of columns per thread, handed out in turn (one atomic add each), so a
     // thread that starts late or is slowed by something else is made up for.
@@ -291,7 +291,7 @@ struct Tiles {
 }
 
 impl Tiles {
-    fn of(path: SimdPath, rows: usize) -> Tiles {
+    fn of(path: SimdPath, rows: usize, format: super::quant::QuantFormat) -> Tiles {
         match path {
             // Up to 8 rows: each block decoded in registers and multiplied at once, in
             // tiles of up to 4 rows, a whole group of 8 outputs per tile below 4 rows (4
@@ -318,6 +318,14 @@ impl Tiles {
                     }
                 }
             }
+            // One row of the 32-value formats: each block decoded in registers and
+            // multiplied at once, a group of 8 outputs per tile (eight accumulators).
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx2 if rows == 1 && super::avx2::fuses(format) => Tiles {
+                cols: GROUP_ROWS,
+                rows: 1,
+                fused: true,
+            },
             // Scratch rows: 8 weight rows share the activations when one row is decoded
             // (eight independent accumulators), 3 when several rows share each weight row
             // (a 4 x 3 tile: 12 accumulators, 7 loads per 12 multiply-adds).
@@ -540,6 +548,15 @@ fn fused_tile(
             // group holding `c0 + cols` rows and every activation row has `w.cols()`
             // values.
             unsafe { super::avx512::fused_tile(w, first, c0, cols, acts, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => {
+            let mut row = [0f32; 8];
+            // SAFETY: the path was checked to be supported by this CPU and its tiles are
+            // fused only for one row of a format `fused_row` takes; `first` starts a
+            // group holding `c0 + cols` rows and the row has `w.cols()` values.
+            unsafe { super::avx2::fused_row(w, first, c0, cols, acts[0], &mut row) };
+            out[0] = row;
         }
         _ => {
             let _ = (w, first, c0, cols, acts, out);
