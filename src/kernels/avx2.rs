@@ -373,7 +373,7 @@ pub(crate) unsafe fn fused_row(
             (QuantFormat::Q4_1, 8) => row_as::<FUSED_Q4_1, 8>(g, n, c0, xp, blocks, out),
             (format, _) => {
                 // A group's last rows: one at a time.
-                for c in 0..cols {
+                for (c, slot) in out.iter_mut().enumerate().take(cols) {
                     let mut one = [0f32; 8];
                     match format {
                         QuantFormat::Q8_0 => {
@@ -384,7 +384,7 @@ pub(crate) unsafe fn fused_row(
                         }
                         _ => row_as::<FUSED_Q4_1, 1>(g, n, c0 + c, xp, blocks, &mut one),
                     }
-                    out[c] = one[0];
+                    *slot = one[0];
                 }
             }
         }
