@@ -3,7 +3,9 @@
 //! Dequantization computes every weight with the same f32 operations, in the same order,
 //! as `loader::dequant` (a multiply, then an add or subtract), so the scratch row is
 //! bitwise the loader's. The dot products follow the canonical order described in
-//! [`super::cpu`].
+//! [`super::cpu`]. One row of the 32-value formats is multiplied straight from the
+//! registers its blocks are decoded into ([`fused_row`]), with the same operations and
+//! order, so the bits are the scratch path's.
 
 use std::arch::x86_64::*;
 

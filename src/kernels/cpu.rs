@@ -17,8 +17,9 @@
 //! about 1e-6 relative, not to the bit.
 //!
 //! Work is split across threads by output columns, in whole groups of
-//! [`GROUP_ROWS`] weight rows; a group is dequantized once per call and reused for every
-//! activation row.
+//! [`GROUP_ROWS`] weight rows, on the kernels' own pool (`kernels::pool`, helpers that
+//! spin between the splits of a step); a group is dequantized once per call and reused
+//! for every activation row.
 
 use std::sync::OnceLock;
 
