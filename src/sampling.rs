@@ -185,23 +185,10 @@ pub fn check_logits(logits: &[f32]) -> Result<()> {
 
 /// Index of the largest logit (the first one on ties; NaN is never chosen over a number).
 pub fn argmax(logits: &[f32]) -> u32 {
-    // The largest number in 16 lanes (`if v > m` is one vector max, and skips NaN), then
-    // the first index holding it: two passes the compiler vectorizes, where one pass with
-    // a running index does not (a 32-row greedy step samples 1.6 million logits).
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    let chunks = logits.chunks_exact(16);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (m, &v) in lanes.iter_mut().zip(chunk) {
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    for (m, &v) in lanes.iter_mut().zip(rest) {
-        *m = if v > *m { v } else { *m };
-    }
-    let max = lanes
-        .into_iter()
-        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
+    // The largest number (in 16 lanes), then the first index holding it: two passes the
+    // compiler vectorizes, where one pass with a running index does not (a 32-row greedy
+    // step samples 1.6 million logits).
+    let max = crate::kernels::cpu::largest(logits);
     match logits.iter().position(|&l| l == max) {
         Some(i) => i as u32,
         // Every logit is NaN: the last one, as the plain scan gives.

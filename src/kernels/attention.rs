@@ -11,7 +11,7 @@
 //! row's attention is bitwise the same alone, left-padded in a batch, or with its prompt
 //! read in chunks.
 
-use super::cpu::{SimdPath, dot, finish, on_simd_path};
+use super::cpu::{SimdPath, dot, finish, largest, on_simd_path};
 use crate::cache::BlockId;
 use crate::error::{LlamaError, Result};
 
@@ -571,7 +571,7 @@ fn attend<'a, V: KvView<'a>>(
     }
     let mut sums = [0f32; MAX_GROUP];
     for (s, sum) in values.chunks_exact_mut(n.max(1)).zip(&mut sums) {
-        let max = max_of(s);
+        let max = largest(s);
         for p in s.iter_mut() {
             *p = exp(*p - max);
         }
@@ -679,26 +679,6 @@ fn visible_run(hidden: &[bool]) -> Option<std::ops::Range<usize>> {
         .rposition(|&h| !h)
         .map_or(first, |last| last + 1);
     (!hidden[first..end].contains(&true)).then_some(first..end)
-}
-
-/// The largest score (the order does not matter to a maximum; 16 lanes, which the
-/// compiler vectorizes). Scores are never NaN here (finite inputs).
-#[inline(always)]
-fn max_of(values: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    let chunks = values.chunks_exact(16);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (m, &v) in lanes.iter_mut().zip(chunk) {
-            *m = if v > *m { v } else { *m };
-        }
-    }
-    for (m, &v) in lanes.iter_mut().zip(rest) {
-        *m = if v > *m { v } else { *m };
-    }
-    lanes
-        .into_iter()
-        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
 }
 
 /// The sum of the probabilities in one fixed order: 16 partial sums (term `i` goes to

@@ -640,6 +640,27 @@ pub(crate) fn dot_portable(w: &[f32], x: &[f32]) -> f32 {
     finish(&acc)
 }
 
+/// The largest number in `values` (NaN skipped; `-inf` if there is none), in 16 lanes
+/// that the compiler vectorizes (`if v > m` is one vector maximum). A maximum is exact
+/// in any order, so this is the plain scan's answer.
+#[inline(always)]
+pub(crate) fn largest(values: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = values.chunks_exact(16);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    for (m, &v) in lanes.iter_mut().zip(rest) {
+        *m = if v > *m { v } else { *m };
+    }
+    lanes
+        .into_iter()
+        .fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+}
+
 /// The canonical final sum of the accumulator.
 pub(crate) fn finish(acc: &[f32; 8]) -> f32 {
     let t: [f32; 4] = std::array::from_fn(|l| acc[l] + acc[l + 4]);
