@@ -247,28 +247,29 @@ fn reduce(s: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)))
 }
 
-/// `out[r][c] = acts[r] . weights[c]` for `R` rows and `C` columns.
+/// `out[r * stride + c] = x[r] . w[c]` for `R` activation rows and `C` weight rows of
+/// `n` values, stored straight into the output.
 ///
 /// Index loops keep every accumulator in a register (const-size arrays, unrolled).
 ///
 /// # Safety
 ///
-/// AVX2 and FMA; every slice holds `n` values, `n` a multiple of 8.
+/// AVX2 and FMA; every row holds `n` values, `n` a multiple of 8, and `out` has room for
+/// `R` rows of `stride` values from `C` columns on.
 #[inline]
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const R: usize, const C: usize>(
-    weights: &[&[f32]],
-    acts: &[&[f32]],
+    w: [*const f32; C],
+    x: [*const f32; R],
     n: usize,
-    out: &mut [[f32; 8]; MAX_TILE_ROWS],
+    out: *mut f32,
+    stride: usize,
 ) {
     let mut acc = [[_mm256_setzero_ps(); C]; R];
-    let w: [*const f32; C] = std::array::from_fn(|c| weights[c].as_ptr());
-    let x: [*const f32; R] = std::array::from_fn(|r| acts[r].as_ptr());
     let mut k = 0;
     while k < n {
-        // SAFETY: `k + 8 <= n` values in every slice (the caller's contract).
+        // SAFETY: `k + 8 <= n` values in every row (the caller's contract).
         // Registers: with one row, the row's chunk stays loaded and each weight chunk is
         // read once (C + 2 registers); with several, the C weight chunks stay loaded and
         // each row's chunk is read once (R * C + C + 1 <= 16 for a 4 x 3 tile).
@@ -292,7 +293,86 @@ unsafe fn tile<const R: usize, const C: usize>(
     }
     for r in 0..R {
         for c in 0..C {
-            out[r][c] = reduce(acc[r][c]);
+            // SAFETY: room for `C` values in row `r` (the caller's contract).
+            unsafe { *out.add(r * stride + c) = reduce(acc[r][c]) };
+        }
+    }
+}
+
+/// Every column tile of `R` activation rows over the `cols` weight rows at `w` (`n`
+/// values each, one after another): 1 x 8 tiles for one row, R x 3 for several.
+///
+/// # Safety
+///
+/// As [`panel`], for these `R` rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panel_rows<const R: usize>(
+    w: *const f32,
+    cols: usize,
+    x: [*const f32; R],
+    n: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let mut c = 0;
+    // SAFETY: weight rows `c ..` exist and their outputs are columns of `out` (the
+    // caller's contract).
+    unsafe {
+        let rows_at = |c: usize| move |i: usize| w.add((c + i) * n);
+        if R == 1 {
+            while c + 8 <= cols {
+                tile::<R, 8>(std::array::from_fn(rows_at(c)), x, n, out.add(c), stride);
+                c += 8;
+            }
+        } else {
+            while c + 3 <= cols {
+                tile::<R, 3>(std::array::from_fn(rows_at(c)), x, n, out.add(c), stride);
+                c += 3;
+            }
+        }
+        while c < cols {
+            tile::<R, 1>([w.add(c * n)], x, n, out.add(c), stride);
+            c += 1;
+        }
+    }
+}
+
+/// A panel of f32 weight rows (scratch rows) times every activation row:
+/// `out[r * stride + c] = x[r] . w[c]` for the `rows` rows of `x` and the `cols` rows of
+/// `w`, all of `n` values (a multiple of 8), in balanced row tiles of up to 4 rows, each
+/// over all of the panel's column tiles, every result stored straight into `out`.
+///
+/// # Safety
+///
+/// AVX2, FMA and F16C; `w` holds `cols * n` values, `x` holds `rows * n`, and `out` has
+/// room for `rows` rows of `stride` values from `cols` columns on, which no other thread
+/// writes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn panel(
+    w: &[f32],
+    cols: usize,
+    x: &[f32],
+    rows: usize,
+    n: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    debug_assert!(n.is_multiple_of(8) && w.len() >= cols * n && x.len() >= rows * n);
+    let tiles = rows.div_ceil(4);
+    let (w, x) = (w.as_ptr(), x.as_ptr());
+    for t in 0..tiles {
+        let (r0, r1) = (rows * t / tiles, rows * (t + 1) / tiles);
+        // SAFETY: rows `r0..r1` of `x` and of `out` exist (the caller's contract).
+        unsafe {
+            let xr = |i: usize| x.add((r0 + i) * n);
+            let o = out.add(r0 * stride);
+            match r1 - r0 {
+                4 => panel_rows::<4>(w, cols, std::array::from_fn(xr), n, o, stride),
+                3 => panel_rows::<3>(w, cols, std::array::from_fn(xr), n, o, stride),
+                2 => panel_rows::<2>(w, cols, std::array::from_fn(xr), n, o, stride),
+                _ => panel_rows::<1>(w, cols, std::array::from_fn(xr), n, o, stride),
+            }
         }
     }
 }
@@ -313,22 +393,16 @@ pub(crate) unsafe fn dot_tile(
     debug_assert!(weights.iter().all(|w| w.len() == n) && acts.iter().all(|a| a.len() == n));
     // SAFETY: forwarded from this function's contract.
     unsafe {
+        let w = |c: usize| weights[c].as_ptr();
+        let x = |r: usize| acts[r].as_ptr();
+        let o = out.as_mut_ptr().cast::<f32>();
         match (acts.len(), weights.len()) {
-            (1, 8) => tile::<1, 8>(weights, acts, n, out),
-            (1, 4) => tile::<1, 4>(weights, acts, n, out),
-            (1, 2) => tile::<1, 2>(weights, acts, n, out),
-            (1, 1) => tile::<1, 1>(weights, acts, n, out),
-            (4, 3) => tile::<4, 3>(weights, acts, n, out),
-            (4, 2) => tile::<4, 2>(weights, acts, n, out),
-            (4, 1) => tile::<4, 1>(weights, acts, n, out),
-            (3, 3) => tile::<3, 3>(weights, acts, n, out),
-            (2, 3) => tile::<2, 3>(weights, acts, n, out),
+            (1, 8) => tile::<1, 8>(std::array::from_fn(w), [x(0)], n, o, 8),
+            (1, 4) => tile::<1, 4>(std::array::from_fn(w), [x(0)], n, o, 8),
             (r, c) => {
-                for (ri, a) in acts.iter().enumerate().take(r) {
-                    for (ci, w) in weights.iter().enumerate().take(c) {
-                        let mut one = [[0f32; 8]; MAX_TILE_ROWS];
-                        tile::<1, 1>(&[w], &[a], n, &mut one);
-                        out[ri][ci] = one[0][0];
+                for ri in 0..r {
+                    for ci in 0..c {
+                        tile::<1, 1>([w(ci)], [x(ri)], n, o.add(ri * 8 + ci), 8);
                     }
                 }
             }

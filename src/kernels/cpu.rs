@@ -415,22 +415,19 @@ fn scratch_panel(
 ) {
     let n_in = weights.len() / n;
     #[cfg(target_arch = "x86_64")]
-    if path == SimdPath::Avx512 {
+    if matches!(path, SimdPath::Avx512 | SimdPath::Avx2) {
         let _ = tiles;
+        let out = target.out.wrapping_add(first);
         // SAFETY: the path was checked to be supported by this CPU; `weights` holds `n`
         // rows and `x` `rows` rows of `n_in` values, a multiple of 32 (whole blocks);
         // columns `first..first + n` of every row lie in this chunk, which no other chunk
         // writes.
         unsafe {
-            super::avx512::panel(
-                weights,
-                n,
-                x,
-                rows,
-                n_in,
-                target.out.add(first),
-                target.n_out,
-            )
+            if path == SimdPath::Avx512 {
+                super::avx512::panel(weights, n, x, rows, n_in, out, target.n_out)
+            } else {
+                super::avx2::panel(weights, n, x, rows, n_in, out, target.n_out)
+            }
         };
         return;
     }
@@ -580,15 +577,10 @@ fn dot_tile(
     out: &mut [[f32; 8]; MAX_TILE_ROWS],
 ) {
     match path {
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx2 => {
-            // SAFETY: the path was checked to be supported by this CPU; every slice holds
-            // the same number of values, a multiple of 32 (whole blocks).
-            unsafe { super::avx2::dot_tile(weights, acts, out) }
-        }
         #[cfg(target_arch = "aarch64")]
         SimdPath::Neon => {
-            // SAFETY: as above.
+            // SAFETY: the path was checked to be supported by this CPU; every slice holds
+            // the same number of values, a multiple of 32 (whole blocks).
             unsafe { super::neon::dot_tile(weights, acts, out) }
         }
         _ => {
