@@ -9,7 +9,6 @@
 
 use std::arch::x86_64::*;
 
-use super::cpu::MAX_TILE_ROWS;
 use super::quant::{QuantFormat, QuantMatrix};
 use crate::loader::dequant::k_scales_mins;
 
@@ -206,7 +205,7 @@ unsafe fn q6_k(b: &[u8], o: *mut f32) {
 }
 
 /// `q . k[i]` for four vectors `k[i]` in the canonical order (one 8-lane fused
-/// accumulator each, then [`reduce`]): the same bits as four [`dot_tile`] calls, with
+/// accumulator each, then [`reduce`]): the same bits as four [`dot`] calls, with
 /// the four chains interleaved. Attention's scores.
 ///
 /// # Safety
@@ -359,10 +358,8 @@ pub(crate) unsafe fn panel(
     stride: usize,
 ) {
     debug_assert!(n.is_multiple_of(8) && w.len() >= cols * n && x.len() >= rows * n);
-    let tiles = rows.div_ceil(4);
     let (w, x) = (w.as_ptr(), x.as_ptr());
-    for t in 0..tiles {
-        let (r0, r1) = (rows * t / tiles, rows * (t + 1) / tiles);
+    for (r0, r1) in super::cpu::balanced_row_tiles(rows, 4) {
         // SAFETY: rows `r0..r1` of `x` and of `out` exist (the caller's contract).
         unsafe {
             let xr = |i: usize| x.add((r0 + i) * n);
@@ -377,37 +374,18 @@ pub(crate) unsafe fn panel(
     }
 }
 
-/// Dispatches a tile of up to 4 rows and 8 columns to its unrolled kernel.
+/// One dot product in this path's 8-lane order (a 1 x 1 tile).
 ///
 /// # Safety
 ///
-/// AVX2, FMA and F16C; every slice holds the same number of values, a multiple of 8.
+/// AVX2, FMA and F16C; both slices hold the same number of values, a multiple of 8.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_tile(
-    weights: &[&[f32]],
-    acts: &[&[f32]],
-    out: &mut [[f32; 8]; MAX_TILE_ROWS],
-) {
-    let n = weights.first().map_or(0, |w| w.len());
-    debug_assert!(n.is_multiple_of(8));
-    debug_assert!(weights.iter().all(|w| w.len() == n) && acts.iter().all(|a| a.len() == n));
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        let w = |c: usize| weights[c].as_ptr();
-        let x = |r: usize| acts[r].as_ptr();
-        let o = out.as_mut_ptr().cast::<f32>();
-        match (acts.len(), weights.len()) {
-            (1, 8) => tile::<1, 8>(std::array::from_fn(w), [x(0)], n, o, 8),
-            (1, 4) => tile::<1, 4>(std::array::from_fn(w), [x(0)], n, o, 8),
-            (r, c) => {
-                for ri in 0..r {
-                    for ci in 0..c {
-                        tile::<1, 1>([w(ci)], [x(ri)], n, o.add(ri * 8 + ci), 8);
-                    }
-                }
-            }
-        }
-    }
+pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert!(a.len().is_multiple_of(8) && a.len() == b.len());
+    let mut out = 0f32;
+    // SAFETY: forwarded from this function's contract; `out` holds the one result.
+    unsafe { tile::<1, 1>([a.as_ptr()], [b.as_ptr()], a.len(), &mut out, 1) };
+    out
 }
 
 /// Whether [`fused_row`] takes weights of `format` (the 32-value formats; the K-quants
@@ -440,25 +418,27 @@ pub(crate) unsafe fn fused_row(
 ) {
     let (group, n) = w.group(first);
     debug_assert!(fuses(w.format()) && c0 + cols <= n && x.len() == w.cols());
-    let (g, xp, blocks) = (group.as_ptr(), x.as_ptr(), w.blocks_per_row());
+    let (g, xp, f) = (group.as_ptr(), x.as_ptr(), w.format());
+    let blocks = w.blocks_per_row();
     // SAFETY: forwarded from this function's contract.
     unsafe {
-        match (w.format(), cols) {
-            (QuantFormat::Q8_0, 8) => row_as::<FUSED_Q8_0, 8>(g, n, c0, xp, blocks, out),
-            (QuantFormat::Q4_0, 8) => row_as::<FUSED_Q4_0, 8>(g, n, c0, xp, blocks, out),
-            (QuantFormat::Q4_1, 8) => row_as::<FUSED_Q4_1, 8>(g, n, c0, xp, blocks, out),
-            (format, _) => {
+        match (f, cols) {
+            (QuantFormat::Q8_0, 8) => row_as::<FUSED_Q8_0, 8>(g, n, c0, xp, blocks, f, out),
+            (QuantFormat::Q4_0, 8) => row_as::<FUSED_Q4_0, 8>(g, n, c0, xp, blocks, f, out),
+            (QuantFormat::Q4_1, 8) => row_as::<FUSED_Q4_1, 8>(g, n, c0, xp, blocks, f, out),
+            _ => {
                 // A group's last rows: one at a time.
                 for (c, slot) in out.iter_mut().enumerate().take(cols) {
                     let mut one = [0f32; 8];
-                    match format {
+                    let c = c0 + c;
+                    match f {
                         QuantFormat::Q8_0 => {
-                            row_as::<FUSED_Q8_0, 1>(g, n, c0 + c, xp, blocks, &mut one)
+                            row_as::<FUSED_Q8_0, 1>(g, n, c, xp, blocks, f, &mut one)
                         }
                         QuantFormat::Q4_0 => {
-                            row_as::<FUSED_Q4_0, 1>(g, n, c0 + c, xp, blocks, &mut one)
+                            row_as::<FUSED_Q4_0, 1>(g, n, c, xp, blocks, f, &mut one)
                         }
-                        _ => row_as::<FUSED_Q4_1, 1>(g, n, c0 + c, xp, blocks, &mut one),
+                        _ => row_as::<FUSED_Q4_1, 1>(g, n, c, xp, blocks, f, &mut one),
                     }
                     *slot = one[0];
                 }
@@ -471,13 +451,13 @@ const FUSED_Q8_0: u8 = 0;
 const FUSED_Q4_0: u8 = 1;
 const FUSED_Q4_1: u8 = 2;
 
-/// [`fused_row`] for format `F` and `C` rows.
+/// [`fused_row`] for format `F` (`format`, whose id `F` is) and `C` rows.
 ///
 /// # Safety
 ///
 /// As [`fused_row`]: `group` holds `blocks` steps of `n` blocks of `F`, `c0 + C <= n`.
 #[inline]
-#[allow(clippy::needless_range_loop)]
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn row_as<const F: u8, const C: usize>(
     group: *const u8,
@@ -485,13 +465,10 @@ unsafe fn row_as<const F: u8, const C: usize>(
     c0: usize,
     x: *const f32,
     blocks: usize,
+    format: QuantFormat,
     out: &mut [f32; 8],
 ) {
-    let (bb, hb) = match F {
-        FUSED_Q8_0 => (34, 2),
-        FUSED_Q4_0 => (18, 2),
-        _ => (20, 4),
-    };
+    let (bb, hb) = (format.block_bytes(), format.head_bytes());
     let per_scale = hb / 2;
     let mut acc = [_mm256_setzero_ps(); C];
     let mut scales = [0f32; 16];
@@ -501,9 +478,7 @@ unsafe fn row_as<const F: u8, const C: usize>(
         // prefetch is only a hint.
         unsafe {
             let step = group.add(blk * n * bb);
-            for line in 0..3 {
-                _mm_prefetch::<_MM_HINT_T0>(step.wrapping_add(1024 + 64 * line).cast());
-            }
+            super::cpu::prefetch_step(step);
             // The step's scales as f32: `d` (and `m`) of each row, side by side.
             let count = n * per_scale;
             if count == 8 || count == 16 {

@@ -32,10 +32,10 @@ pub(crate) const FUSED_UP_TO: usize = 8;
 
 /// Columns of a scratch tile: 6 x 4 accumulators, 4 weight registers and one activation
 /// register (29 of 32), 10 loads per 24 multiply-adds.
-pub(crate) const TILE_COLS: usize = 4;
+const TILE_COLS: usize = 4;
 
 /// Rows of a scratch tile.
-pub(crate) const TILE_ROWS: usize = 6;
+const TILE_ROWS: usize = 6;
 
 /// `0.0, 1.0, ..., 15.0`: the 4-bit values as f32.
 #[inline]
@@ -272,7 +272,7 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
         // values; each row `c` writes its block's `bv` values at `c * cols + blk * bv`.
         unsafe {
             let step = group.as_ptr().add(blk * n * bb);
-            prefetch_step(step);
+            super::cpu::prefetch_step(step);
             step_scales::<F>(step, n, &mut scales);
             for c in 0..count {
                 let dst = out.as_mut_ptr().add(c * cols + blk * bv);
@@ -296,24 +296,6 @@ fn reduce(s: __m512) -> f32 {
     let u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps::<1>(t));
     let v = _mm_add_ps(u, _mm_movehl_ps(u, u));
     _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps::<1>(v, v)))
-}
-
-/// How far ahead (in bytes) the fused kernel and the dequantization ask for a group's
-/// next bytes.
-const PREFETCH_BYTES: usize = 1024;
-
-/// Asks for the bytes [`PREFETCH_BYTES`] past a group's step at `step`: three lines, as
-/// a step of Q4_1 is 160 bytes. A group's bytes come from memory, read once per product.
-/// Measured by alternating runs of `benchmark_concurrency --strategies batched`: in the
-/// dequantization (32 rows) 494 -> 516 tokens/s with three lines against none; in the
-/// fused kernel (4 rows) 283 -> 310 with three lines against two.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn prefetch_step(step: *const u8) {
-    for line in 0..3 {
-        // A hint only: any address is allowed.
-        _mm_prefetch::<_MM_HINT_T0>(step.wrapping_add(PREFETCH_BYTES + 64 * line).cast());
-    }
 }
 
 /// [`reduce`] of four accumulators at once, the same bits: the three halving steps run
@@ -377,7 +359,7 @@ unsafe fn fused<const F: u8, const R: usize, const C: usize>(
         // (the caller's contract); the prefetch address is only a hint.
         unsafe {
             let step = group.add(blk * n * bb);
-            prefetch_step(step);
+            super::cpu::prefetch_step(step);
             step_scales::<F>(step, n, &mut scales);
             let xb: [*const f32; R] = std::array::from_fn(|r| x[r].add(blk * bv));
             for c in 0..C {
@@ -583,10 +565,8 @@ pub(crate) unsafe fn panel(
     stride: usize,
 ) {
     debug_assert!(n.is_multiple_of(16) && w.len() >= cols * n && x.len() >= rows * n);
-    let tiles = rows.div_ceil(TILE_ROWS);
     let (w, x) = (w.as_ptr(), x.as_ptr());
-    for t in 0..tiles {
-        let (r0, r1) = (rows * t / tiles, rows * (t + 1) / tiles);
+    for (r0, r1) in super::cpu::balanced_row_tiles(rows, TILE_ROWS) {
         // SAFETY: rows `r0..r1` of `x` and of `out` exist (the caller's contract).
         unsafe {
             let xr = |i: usize| x.add((r0 + i) * n);
