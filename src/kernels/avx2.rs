@@ -54,6 +54,8 @@ pub(crate) unsafe fn dequantize_group(w: &QuantMatrix, first: usize, out: &mut [
             QuantFormat::Q6_K => {
                 w.for_group_blocks(first, count, |c, blk, _, b| q6_k(b, dst(c, blk)))
             }
+            // The callers send only the formats decoded in registers (`simd_decoded`).
+            _ => {}
         }
     }
 }

@@ -228,7 +228,8 @@ fn format_of(format: QuantFormat) -> u8 {
         QuantFormat::Q4_0 => Q4_0,
         QuantFormat::Q4_1 => Q4_1,
         QuantFormat::Q4_K => Q4_K,
-        QuantFormat::Q6_K => Q6_K,
+        // The callers send only the formats decoded in registers (`simd_decoded`).
+        _ => Q6_K,
     }
 }
 

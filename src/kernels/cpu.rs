@@ -253,7 +253,7 @@ pub fn matmul_transposed_on(
 }
 
 /// The output `[rows, n_out]` that the column chunks write into, each its own columns.
-struct Columns {
+pub(crate) struct Columns {
     out: *mut f32,
     n_out: usize,
 }
@@ -263,12 +263,20 @@ struct Columns {
 unsafe impl Sync for Columns {}
 
 impl Columns {
+    /// The columns of `out`, `n_out` values a row.
+    pub(crate) fn new(out: &mut [f32], n_out: usize) -> Self {
+        Self {
+            out: out.as_mut_ptr(),
+            n_out,
+        }
+    }
+
     /// Writes `values` at row `r`, columns `col..col + values.len()`.
     ///
     /// # Safety
     ///
     /// Inside the buffer, and no other thread writes those columns of that row.
-    unsafe fn write(&self, r: usize, col: usize, values: &[f32]) {
+    pub(crate) unsafe fn write(&self, r: usize, col: usize, values: &[f32]) {
         // SAFETY: the caller's contract.
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -299,7 +307,7 @@ impl Tiles {
             // outputs from 4 rows on: 16 accumulators). More rows go through scratch
             // rows, whose tiles `avx512::panel` shapes.
             #[cfg(target_arch = "x86_64")]
-            SimdPath::Avx512 if rows <= super::avx512::FUSED_UP_TO => {
+            SimdPath::Avx512 if rows <= super::avx512::FUSED_UP_TO && format.simd_decoded() => {
                 use super::avx512::FUSED_ROWS;
                 Tiles {
                     cols: if rows < FUSED_ROWS {
@@ -527,14 +535,14 @@ fn dequantize_group(path: SimdPath, w: &QuantMatrix, first: usize, out: &mut [f3
     let n_in = w.cols();
     match path {
         #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx2 => {
+        SimdPath::Avx2 if w.format().simd_decoded() => {
             // SAFETY: the path was checked to be supported by this CPU; `first` starts a
             // group and `out` holds at most its rows.
             unsafe { super::avx2::dequantize_group(w, first, out) }
             Ok(())
         }
         #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx512 => {
+        SimdPath::Avx512 if w.format().simd_decoded() => {
             // SAFETY: the path was checked to be supported by this CPU; `first` starts a
             // group and `out` holds at most its rows.
             unsafe { super::avx512::dequantize_group(w, first, out) }

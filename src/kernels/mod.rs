@@ -17,6 +17,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod cpu;
+pub mod int8;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub(crate) mod pool;
@@ -26,13 +27,13 @@ pub use cpu::{SimdPath, matmul_transposed, matmul_transposed_on};
 pub use quant::{QuantFormat, QuantMatrix};
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::cpu::dot_reference_on;
     use super::*;
     use rand::{Rng, SeedableRng, rngs::StdRng};
 
     /// Random but valid blocks: finite f16 scales of moderate size, any quant bits.
-    fn random_matrix(format: QuantFormat, rows: usize, cols: usize, seed: u64) -> QuantMatrix {
+    pub(crate) fn random_matrix(format: QuantFormat, rows: usize, cols: usize, seed: u64) -> QuantMatrix {
         let mut rng = StdRng::seed_from_u64(seed);
         let blocks = rows * cols / format.block_values();
         let mut data = vec![0u8; blocks * format.block_bytes()];
@@ -41,9 +42,12 @@ mod tests {
             |rng: &mut StdRng| half::f16::from_f32(rng.random_range(-0.05f32..0.05)).to_le_bytes();
         for block in data.chunks_exact_mut(format.block_bytes()) {
             let at: &[usize] = match format {
-                QuantFormat::Q8_0 | QuantFormat::Q4_0 => &[0],
-                QuantFormat::Q4_1 | QuantFormat::Q4_K => &[0, 2],
+                QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q5_0 => &[0],
+                QuantFormat::Q4_1 | QuantFormat::Q4_K | QuantFormat::Q5_1 | QuantFormat::Q5_K => {
+                    &[0, 2]
+                }
                 QuantFormat::Q6_K => &[208],
+                QuantFormat::Q3_K => &[108],
             };
             for &i in at {
                 block[i..i + 2].copy_from_slice(&f16(&mut rng));
@@ -52,13 +56,7 @@ mod tests {
         QuantMatrix::new(format, rows, cols, data).unwrap()
     }
 
-    const FORMATS: [QuantFormat; 5] = [
-        QuantFormat::Q8_0,
-        QuantFormat::Q4_0,
-        QuantFormat::Q4_1,
-        QuantFormat::Q4_K,
-        QuantFormat::Q6_K,
-    ];
+    const FORMATS: [QuantFormat; 9] = QuantFormat::ALL;
 
     fn paths() -> Vec<SimdPath> {
         SimdPath::ALL

@@ -20,6 +20,14 @@ pub enum QuantFormat {
     Q4_K,
     /// 256 values: 6-bit values, sixteen 8-bit sub-scales and an f16 scale.
     Q6_K,
+    /// 32 values: an f16 scale, 32 fifth bits and 32 nibbles offset by 16.
+    Q5_0,
+    /// 32 values: an f16 scale, an f16 minimum, 32 fifth bits and 32 nibbles.
+    Q5_1,
+    /// 256 values: 2-bit values with a high-bit mask, sixteen 6-bit sub-scales, f16 scale.
+    Q3_K,
+    /// 256 values: as [`Q4_K`](Self::Q4_K) with a fifth bit per value.
+    Q5_K,
 }
 
 impl QuantFormat {
@@ -31,6 +39,10 @@ impl QuantFormat {
             GgmlType::Q4_1 => Self::Q4_1,
             GgmlType::Q4_K => Self::Q4_K,
             GgmlType::Q6_K => Self::Q6_K,
+            GgmlType::Q5_0 => Self::Q5_0,
+            GgmlType::Q5_1 => Self::Q5_1,
+            GgmlType::Q3_K => Self::Q3_K,
+            GgmlType::Q5_K => Self::Q5_K,
             _ => return None,
         })
     }
@@ -43,14 +55,41 @@ impl QuantFormat {
             Self::Q4_1 => GgmlType::Q4_1,
             Self::Q4_K => GgmlType::Q4_K,
             Self::Q6_K => GgmlType::Q6_K,
+            Self::Q5_0 => GgmlType::Q5_0,
+            Self::Q5_1 => GgmlType::Q5_1,
+            Self::Q3_K => GgmlType::Q3_K,
+            Self::Q5_K => GgmlType::Q5_K,
         }
+    }
+
+    /// Every format, in declaration order.
+    pub const ALL: [QuantFormat; 9] = [
+        Self::Q8_0,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q4_K,
+        Self::Q6_K,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q3_K,
+        Self::Q5_K,
+    ];
+
+    /// Whether the `exact` precision's SIMD kernels decode this format in registers
+    /// (the first five); the others are dequantized into scratch rows by the loader's
+    /// routine, then multiplied as the rest.
+    pub(crate) fn simd_decoded(self) -> bool {
+        matches!(
+            self,
+            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Q4_K | Self::Q6_K
+        )
     }
 
     /// Values per block.
     pub fn block_values(self) -> usize {
         match self {
-            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 => 32,
-            Self::Q4_K | Self::Q6_K => 256,
+            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 => 32,
+            Self::Q4_K | Self::Q6_K | Self::Q3_K | Self::Q5_K => 256,
         }
     }
 
@@ -62,6 +101,10 @@ impl QuantFormat {
             Self::Q4_1 => 20,
             Self::Q4_K => 144,
             Self::Q6_K => 210,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q3_K => 110,
+            Self::Q5_K => 176,
         }
     }
 }
@@ -77,7 +120,8 @@ impl QuantFormat {
         match self {
             Self::Q8_0 | Self::Q4_0 => 2,
             Self::Q4_1 => 4,
-            Self::Q4_K | Self::Q6_K => 0,
+            // The formats the SIMD kernels do not decode keep their blocks whole too.
+            Self::Q4_K | Self::Q6_K | Self::Q5_0 | Self::Q5_1 | Self::Q3_K | Self::Q5_K => 0,
         }
     }
 }
@@ -255,7 +299,7 @@ impl QuantMatrix {
     }
 
     /// Copies block `b` of row `r`, in ggml's layout, into `out` (`block_bytes` long).
-    fn block_into(&self, r: usize, b: usize, out: &mut [u8]) {
+    pub(crate) fn block_into(&self, r: usize, b: usize, out: &mut [u8]) {
         let (bb, hb) = (self.format.block_bytes(), self.format.head_bytes());
         let (head, payload) = self.block_offsets(r, b);
         out[..hb].copy_from_slice(&self.data[head..head + hb]);

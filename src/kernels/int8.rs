@@ -1,0 +1,706 @@
+//! The `fast` precision's products: activations quantized to 8 bits per 32-value block,
+//! multiplied with the weights' own integers, the block sums exact in 32-bit integers.
+//!
+//! **What is computed.** Each activation row is cut into blocks of 32 values; a block is
+//! quantized as ggml's `Q8_0` reference quantizes (`d = max|x| / 127`, `q = round(x / d)`,
+//! with `d` kept in f32). Each weight format is read as 32-value sub-blocks of small
+//! integers `u = q + offset` (0..=255) with an integer scale for each 16-value half, a
+//! float scale `dw` and, for the formats with a minimum, a float `m` ([`IntForm`], one
+//! row per format in [`decode`]). Output `(r, c)` is then, over the row's sub-blocks `s`
+//! in order:
+//!
+//! ```text
+//! isum = sum over halves h of sc[h] * (sum of u * q over the half - offset * sum of q)
+//! acc  = fma(isum as f32, dw * dx, acc)          // dx: the activation block's scale
+//! acc  = fma(m, dx * sum of q, acc)              // formats with a minimum only
+//! ```
+//!
+//! The integer sums are exact, so every kernel (portable, AVX-512 VNNI, AVX2) that
+//! computes them in any order and then takes the float steps in sub-block order gives
+//! the same bits: the `fast` precision's results are the same on every SIMD path, and a
+//! row's outputs depend only on its own values, whatever the batch, the chunking of a
+//! prompt or the number of threads.
+//!
+//! **How.** Sixteen weight rows at a time are decoded into a panel in which one 64-byte
+//! vector holds four consecutive values of each of the sixteen rows: `vpdpbusd` then
+//! multiplies them with four activation bytes broadcast to every lane, and a sub-block of
+//! sixteen outputs costs eight such instructions, one conversion and one or two fused
+//! multiply-adds, reused for every activation row of the product.
+
+use super::cpu::{Columns, SimdPath, on_simd_path};
+use super::quant::{QuantFormat, QuantMatrix};
+use crate::error::{LlamaError, Result};
+use crate::loader::dequant::{f16_at, k_scales_mins};
+
+/// Values per activation block and per weight sub-block.
+pub(crate) const QK: usize = 32;
+
+/// Weight rows (outputs) per panel: one 16-lane vector of results.
+pub(crate) const LANES: usize = 16;
+
+/// Activation rows per register tile.
+const ROW_TILE: usize = 4;
+
+/// How a format's sub-blocks scale their integer sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IntScales {
+    /// No integer scale (it is 1).
+    One,
+    /// One integer scale per 32-value sub-block.
+    PerBlock,
+    /// One integer scale per 16-value half.
+    PerHalf,
+}
+
+/// A weight format's integer form.
+#[derive(Debug, Clone, Copy)]
+struct IntForm {
+    /// Added to the format's signed values to make them unsigned bytes.
+    offset: i32,
+    /// How the integer sums are scaled.
+    scales: IntScales,
+    /// Whether the format has a minimum (`m`).
+    mins: bool,
+}
+
+/// The integer form of each format.
+fn form(format: QuantFormat) -> IntForm {
+    use IntScales::{One, PerBlock, PerHalf};
+    let (offset, scales, mins) = match format {
+        QuantFormat::Q8_0 => (128, One, false),
+        QuantFormat::Q4_0 => (8, One, false),
+        QuantFormat::Q4_1 => (0, One, true),
+        QuantFormat::Q5_0 => (16, One, false),
+        QuantFormat::Q5_1 => (0, One, true),
+        QuantFormat::Q3_K => (4, PerHalf, false),
+        QuantFormat::Q4_K => (0, PerBlock, true),
+        QuantFormat::Q5_K => (0, PerBlock, true),
+        QuantFormat::Q6_K => (32, PerHalf, false),
+    };
+    IntForm {
+        offset,
+        scales,
+        mins,
+    }
+}
+
+/// One 32-value sub-block of weights in its integer form.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sub {
+    /// The values plus the format's offset.
+    u: [u8; QK],
+    /// The integer scales of the two 16-value halves.
+    sc: [i32; 2],
+    /// The float scale of the integer sum.
+    d: f32,
+    /// The coefficient of the activations' sum (0 without a minimum).
+    m: f32,
+}
+
+/// Decodes one ggml block of `format` into its sub-blocks (1 or 8 of `out`): the one
+/// place that reads each format's bit layout for the integer kernels, mirroring the
+/// loader's dequantization (`loader::dequant`).
+fn decode(format: QuantFormat, b: &[u8], out: &mut [Sub; 8]) {
+    let nibbles = |qs: &[u8], u: &mut [u8; QK]| {
+        for (j, q) in qs.iter().enumerate().take(16) {
+            u[j] = q & 0x0F;
+            u[j + 16] = q >> 4;
+        }
+    };
+    let fifth = |qh: u32, u: &mut [u8; QK]| {
+        for (j, v) in u.iter_mut().enumerate() {
+            *v |= (((qh >> j) & 1) as u8) << 4;
+        }
+    };
+    let o = &mut out[0];
+    match format {
+        QuantFormat::Q8_0 => {
+            *o = Sub {
+                d: f16_at(b[0], b[1]),
+                sc: [1, 1],
+                ..Sub::default()
+            };
+            for (u, &q) in o.u.iter_mut().zip(&b[2..34]) {
+                *u = q ^ 0x80; // (q as i8) + 128
+            }
+        }
+        QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+            let head = if format == QuantFormat::Q4_0 { 2 } else { 4 };
+            *o = Sub {
+                d: f16_at(b[0], b[1]),
+                m: if head == 4 { f16_at(b[2], b[3]) } else { 0.0 },
+                sc: [1, 1],
+                ..Sub::default()
+            };
+            nibbles(&b[head..head + 16], &mut o.u);
+        }
+        QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+            let head = if format == QuantFormat::Q5_0 { 2 } else { 4 };
+            *o = Sub {
+                d: f16_at(b[0], b[1]),
+                m: if head == 4 { f16_at(b[2], b[3]) } else { 0.0 },
+                sc: [1, 1],
+                ..Sub::default()
+            };
+            let qh = u32::from_le_bytes([b[head], b[head + 1], b[head + 2], b[head + 3]]);
+            nibbles(&b[head + 4..head + 20], &mut o.u);
+            fifth(qh, &mut o.u);
+        }
+        QuantFormat::Q4_K | QuantFormat::Q5_K => {
+            let (d, dmin) = (f16_at(b[0], b[1]), f16_at(b[2], b[3]));
+            let (sc, mn) = k_scales_mins(&b[4..16]);
+            let five = format == QuantFormat::Q5_K;
+            let (qh, qs) = if five {
+                (&b[16..48], &b[48..176])
+            } else {
+                (&b[0..0], &b[16..144])
+            };
+            for (s, sub) in out.iter_mut().enumerate() {
+                let (chunk, high) = (s / 2, s % 2 == 1);
+                *sub = Sub {
+                    d,
+                    m: -(dmin * f32::from(mn[s])),
+                    sc: [i32::from(sc[s]); 2],
+                    ..Sub::default()
+                };
+                for (l, u) in sub.u.iter_mut().enumerate() {
+                    let q = qs[32 * chunk + l];
+                    *u = if high { q >> 4 } else { q & 0x0F };
+                    if five && qh[l] & (1 << s) != 0 {
+                        *u += 16;
+                    }
+                }
+            }
+        }
+        QuantFormat::Q6_K => {
+            let d = f16_at(b[208], b[209]);
+            for (s, sub) in out.iter_mut().enumerate() {
+                let (half, j) = (s / 4, s % 4);
+                let ql = &b[64 * half..64 * half + 64];
+                let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+                let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+                *sub = Sub {
+                    d,
+                    sc: [i32::from(sc[2 * j] as i8), i32::from(sc[2 * j + 1] as i8)],
+                    ..Sub::default()
+                };
+                for (l, u) in sub.u.iter_mut().enumerate() {
+                    let low = if j % 2 == 0 { ql[l] } else { ql[l + 32] };
+                    let low = if j < 2 { low & 0x0F } else { low >> 4 };
+                    *u = low | (((qh[l] >> (2 * j)) & 3) << 4);
+                }
+            }
+        }
+        QuantFormat::Q3_K => {
+            let (hmask, packed) = (&b[0..32], &b[96..108]);
+            let d = f16_at(b[108], b[109]);
+            let scale = |i: usize| {
+                let low = if i < 8 {
+                    packed[i] & 0x0F
+                } else {
+                    packed[i - 8] >> 4
+                };
+                let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+                i32::from((low | (high << 4)) as i8) - 32
+            };
+            for (s, sub) in out.iter_mut().enumerate() {
+                let (half, pass) = (s / 4, s % 4);
+                let qs = &b[32 + 32 * half..64 + 32 * half];
+                let bit = 1u8 << (4 * half + pass);
+                *sub = Sub {
+                    d,
+                    sc: [scale(2 * s), scale(2 * s + 1)],
+                    ..Sub::default()
+                };
+                for (l, u) in sub.u.iter_mut().enumerate() {
+                    let low = (qs[l] >> (2 * pass)) & 3;
+                    *u = if hmask[l] & bit != 0 { low + 4 } else { low };
+                }
+            }
+        }
+    }
+}
+
+/// Activation rows quantized per 32-value block.
+pub(crate) struct QuantizedRows {
+    /// Values per row.
+    n_in: usize,
+    /// The quantized values, row-major.
+    q: Vec<i8>,
+    /// Each block's scale.
+    d: Vec<f32>,
+    /// Each block's scale times the sum of its values.
+    sx: Vec<f32>,
+    /// The sums of each block's two 16-value halves.
+    sum16: Vec<i32>,
+}
+
+impl QuantizedRows {
+    /// Quantizes `rows` rows of `n_in` values (a multiple of 32) as ggml's `Q8_0`
+    /// reference does, with the scale kept in f32.
+    pub(crate) fn new(x: &[f32], rows: usize, n_in: usize) -> Self {
+        let blocks = rows * n_in / QK;
+        let mut out = Self {
+            n_in,
+            q: vec![0; rows * n_in],
+            d: Vec::with_capacity(blocks),
+            sx: Vec::with_capacity(blocks),
+            sum16: Vec::with_capacity(2 * blocks),
+        };
+        for (xb, qb) in x.chunks_exact(QK).zip(out.q.chunks_exact_mut(QK)) {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                *q = (v * id).round() as i8;
+            }
+            let half = |h: &[i8]| h.iter().map(|&q| i32::from(q)).sum::<i32>();
+            let (lo, hi) = (half(&qb[..16]), half(&qb[16..]));
+            out.d.push(d);
+            out.sx.push(d * (lo + hi) as f32);
+            out.sum16.extend([lo, hi]);
+        }
+        out
+    }
+
+    /// Sub-blocks per row.
+    fn blocks(&self) -> usize {
+        self.n_in / QK
+    }
+}
+
+/// Sixteen weight rows in their integer form, sub-block by sub-block: `u[(s * 8 + t) *
+/// 16 + lane]` holds values `4t .. 4t + 4` of sub-block `s` of row `lane` as one little-
+/// endian word; `sc`, `d` and `m` hold each lane's scales (`sc` per half).
+#[derive(Default)]
+pub(crate) struct Panel {
+    u: Vec<u32>,
+    sc: Vec<i32>,
+    d: Vec<f32>,
+    m: Vec<f32>,
+}
+
+impl Panel {
+    /// Decodes rows `first .. first + n` of `w` (`n <= 16`, `first` a multiple of 8);
+    /// lanes past `n` hold zeros.
+    fn fill(&mut self, w: &QuantMatrix, first: usize, n: usize) {
+        let subs = w.cols() / QK;
+        self.u.clear();
+        self.u.resize(subs * 8 * LANES, 0);
+        self.sc.clear();
+        self.sc.resize(subs * 2 * LANES, 0);
+        self.d.clear();
+        self.d.resize(subs * LANES, 0.0);
+        self.m.clear();
+        self.m.resize(subs * LANES, 0.0);
+        let format = w.format();
+        let per_block = format.block_values() / QK;
+        let (bb, hb) = (format.block_bytes(), format.head_bytes());
+        let mut block = [0u8; 256];
+        let mut decoded = [Sub::default(); 8];
+        for g in (0..n).step_by(super::quant::GROUP_ROWS) {
+            w.for_group_blocks(first + g, n - g, |c, b, head, values| {
+                block[..hb].copy_from_slice(head);
+                block[hb..bb].copy_from_slice(values);
+                decode(format, &block[..bb], &mut decoded);
+                let lane = g + c;
+                for (i, sub) in decoded.iter().take(per_block).enumerate() {
+                    let s = b * per_block + i;
+                    for (t, word) in sub.u.chunks_exact(4).enumerate() {
+                        self.u[(s * 8 + t) * LANES + lane] =
+                            u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+                    }
+                    self.sc[(s * 2) * LANES + lane] = sub.sc[0];
+                    self.sc[(s * 2 + 1) * LANES + lane] = sub.sc[1];
+                    self.d[s * LANES + lane] = sub.d;
+                    self.m[s * LANES + lane] = sub.m;
+                }
+            });
+        }
+    }
+}
+
+/// `x @ W^T` in the `fast` precision for `x` row-major `[rows, w.cols()]`: `[rows,
+/// w.rows()]`, on `path`. The same bits on every path (see the module documentation).
+///
+/// # Errors
+///
+/// [`LlamaError::ShapeMismatch`] if `x` is not `rows` rows of `w.cols()` values, and
+/// [`LlamaError::InvalidParameter`] if this CPU cannot run `path`.
+pub fn matmul_transposed_int8_on(
+    path: SimdPath,
+    x: &[f32],
+    rows: usize,
+    w: &QuantMatrix,
+) -> Result<Vec<f32>> {
+    let (n_in, n_out) = (w.cols(), w.rows());
+    if Some(x.len()) != rows.checked_mul(n_in) || !n_in.is_multiple_of(QK) {
+        return Err(LlamaError::ShapeMismatch {
+            name: "quantized matmul input".into(),
+            expected: vec![rows, n_in],
+            actual: vec![x.len()],
+        });
+    }
+    if !path.is_supported() {
+        return Err(LlamaError::invalid(
+            "simd path",
+            path.name(),
+            "not supported by this CPU",
+        ));
+    }
+    if rows == 0 || n_out == 0 {
+        return Ok(Vec::new());
+    }
+    let acts = QuantizedRows::new(x, rows, n_in);
+    let threads = rayon::current_num_threads().max(1);
+    let per_chunk = n_out
+        .div_ceil(threads * 4)
+        .next_multiple_of(LANES)
+        .max(LANES);
+    let mut out = vec![0f32; rows * n_out];
+    let target = Columns::new(&mut out, n_out);
+    let f = form(w.format());
+    let vnni = vnni_supported(path);
+    super::pool::for_each_chunk(n_out.div_ceil(per_chunk), &|chunk| {
+        let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(n_out));
+        PANEL.with_borrow_mut(|panel| {
+            for first in (start..end).step_by(LANES) {
+                let n = LANES.min(end - first);
+                panel.fill(w, first, n);
+                let mut r = 0;
+                while r < rows {
+                    let tile = ROW_TILE.min(rows - r);
+                    let mut res = [[0f32; LANES]; ROW_TILE];
+                    run_tile(path, vnni, panel, f, &acts, r, tile, &mut res);
+                    for (i, row) in res.iter().take(tile).enumerate() {
+                        // SAFETY: row `r + i < rows`; columns `first .. first + n` lie in
+                        // this chunk's `start..end`, which no other chunk writes.
+                        unsafe { target.write(r + i, first, &row[..n]) };
+                    }
+                    r += tile;
+                }
+            }
+        });
+    });
+    Ok(out)
+}
+
+thread_local! {
+    /// Each worker thread's panel, kept between calls.
+    static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
+}
+
+/// Whether `path` runs the `vpdpbusd` kernel on this CPU.
+fn vnni_supported(path: SimdPath) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        path == SimdPath::Avx512 && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = path;
+        false
+    }
+}
+
+/// Results of activation rows `r0 .. r0 + tile` against the panel's sixteen rows.
+#[allow(clippy::too_many_arguments)]
+fn run_tile(
+    path: SimdPath,
+    vnni: bool,
+    panel: &Panel,
+    f: IntForm,
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; LANES]; ROW_TILE],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if vnni {
+        // SAFETY: `vnni` says this CPU has AVX-512 with VNNI; the panel and the rows
+        // were built for the same matrix and `r0 + tile <= rows`.
+        unsafe { vnni_tile(panel, f, acts, r0, tile, out) };
+        return;
+    }
+    let _ = vnni;
+    on_simd_path!(path, plain_tile(
+        panel: &Panel,
+        f: IntForm,
+        acts: &QuantizedRows,
+        r0: usize,
+        tile: usize,
+        out: &mut [[f32; LANES]; ROW_TILE],
+    ));
+}
+
+/// The kernel in plain Rust, lanes innermost (the reference; other paths compile it for
+/// their vector width).
+#[inline(always)]
+fn plain_tile(
+    panel: &Panel,
+    f: IntForm,
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; LANES]; ROW_TILE],
+) {
+    let subs = acts.blocks();
+    for (i, acc) in out.iter_mut().enumerate().take(tile) {
+        let r = r0 + i;
+        *acc = [0f32; LANES];
+        for s in 0..subs {
+            let xq = &acts.q[r * acts.n_in + s * QK..][..QK];
+            let mut half = [[0i32; LANES]; 2];
+            for t in 0..8 {
+                let x4 = &xq[4 * t..4 * t + 4];
+                let words = &panel.u[(s * 8 + t) * LANES..][..LANES];
+                for (h, &w) in half[t / 4].iter_mut().zip(words) {
+                    let w = w.to_le_bytes();
+                    *h += (0..4)
+                        .map(|k| i32::from(w[k]) * i32::from(x4[k]))
+                        .sum::<i32>();
+                }
+            }
+            let b = r * subs + s;
+            let dx = acts.d[b];
+            let corr = [
+                f.offset * acts.sum16[2 * b],
+                f.offset * acts.sum16[2 * b + 1],
+            ];
+            for l in 0..LANES {
+                let isum = panel.sc[s * 2 * LANES + l] * (half[0][l] - corr[0])
+                    + panel.sc[(s * 2 + 1) * LANES + l] * (half[1][l] - corr[1]);
+                acc[l] = (isum as f32).mul_add(panel.d[s * LANES + l] * dx, acc[l]);
+                if f.mins {
+                    acc[l] = panel.m[s * LANES + l].mul_add(acts.sx[b], acc[l]);
+                }
+            }
+        }
+    }
+}
+
+/// The kernel with `vpdpbusd`: per sub-block, eight dot products of four bytes for all
+/// sixteen lanes of each activation row of the tile.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW/VL, VNNI and FMA; the panel and rows come from one matrix
+/// and `r0 + tile` rows exist.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn vnni_tile(
+    panel: &Panel,
+    f: IntForm,
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; LANES]; ROW_TILE],
+) {
+    use std::arch::x86_64::*;
+    let subs = acts.blocks();
+    let mut acc = [_mm512_setzero_ps(); ROW_TILE];
+    let (up, scp) = (panel.u.as_ptr(), panel.sc.as_ptr());
+    for s in 0..subs {
+        // SAFETY (every load): the panel holds `subs * 8 * 16` words, `subs * 2 * 16`
+        // scales and `subs * 16` of `d` and `m`; each activation row `subs * 32` bytes.
+        let mut w = [_mm512_setzero_si512(); 8];
+        for (t, v) in w.iter_mut().enumerate() {
+            *v = unsafe { _mm512_loadu_si512(up.add((s * 8 + t) * LANES).cast()) };
+        }
+        let sc0 = unsafe { _mm512_loadu_si512(scp.add(s * 2 * LANES).cast()) };
+        let sc1 = unsafe { _mm512_loadu_si512(scp.add((s * 2 + 1) * LANES).cast()) };
+        let dw = unsafe { _mm512_loadu_ps(panel.d.as_ptr().add(s * LANES)) };
+        let m = unsafe { _mm512_loadu_ps(panel.m.as_ptr().add(s * LANES)) };
+        for i in 0..tile {
+            let r = r0 + i;
+            let b = r * subs + s;
+            let xp = unsafe { acts.q.as_ptr().add(r * acts.n_in + s * QK) }.cast::<i32>();
+            let mut x = [_mm512_setzero_si512(); 8];
+            for (t, v) in x.iter_mut().enumerate() {
+                *v = _mm512_set1_epi32(unsafe { xp.add(t).read_unaligned() });
+            }
+            let (lo, hi) = (acts.sum16[2 * b], acts.sum16[2 * b + 1]);
+            let isum = if f.scales == IntScales::PerHalf {
+                let mut a = _mm512_set1_epi32(-f.offset * lo);
+                let mut c = _mm512_set1_epi32(-f.offset * hi);
+                for t in 0..4 {
+                    a = _mm512_dpbusd_epi32(a, w[t], x[t]);
+                    c = _mm512_dpbusd_epi32(c, w[t + 4], x[t + 4]);
+                }
+                _mm512_add_epi32(_mm512_mullo_epi32(a, sc0), _mm512_mullo_epi32(c, sc1))
+            } else {
+                let mut a = _mm512_set1_epi32(-f.offset * (lo + hi));
+                let mut c = _mm512_setzero_si512();
+                for t in 0..4 {
+                    a = _mm512_dpbusd_epi32(a, w[t], x[t]);
+                    c = _mm512_dpbusd_epi32(c, w[t + 4], x[t + 4]);
+                }
+                let a = _mm512_add_epi32(a, c);
+                if f.scales == IntScales::PerBlock {
+                    _mm512_mullo_epi32(a, sc0)
+                } else {
+                    a
+                }
+            };
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(acts.d[b]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
+            if f.mins {
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(acts.sx[b]), acc[i]);
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc).take(tile) {
+        // SAFETY: `o` holds 16 floats.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+    }
+}
+
+/// One output of the `fast` precision written plainly, from the dequantization-free
+/// definition in the module documentation (for tests).
+pub fn int8_reference(format: QuantFormat, row_blocks: &[u8], x: &[f32]) -> f32 {
+    let n_in = x.len();
+    let acts = QuantizedRows::new(x, 1, n_in);
+    let f = form(format);
+    let (bv, bb) = (format.block_values(), format.block_bytes());
+    let mut acc = 0f32;
+    let mut subs = [Sub::default(); 8];
+    for (blk, bytes) in row_blocks.chunks_exact(bb).enumerate().take(n_in / bv) {
+        decode(format, bytes, &mut subs);
+        for (i, sub) in subs.iter().take(bv / QK).enumerate() {
+            let s = blk * (bv / QK) + i;
+            let mut isum = 0i32;
+            for h in 0..2 {
+                let mut dot = 0i32;
+                for k in 16 * h..16 * h + 16 {
+                    dot += i32::from(sub.u[k]) * i32::from(acts.q[s * QK + k]);
+                }
+                isum += sub.sc[h] * (dot - f.offset * acts.sum16[2 * s + h]);
+            }
+            acc = (isum as f32).mul_add(sub.d * acts.d[s], acc);
+            if f.mins {
+                acc = sub.m.mul_add(acts.sx[s], acc);
+            }
+        }
+    }
+    acc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::tests::random_matrix;
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    fn paths() -> Vec<SimdPath> {
+        SimdPath::ALL
+            .into_iter()
+            .filter(|p| p.is_supported())
+            .collect()
+    }
+
+    #[test]
+    fn the_integer_form_gives_the_dequantized_values() {
+        // sc * d * (u - offset) + m is the loader's value, to f32 rounding.
+        for format in QuantFormat::ALL {
+            let w = random_matrix(format, 3, 512, 5);
+            let dense = w.dequantize().unwrap();
+            let f = form(format);
+            let mut subs = [Sub::default(); 8];
+            for r in 0..3 {
+                let bytes = w.row_ggml_bytes(r).unwrap();
+                let bv = format.block_values();
+                for (blk, b) in bytes.chunks_exact(format.block_bytes()).enumerate() {
+                    decode(format, b, &mut subs);
+                    for (i, sub) in subs.iter().take(bv / QK).enumerate() {
+                        for k in 0..QK {
+                            let v = sub.d
+                                * (sub.sc[k / 16] * (i32::from(sub.u[k]) - f.offset)) as f32
+                                + sub.m;
+                            let want = dense[r * 512 + blk * bv + i * QK + k];
+                            let terms = (sub.d * (sub.sc[k / 16] * (i32::from(sub.u[k]) - f.offset)) as f32).abs() + sub.m.abs();
+                            assert!(
+                                (v - want).abs() <= 1e-6 * terms + 1e-12,
+                                "{format:?} row {r} block {blk} sub {i} value {k}: {v} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_path_gives_the_reference_bits() {
+        for format in QuantFormat::ALL {
+            // 37 outputs: two full panels and a partial one.
+            let (n_out, n_in) = (37, 512);
+            let w = random_matrix(format, n_out, n_in, 17);
+            let mut rng = StdRng::seed_from_u64(4);
+            for rows in [1, 3, 4, 5, 9] {
+                let x: Vec<f32> = (0..rows * n_in)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect();
+                for path in paths() {
+                    let got = matmul_transposed_int8_on(path, &x, rows, &w).unwrap();
+                    for r in 0..rows {
+                        for j in 0..n_out {
+                            let want = int8_reference(
+                                format,
+                                &w.row_ggml_bytes(j).unwrap(),
+                                &x[r * n_in..(r + 1) * n_in],
+                            );
+                            assert_eq!(
+                                got[r * n_out + j].to_bits(),
+                                want.to_bits(),
+                                "{format:?} {path:?} rows {rows} ({r}, {j})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_is_bitwise_the_same_alone_and_in_any_batch() {
+        for format in QuantFormat::ALL {
+            let w = random_matrix(format, 50, 256, 3);
+            let mut rng = StdRng::seed_from_u64(9);
+            let x: Vec<f32> = (0..7 * 256)
+                .map(|_| rng.random_range(-2.0f32..2.0))
+                .collect();
+            for path in paths() {
+                let batch = matmul_transposed_int8_on(path, &x, 7, &w).unwrap();
+                for r in 0..7 {
+                    let alone =
+                        matmul_transposed_int8_on(path, &x[r * 256..(r + 1) * 256], 1, &w)
+                            .unwrap();
+                    assert_eq!(alone, batch[r * 50..(r + 1) * 50], "{format:?} {path:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fast_is_close_to_exact() {
+        // 8-bit activations: about 1% of the products' scale at worst.
+        for format in QuantFormat::ALL {
+            let (n_out, n_in) = (9, 1024);
+            let w = random_matrix(format, n_out, n_in, 11);
+            let dense = w.dequantize().unwrap();
+            let mut rng = StdRng::seed_from_u64(2);
+            let x: Vec<f32> = (0..n_in).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let got = matmul_transposed_int8_on(SimdPath::Portable, &x, 1, &w).unwrap();
+            for j in 0..n_out {
+                let (mut exact, mut scale) = (0f64, 0f64);
+                for i in 0..n_in {
+                    let p = f64::from(dense[j * n_in + i]) * f64::from(x[i]);
+                    exact += p;
+                    scale += p.abs();
+                }
+                let err = (f64::from(got[j]) - exact).abs();
+                assert!(err <= 1e-2 * scale, "{format:?} {j}: {err} of {scale}");
+            }
+        }
+    }
+}
