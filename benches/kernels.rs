@@ -1,10 +1,63 @@
-//! Criterion benchmarks of the CPU kernels alone, on the demo model's real tensors: one
+//! Criterion benchmarks of the CPU kernels alone: on the demo model's real tensors, one
 //! projection of each shape the model runs, at 1, 32 and 128 rows, on every SIMD path
-//! this CPU supports. Run with `cargo bench --bench kernels`.
+//! this CPU supports; and at Llama 3.2 1B's and Llama 3.1 8B's feed-forward shapes, every
+//! kept format in both precisions (`real_sizes`) on the active path. Run with
+//! `cargo bench --bench kernels` (or `-- real_sizes/1b` for one group).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use llama_burn::kernels::{QuantMatrix, SimdPath, matmul_transposed_on};
+use llama_burn::kernels::{
+    QuantFormat, QuantMatrix, SimdPath, matmul_transposed_int8_on, matmul_transposed_on,
+};
 use llama_burn::loader::gguf::GgufFile;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// A matrix of random but valid blocks (finite f16 scales): speed does not depend on the
+/// values.
+fn random_matrix(format: QuantFormat, rows: usize, cols: usize) -> QuantMatrix {
+    let mut rng = StdRng::seed_from_u64(1);
+    let blocks = rows * cols / format.block_values();
+    let mut data = vec![0u8; blocks * format.block_bytes()];
+    rng.fill(&mut data[..]);
+    let scales: &[usize] = match format {
+        QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q5_0 => &[0],
+        QuantFormat::Q6_K => &[208],
+        QuantFormat::Q3_K => &[108],
+        _ => &[0, 2],
+    };
+    for block in data.chunks_exact_mut(format.block_bytes()) {
+        for &i in scales {
+            let v = half::f16::from_f32(rng.random_range(-0.01f32..0.01));
+            block[i..i + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    QuantMatrix::new(format, rows, cols, data).expect("valid blocks")
+}
+
+/// The feed-forward up projection (`[ffn, d]`) of the 1B and 8B shapes, every format,
+/// `exact` and `fast`, at 1, 16 and 128 rows.
+fn real_sizes(c: &mut Criterion) {
+    let simd = SimdPath::active();
+    for (shape, d, ffn) in [("1b", 2048, 8192), ("8b", 4096, 14336)] {
+        for format in QuantFormat::ALL {
+            let w = random_matrix(format, ffn, d);
+            let mut group = c.benchmark_group(format!("real_sizes/{shape}_{format:?}"));
+            group.sample_size(10);
+            for rows in [1usize, 16, 128] {
+                let x: Vec<f32> = (0..rows * d)
+                    .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+                    .collect();
+                group.throughput(Throughput::Elements((rows * ffn * d) as u64));
+                group.bench_with_input(BenchmarkId::new("exact", rows), &rows, |b, &rows| {
+                    b.iter(|| matmul_transposed_on(simd, &x, rows, &w).expect("matmul"))
+                });
+                group.bench_with_input(BenchmarkId::new("fast", rows), &rows, |b, &rows| {
+                    b.iter(|| matmul_transposed_int8_on(simd, &x, rows, &w).expect("matmul"))
+                });
+            }
+            group.finish();
+        }
+    }
+}
 
 fn matrix(gguf: &GgufFile, name: &str) -> QuantMatrix {
     QuantMatrix::from_gguf(gguf, name)
@@ -43,5 +96,5 @@ fn benches(c: &mut Criterion) {
     }
 }
 
-criterion_group!(kernels, benches);
+criterion_group!(kernels, benches, real_sizes);
 criterion_main!(kernels);

@@ -129,5 +129,10 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
 
 fn main() {
     let args = Args::parse();
-    run_on_model(args.model.as_deref(), 2048, |llama| run(&args, llama));
+    run_on_model(
+        args.model.as_deref(),
+        2048,
+        llama_burn::Precision::default(),
+        |llama| run(&args, llama),
+    );
 }

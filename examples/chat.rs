@@ -40,6 +40,10 @@ struct Args {
     /// Context window to allocate.
     #[arg(long, default_value_t = 2048)]
     max_seq_len: usize,
+    /// How the CPU kernels multiply quantized weights: `fast` (8-bit activations,
+    /// integer dot products) or `exact` (f32 activations, exactly dequantized weights).
+    #[arg(long, default_value_t = llama_burn::Precision::default())]
+    precision: llama_burn::Precision,
 }
 
 /// What the example does with the loaded model.
@@ -89,7 +93,10 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
 
 fn main() {
     let args = Args::parse();
-    run_on_model(args.model.as_deref(), args.max_seq_len, |llama| {
-        run(&args, llama)
-    });
+    run_on_model(
+        args.model.as_deref(),
+        args.max_seq_len,
+        args.precision,
+        |llama| run(&args, llama),
+    );
 }

@@ -42,6 +42,10 @@ struct Args {
     /// Context window to allocate.
     #[arg(long, default_value_t = 2048)]
     max_seq_len: usize,
+    /// How the CPU kernels multiply quantized weights: `fast` (8-bit activations,
+    /// integer dot products) or `exact` (f32 activations, exactly dequantized weights).
+    #[arg(long, default_value_t = llama_burn::Precision::default())]
+    precision: llama_burn::Precision,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -63,6 +67,7 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
         let json = serde_json::json!({
             "model": model_name(args.model.as_deref()),
             "backend": llama_burn::backend::BACKEND_NAME,
+            "precision": llama.config().precision.name(),
             "prompt": prompt,
             "prompt_tokens": out.prompt_tokens,
             "tokens": out.tokens,
@@ -89,7 +94,10 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
 
 fn main() {
     let args = Args::parse();
-    run_on_model(args.model.as_deref(), args.max_seq_len, |llama| {
-        run(&args, llama)
-    });
+    run_on_model(
+        args.model.as_deref(),
+        args.max_seq_len,
+        args.precision,
+        |llama| run(&args, llama),
+    );
 }

@@ -32,6 +32,7 @@ fn main() -> llama_burn::Result<()> {
         tie_embeddings: true,
         context_length: 512,
         max_seq_len: 512,
+        precision: Default::default(),
     };
     let device = default_device();
     let model = Transformer::<DefaultBackend>::random(config, 7, &device)?;

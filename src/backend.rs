@@ -101,6 +101,7 @@ use burn::tensor::{
     Bool, Tensor, TensorData, backend::Backend, module::attention, ops::AttentionModuleOptions,
 };
 
+use crate::config::Precision;
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
 use crate::model::attention::PagedBatch;
@@ -128,12 +129,19 @@ pub trait LlamaBackend: Backend {
     }
 
     /// `x @ W^T` for activations `x` `[rows, in]` and a quantized `W` `[out, in]`:
-    /// `[rows, out]`. The default dequantizes `W` and uses Burn's matmul.
+    /// `[rows, out]`, in `precision` where the backend has both. The default dequantizes
+    /// `W` and uses Burn's matmul (the backend's own float precision, whatever
+    /// `precision` says).
     ///
     /// # Errors
     ///
     /// [`LlamaError::ShapeMismatch`] if `x` has not `W.cols()` columns.
-    fn quantized_matmul(x: Tensor<Self, 2>, w: &QuantMatrix) -> Result<Tensor<Self, 2>> {
+    fn quantized_matmul(
+        x: Tensor<Self, 2>,
+        w: &QuantMatrix,
+        precision: Precision,
+    ) -> Result<Tensor<Self, 2>> {
+        let _ = precision;
         let [_, n_in] = x.dims();
         if n_in != w.cols() {
             return Err(LlamaError::ShapeMismatch {
@@ -443,11 +451,15 @@ impl LlamaBackend for burn::backend::Flex {
         true
     }
 
-    fn quantized_matmul(x: Tensor<Self, 2>, w: &QuantMatrix) -> Result<Tensor<Self, 2>> {
+    fn quantized_matmul(
+        x: Tensor<Self, 2>,
+        w: &QuantMatrix,
+        precision: Precision,
+    ) -> Result<Tensor<Self, 2>> {
         let [rows, _] = x.dims();
         let device = x.device();
         let out = with_values(&x, |values| {
-            crate::kernels::matmul_transposed(values, rows, w)
+            crate::kernels::matmul_transposed_in(precision, values, rows, w)
         })?;
         Ok(Tensor::from_data(
             TensorData::new(out, [rows, w.rows()]),

@@ -21,7 +21,7 @@ pub mod server;
 pub mod tokenizer;
 
 pub use batched::BatchedGenerationState;
-pub use config::LlamaConfig;
+pub use config::{LlamaConfig, Precision};
 pub use error::{LlamaError, Result};
 pub use llama::{GenerationOutput, GenerationState, Llama, StopReason};
 pub use sampling::{Sampler, TopK, TopP};

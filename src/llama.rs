@@ -313,6 +313,18 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         self.model.config()
     }
 
+    /// Sets how the CPU kernels multiply quantized weights (see
+    /// [`Precision`](crate::Precision)); free, the weights are the same in both.
+    pub fn set_precision(&mut self, precision: crate::Precision) {
+        self.model.set_precision(precision);
+    }
+
+    /// This model with `precision` (see [`set_precision`](Self::set_precision)).
+    pub fn with_precision(mut self, precision: crate::Precision) -> Self {
+        self.set_precision(precision);
+        self
+    }
+
     /// The device the model lives on.
     pub fn device(&self) -> &B::Device {
         &self.device

@@ -3,34 +3,41 @@
 
 use std::path::{Path, PathBuf};
 
-use llama_burn::Result;
 use llama_burn::backend::{DefaultBackend, default_device};
 use llama_burn::llama::{Llama, LlamaConfig};
+use llama_burn::{Precision, Result};
 
 /// The backend chosen by cargo features.
 pub type B = DefaultBackend;
 
-/// Loads `--model PATH` (a `.gguf` file or a Hugging Face directory), or the demo model.
-pub fn load_model(model: Option<&Path>, max_seq_len: usize) -> Result<Llama<B>> {
+/// Loads `--model PATH` (a `.gguf` file or a Hugging Face directory), or the demo model,
+/// to run in `precision`.
+pub fn load_model(
+    model: Option<&Path>,
+    max_seq_len: usize,
+    precision: Precision,
+) -> Result<Llama<B>> {
     let path: PathBuf = match model {
         Some(p) => p.to_path_buf(),
         None => llama_burn::demo::demo_model_path()?,
     };
     let device = default_device();
-    if path.is_dir() {
+    let llama = if path.is_dir() {
         LlamaConfig::load_hf_dir::<B>(&path, max_seq_len, &device)
     } else {
         LlamaConfig::load_gguf::<B>(&path, max_seq_len, &device)
-    }
+    }?;
+    Ok(llama.with_precision(precision))
 }
 
 /// Loads the model, runs `job` on it, and exits with the error if either fails.
 pub fn run_on_model(
     model: Option<&Path>,
     max_seq_len: usize,
+    precision: Precision,
     job: impl FnOnce(Llama<B>) -> Result<()>,
 ) {
-    exit_on_error(load_model(model, max_seq_len).and_then(job));
+    exit_on_error(load_model(model, max_seq_len, precision).and_then(job));
 }
 
 /// Prints the error and exits with status 1 if `result` is one.

@@ -60,6 +60,10 @@ struct Args {
     /// Context length (prompt plus generated tokens).
     #[arg(long, default_value_t = 2048)]
     max_seq_len: usize,
+    /// How the CPU kernels multiply quantized weights: `fast` (8-bit activations,
+    /// integer dot products) or `exact` (f32 activations, exactly dequantized weights).
+    #[arg(long, default_value_t = llama_burn::Precision::default())]
+    precision: llama_burn::Precision,
     /// Seconds running requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
@@ -112,7 +116,7 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
     tracing::info!(model = %path.display(), "loading the model");
     let engine = if path.is_dir() {
         let llama = LlamaConfig::load_hf_dir::<B>(path, args.max_seq_len, &device)?;
-        start_engine(llama, config)?
+        start_engine(llama.with_precision(args.precision), config)?
     } else {
         let mut last = 0;
         let mut progress = |done: usize, total: usize| {
@@ -128,7 +132,7 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
             &device,
             &mut progress,
         )?;
-        start_engine(llama, config)?
+        start_engine(llama.with_precision(args.precision), config)?
     };
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "model loaded");
     Ok(engine)

@@ -28,7 +28,7 @@
 //! multiply-adds, reused for every activation row of the product.
 
 use super::cpu::{Columns, SimdPath, on_simd_path};
-use super::quant::{QuantFormat, QuantMatrix};
+use super::quant::{GROUP_ROWS, QuantFormat, QuantMatrix};
 use crate::error::{LlamaError, Result};
 use crate::loader::dequant::{f16_at, k_scales_mins};
 
@@ -361,11 +361,34 @@ pub fn matmul_transposed_int8_on(
     let target = Columns::new(&mut out, n_out);
     let f = form(w.format());
     let vnni = vnni_supported(path);
+    let in_registers = vnni && registers_decode(w.format());
     super::pool::for_each_chunk(n_out.div_ceil(per_chunk), &|chunk| {
         let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(n_out));
         PANEL.with_borrow_mut(|panel| {
             for first in (start..end).step_by(LANES) {
                 let n = LANES.min(end - first);
+                if in_registers && n == LANES {
+                    #[cfg(target_arch = "x86_64")]
+                    for g in [first, first + GROUP_ROWS] {
+                        let (group, _) = w.group(g);
+                        let mut r = 0;
+                        while r < rows {
+                            let tile = ROW_TILE.min(rows - r);
+                            let mut res = [[0f32; GROUP_ROWS]; ROW_TILE];
+                            // SAFETY: `in_registers` says this CPU has AVX-512 with VNNI
+                            // and the format is one `group_tile` reads; the group is full
+                            // (8 rows of `w.cols()` values) and `r + tile <= rows`.
+                            unsafe { group_tile(w.format(), group, f, &acts, r, tile, &mut res) };
+                            for (i, row) in res.iter().take(tile).enumerate() {
+                                // SAFETY: row `r + i < rows`; columns `g .. g + 8` lie in
+                                // this chunk's `start..end`, which no other chunk writes.
+                                unsafe { target.write(r + i, g, row) };
+                            }
+                            r += tile;
+                        }
+                    }
+                    continue;
+                }
                 panel.fill(w, first, n);
                 let mut r = 0;
                 while r < rows {
@@ -400,6 +423,122 @@ fn vnni_supported(path: SimdPath) -> bool {
     {
         let _ = path;
         false
+    }
+}
+
+/// Whether [`group_tile`] decodes `format` straight from a matrix's grouped layout.
+fn registers_decode(format: QuantFormat) -> bool {
+    matches!(
+        format,
+        QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1
+    )
+}
+
+/// Results of activation rows `r0 .. r0 + tile` against the eight rows of a full group
+/// of a Q8_0, Q4_0 or Q4_1 matrix, decoded in registers from the grouped layout (no
+/// panel): a step's eight rows of quantized values are transposed into eight vectors of
+/// four values per row, then multiplied as [`vnni_tile`] does, with the same integer
+/// sums and float steps, so the same bits.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW/VL, VNNI, FMA and F16C; `format` is one of the three;
+/// `group` holds 8 rows of `acts.n_in` values; `r0 + tile` rows exist.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_tile(
+    format: QuantFormat,
+    group: &[u8],
+    f: IntForm,
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; GROUP_ROWS]; ROW_TILE],
+) {
+    use std::arch::x86_64::*;
+    let (bb, hb) = (format.block_bytes(), format.head_bytes());
+    let subs = acts.blocks();
+    debug_assert!(group.len() >= subs * GROUP_ROWS * bb);
+    let mut acc = [_mm256_setzero_ps(); ROW_TILE];
+    // Four u32 words of two rows per vector, to one word of eight rows per vector.
+    let pick_lo = _mm256_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13);
+    let pick_hi = _mm256_setr_epi32(2, 6, 10, 14, 3, 7, 11, 15);
+    let low_halves = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
+    let high_halves = _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15);
+    let transpose = |a: [__m256i; 4]| -> [__m256i; 4] {
+        let p01 = _mm256_permutex2var_epi32(a[0], pick_lo, a[1]);
+        let p23 = _mm256_permutex2var_epi32(a[0], pick_hi, a[1]);
+        let q01 = _mm256_permutex2var_epi32(a[2], pick_lo, a[3]);
+        let q23 = _mm256_permutex2var_epi32(a[2], pick_hi, a[3]);
+        [
+            _mm256_permutex2var_epi32(p01, low_halves, q01),
+            _mm256_permutex2var_epi32(p01, high_halves, q01),
+            _mm256_permutex2var_epi32(p23, low_halves, q23),
+            _mm256_permutex2var_epi32(p23, high_halves, q23),
+        ]
+    };
+    let nibble = _mm256_set1_epi8(0x0F);
+    for s in 0..subs {
+        // SAFETY (every load): step `s` of the group is `8 * bb` bytes at `s * 8 * bb`:
+        // eight heads of `hb` bytes, then eight payloads of `bb - hb` bytes.
+        let step = unsafe { group.as_ptr().add(s * GROUP_ROWS * bb) };
+        let (dw, m) = if hb == 4 {
+            let heads = unsafe { _mm256_loadu_si256(step.cast()) };
+            (
+                _mm256_cvtph_ps(_mm256_cvtepi32_epi16(heads)),
+                _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(heads))),
+            )
+        } else {
+            let heads = unsafe { _mm_loadu_si128(step.cast()) };
+            (_mm256_cvtph_ps(heads), _mm256_setzero_ps())
+        };
+        let payload = unsafe { step.add(GROUP_ROWS * hb) };
+        let load = |i: usize| unsafe { _mm256_loadu_si256(payload.add(32 * i).cast()) };
+        let mut w = [_mm256_setzero_si256(); 8];
+        if format == QuantFormat::Q8_0 {
+            // Row i's 32 bytes are vector i: pair rows' first and last four words, then
+            // transpose as the nibble formats do.
+            let rows: [__m256i; 8] = std::array::from_fn(load);
+            let first: [__m256i; 4] = std::array::from_fn(|p| {
+                _mm256_permute2x128_si256::<0x20>(rows[2 * p], rows[2 * p + 1])
+            });
+            let last: [__m256i; 4] = std::array::from_fn(|p| {
+                _mm256_permute2x128_si256::<0x31>(rows[2 * p], rows[2 * p + 1])
+            });
+            let flip = _mm256_set1_epi8(-128);
+            for (t, v) in transpose(first).into_iter().chain(transpose(last)).enumerate() {
+                w[t] = _mm256_xor_si256(v, flip);
+            }
+        } else {
+            for (j, v) in transpose(std::array::from_fn(load)).into_iter().enumerate() {
+                w[j] = _mm256_and_si256(v, nibble);
+                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+            }
+        }
+        for (i, acc) in acc.iter_mut().enumerate().take(tile) {
+            let r = r0 + i;
+            let b = r * subs + s;
+            let xp = unsafe { acts.q.as_ptr().add(r * acts.n_in + s * QK) }.cast::<i32>();
+            let x = |t: usize| _mm256_set1_epi32(unsafe { xp.add(t).read_unaligned() });
+            let (lo, hi) = (acts.sum16[2 * b], acts.sum16[2 * b + 1]);
+            let mut a = _mm256_set1_epi32(-f.offset * (lo + hi));
+            let mut c = _mm256_setzero_si256();
+            for t in 0..4 {
+                a = _mm256_dpbusd_epi32(a, w[t], x(t));
+                c = _mm256_dpbusd_epi32(c, w[t + 4], x(t + 4));
+            }
+            let isum = _mm256_add_epi32(a, c);
+            let scale = _mm256_mul_ps(dw, _mm256_set1_ps(acts.d[b]));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
+            if f.mins {
+                *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(acts.sx[b]), *acc);
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc).take(tile) {
+        // SAFETY: `o` holds 8 floats.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), a) };
     }
 }
 
@@ -617,7 +756,10 @@ mod tests {
                                 * (sub.sc[k / 16] * (i32::from(sub.u[k]) - f.offset)) as f32
                                 + sub.m;
                             let want = dense[r * 512 + blk * bv + i * QK + k];
-                            let terms = (sub.d * (sub.sc[k / 16] * (i32::from(sub.u[k]) - f.offset)) as f32).abs() + sub.m.abs();
+                            let terms = (sub.d
+                                * (sub.sc[k / 16] * (i32::from(sub.u[k]) - f.offset)) as f32)
+                                .abs()
+                                + sub.m.abs();
                             assert!(
                                 (v - want).abs() <= 1e-6 * terms + 1e-12,
                                 "{format:?} row {r} block {blk} sub {i} value {k}: {v} vs {want}"
@@ -673,8 +815,7 @@ mod tests {
                 let batch = matmul_transposed_int8_on(path, &x, 7, &w).unwrap();
                 for r in 0..7 {
                     let alone =
-                        matmul_transposed_int8_on(path, &x[r * 256..(r + 1) * 256], 1, &w)
-                            .unwrap();
+                        matmul_transposed_int8_on(path, &x[r * 256..(r + 1) * 256], 1, &w).unwrap();
                     assert_eq!(alone, batch[r * 50..(r + 1) * 50], "{format:?} {path:?}");
                 }
             }

@@ -24,6 +24,30 @@ pub(crate) mod pool;
 pub mod quant;
 
 pub use cpu::{SimdPath, matmul_transposed, matmul_transposed_on};
+pub use int8::matmul_transposed_int8_on;
+
+use crate::config::Precision;
+use crate::error::Result;
+
+/// `x @ W^T` for `x` row-major `[rows, w.cols()]` in `precision`, on the
+/// [active](SimdPath::active) path: [`matmul_transposed`] (`Exact`) or the integer
+/// kernels of [`int8`] (`Fast`).
+///
+/// # Errors
+///
+/// [`LlamaError::ShapeMismatch`](crate::LlamaError::ShapeMismatch) if `x` is not `rows`
+/// rows of `w.cols()` values.
+pub fn matmul_transposed_in(
+    precision: Precision,
+    x: &[f32],
+    rows: usize,
+    w: &QuantMatrix,
+) -> Result<Vec<f32>> {
+    match precision {
+        Precision::Exact => matmul_transposed(x, rows, w),
+        Precision::Fast => matmul_transposed_int8_on(SimdPath::active(), x, rows, w),
+    }
+}
 pub use quant::{QuantFormat, QuantMatrix};
 
 #[cfg(test)]
@@ -33,7 +57,12 @@ pub(crate) mod tests {
     use rand::{Rng, SeedableRng, rngs::StdRng};
 
     /// Random but valid blocks: finite f16 scales of moderate size, any quant bits.
-    pub(crate) fn random_matrix(format: QuantFormat, rows: usize, cols: usize, seed: u64) -> QuantMatrix {
+    pub(crate) fn random_matrix(
+        format: QuantFormat,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+    ) -> QuantMatrix {
         let mut rng = StdRng::seed_from_u64(seed);
         let blocks = rows * cols / format.block_values();
         let mut data = vec![0u8; blocks * format.block_bytes()];

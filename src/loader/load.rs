@@ -80,6 +80,7 @@ impl LlamaConfig {
             tie_embeddings: gguf.tensor_info("output.weight").is_none(),
             context_length,
             max_seq_len: context_length,
+            precision: crate::config::Precision::default(),
         };
         config.validate()?;
         Ok(config)
@@ -133,6 +134,7 @@ impl LlamaConfig {
             tie_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             context_length: raw.max_position_embeddings.unwrap_or(2048),
             max_seq_len: raw.max_position_embeddings.unwrap_or(2048),
+            precision: crate::config::Precision::default(),
         };
         config.validate()?;
         Ok(config)

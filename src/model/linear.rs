@@ -13,6 +13,7 @@ use burn::tensor::{Tensor, backend::Backend};
 use rayon::prelude::*;
 
 use crate::backend::{LlamaBackend, upload_matrix};
+use crate::config::Precision;
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
 
@@ -123,15 +124,15 @@ impl<B: LlamaBackend> Projection<B> {
         }
     }
 
-    /// `x @ W` for `x` of shape `[rows, in]`.
+    /// `x @ W` for `x` of shape `[rows, in]`, quantized parts in `precision`.
     ///
     /// # Errors
     ///
     /// What the backend's quantized product reports (a shape it cannot take).
-    pub fn forward(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+    pub fn forward(&self, x: Tensor<B, 2>, precision: Precision) -> Result<Tensor<B, 2>> {
         let part = |p: &Part<B>| match p {
             Part::Dense(w) => Ok(x.clone().matmul(w.clone())),
-            Part::Quantized(m) => B::quantized_matmul(x.clone(), m),
+            Part::Quantized(m) => B::quantized_matmul(x.clone(), m, precision),
         };
         match self.parts.as_slice() {
             [only] => part(only),

@@ -17,7 +17,7 @@ use crate::backend::LlamaBackend;
 use crate::kernels::QuantMatrix;
 
 use crate::cache::{KvCache, PagedKvCache};
-use crate::config::LlamaConfig;
+use crate::config::{LlamaConfig, Precision};
 use crate::error::{LlamaError, Result};
 pub use attention::PagedRow;
 use attention::{PagedPlan, grouped_query_attention};
@@ -202,14 +202,15 @@ impl<B: LlamaBackend> VocabMatrix<B> {
         }
     }
 
-    /// `x @ table^T`: `[rows, d_model]` to `[rows, vocab]`.
-    fn project(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+    /// `x @ table^T`: `[rows, d_model]` to `[rows, vocab]`, a quantized table in
+    /// `precision`.
+    fn project(&self, x: Tensor<B, 2>, precision: Precision) -> Result<Tensor<B, 2>> {
         match self {
             // `(E x^T)^T`: with the head stored `[vocab, d_model]` this was the fastest
             // form of the output projection at 8-32 rows on the CPU backend (and equal
             // at 1).
             VocabMatrix::Dense(table) => Ok(table.clone().matmul(x.transpose()).transpose()),
-            VocabMatrix::Quantized(m) => B::quantized_matmul(x, m),
+            VocabMatrix::Quantized(m) => B::quantized_matmul(x, m, precision),
         }
     }
 
@@ -383,6 +384,12 @@ impl<B: LlamaBackend> Transformer<B> {
         &self.config
     }
 
+    /// Sets how the CPU kernels multiply quantized weights from the next forward pass
+    /// on (the weights are the same in both precisions, so this is free).
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.config.precision = precision;
+    }
+
     /// The device the model lives on.
     pub fn device(&self) -> &B::Device {
         &self.device
@@ -554,18 +561,22 @@ impl<B: LlamaBackend> Transformer<B> {
         let mut x = self.embed.lookup(tokens, &self.device)?;
 
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        let p = c.precision;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps)?;
-            let qk = self.rope.apply(block.wqk.forward(h.clone())?, &angles)?;
+            let qk = self.rope.apply(block.wqk.forward(h.clone(), p)?, &angles)?;
             let q = qk.clone().slice([0..rows, 0..q_dim]);
             let k = qk.slice([0..rows, q_dim..q_dim + kv_dim]);
-            let v = block.wv.forward(h)?;
+            let v = block.wv.forward(h, p)?;
             let attn = attend(layer, q, k, v)?;
-            x = x + block.wo.forward(attn)?;
+            x = x + block.wo.forward(attn, p)?;
 
             let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps)?;
-            let gated = B::swiglu(block.w_gate.forward(h.clone())?, block.w_up.forward(h)?)?;
-            x = x + block.w_down.forward(gated)?;
+            let gated = B::swiglu(
+                block.w_gate.forward(h.clone(), p)?,
+                block.w_up.forward(h, p)?,
+            )?;
+            x = x + block.w_down.forward(gated, p)?;
         }
         Ok(x)
     }
@@ -573,6 +584,6 @@ impl<B: LlamaBackend> Transformer<B> {
     /// Final norm and output head: `[rows, d_model]` to `[rows, vocab]`.
     fn head(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
         let x = rms_norm(x, &self.norm, self.config.norm_eps)?;
-        self.lm_head.project(x)
+        self.lm_head.project(x, self.config.precision)
     }
 }
