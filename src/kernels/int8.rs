@@ -373,8 +373,8 @@ pub fn matmul_transposed_int8_on(
                         let (group, _) = w.group(g);
                         let mut r = 0;
                         while r < rows {
-                            let tile = ROW_TILE.min(rows - r);
-                            let mut res = [[0f32; GROUP_ROWS]; ROW_TILE];
+                            let tile = GROUP_TILE.min(rows - r);
+                            let mut res = [[0f32; GROUP_ROWS]; GROUP_TILE];
                             // SAFETY: `in_registers` says this CPU has AVX-512 with VNNI
                             // and the format is one `group_tile` reads; the group is full
                             // (8 rows of `w.cols()` values) and `r + tile <= rows`.
@@ -426,24 +426,19 @@ fn vnni_supported(path: SimdPath) -> bool {
     }
 }
 
-/// Whether [`group_tile`] decodes `format` straight from a matrix's grouped layout.
-fn registers_decode(format: QuantFormat) -> bool {
-    matches!(
-        format,
-        QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1
-    )
-}
+/// Activation rows per tile of [`group_tile`].
+const GROUP_TILE: usize = 8;
 
-/// Results of activation rows `r0 .. r0 + tile` against the eight rows of a full group
-/// of a Q8_0, Q4_0 or Q4_1 matrix, decoded in registers from the grouped layout (no
-/// panel): a step's eight rows of quantized values are transposed into eight vectors of
-/// four values per row, then multiplied as [`vnni_tile`] does, with the same integer
-/// sums and float steps, so the same bits.
+/// Results of activation rows `r0 .. r0 + tile` against the eight rows of a full group,
+/// decoded in registers from the grouped layout (no panel): a block's eight rows of
+/// quantized values are transposed into vectors of four values per row (lanes = rows),
+/// then multiplied as [`vnni_tile`] does, with the same integer sums and float steps, so
+/// the same bits.
 ///
 /// # Safety
 ///
-/// The CPU has AVX-512 F/BW/VL, VNNI, FMA and F16C; `format` is one of the three;
-/// `group` holds 8 rows of `acts.n_in` values; `r0 + tile` rows exist.
+/// The CPU has AVX-512 F/BW/VL, VNNI, FMA and F16C; [`registers_decode`] holds for
+/// `format`; `group` holds 8 rows of `acts.n_in` values; `r0 + tile` rows exist.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
 #[allow(clippy::too_many_arguments)]
@@ -454,91 +449,373 @@ unsafe fn group_tile(
     acts: &QuantizedRows,
     r0: usize,
     tile: usize,
-    out: &mut [[f32; GROUP_ROWS]; ROW_TILE],
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
 ) {
     use std::arch::x86_64::*;
-    let (bb, hb) = (format.block_bytes(), format.head_bytes());
-    let subs = acts.blocks();
-    debug_assert!(group.len() >= subs * GROUP_ROWS * bb);
-    let mut acc = [_mm256_setzero_ps(); ROW_TILE];
-    // Four u32 words of two rows per vector, to one word of eight rows per vector.
-    let pick_lo = _mm256_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13);
-    let pick_hi = _mm256_setr_epi32(2, 6, 10, 14, 3, 7, 11, 15);
-    let low_halves = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
-    let high_halves = _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15);
-    let transpose = |a: [__m256i; 4]| -> [__m256i; 4] {
-        let p01 = _mm256_permutex2var_epi32(a[0], pick_lo, a[1]);
-        let p23 = _mm256_permutex2var_epi32(a[0], pick_hi, a[1]);
-        let q01 = _mm256_permutex2var_epi32(a[2], pick_lo, a[3]);
-        let q23 = _mm256_permutex2var_epi32(a[2], pick_hi, a[3]);
-        [
-            _mm256_permutex2var_epi32(p01, low_halves, q01),
-            _mm256_permutex2var_epi32(p01, high_halves, q01),
-            _mm256_permutex2var_epi32(p23, low_halves, q23),
-            _mm256_permutex2var_epi32(p23, high_halves, q23),
-        ]
+    let bb = format.block_bytes();
+    let per_block = format.block_values() / QK;
+    debug_assert!(group.len() >= acts.blocks() / per_block * GROUP_ROWS * bb);
+    let mut acc = [_mm256_setzero_ps(); GROUP_TILE];
+    let mut sub = |w: &[__m256i; 8], sc: &SubScales, s: usize| {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { multiply_sub(w, sc, f, acts, s, r0, tile, &mut acc) }
     };
-    let nibble = _mm256_set1_epi8(0x0F);
-    for s in 0..subs {
-        // SAFETY (every load): step `s` of the group is `8 * bb` bytes at `s * 8 * bb`:
-        // eight heads of `hb` bytes, then eight payloads of `bb - hb` bytes.
-        let step = unsafe { group.as_ptr().add(s * GROUP_ROWS * bb) };
-        let (dw, m) = if hb == 4 {
-            let heads = unsafe { _mm256_loadu_si256(step.cast()) };
-            (
-                _mm256_cvtph_ps(_mm256_cvtepi32_epi16(heads)),
-                _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(heads))),
-            )
-        } else {
-            let heads = unsafe { _mm_loadu_si128(step.cast()) };
-            (_mm256_cvtph_ps(heads), _mm256_setzero_ps())
-        };
-        let payload = unsafe { step.add(GROUP_ROWS * hb) };
-        let load = |i: usize| unsafe { _mm256_loadu_si256(payload.add(32 * i).cast()) };
-        let mut w = [_mm256_setzero_si256(); 8];
-        if format == QuantFormat::Q8_0 {
-            // Row i's 32 bytes are vector i: pair rows' first and last four words, then
-            // transpose as the nibble formats do.
-            let rows: [__m256i; 8] = std::array::from_fn(load);
-            let first: [__m256i; 4] = std::array::from_fn(|p| {
-                _mm256_permute2x128_si256::<0x20>(rows[2 * p], rows[2 * p + 1])
-            });
-            let last: [__m256i; 4] = std::array::from_fn(|p| {
-                _mm256_permute2x128_si256::<0x31>(rows[2 * p], rows[2 * p + 1])
-            });
-            let flip = _mm256_set1_epi8(-128);
-            for (t, v) in transpose(first).into_iter().chain(transpose(last)).enumerate() {
-                w[t] = _mm256_xor_si256(v, flip);
-            }
-        } else {
-            for (j, v) in transpose(std::array::from_fn(load)).into_iter().enumerate() {
-                w[j] = _mm256_and_si256(v, nibble);
-                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
-            }
-        }
-        for (i, acc) in acc.iter_mut().enumerate().take(tile) {
-            let r = r0 + i;
-            let b = r * subs + s;
-            let xp = unsafe { acts.q.as_ptr().add(r * acts.n_in + s * QK) }.cast::<i32>();
-            let x = |t: usize| _mm256_set1_epi32(unsafe { xp.add(t).read_unaligned() });
-            let (lo, hi) = (acts.sum16[2 * b], acts.sum16[2 * b + 1]);
-            let mut a = _mm256_set1_epi32(-f.offset * (lo + hi));
-            let mut c = _mm256_setzero_si256();
-            for t in 0..4 {
-                a = _mm256_dpbusd_epi32(a, w[t], x(t));
-                c = _mm256_dpbusd_epi32(c, w[t + 4], x(t + 4));
-            }
-            let isum = _mm256_add_epi32(a, c);
-            let scale = _mm256_mul_ps(dw, _mm256_set1_ps(acts.d[b]));
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
-            if f.mins {
-                *acc = _mm256_fmadd_ps(m, _mm256_set1_ps(acts.sx[b]), *acc);
+    for blk in 0..acts.blocks() / per_block {
+        // SAFETY: block `blk` of the group is `8 * bb` bytes at `blk * 8 * bb`.
+        let step = unsafe { group.as_ptr().add(blk * GROUP_ROWS * bb) };
+        // SAFETY (each arm): `step` holds the format's eight blocks in the grouped layout.
+        unsafe {
+            match format {
+                QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+                    let (w, sc) = decode_step_32(format, step);
+                    sub(&w, &sc, blk);
+                }
+                QuantFormat::Q4_K | QuantFormat::Q5_K => decode_step_k4(format, step, |w, sc, i| {
+                    sub(w, sc, blk * 8 + i)
+                }),
+                _ => decode_step_q6k(step, |w, sc, i| sub(w, sc, blk * 8 + i)),
             }
         }
     }
     for (o, a) in out.iter_mut().zip(acc).take(tile) {
         // SAFETY: `o` holds 8 floats.
         unsafe { _mm256_storeu_ps(o.as_mut_ptr(), a) };
+    }
+}
+
+/// Whether [`group_tile`] decodes `format` straight from a matrix's grouped layout.
+fn registers_decode(format: QuantFormat) -> bool {
+    matches!(
+        format,
+        QuantFormat::Q8_0
+            | QuantFormat::Q4_0
+            | QuantFormat::Q4_1
+            | QuantFormat::Q4_K
+            | QuantFormat::Q5_K
+            | QuantFormat::Q6_K
+    )
+}
+
+/// A sub-block's scales for eight rows (lanes = rows), as [`Panel`] holds them.
+#[cfg(target_arch = "x86_64")]
+struct SubScales {
+    sc0: std::arch::x86_64::__m256i,
+    sc1: std::arch::x86_64::__m256i,
+    d: std::arch::x86_64::__m256,
+    m: std::arch::x86_64::__m256,
+}
+
+/// `acc[i] += ` sub-block `s` of eight rows (`w[t]`: values `4t .. 4t + 4` of each row)
+/// times activation row `r0 + i`, for `i < tile`: the integer sum and float steps of the
+/// module documentation.
+///
+/// # Safety
+///
+/// As [`group_tile`]; `s` is a sub-block of the rows.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn multiply_sub(
+    w: &[std::arch::x86_64::__m256i; 8],
+    sc: &SubScales,
+    f: IntForm,
+    acts: &QuantizedRows,
+    s: usize,
+    r0: usize,
+    tile: usize,
+    acc: &mut [std::arch::x86_64::__m256; GROUP_TILE],
+) {
+    use std::arch::x86_64::*;
+    let subs = acts.blocks();
+    for (i, acc) in acc.iter_mut().enumerate().take(tile) {
+        let b = (r0 + i) * subs + s;
+        // SAFETY: row `r0 + i` exists and has `subs * 32` bytes.
+        let xp = unsafe { acts.q.as_ptr().add(b * QK) }.cast::<i32>();
+        let mut x = [_mm256_setzero_si256(); 8];
+        for (t, v) in x.iter_mut().enumerate() {
+            // SAFETY: as above, word `t < 8` of the block.
+            *v = _mm256_set1_epi32(unsafe { xp.add(t).read_unaligned() });
+        }
+        let (lo, hi) = (acts.sum16[2 * b], acts.sum16[2 * b + 1]);
+        let isum = if f.scales == IntScales::PerHalf {
+            let mut a = _mm256_set1_epi32(-f.offset * lo);
+            let mut c = _mm256_set1_epi32(-f.offset * hi);
+            for t in 0..4 {
+                a = _mm256_dpbusd_epi32(a, w[t], x[t]);
+                c = _mm256_dpbusd_epi32(c, w[t + 4], x[t + 4]);
+            }
+            _mm256_add_epi32(_mm256_mullo_epi32(a, sc.sc0), _mm256_mullo_epi32(c, sc.sc1))
+        } else {
+            let mut a = _mm256_set1_epi32(-f.offset * (lo + hi));
+            let mut c = _mm256_setzero_si256();
+            for t in 0..4 {
+                a = _mm256_dpbusd_epi32(a, w[t], x[t]);
+                c = _mm256_dpbusd_epi32(c, w[t + 4], x[t + 4]);
+            }
+            let a = _mm256_add_epi32(a, c);
+            if f.scales == IntScales::PerBlock {
+                _mm256_mullo_epi32(a, sc.sc0)
+            } else {
+                a
+            }
+        };
+        let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(acts.d[b]));
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
+        if f.mins {
+            *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(acts.sx[b]), *acc);
+        }
+    }
+}
+
+/// Four vectors of two rows' four u32 words each (rows `2p`, `2p + 1`) to four vectors
+/// of one word of eight rows each.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn transpose4(a: [std::arch::x86_64::__m256i; 4]) -> [std::arch::x86_64::__m256i; 4] {
+    use std::arch::x86_64::*;
+    let pick_lo = _mm256_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13);
+    let pick_hi = _mm256_setr_epi32(2, 6, 10, 14, 3, 7, 11, 15);
+    let low_halves = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
+    let high_halves = _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15);
+    let p01 = _mm256_permutex2var_epi32(a[0], pick_lo, a[1]);
+    let p23 = _mm256_permutex2var_epi32(a[0], pick_hi, a[1]);
+    let q01 = _mm256_permutex2var_epi32(a[2], pick_lo, a[3]);
+    let q23 = _mm256_permutex2var_epi32(a[2], pick_hi, a[3]);
+    [
+        _mm256_permutex2var_epi32(p01, low_halves, q01),
+        _mm256_permutex2var_epi32(p01, high_halves, q01),
+        _mm256_permutex2var_epi32(p23, low_halves, q23),
+        _mm256_permutex2var_epi32(p23, high_halves, q23),
+    ]
+}
+
+/// The 32 bytes at `at(i)` for rows `i < 8` to eight vectors of one u32 word of the
+/// eight rows each.
+///
+/// # Safety
+///
+/// 32 bytes are readable at each `at(i)`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn transpose8(at: impl Fn(usize) -> *const u8) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    let mut rows = [_mm256_setzero_si256(); 8];
+    for (i, v) in rows.iter_mut().enumerate() {
+        // SAFETY: the caller's contract.
+        *v = unsafe { _mm256_loadu_si256(at(i).cast()) };
+    }
+    let mut first = [_mm256_setzero_si256(); 4];
+    let mut last = [_mm256_setzero_si256(); 4];
+    for p in 0..4 {
+        first[p] = _mm256_permute2x128_si256::<0x20>(rows[2 * p], rows[2 * p + 1]);
+        last[p] = _mm256_permute2x128_si256::<0x31>(rows[2 * p], rows[2 * p + 1]);
+    }
+    let (a, b) = (transpose4(first), transpose4(last));
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+}
+
+/// Eight f16 values at `at(i)` as f32 lanes.
+///
+/// # Safety
+///
+/// Two bytes are readable at each `at(i)`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+unsafe fn f16_lanes(at: impl Fn(usize) -> *const u8) -> std::arch::x86_64::__m256 {
+    let mut v = [0f32; 8];
+    for (i, x) in v.iter_mut().enumerate() {
+        // SAFETY: the caller's contract.
+        let p = at(i);
+        *x = unsafe { f16_at(*p, *p.add(1)) };
+    }
+    // SAFETY: `v` holds 8 floats.
+    unsafe { std::arch::x86_64::_mm256_loadu_ps(v.as_ptr()) }
+}
+
+/// One step of a Q8_0, Q4_0 or Q4_1 group (eight rows' block `b`): the values and scales.
+///
+/// # Safety
+///
+/// `step` holds the step in the grouped layout (eight heads, then eight payloads).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+unsafe fn decode_step_32(
+    format: QuantFormat,
+    step: *const u8,
+) -> ([std::arch::x86_64::__m256i; 8], SubScales) {
+    use std::arch::x86_64::*;
+    let hb = format.head_bytes();
+    // SAFETY (loads): the step's heads are `8 * hb` bytes, its payloads follow.
+    let (d, m) = if hb == 4 {
+        let heads = unsafe { _mm256_loadu_si256(step.cast()) };
+        (
+            _mm256_cvtph_ps(_mm256_cvtepi32_epi16(heads)),
+            _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(heads))),
+        )
+    } else {
+        (
+            _mm256_cvtph_ps(unsafe { _mm_loadu_si128(step.cast()) }),
+            _mm256_setzero_ps(),
+        )
+    };
+    let one = _mm256_set1_epi32(1);
+    let scales = SubScales {
+        sc0: one,
+        sc1: one,
+        d,
+        m,
+    };
+    let payload = unsafe { step.add(GROUP_ROWS * hb) };
+    let mut w = [_mm256_setzero_si256(); 8];
+    if format == QuantFormat::Q8_0 {
+        let flip = _mm256_set1_epi8(-128);
+        // SAFETY: eight payloads of 32 bytes.
+        let t = unsafe { transpose8(|i| payload.add(32 * i)) };
+        for (v, t) in w.iter_mut().zip(t) {
+            *v = _mm256_xor_si256(t, flip);
+        }
+    } else {
+        let nibble = _mm256_set1_epi8(0x0F);
+        let mut rows = [_mm256_setzero_si256(); 4];
+        for (p, v) in rows.iter_mut().enumerate() {
+            // SAFETY: eight payloads of 16 bytes, two per load.
+            *v = unsafe { _mm256_loadu_si256(payload.add(32 * p).cast()) };
+        }
+        for (j, v) in transpose4(rows).into_iter().enumerate() {
+            w[j] = _mm256_and_si256(v, nibble);
+            w[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+        }
+    }
+    (w, scales)
+}
+
+/// One step of a Q4_K or Q5_K group (eight rows' super-block): calls `sub(w, scales, i)`
+/// for its eight sub-blocks in order.
+///
+/// # Safety
+///
+/// `step` holds eight whole blocks of the format.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+unsafe fn decode_step_k4(
+    format: QuantFormat,
+    step: *const u8,
+    mut sub: impl FnMut(&[std::arch::x86_64::__m256i; 8], &SubScales, usize),
+) {
+    use std::arch::x86_64::*;
+    let bb = format.block_bytes();
+    let five = format == QuantFormat::Q5_K;
+    let qs = if five { 48 } else { 16 };
+    let row = |i: usize| step.wrapping_add(i * bb);
+    // SAFETY (every read): row `i < 8`'s block is `bb` bytes at `row(i)`.
+    let d = unsafe { f16_lanes(row) };
+    let dmin = unsafe { f16_lanes(|i| row(i).wrapping_add(2)) };
+    let mut sc = [[0i32; 8]; 8];
+    let mut mn = [[0f32; 8]; 8];
+    for i in 0..GROUP_ROWS {
+        let packed = unsafe { std::slice::from_raw_parts(row(i).add(4), 12) };
+        let (s, m) = k_scales_mins(packed);
+        for j in 0..8 {
+            sc[j][i] = i32::from(s[j]);
+            mn[j][i] = f32::from(m[j]);
+        }
+    }
+    let high = if five {
+        unsafe { transpose8(|i| row(i).wrapping_add(16)) }
+    } else {
+        [_mm256_setzero_si256(); 8]
+    };
+    let (nibble, bit) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(1));
+    let mut w = [_mm256_setzero_si256(); 8];
+    for chunk in 0..4 {
+        let t = unsafe { transpose8(|i| row(i).wrapping_add(qs + 32 * chunk)) };
+        for half in 0..2 {
+            let s = 2 * chunk + half;
+            for (k, v) in w.iter_mut().enumerate() {
+                let q = if half == 0 {
+                    t[k]
+                } else {
+                    _mm256_srli_epi16::<4>(t[k])
+                };
+                *v = _mm256_and_si256(q, nibble);
+                if five {
+                    let h = _mm256_and_si256(_mm256_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32)), bit);
+                    *v = _mm256_or_si256(*v, _mm256_slli_epi16::<4>(h));
+                }
+            }
+            let scales = SubScales {
+                sc0: unsafe { _mm256_loadu_si256(sc[s].as_ptr().cast()) },
+                sc1: _mm256_setzero_si256(),
+                d,
+                m: _mm256_sub_ps(
+                    _mm256_setzero_ps(),
+                    _mm256_mul_ps(dmin, unsafe { _mm256_loadu_ps(mn[s].as_ptr()) }),
+                ),
+            };
+            sub(&w, &scales, s);
+        }
+    }
+}
+
+/// One step of a Q6_K group (eight rows' super-block): calls `sub(w, scales, i)` for its
+/// eight sub-blocks in order.
+///
+/// # Safety
+///
+/// `step` holds eight whole Q6_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+unsafe fn decode_step_q6k(
+    step: *const u8,
+    mut sub: impl FnMut(&[std::arch::x86_64::__m256i; 8], &SubScales, usize),
+) {
+    use std::arch::x86_64::*;
+    let row = |i: usize| step.wrapping_add(i * 210);
+    // SAFETY (every read): row `i < 8`'s block is 210 bytes at `row(i)`.
+    let d = unsafe { f16_lanes(|i| row(i).wrapping_add(208)) };
+    let mut sc = [[0i32; 8]; 16];
+    for i in 0..GROUP_ROWS {
+        for (k, s) in sc.iter_mut().enumerate() {
+            s[i] = i32::from(unsafe { *row(i).add(192 + k) } as i8);
+        }
+    }
+    let (nibble, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
+    let mut w = [_mm256_setzero_si256(); 8];
+    for half in 0..2 {
+        let a = unsafe { transpose8(|i| row(i).wrapping_add(64 * half)) };
+        let b = unsafe { transpose8(|i| row(i).wrapping_add(64 * half + 32)) };
+        let h = unsafe { transpose8(|i| row(i).wrapping_add(128 + 32 * half)) };
+        for j in 0..4 {
+            let s = 4 * half + j;
+            let src = if j % 2 == 0 { &a } else { &b };
+            let shift = _mm_cvtsi32_si128(2 * j as i32);
+            for (k, v) in w.iter_mut().enumerate() {
+                let low = if j < 2 {
+                    src[k]
+                } else {
+                    _mm256_srli_epi16::<4>(src[k])
+                };
+                let hi = _mm256_and_si256(_mm256_srl_epi16(h[k], shift), two);
+                *v = _mm256_or_si256(
+                    _mm256_and_si256(low, nibble),
+                    _mm256_slli_epi16::<4>(hi),
+                );
+            }
+            let scales = SubScales {
+                sc0: unsafe { _mm256_loadu_si256(sc[2 * s].as_ptr().cast()) },
+                sc1: unsafe { _mm256_loadu_si256(sc[2 * s + 1].as_ptr().cast()) },
+                d,
+                m: _mm256_setzero_ps(),
+            };
+            sub(&w, &scales, s);
+        }
     }
 }
 
