@@ -39,7 +39,7 @@ pub(crate) const QK: usize = 32;
 pub(crate) const LANES: usize = 16;
 
 /// Activation rows per register tile.
-const ROW_TILE: usize = 4;
+const ROW_TILE: usize = 8;
 
 /// How a format's sub-blocks scale their integer sums.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -367,28 +367,32 @@ pub fn matmul_transposed_int8_on(
         PANEL.with_borrow_mut(|panel| {
             for first in (start..end).step_by(LANES) {
                 let n = LANES.min(end - first);
-                if in_registers && n == LANES {
-                    #[cfg(target_arch = "x86_64")]
+                #[cfg(target_arch = "x86_64")]
+                if in_registers && n == LANES && rows <= GROUP_TILE {
+                    // Few rows: each group decoded in registers and multiplied at once.
                     for g in [first, first + GROUP_ROWS] {
-                        let (group, _) = w.group(g);
-                        let mut r = 0;
-                        while r < rows {
-                            let tile = GROUP_TILE.min(rows - r);
-                            let mut res = [[0f32; GROUP_ROWS]; GROUP_TILE];
-                            // SAFETY: `in_registers` says this CPU has AVX-512 with VNNI
-                            // and the format is one `group_tile` reads; the group is full
-                            // (8 rows of `w.cols()` values) and `r + tile <= rows`.
-                            unsafe { group_tile(w.format(), group, f, &acts, r, tile, &mut res) };
-                            for (i, row) in res.iter().take(tile).enumerate() {
-                                // SAFETY: row `r + i < rows`; columns `g .. g + 8` lie in
-                                // this chunk's `start..end`, which no other chunk writes.
-                                unsafe { target.write(r + i, g, row) };
-                            }
-                            r += tile;
+                        let mut res = [[0f32; GROUP_ROWS]; GROUP_TILE];
+                        // SAFETY: `in_registers` says this CPU has AVX-512 with VNNI and
+                        // the format is one `group_tile` reads; the group is full (8 rows
+                        // of `w.cols()` values) and `rows <= GROUP_TILE`.
+                        unsafe { group_tile(w.format(), w.group(g).0, f, &acts, 0, rows, &mut res) };
+                        for (i, row) in res.iter().take(rows).enumerate() {
+                            // SAFETY: row `i < rows`; columns `g .. g + 8` lie in this
+                            // chunk's `start..end`, which no other chunk writes.
+                            unsafe { target.write(i, g, row) };
                         }
                     }
                     continue;
                 }
+                #[cfg(target_arch = "x86_64")]
+                if in_registers && n == LANES {
+                    // More rows: decoded once into the panel, reused for every row.
+                    // SAFETY: as above; `first` starts two full groups.
+                    unsafe { panel.fill_in_registers(w, first) };
+                } else {
+                    panel.fill(w, first, n);
+                }
+                #[cfg(not(target_arch = "x86_64"))]
                 panel.fill(w, first, n);
                 let mut r = 0;
                 while r < rows {
@@ -452,15 +456,39 @@ unsafe fn group_tile(
     out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
 ) {
     use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); GROUP_TILE];
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        decode_group(format, group, acts.blocks(), |w, sc, s| {
+            multiply_sub(w, sc, f, acts, s, r0, tile, &mut acc)
+        })
+    };
+    for (o, a) in out.iter_mut().zip(acc).take(tile) {
+        // SAFETY: `o` holds 8 floats.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), a) };
+    }
+}
+
+/// Decodes the `subs` sub-blocks of each row of a full group in registers, calling
+/// `sub(w, scales, s)` for each in order.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW/VL, F16C and AVX2; [`registers_decode`] holds for `format`;
+/// `group` holds 8 rows of `subs * 32` values.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
+unsafe fn decode_group(
+    format: QuantFormat,
+    group: &[u8],
+    subs: usize,
+    mut sub: impl FnMut(&[std::arch::x86_64::__m256i; 8], &SubScales, usize),
+) {
     let bb = format.block_bytes();
     let per_block = format.block_values() / QK;
-    debug_assert!(group.len() >= acts.blocks() / per_block * GROUP_ROWS * bb);
-    let mut acc = [_mm256_setzero_ps(); GROUP_TILE];
-    let mut sub = |w: &[__m256i; 8], sc: &SubScales, s: usize| {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { multiply_sub(w, sc, f, acts, s, r0, tile, &mut acc) }
-    };
-    for blk in 0..acts.blocks() / per_block {
+    debug_assert!(group.len() >= subs / per_block * GROUP_ROWS * bb);
+    for blk in 0..subs / per_block {
         // SAFETY: block `blk` of the group is `8 * bb` bytes at `blk * 8 * bb`.
         let step = unsafe { group.as_ptr().add(blk * GROUP_ROWS * bb) };
         // SAFETY (each arm): `step` holds the format's eight blocks in the grouped layout.
@@ -470,16 +498,56 @@ unsafe fn group_tile(
                     let (w, sc) = decode_step_32(format, step);
                     sub(&w, &sc, blk);
                 }
-                QuantFormat::Q4_K | QuantFormat::Q5_K => decode_step_k4(format, step, |w, sc, i| {
-                    sub(w, sc, blk * 8 + i)
-                }),
+                QuantFormat::Q4_K | QuantFormat::Q5_K => {
+                    decode_step_k4(format, step, |w, sc, i| sub(w, sc, blk * 8 + i))
+                }
                 _ => decode_step_q6k(step, |w, sc, i| sub(w, sc, blk * 8 + i)),
             }
         }
     }
-    for (o, a) in out.iter_mut().zip(acc).take(tile) {
-        // SAFETY: `o` holds 8 floats.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), a) };
+}
+
+impl Panel {
+    /// [`fill`](Self::fill) for sixteen rows of a format [`registers_decode`] takes,
+    /// decoded in registers and stored (lanes 0-7 from the first group, 8-15 from the
+    /// second): the same values.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512 F/BW/VL, F16C and AVX2; `first` starts two full groups of
+    /// `w`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
+    unsafe fn fill_in_registers(&mut self, w: &QuantMatrix, first: usize) {
+        use std::arch::x86_64::*;
+        let subs = w.cols() / QK;
+        self.u.resize(subs * 8 * LANES, 0);
+        self.sc.resize(subs * 2 * LANES, 0);
+        self.d.resize(subs * LANES, 0.0);
+        self.m.resize(subs * LANES, 0.0);
+        for half in 0..2 {
+            let (group, _) = w.group(first + half * GROUP_ROWS);
+            let lane = half * GROUP_ROWS;
+            let (u, sc, d, m) = (
+                self.u.as_mut_ptr(),
+                self.sc.as_mut_ptr(),
+                self.d.as_mut_ptr(),
+                self.m.as_mut_ptr(),
+            );
+            // SAFETY: the caller's contract; every store is inside the vectors sized
+            // above (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`).
+            unsafe {
+                decode_group(w.format(), group, subs, |wv, scales, s| {
+                    for (t, v) in wv.iter().enumerate() {
+                        _mm256_storeu_si256(u.add((s * 8 + t) * LANES + lane).cast(), *v);
+                    }
+                    _mm256_storeu_si256(sc.add(s * 2 * LANES + lane).cast(), scales.sc0);
+                    _mm256_storeu_si256(sc.add((s * 2 + 1) * LANES + lane).cast(), scales.sc1);
+                    _mm256_storeu_ps(d.add(s * LANES + lane), scales.d);
+                    _mm256_storeu_ps(m.add(s * LANES + lane), scales.m);
+                })
+            };
+        }
     }
 }
 
@@ -751,7 +819,7 @@ unsafe fn decode_step_k4(
             }
             let scales = SubScales {
                 sc0: unsafe { _mm256_loadu_si256(sc[s].as_ptr().cast()) },
-                sc1: _mm256_setzero_si256(),
+                sc1: unsafe { _mm256_loadu_si256(sc[s].as_ptr().cast()) },
                 d,
                 m: _mm256_sub_ps(
                     _mm256_setzero_ps(),
