@@ -1,12 +1,16 @@
-//! Batch invariance to the bit on the CPU backend: a request's logits are exactly the
-//! same alone, left-padded in a batch of 7, and with its prompt read in chunks, because
-//! every projection and attention reduces in one fixed order whatever the batch shape.
+//! Batch invariance to the bit on the CPU backend, in both precisions: a request's logits
+//! are exactly the same alone, left-padded in batches of 2 to 32, with its prompt read in
+//! chunks, and on one thread or all, because every projection and attention reduces in
+//! one fixed order whatever the batch shape.
 
 mod common;
 
 use common::{Demo, demo, prompts};
+use llama_burn::Precision;
 use llama_burn::cache::PagedKvCache;
 use llama_burn::model::{Logits, PagedRow};
+
+const PRECISIONS: [Precision; 2] = [Precision::Exact, Precision::Fast];
 
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
@@ -40,7 +44,15 @@ fn batch_logits(llama: &Demo, rows: &[Vec<u32>], next: &[u32]) -> (Vec<Vec<f32>>
 
 #[test]
 fn logits_are_bitwise_equal_alone_in_a_batch_of_seven_and_chunked() {
-    let llama = demo(1024);
+    let mut llama = demo(1024);
+    for precision in PRECISIONS {
+        llama.set_precision(precision);
+        alone_batched_and_chunked(&llama);
+    }
+}
+
+fn alone_batched_and_chunked(llama: &Demo) {
+    let precision = llama.config().precision;
     let ids: Vec<Vec<u32>> = prompts()
         .iter()
         .take(7)
@@ -48,19 +60,19 @@ fn logits_are_bitwise_equal_alone_in_a_batch_of_seven_and_chunked() {
         .collect();
     assert!(ids.iter().map(Vec::len).max() > ids.iter().map(Vec::len).min());
     let next: Vec<u32> = (0..ids.len() as u32).map(|i| 100 + i).collect();
-    let (batch_prompt, batch_step) = batch_logits(&llama, &ids, &next);
+    let (batch_prompt, batch_step) = batch_logits(llama, &ids, &next);
     for (r, row) in ids.iter().enumerate() {
         let (alone_prompt, alone_step) =
-            batch_logits(&llama, std::slice::from_ref(row), &next[r..=r]);
+            batch_logits(llama, std::slice::from_ref(row), &next[r..=r]);
         assert_eq!(
             bits(&alone_prompt[0]),
             bits(&batch_prompt[r]),
-            "row {r}: prompt"
+            "{precision}: row {r}: prompt"
         );
         assert_eq!(
             bits(&alone_step[0]),
             bits(&batch_step[r]),
-            "row {r}: decode step"
+            "{precision}: row {r}: decode step"
         );
 
         // The same prompt read in chunks of 3 columns.
@@ -78,8 +90,45 @@ fn logits_are_bitwise_equal_alone_in_a_batch_of_seven_and_chunked() {
         assert_eq!(
             bits(&chunked),
             bits(&alone_prompt[0]),
-            "row {r}: chunked prefill"
+            "{precision}: row {r}: chunked prefill"
         );
+    }
+}
+
+/// One prompt's logits (prompt and one decode step) alone on a one-thread pool, and as
+/// row 0 of left-padded batches of 2, 5, 16 and 32 different prompts on every core.
+#[test]
+fn a_row_is_the_same_in_batches_of_2_to_32_and_on_one_thread() {
+    let mut llama = demo(1024);
+    let base = prompts();
+    let ids: Vec<Vec<u32>> = (0..32)
+        .map(|i| {
+            let text = format!("{} ({i})", base[i % base.len()]);
+            llama.encode_prompt(&text).unwrap()
+        })
+        .collect();
+    let next: Vec<u32> = (0..32).map(|i| 300 + i).collect();
+    for precision in PRECISIONS {
+        llama.set_precision(precision);
+        let one_thread = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let (alone_prompt, alone_step) =
+            one_thread.install(|| batch_logits(&llama, &ids[..1], &next[..1]));
+        for size in [2, 5, 16, 32] {
+            let (prompt, step) = batch_logits(&llama, &ids[..size], &next[..size]);
+            assert_eq!(
+                bits(&prompt[0]),
+                bits(&alone_prompt[0]),
+                "{precision}: batch of {size}: prompt"
+            );
+            assert_eq!(
+                bits(&step[0]),
+                bits(&alone_step[0]),
+                "{precision}: batch of {size}: decode step"
+            );
+        }
     }
 }
 
@@ -119,7 +168,14 @@ fn paged_step(
 /// prompts read in two chunks beside another row's decode step, and decode steps.
 #[test]
 fn paged_steps_give_the_contiguous_bits() {
-    let llama = demo(1024);
+    let mut llama = demo(1024);
+    for precision in PRECISIONS {
+        llama.set_precision(precision);
+        paged_like_contiguous(&llama);
+    }
+}
+
+fn paged_like_contiguous(llama: &Demo) {
     let ids: Vec<Vec<u32>> = prompts()
         .iter()
         .take(4)
@@ -158,7 +214,7 @@ fn paged_steps_give_the_contiguous_bits() {
     let first: Vec<(usize, Vec<u32>)> = (0..ids.len())
         .map(|r| (0, ids[r][..cut(r)].to_vec()))
         .collect();
-    paged_step(&llama, &mut cache, &first, &tables);
+    paged_step(llama, &mut cache, &first, &tables);
     // Step 2: row 0's decode step beside the others' second halves.
     let second: Vec<(usize, Vec<u32>)> = (0..ids.len())
         .map(|r| match r {
@@ -166,16 +222,16 @@ fn paged_steps_give_the_contiguous_bits() {
             _ => (cut(r), ids[r][cut(r)..].to_vec()),
         })
         .collect();
-    let prompt_logits = paged_step(&llama, &mut cache, &second, &tables);
+    let prompt_logits = paged_step(llama, &mut cache, &second, &tables);
     // Step 3: the others' decode steps.
     let third: Vec<(usize, Vec<u32>)> = (1..ids.len())
         .map(|r| (ids[r].len(), vec![next[r]]))
         .collect();
-    let decode_logits = paged_step(&llama, &mut cache, &third, &tables[1..]);
+    let decode_logits = paged_step(llama, &mut cache, &third, &tables[1..]);
 
     for (r, row) in ids.iter().enumerate() {
         let (alone_prompt, alone_step) =
-            batch_logits(&llama, std::slice::from_ref(row), &next[r..=r]);
+            batch_logits(llama, std::slice::from_ref(row), &next[r..=r]);
         if r == 0 {
             assert_eq!(
                 bits(&prompt_logits[0]),

@@ -4,11 +4,13 @@
 mod common;
 
 use common::{demo, ids, reference};
+use llama_burn::Precision;
 use llama_burn::sampling::Sampler;
 
 #[test]
 fn prompt_ids_greedy_tokens_and_top5_logits_match_transformers() {
-    let mut llama = demo(512);
+    // The `exact` precision is the one held to the fp32 reference.
+    let mut llama = demo(512).with_precision(Precision::Exact);
     let reference = reference();
     let prompts = reference["prompts"].as_array().expect("prompts");
     assert_eq!(prompts.len(), 4, "fixture has its four prompts");
@@ -63,4 +65,53 @@ fn prompt_ids_greedy_tokens_and_top5_logits_match_transformers() {
         }
     }
     eprintln!("largest top-5 logit difference from transformers: {worst_logit_diff:e}");
+}
+
+/// The `fast` precision (8-bit activations) against the same reference: its greedy
+/// tokens' agreement with transformers' is reported, and its logits of the reference's
+/// top 5 tokens stay within 2% of the logits' range.
+#[test]
+fn fast_precision_mostly_agrees_with_the_reference() {
+    let mut llama = demo(512).with_precision(Precision::Fast);
+    let reference = reference();
+    let (mut agree, mut total, mut worst) = (0, 0, 0f32);
+    for case in reference["prompts"].as_array().expect("prompts") {
+        let prompt_ids = ids(&case["prompt_ids"]);
+        let expected = ids(&case["greedy_ids"]);
+        let mut state = llama
+            .create_generation_state_from_ids(prompt_ids.clone(), expected.len())
+            .expect("state")
+            .ignore_stop_tokens();
+        let out = llama
+            .run_to_end(&mut state, 0.0, &mut Sampler::Argmax)
+            .expect("generate");
+        // Agreement until the first difference (after it the contexts differ).
+        let same = out
+            .tokens
+            .iter()
+            .zip(&expected)
+            .take_while(|(a, b)| a == b)
+            .count();
+        agree += same;
+        total += expected.len();
+        let logits = llama.logits(&prompt_ids).expect("logits");
+        let row = &logits[prompt_ids.len() - 1];
+        let top = &case["topk"]["0"];
+        let range = row.iter().fold(f32::MIN, |m, &v| m.max(v))
+            - row.iter().fold(f32::MAX, |m, &v| m.min(v));
+        for (id, want) in ids(&top["ids"])
+            .iter()
+            .zip(top["values"].as_array().expect("values"))
+        {
+            worst =
+                worst.max((row[*id as usize] - want.as_f64().expect("value") as f32).abs() / range);
+        }
+    }
+    eprintln!(
+        "fast precision: greedy tokens equal to the reference's (up to each prompt's first difference): {agree} of {total}; largest top-5 logit difference {worst:.4} of the logits' range"
+    );
+    assert!(
+        worst <= 0.02,
+        "top-5 logits within 2% of the range: {worst}"
+    );
 }

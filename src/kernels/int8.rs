@@ -375,7 +375,9 @@ pub fn matmul_transposed_int8_on(
                         // SAFETY: `in_registers` says this CPU has AVX-512 with VNNI and
                         // the format is one `group_tile` reads; the group is full (8 rows
                         // of `w.cols()` values) and `rows <= GROUP_TILE`.
-                        unsafe { group_tile(w.format(), w.group(g).0, f, &acts, 0, rows, &mut res) };
+                        unsafe {
+                            group_tile(w.format(), w.group(g).0, f, &acts, 0, rows, &mut res)
+                        };
                         for (i, row) in res.iter().take(rows).enumerate() {
                             // SAFETY: row `i < rows`; columns `g .. g + 8` lie in this
                             // chunk's `start..end`, which no other chunk writes.
@@ -813,7 +815,10 @@ unsafe fn decode_step_k4(
                 };
                 *v = _mm256_and_si256(q, nibble);
                 if five {
-                    let h = _mm256_and_si256(_mm256_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32)), bit);
+                    let h = _mm256_and_si256(
+                        _mm256_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32)),
+                        bit,
+                    );
                     *v = _mm256_or_si256(*v, _mm256_slli_epi16::<4>(h));
                 }
             }
@@ -871,10 +876,7 @@ unsafe fn decode_step_q6k(
                     _mm256_srli_epi16::<4>(src[k])
                 };
                 let hi = _mm256_and_si256(_mm256_srl_epi16(h[k], shift), two);
-                *v = _mm256_or_si256(
-                    _mm256_and_si256(low, nibble),
-                    _mm256_slli_epi16::<4>(hi),
-                );
+                *v = _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_slli_epi16::<4>(hi));
             }
             let scales = SubScales {
                 sc0: unsafe { _mm256_loadu_si256(sc[2 * s].as_ptr().cast()) },
