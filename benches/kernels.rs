@@ -96,5 +96,80 @@ fn benches(c: &mut Criterion) {
     }
 }
 
-criterion_group!(kernels, benches, real_sizes);
+/// The machine's roof, on every core at once (rayon): f32 fused multiply-adds and 8-bit
+/// integer dot products (`vpdpbusd`, 4 multiply-adds per lane) from registers, in
+/// independent chains, and a plain read of 1 GiB. Each kernel's figure is then a
+/// fraction of these (CPU_KERNELS.md).
+#[cfg(target_arch = "x86_64")]
+fn roof(c: &mut Criterion) {
+    use rayon::prelude::*;
+    use std::arch::x86_64::*;
+    const STEPS: usize = 1 << 20;
+    let threads = rayon::current_num_threads();
+    let mut group = c.benchmark_group("roof");
+    group.sample_size(10);
+    if SimdPath::active() == SimdPath::Avx512 {
+        #[target_feature(enable = "avx512f,fma")]
+        fn fma_chains(seed: f32) -> f32 {
+            let mut acc = [_mm512_set1_ps(seed); 12];
+            let (a, b) = (_mm512_set1_ps(0.999), _mm512_set1_ps(1e-3));
+            for _ in 0..STEPS {
+                for v in acc.iter_mut() {
+                    *v = _mm512_fmadd_ps(*v, a, b);
+                }
+            }
+            acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+        }
+        // 12 chains x 16 lanes per step.
+        group.throughput(Throughput::Elements((threads * STEPS * 12 * 16) as u64));
+        group.bench_function("f32_fma_multiply_adds", |b| {
+            b.iter(|| {
+                (0..threads)
+                    .into_par_iter()
+                    // SAFETY: the active path is AVX-512, which this CPU has (with FMA).
+                    .map(|t| unsafe { fma_chains(t as f32) })
+                    .sum::<f32>()
+            })
+        });
+        if std::arch::is_x86_feature_detected!("avx512vnni") {
+            #[target_feature(enable = "avx512f,avx512vnni")]
+            fn dot_chains(seed: i32) -> i32 {
+                let mut acc = [_mm512_set1_epi32(seed); 12];
+                let (a, b) = (_mm512_set1_epi8(3), _mm512_set1_epi8(-2));
+                for _ in 0..STEPS {
+                    for v in acc.iter_mut() {
+                        *v = _mm512_dpbusd_epi32(*v, a, b);
+                    }
+                }
+                acc.iter().map(|v| _mm512_reduce_add_epi32(*v)).sum()
+            }
+            // 12 chains x 16 lanes x 4 byte products per step.
+            group.throughput(Throughput::Elements((threads * STEPS * 12 * 64) as u64));
+            group.bench_function("int8_dot_multiply_adds", |b| {
+                b.iter(|| {
+                    (0..threads)
+                        .into_par_iter()
+                        // SAFETY: the CPU has AVX-512 VNNI (checked above).
+                        .map(|t| unsafe { dot_chains(t as i32) })
+                        .sum::<i32>()
+                })
+            });
+        }
+    }
+    let data = vec![1u64; (1 << 30) / 8];
+    group.throughput(Throughput::Bytes((data.len() * 8) as u64));
+    group.bench_function("read_bytes", |b| {
+        b.iter(|| {
+            data.par_chunks(data.len() / threads)
+                .map(|c| c.iter().fold(0u64, |s, &v| s.wrapping_add(v)))
+                .sum::<u64>()
+        })
+    });
+    group.finish();
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn roof(_: &mut Criterion) {}
+
+criterion_group!(kernels, benches, real_sizes, roof);
 criterion_main!(kernels);

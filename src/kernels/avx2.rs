@@ -3,7 +3,7 @@
 //! Dequantization computes every weight with the same f32 operations, in the same order,
 //! as `loader::dequant` (a multiply, then an add or subtract), so the scratch row is
 //! bitwise the loader's. The dot products follow the canonical order described in
-//! [`super::cpu`]. One row of the 32-value formats is multiplied straight from the
+//! the `cpu` module. One row of the 32-value formats is multiplied straight from the
 //! registers its blocks are decoded into ([`fused_row`]), with the same operations and
 //! order, so the bits are the scratch path's.
 
@@ -361,7 +361,7 @@ pub(crate) unsafe fn panel(
 ) {
     debug_assert!(n.is_multiple_of(8) && w.len() >= cols * n && x.len() >= rows * n);
     let (w, x) = (w.as_ptr(), x.as_ptr());
-    for (r0, r1) in super::cpu::balanced_row_tiles(rows, 4) {
+    for (r0, r1) in super::tiling::balanced_row_tiles(rows, 4) {
         // SAFETY: rows `r0..r1` of `x` and of `out` exist (the caller's contract).
         unsafe {
             let xr = |i: usize| x.add((r0 + i) * n);
@@ -480,7 +480,7 @@ unsafe fn row_as<const F: u8, const C: usize>(
         // prefetch is only a hint.
         unsafe {
             let step = group.add(blk * n * bb);
-            super::cpu::prefetch_step(step);
+            super::tiling::prefetch_step(step);
             // The step's scales as f32: `d` (and `m`) of each row, side by side.
             let count = n * per_scale;
             if count == 8 || count == 16 {

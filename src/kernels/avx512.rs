@@ -12,14 +12,14 @@
 //! **This path's reduction order.** A 16-lane accumulator takes a dot product's 16-value
 //! chunks in order (`acc = fma(w[16k..16k+16], x[16k..16k+16], acc)`), then
 //! `t[l] = acc[l] + acc[l + 8]` and `t` is finished as the AVX2 path finishes its 8-lane
-//! accumulator (see [`super::cpu`]). The order is the same for every row count, tile and
+//! accumulator (see the `cpu` module). The order is the same for every row count, tile and
 //! thread, so results are batch-invariant to the bit; it differs from the AVX2 path's
 //! 8-lane order, so the two paths agree to about 1e-6 relative, not to the bit.
 
 use std::arch::x86_64::*;
 
-use super::cpu::MAX_TILE_ROWS;
 use super::quant::{QuantFormat, QuantMatrix};
+use super::tiling::MAX_TILE_ROWS;
 use crate::loader::dequant::k_scales_mins;
 
 /// Most activation rows of a fused tile.
@@ -273,7 +273,7 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
         // values; each row `c` writes its block's `bv` values at `c * cols + blk * bv`.
         unsafe {
             let step = group.as_ptr().add(blk * n * bb);
-            super::cpu::prefetch_step(step);
+            super::tiling::prefetch_step(step);
             step_scales::<F>(step, n, &mut scales);
             for c in 0..count {
                 let dst = out.as_mut_ptr().add(c * cols + blk * bv);
@@ -360,7 +360,7 @@ unsafe fn fused<const F: u8, const R: usize, const C: usize>(
         // (the caller's contract); the prefetch address is only a hint.
         unsafe {
             let step = group.add(blk * n * bb);
-            super::cpu::prefetch_step(step);
+            super::tiling::prefetch_step(step);
             step_scales::<F>(step, n, &mut scales);
             let xb: [*const f32; R] = std::array::from_fn(|r| x[r].add(blk * bv));
             for c in 0..C {
@@ -567,7 +567,7 @@ pub(crate) unsafe fn panel(
 ) {
     debug_assert!(n.is_multiple_of(16) && w.len() >= cols * n && x.len() >= rows * n);
     let (w, x) = (w.as_ptr(), x.as_ptr());
-    for (r0, r1) in super::cpu::balanced_row_tiles(rows, TILE_ROWS) {
+    for (r0, r1) in super::tiling::balanced_row_tiles(rows, TILE_ROWS) {
         // SAFETY: rows `r0..r1` of `x` and of `out` exist (the caller's contract).
         unsafe {
             let xr = |i: usize| x.add((r0 + i) * n);

@@ -27,8 +27,9 @@
 //! sixteen outputs costs eight such instructions, one conversion and one or two fused
 //! multiply-adds, reused for every activation row of the product.
 
-use super::cpu::{Columns, SimdPath, on_simd_path};
+use super::cpu::{SimdPath, on_simd_path};
 use super::quant::{GROUP_ROWS, QuantFormat, QuantMatrix};
+use super::tiling::Columns;
 use crate::error::{LlamaError, Result};
 use crate::loader::dequant::{f16_at, k_scales_mins};
 
@@ -997,7 +998,7 @@ unsafe fn vnni_tile(
         let sc1 = unsafe { _mm512_loadu_si512(scp.add((s * 2 + 1) * LANES).cast()) };
         let dw = unsafe { _mm512_loadu_ps(panel.d.as_ptr().add(s * LANES)) };
         let m = unsafe { _mm512_loadu_ps(panel.m.as_ptr().add(s * LANES)) };
-        for i in 0..tile {
+        for (i, acc) in acc.iter_mut().enumerate().take(tile) {
             let r = r0 + i;
             let b = r * subs + s;
             let xp = unsafe { acts.q.as_ptr().add(r * acts.n_in + s * QK) }.cast::<i32>();
@@ -1029,9 +1030,9 @@ unsafe fn vnni_tile(
                 }
             };
             let scale = _mm512_mul_ps(dw, _mm512_set1_ps(acts.d[b]));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
             if f.mins {
-                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(acts.sx[b]), acc[i]);
+                *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(acts.sx[b]), *acc);
             }
         }
     }

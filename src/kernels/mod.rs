@@ -22,6 +22,7 @@ pub mod int8;
 mod neon;
 pub(crate) mod pool;
 pub mod quant;
+mod tiling;
 
 pub use cpu::{SimdPath, matmul_transposed, matmul_transposed_on};
 pub use int8::matmul_transposed_int8_on;

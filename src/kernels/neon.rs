@@ -8,7 +8,7 @@
 
 use std::arch::aarch64::*;
 
-use super::cpu::MAX_TILE_ROWS;
+use super::tiling::MAX_TILE_ROWS;
 
 /// The final sum of an 8-lane accumulator held as two halves.
 #[inline]
