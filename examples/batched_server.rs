@@ -28,6 +28,8 @@ struct Args {
     /// Rows in the stress run.
     #[arg(long, default_value_t = 32)]
     stress: usize,
+    #[command(flatten)]
+    options: common::ModelOptions,
 }
 
 const PROMPTS: &[&str] = &[
@@ -129,10 +131,7 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
 
 fn main() {
     let args = Args::parse();
-    run_on_model(
-        args.model.as_deref(),
-        2048,
-        llama_burn::Precision::default(),
-        |llama| run(&args, llama),
-    );
+    run_on_model(args.model.as_deref(), 2048, &args.options, |llama| {
+        run(&args, llama)
+    });
 }

@@ -83,10 +83,8 @@ struct Args {
     /// Context window to load the model with (default: the model's trained context).
     #[arg(long)]
     max_seq_len: Option<usize>,
-    /// How the CPU kernels multiply quantized weights: `fast` (8-bit activations,
-    /// integer dot products) or `exact` (f32 activations, exactly dequantized weights).
-    #[arg(long, default_value_t = llama_burn::Precision::default())]
-    precision: llama_burn::Precision,
+    #[command(flatten)]
+    options: common::ModelOptions,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -479,7 +477,7 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
             json!({
                 "model": model_name(args.model.as_deref()),
                 "backend": llama_burn::backend::BACKEND_NAME,
-                "precision": args.precision.name(),
+                "precision": args.options.precision.name(),
                 "requests": args.requests,
                 "max_tokens": args.max_tokens,
                 "long_requests": args.long_requests,
@@ -506,6 +504,6 @@ fn main() {
         None => context_length(args.model.as_deref()),
     };
     exit_on_error(max_seq_len.and_then(|n| {
-        load_model(args.model.as_deref(), n, args.precision).and_then(|llama| run(&args, llama))
+        load_model(args.model.as_deref(), n, &args.options).and_then(|llama| run(&args, llama))
     }));
 }

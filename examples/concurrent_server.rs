@@ -26,6 +26,8 @@ struct Args {
     /// Requests in the stress run.
     #[arg(long, default_value_t = 12)]
     stress: usize,
+    #[command(flatten)]
+    options: common::ModelOptions,
 }
 
 /// What the example does with the loaded model.
@@ -133,10 +135,7 @@ fn run(args: &Args, llama: Llama<B>) -> llama_burn::Result<()> {
 
 fn main() {
     let args = Args::parse();
-    run_on_model(
-        args.model.as_deref(),
-        2048,
-        llama_burn::Precision::default(),
-        |llama| run(&args, llama),
-    );
+    run_on_model(args.model.as_deref(), 2048, &args.options, |llama| {
+        run(&args, llama)
+    });
 }

@@ -42,10 +42,8 @@ struct Args {
     /// Context window to allocate.
     #[arg(long, default_value_t = 2048)]
     max_seq_len: usize,
-    /// How the CPU kernels multiply quantized weights: `fast` (8-bit activations,
-    /// integer dot products) or `exact` (f32 activations, exactly dequantized weights).
-    #[arg(long, default_value_t = llama_burn::Precision::default())]
-    precision: llama_burn::Precision,
+    #[command(flatten)]
+    options: common::ModelOptions,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -97,7 +95,7 @@ fn main() {
     run_on_model(
         args.model.as_deref(),
         args.max_seq_len,
-        args.precision,
+        &args.options,
         |llama| run(&args, llama),
     );
 }

@@ -633,3 +633,56 @@ fn max_seq_len_out_of_range_is_invalid_parameter() {
         );
     }
 }
+
+/// In-memory quantization at load: the demo model written as an f32 safetensors
+/// checkpoint and loaded as Q8_0 keeps every projection and the embedding in Q8_0; the
+/// embedding's blocks are the demo GGUF's own Q8_0 blocks again (they were dequantized
+/// into the checkpoint, and quantizing them back gives ggml's bytes), and its logits
+/// stay within Q8_0's error of the f32 load's.
+#[test]
+fn a_safetensors_checkpoint_quantized_at_load_keeps_ggml_s_blocks() {
+    use llama_burn::kernels::QuantFormat;
+    use llama_burn::model::VocabMatrix;
+    let path = demo_path();
+    let gguf = GgufFile::open(&path).expect("open demo GGUF");
+    let config = LlamaConfig::from_gguf(&gguf).expect("demo config");
+    let dir = TempDir::new("quantize");
+    let source = RefCell::new(GgufSource::new(&gguf, &config));
+    let tensors = hf_tensor_shapes(&config);
+    write_shard(&dir.join("model.safetensors"), &source, &tensors);
+    write_json(&dir.join("config.json"), &demo_config_json(576));
+
+    let quantized = LlamaConfig::load_hf_dir_quantized_with_tokenizer::<B, _>(
+        dir.path(),
+        demo_tokenizer(&gguf),
+        256,
+        QuantFormat::Q8_0,
+        &default_device(),
+        &mut |_, _| {},
+    )
+    .expect("load as Q8_0")
+    .with_precision(llama_burn::Precision::Exact);
+    let VocabMatrix::Quantized(embed) = &quantized.model.embed else {
+        panic!("the embedding is kept quantized");
+    };
+    assert_eq!(embed.format(), QuantFormat::Q8_0);
+    let original = llama_burn::kernels::QuantMatrix::from_gguf(&gguf, "token_embd.weight")
+        .expect("read")
+        .expect("the demo's embedding is Q8_0");
+    assert_eq!(embed.to_ggml_bytes(), original.to_ggml_bytes());
+    assert!(quantized.model.blocks.iter().all(|b| b.w_up.is_quantized()));
+
+    let dense = load_hf(dir.path(), demo_tokenizer(&gguf), 256)
+        .expect("load f32")
+        .with_precision(llama_burn::Precision::Exact);
+    let ids = dense
+        .encode_prompt("The capital of France is")
+        .expect("encode");
+    let (a, b) = (
+        dense.logits(&ids).expect("logits"),
+        quantized.logits(&ids).expect("logits"),
+    );
+    let diff = max_abs_diff(&a, &b);
+    eprintln!("Q8_0 in memory against the f32 checkpoint: largest logit difference {diff}");
+    assert!(diff > 0.0 && diff < 1.0, "{diff}");
+}

@@ -4,40 +4,61 @@
 use std::path::{Path, PathBuf};
 
 use llama_burn::backend::{DefaultBackend, default_device};
+use llama_burn::kernels::QuantFormat;
 use llama_burn::llama::{Llama, LlamaConfig};
 use llama_burn::{Precision, Result};
 
 /// The backend chosen by cargo features.
 pub type B = DefaultBackend;
 
+/// How the examples load a model: `--precision` and `--quantize`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelOptions {
+    /// How the CPU kernels multiply quantized weights: `fast` (8-bit activations,
+    /// integer dot products) or `exact` (f32 activations, exactly dequantized weights).
+    #[arg(long, default_value_t = Precision::default())]
+    pub precision: Precision,
+    /// Quantize a Hugging Face checkpoint's f32/f16/bf16 matrices in memory at load
+    /// (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1).
+    #[arg(long)]
+    pub quantize: Option<QuantFormat>,
+}
+
 /// Loads `--model PATH` (a `.gguf` file or a Hugging Face directory), or the demo model,
-/// to run in `precision`.
+/// as `options` say.
 pub fn load_model(
     model: Option<&Path>,
     max_seq_len: usize,
-    precision: Precision,
+    options: &ModelOptions,
 ) -> Result<Llama<B>> {
     let path: PathBuf = match model {
         Some(p) => p.to_path_buf(),
         None => llama_burn::demo::demo_model_path()?,
     };
     let device = default_device();
-    let llama = if path.is_dir() {
-        LlamaConfig::load_hf_dir::<B>(&path, max_seq_len, &device)
-    } else {
-        LlamaConfig::load_gguf::<B>(&path, max_seq_len, &device)
+    let llama = match (path.is_dir(), options.quantize) {
+        (true, Some(format)) => {
+            LlamaConfig::load_hf_dir_quantized::<B>(&path, max_seq_len, format, &device)
+        }
+        (true, None) => LlamaConfig::load_hf_dir::<B>(&path, max_seq_len, &device),
+        (false, None) => LlamaConfig::load_gguf::<B>(&path, max_seq_len, &device),
+        (false, Some(_)) => Err(llama_burn::LlamaError::invalid(
+            "--quantize",
+            path.display(),
+            "applies to Hugging Face checkpoint directories (a GGUF keeps its own types)",
+        )),
     }?;
-    Ok(llama.with_precision(precision))
+    Ok(llama.with_precision(options.precision))
 }
 
 /// Loads the model, runs `job` on it, and exits with the error if either fails.
 pub fn run_on_model(
     model: Option<&Path>,
     max_seq_len: usize,
-    precision: Precision,
+    options: &ModelOptions,
     job: impl FnOnce(Llama<B>) -> Result<()>,
 ) {
-    exit_on_error(load_model(model, max_seq_len, precision).and_then(job));
+    exit_on_error(load_model(model, max_seq_len, options).and_then(job));
 }
 
 /// Prints the error and exits with status 1 if `result` is one.

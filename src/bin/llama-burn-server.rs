@@ -64,6 +64,10 @@ struct Args {
     /// integer dot products) or `exact` (f32 activations, exactly dequantized weights).
     #[arg(long, default_value_t = llama_burn::Precision::default())]
     precision: llama_burn::Precision,
+    /// Quantize a Hugging Face checkpoint's f32/f16/bf16 matrices in memory at load
+    /// (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1).
+    #[arg(long)]
+    quantize: Option<llama_burn::kernels::QuantFormat>,
     /// Seconds running requests may take to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     shutdown_timeout: u64,
@@ -115,9 +119,21 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
     let start = Instant::now();
     tracing::info!(model = %path.display(), "loading the model");
     let engine = if path.is_dir() {
-        let llama = LlamaConfig::load_hf_dir::<B>(path, args.max_seq_len, &device)?;
+        let llama = match args.quantize {
+            Some(format) => {
+                LlamaConfig::load_hf_dir_quantized::<B>(path, args.max_seq_len, format, &device)?
+            }
+            None => LlamaConfig::load_hf_dir::<B>(path, args.max_seq_len, &device)?,
+        };
         start_engine(llama.with_precision(args.precision), config)?
     } else {
+        if args.quantize.is_some() {
+            return Err(llama_burn::LlamaError::invalid(
+                "--quantize",
+                path.display(),
+                "applies to Hugging Face checkpoint directories (a GGUF keeps its own types)",
+            ));
+        }
         let mut last = 0;
         let mut progress = |done: usize, total: usize| {
             let percent = (done * 100).checked_div(total).unwrap_or(100);

@@ -109,6 +109,18 @@ impl QuantFormat {
     }
 }
 
+impl std::str::FromStr for QuantFormat {
+    type Err = LlamaError;
+
+    /// The ggml name, in either case (`Q8_0`, `q4_k`, ...).
+    fn from_str(s: &str) -> Result<Self> {
+        QuantFormat::ALL
+            .into_iter()
+            .find(|f| format!("{f:?}").eq_ignore_ascii_case(s))
+            .ok_or_else(|| LlamaError::invalid("quantization type", s, "not a kept ggml type"))
+    }
+}
+
 /// Rows of a [`QuantMatrix`] whose blocks are stored interleaved (see its layout).
 pub const GROUP_ROWS: usize = 8;
 

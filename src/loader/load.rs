@@ -204,6 +204,61 @@ impl LlamaConfig {
         Llama::new(model, tokenizer)
     }
 
+    /// [`load_hf_dir`](Self::load_hf_dir), with the checkpoint's f32, f16 or bf16
+    /// matrices quantized into `format` in memory as they are read (see
+    /// [`QuantizingSource`](crate::loader::quantize::QuantizingSource)); on the CPU
+    /// backend they then stay in it, elsewhere they are dequantized as GGUF blocks are.
+    ///
+    /// # Errors
+    ///
+    /// As [`load_hf_dir`](Self::load_hf_dir), and [`LlamaError::InvalidParameter`] if
+    /// `format` has no quantizer.
+    pub fn load_hf_dir_quantized<B: LlamaBackend>(
+        dir: impl AsRef<Path>,
+        max_seq_len: usize,
+        format: crate::kernels::QuantFormat,
+        device: &B::Device,
+    ) -> Result<Llama<B, DynTokenizer>> {
+        let dir = dir.as_ref();
+        let tokenizer: DynTokenizer = Arc::new(HfTokenizer::from_dir(dir)?);
+        let label = format!("loading {} as {format:?}", dir.display());
+        let mut progress = terminal_progress(&label);
+        Self::load_hf_dir_quantized_with_tokenizer(
+            dir,
+            tokenizer,
+            max_seq_len,
+            format,
+            device,
+            &mut progress,
+        )
+    }
+
+    /// [`load_hf_dir_with_tokenizer`](Self::load_hf_dir_with_tokenizer), with the
+    /// checkpoint's matrices quantized into `format` in memory as they are read (see
+    /// [`load_hf_dir_quantized`](Self::load_hf_dir_quantized)).
+    ///
+    /// # Errors
+    ///
+    /// As [`load_hf_dir_quantized`](Self::load_hf_dir_quantized).
+    pub fn load_hf_dir_quantized_with_tokenizer<B: LlamaBackend, T: Tokenizer>(
+        dir: impl AsRef<Path>,
+        tokenizer: T,
+        max_seq_len: usize,
+        format: crate::kernels::QuantFormat,
+        device: &B::Device,
+        progress: ProgressFn<'_>,
+    ) -> Result<Llama<B, T>> {
+        let dir = dir.as_ref();
+        let config_path = dir.join("config.json");
+        let json =
+            std::fs::read_to_string(&config_path).map_err(|e| LlamaError::io(&config_path, e))?;
+        let config = Self::from_hf_json(&json)?.checked_max_seq_len(max_seq_len)?;
+        let mut inner = SafetensorsSource::open_dir(dir)?;
+        let mut source = crate::loader::quantize::QuantizingSource::new(&mut inner, format)?;
+        let model = build_transformer(&config, &mut source, device, progress)?;
+        Llama::new(model, tokenizer)
+    }
+
     /// Downloads (on first use) and loads
     /// [Llama 3.2 1B Instruct](https://huggingface.co/meta-llama/Llama-3.2-1B-Instruct),
     /// allocating for `max_seq_len` tokens of context (at most 131 072).

@@ -19,6 +19,7 @@ mod load;
 #[cfg(feature = "pretrained")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pretrained")))]
 pub mod pretrained;
+pub mod quantize;
 pub mod safetensors;
 
 use std::io::IsTerminal;
