@@ -281,7 +281,10 @@ fn relay(target: String) -> Result<(u16, Arc<Traffic>), Error> {
 fn load<B: LlamaBackend>(device: &B::Device, max_seq_len: usize) -> Result<(Llama<B>, f64), Error> {
     let path = llama_burn::demo::demo_model_path()?;
     let start = Instant::now();
-    let llama = LlamaConfig::load_gguf::<B>(path, max_seq_len, device)?;
+    // Exact: the remote backend computes in Burn's f32 operations, which the CPU
+    // backend's exact precision matches (its fast precision quantizes activations).
+    let llama = LlamaConfig::load_gguf::<B>(path, max_seq_len, device)?
+        .with_precision(llama_burn::Precision::Exact);
     Ok((llama, start.elapsed().as_secs_f64()))
 }
 

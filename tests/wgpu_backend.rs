@@ -17,7 +17,10 @@ const TOKENS: usize = 6;
 
 fn demo<B: LlamaBackend>(device: &B::Device) -> Llama<B, DynTokenizer> {
     let path = llama_burn::demo::demo_model_path().expect("demo model");
-    LlamaConfig::load_gguf::<B>(path, 128, device).expect("demo model loads")
+    // Exact: the CPU backend's f32 arithmetic, which the wgpu backend's f32 matmul matches.
+    LlamaConfig::load_gguf::<B>(path, 128, device)
+        .expect("demo model loads")
+        .with_precision(llama_burn::Precision::Exact)
 }
 
 fn greedy<B: LlamaBackend>(llama: &mut Llama<B, DynTokenizer>, prompt: &str) -> Vec<u32> {
