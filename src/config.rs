@@ -39,7 +39,7 @@ pub enum RopeFrequencies {
 ///
 /// Both are batch-invariant to the bit: a row's results depend only on its own values,
 /// in one fixed order, whatever the batch, the prompt chunking or the thread count.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Precision {
     /// f32 activations times exactly dequantized weights, f32 arithmetic: the fp32
     /// reference's logits to about 1e-6 (what `tests/reference.rs` checks). Slower at
@@ -50,8 +50,22 @@ pub enum Precision {
     /// computes: several times the multiply-adds per instruction. The logits move by
     /// about 1% of their scale; greedy tokens mostly agree with `Exact`. The same bits on
     /// every SIMD path.
-    #[default]
     Fast,
+}
+
+impl Default for Precision {
+    /// `Fast` where the CPU kernels' active path has its integer kernels (x86-64 with
+    /// AVX-512 VNNI: Zen 4 and later, Intel since Ice Lake), else `Exact`: on AVX2, NEON
+    /// and portable paths the `fast` products are computed by plain Rust and are slower
+    /// than `exact`'s SIMD kernels, so they are there for tests and for results that
+    /// match a VNNI machine's bit for bit.
+    fn default() -> Self {
+        if crate::kernels::int8::has_integer_kernels() {
+            Precision::Fast
+        } else {
+            Precision::Exact
+        }
+    }
 }
 
 impl Precision {

@@ -326,8 +326,10 @@ fn hf_directory_gives_the_gguf_logits_and_typed_errors() {
     }
 
     // Same weights, same logits.
+    // Exact: the f32 arithmetic that the directory's dense matmul does too.
     let from_gguf = LlamaConfig::load_gguf_with_progress::<B>(&path, 256, &device, &mut |_, _| {})
-        .expect("load GGUF");
+        .expect("load GGUF")
+        .with_precision(llama_burn::Precision::Exact);
     let mut calls = 0usize;
     let mut last = (0, 0);
     let from_hf = LlamaConfig::load_hf_dir_with_tokenizer::<B, _>(

@@ -420,6 +420,12 @@ thread_local! {
     static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
 }
 
+/// Whether the [active](SimdPath::active) path runs the `fast` precision with its own
+/// integer kernels (AVX-512 with VNNI), rather than the plain-Rust reference.
+pub fn has_integer_kernels() -> bool {
+    vnni_supported(SimdPath::active())
+}
+
 /// Whether `path` runs the `vpdpbusd` kernel on this CPU.
 fn vnni_supported(path: SimdPath) -> bool {
     #[cfg(target_arch = "x86_64")]
