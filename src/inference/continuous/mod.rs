@@ -86,6 +86,11 @@ pub struct ContinuousConfig {
     /// Reuse the KV blocks of prefixes computed before (shared system prompts,
     /// documents). On by default; results are identical either way.
     pub prefix_caching: bool,
+    /// Fault injection, for tests of fault isolation only: a step that runs a request
+    /// whose text prompt contains this marker panics inside the step. `None` (the
+    /// default) in any real deployment.
+    #[doc(hidden)]
+    pub panic_marker: Option<String>,
 }
 
 impl Default for ContinuousConfig {
@@ -98,6 +103,7 @@ impl Default for ContinuousConfig {
             step_tokens: 256,
             min_prefill_chunk: 32,
             prefix_caching: true,
+            panic_marker: None,
         }
     }
 }
@@ -336,6 +342,8 @@ struct Submission {
     sink: Sink,
     cancel: CancelToken,
     submitted: Instant,
+    /// The request's prefix-cache partition (0: shared by every request with salt 0).
+    salt: u128,
 }
 
 /// State shared between the engine handle, its clients and its thread.
@@ -348,6 +356,8 @@ struct Shared {
     stop: AtomicBool,
     /// Set by [`ContinuousEngine::shutdown`]: finish what is queued, then stop.
     drain: AtomicBool,
+    /// Set when the engine thread has ended (normally or not).
+    gone: AtomicBool,
 }
 
 /// The submitting side of an engine; cheap to clone.
@@ -365,7 +375,12 @@ impl EngineClient {
         request: GenerateRequest,
         sink: Sink,
         cancel: CancelToken,
+        salt: u128,
     ) -> std::result::Result<u64, Box<(Sink, LlamaError)>> {
+        if self.shared.gone.load(Ordering::Acquire) {
+            let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
+            return Err(Box::new((sink, stopped)));
+        }
         let limit = self.max_waiting;
         let admitted = self
             .shared
@@ -394,6 +409,7 @@ impl EngineClient {
             sink,
             cancel,
             submitted: Instant::now(),
+            salt,
         };
         if let Err(returned) = self.queue.send(submission) {
             self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -406,7 +422,7 @@ impl EngineClient {
     /// Submits on behalf of a runtime job; a refusal ends the job at once.
     fn submit_job(&self, request: GenerateRequest, sink: JobSink<TokenOutput>) {
         let cancel = sink.cancel_token().clone();
-        if let Err(refused) = self.send(request, Sink::Job(sink), cancel) {
+        if let Err(refused) = self.send(request, Sink::Job(sink), cancel, 0) {
             let (sink, error) = *refused;
             sink.done(Err(error));
         }
@@ -426,7 +442,12 @@ impl EngineClient {
             event => tx.send(event).is_ok(),
         };
         let id = self
-            .send(request, Sink::Handler(Box::new(on_event)), cancel.clone())
+            .send(
+                request,
+                Sink::Handler(Box::new(on_event)),
+                cancel.clone(),
+                0,
+            )
             .map_err(|refused| refused.1)?;
         Ok(EngineJob {
             id,
@@ -482,6 +503,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
             metrics: Mutex::new(EngineMetrics::default()),
             stop: AtomicBool::new(false),
             drain: AtomicBool::new(false),
+            gone: AtomicBool::new(false),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let device = llama.device().clone();
@@ -489,7 +511,11 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         let worker = executor::Worker::new(llama, &config, num_blocks, shared.clone(), rx)?;
         let thread = std::thread::Builder::new()
             .name("llama-burn-continuous".into())
-            .spawn(move || worker.run())
+            .spawn(move || {
+                // Whatever ends the thread, even a panic outside a step, says so.
+                let _gone = worker.gone_guard();
+                worker.run()
+            })
             .map_err(|e| LlamaError::Runtime(format!("could not start the engine thread: {e}")))?;
         Ok(Self {
             client: Some(EngineClient {
@@ -559,9 +585,34 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         cancel: CancelToken,
         on_event: impl Fn(EngineEvent) -> bool + Send + 'static,
     ) -> Result<u64> {
+        self.submit_to_salted(request, cancel, 0, on_event)
+    }
+
+    /// [`submit_to`](Self::submit_to) in the prefix-cache partition `salt`: the request
+    /// reuses cached prefix blocks only of requests submitted with the same salt, so a
+    /// server gives each tenant its own (a tenant cannot learn from its cache hits what
+    /// another tenant sent). Salt 0 is the partition of every unsalted submission.
+    ///
+    /// # Errors
+    ///
+    /// As [`submit_to`](Self::submit_to).
+    pub fn submit_to_salted(
+        &self,
+        request: GenerateRequest,
+        cancel: CancelToken,
+        salt: u128,
+        on_event: impl Fn(EngineEvent) -> bool + Send + 'static,
+    ) -> Result<u64> {
         self.client()?
-            .send(request, Sink::Handler(Box::new(on_event)), cancel)
+            .send(request, Sink::Handler(Box::new(on_event)), cancel, salt)
             .map_err(|refused| refused.1)
+    }
+
+    /// Whether the engine thread is still running. It survives a panic inside a step
+    /// (the step's requests fail); false means it has stopped for good and every
+    /// submission is refused with [`LlamaError::ModelUnavailable`].
+    pub fn is_alive(&self) -> bool {
+        !self.shared.gone.load(Ordering::Acquire)
     }
 
     /// The model's context length (`max_seq_len`): prompt plus generated tokens.

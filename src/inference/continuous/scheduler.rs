@@ -47,6 +47,8 @@ pub struct Sequence {
     pub blocks: Vec<BlockId>,
     /// Full blocks already offered to the prefix cache, and the hash chain up to them.
     registered: (usize, PrefixHash),
+    /// The request's prefix-cache partition (the start of its hash chain).
+    salt: PrefixHash,
 }
 
 impl Sequence {
@@ -162,12 +164,20 @@ impl Scheduler {
 
     /// Queues a request with its prompt.
     pub fn add(&mut self, id: RequestId, prompt: Vec<u32>) {
+        self.add_salted(id, prompt, 0);
+    }
+
+    /// Queues a request whose prefix-cache partition is `salt`: it reuses only blocks
+    /// computed by requests with the same salt (see
+    /// [`BlockManager::match_prefix_salted`]).
+    pub fn add_salted(&mut self, id: RequestId, prompt: Vec<u32>, salt: PrefixHash) {
         self.waiting.push_back(Sequence {
             id,
             tokens: prompt,
             computed: 0,
             blocks: Vec::new(),
-            registered: (0, 0),
+            registered: (0, salt),
+            salt,
         });
     }
 
@@ -237,7 +247,7 @@ impl Scheduler {
             let Some(seq) = self.waiting.front() else {
                 break;
             };
-            let hit = self.blocks.match_prefix(&seq.tokens);
+            let hit = self.blocks.match_prefix_salted(&seq.tokens, seq.salt);
             let needed = self.blocks.blocks_for(seq.tokens.len()) - hit.blocks.len();
             let Some(fresh) = self.blocks.allocate(needed) else {
                 self.blocks.unmatch(&hit);
@@ -249,7 +259,7 @@ impl Scheduler {
             seq.computed = hit.tokens;
             seq.blocks = hit.blocks;
             seq.blocks.extend(fresh);
-            seq.registered = (0, 0);
+            seq.registered = (0, seq.salt);
             let pending = seq.pending();
             let len = pending.min(budget);
             budget -= len;
@@ -292,7 +302,7 @@ impl Scheduler {
         self.blocks.free(&seq.blocks);
         seq.blocks.clear();
         seq.computed = 0;
-        seq.registered = (0, 0);
+        seq.registered = (0, seq.salt);
         plan.preempted.push(seq.id);
         plan.rows.retain(|r| r.id != seq.id);
         self.preemptions += 1;
