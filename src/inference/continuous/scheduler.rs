@@ -574,6 +574,40 @@ mod tests {
     }
 
     #[test]
+    fn salted_requests_share_prefixes_only_within_their_salt() {
+        let mut s = Scheduler::new(limits(8, 64), BlockManager::new(32, 4, true));
+        let document = prompt(8, 0);
+        let with_question = |q: u32| {
+            let mut p = document.clone();
+            p.push(q);
+            p
+        };
+        s.add_salted(1, with_question(100), 11);
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        // Another salt (and the unsalted partition) computes the document again.
+        s.add_salted(2, with_question(101), 22);
+        s.add(3, with_question(102));
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        assert_eq!(s.blocks().hit_tokens(), 0, "no hit across salts");
+        let start = |plan: &StepPlan, id| plan.rows.iter().find(|r| r.id == id).unwrap().start;
+        assert_eq!(start(&plan, 2), 0);
+        assert_eq!(start(&plan, 3), 0);
+        // The same salt reuses it.
+        s.add_salted(4, with_question(103), 11);
+        let plan = s.schedule();
+        assert_eq!(start(&plan, 4), 8, "a hit within the salt");
+        assert_eq!(s.blocks().hit_tokens(), 8);
+        run(&mut s, &plan);
+        for id in 1..=4 {
+            s.finish(id);
+        }
+        assert_eq!(s.blocks().in_use(), 0);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
     fn max_running_caps_admission() {
         let mut s = Scheduler::new(limits(2, 64), BlockManager::new(64, 4, false));
         for id in 0..5 {
