@@ -14,7 +14,7 @@ use super::openai::{Endpoint, Usage};
 use super::stop::StopMatcher;
 use super::{Shared, TenantSlot};
 use crate::error::LlamaError;
-use crate::inference::{CancelToken, EngineEvent, GenerateRequest};
+use crate::inference::{CancelToken, EngineEvent, GenerateRequest, Scope};
 use crate::llama::StopReason;
 
 /// One choice to generate.
@@ -78,7 +78,8 @@ pub(crate) struct Generation {
 }
 
 impl Generation {
-    /// Submits every choice (in prefix-cache partition `salt`) and waits until the
+    /// Submits every choice (in `scope`: prefix-cache partition and tenant) and waits
+    /// until the
     /// engine has accepted them all, so that an invalid request is an error status, not
     /// a broken stream.
     ///
@@ -93,7 +94,7 @@ impl Generation {
         endpoint: Endpoint,
         specs: Vec<ChoiceSpec>,
         request_id: String,
-        salt: u128,
+        scope: Scope,
         slot: TenantSlot,
     ) -> Result<Self, ApiError> {
         let engine = shared.engine()?;
@@ -126,7 +127,7 @@ impl Generation {
             // reading) ends the choice.
             let on_event = Box::new(move |event| tx.try_send((index, event)).is_ok());
             engine
-                .submit(spec.request, cancel.clone(), salt, on_event)
+                .submit(spec.request, cancel.clone(), scope, on_event)
                 .map_err(|e| ApiError::from_llama(&e, endpoint.prompt_param()))?;
             generation.choices.push(Choice {
                 prompt: spec.prompt,

@@ -57,7 +57,7 @@ pub use stop::{StopMatcher, StopOutput};
 use crate::backend::LlamaBackend;
 use crate::error::{LlamaError, Result};
 use crate::inference::{
-    CancelToken, ContinuousEngine, EngineMetrics, EventHandler, GenerateRequest,
+    CancelToken, ContinuousEngine, EngineMetrics, EventHandler, GenerateRequest, Scope,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -68,13 +68,13 @@ pub trait Engine: Send + Sync + 'static {
     /// `on_event`: first [`EngineEvent::Accepted`](crate::inference::EngineEvent::Accepted)
     /// or the `Done` error that refuses it (see [`ContinuousEngine::submit_to`]).
     ///
-    /// `salt` is the request's prefix-cache partition (see
-    /// [`ContinuousEngine::submit_to_salted`]).
+    /// `scope` is the request's prefix-cache partition and tenant (see
+    /// [`ContinuousEngine::submit_scoped`]).
     fn submit(
         &self,
         request: GenerateRequest,
         cancel: CancelToken,
-        salt: u128,
+        scope: Scope,
         on_event: EventHandler,
     ) -> Result<()>;
     /// A snapshot of the engine's metrics.
@@ -96,10 +96,10 @@ where
         &self,
         request: GenerateRequest,
         cancel: CancelToken,
-        salt: u128,
+        scope: Scope,
         on_event: EventHandler,
     ) -> Result<()> {
-        self.submit_to_salted(request, cancel, salt, on_event)
+        self.submit_scoped(request, cancel, scope, on_event)
             .map(drop)
     }
 

@@ -27,7 +27,7 @@ use super::openai::{
     ChatCompletionRequest, CompletionRequest, Endpoint, OpenAiRequest, PromptInput, Sampling,
     Usage, parse_request,
 };
-use crate::inference::GenerateRequest;
+use crate::inference::{GenerateRequest, Scope};
 
 type AppState = State<Arc<Shared>>;
 
@@ -324,7 +324,7 @@ async fn completions(
 /// its prefix-cache partition.
 struct TenantOf {
     name: String,
-    salt: u128,
+    scope: Scope,
 }
 
 impl TenantOf {
@@ -350,7 +350,16 @@ impl TenantOf {
         } else {
             0
         };
-        Self { name, salt }
+        let tenant = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            name.hash(&mut h);
+            h.finish()
+        };
+        Self {
+            name,
+            scope: Scope { salt, tenant },
+        }
     }
 }
 
@@ -443,7 +452,7 @@ async fn run(
     let header_value = HeaderValue::from_str(&request_id).ok();
     let keep_alive = shared.config.sse_keep_alive;
     let generation =
-        Generation::start(shared, endpoint, specs, request_id, tenant.salt, slot).await?;
+        Generation::start(shared, endpoint, specs, request_id, tenant.scope, slot).await?;
     let mut response = if sampling.stream {
         let events = sse_events(generation, envelope, sampling.include_usage);
         Sse::new(events)

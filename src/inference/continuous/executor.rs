@@ -190,7 +190,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         sub.sink.done(Err(LlamaError::Cancelled));
                         continue;
                     }
-                    self.scheduler.add_salted(sub.id, ids, sub.salt);
+                    self.scheduler
+                        .add_for(sub.id, ids, sub.scope.salt, sub.scope.tenant);
                     let poisoned = self
                         .panic_marker
                         .as_deref()

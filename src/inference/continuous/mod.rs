@@ -335,6 +335,19 @@ impl Sink {
     }
 }
 
+/// Who a submission is for ([`ContinuousEngine::submit_scoped`]): its prefix-cache
+/// partition and its tenant. The default (0, 0) is every unscoped submission's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Scope {
+    /// The prefix-cache partition: the request reuses cached prefix blocks only of
+    /// requests with the same salt, so tenants that must not learn each other's prompts
+    /// from cache hits get different salts.
+    pub salt: u128,
+    /// The tenant: admission takes tenants in turn (round robin), so one tenant's burst
+    /// cannot hold the others back.
+    pub tenant: u64,
+}
+
 /// A request on its way to the engine thread.
 struct Submission {
     id: u64,
@@ -342,8 +355,8 @@ struct Submission {
     sink: Sink,
     cancel: CancelToken,
     submitted: Instant,
-    /// The request's prefix-cache partition (0: shared by every request with salt 0).
-    salt: u128,
+    /// The request's prefix-cache partition and tenant.
+    scope: Scope,
 }
 
 /// State shared between the engine handle, its clients and its thread.
@@ -375,7 +388,7 @@ impl EngineClient {
         request: GenerateRequest,
         sink: Sink,
         cancel: CancelToken,
-        salt: u128,
+        scope: Scope,
     ) -> std::result::Result<u64, Box<(Sink, LlamaError)>> {
         if self.shared.gone.load(Ordering::Acquire) {
             let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
@@ -409,7 +422,7 @@ impl EngineClient {
             sink,
             cancel,
             submitted: Instant::now(),
-            salt,
+            scope,
         };
         if let Err(returned) = self.queue.send(submission) {
             self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -422,7 +435,7 @@ impl EngineClient {
     /// Submits on behalf of a runtime job; a refusal ends the job at once.
     fn submit_job(&self, request: GenerateRequest, sink: JobSink<TokenOutput>) {
         let cancel = sink.cancel_token().clone();
-        if let Err(refused) = self.send(request, Sink::Job(sink), cancel, 0) {
+        if let Err(refused) = self.send(request, Sink::Job(sink), cancel, Scope::default()) {
             let (sink, error) = *refused;
             sink.done(Err(error));
         }
@@ -446,7 +459,7 @@ impl EngineClient {
                 request,
                 Sink::Handler(Box::new(on_event)),
                 cancel.clone(),
-                0,
+                Scope::default(),
             )
             .map_err(|refused| refused.1)?;
         Ok(EngineJob {
@@ -585,26 +598,26 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         cancel: CancelToken,
         on_event: impl Fn(EngineEvent) -> bool + Send + 'static,
     ) -> Result<u64> {
-        self.submit_to_salted(request, cancel, 0, on_event)
+        self.submit_scoped(request, cancel, Scope::default(), on_event)
     }
 
-    /// [`submit_to`](Self::submit_to) in the prefix-cache partition `salt`: the request
-    /// reuses cached prefix blocks only of requests submitted with the same salt, so a
-    /// server gives each tenant its own (a tenant cannot learn from its cache hits what
-    /// another tenant sent). Salt 0 is the partition of every unsalted submission.
+    /// [`submit_to`](Self::submit_to) for a [`Scope`]: the request reuses cached prefix
+    /// blocks only of requests with the same salt (a server gives each tenant its own,
+    /// so a tenant cannot learn from its cache hits what another sent), and is admitted
+    /// in its tenant's turn.
     ///
     /// # Errors
     ///
     /// As [`submit_to`](Self::submit_to).
-    pub fn submit_to_salted(
+    pub fn submit_scoped(
         &self,
         request: GenerateRequest,
         cancel: CancelToken,
-        salt: u128,
+        scope: Scope,
         on_event: impl Fn(EngineEvent) -> bool + Send + 'static,
     ) -> Result<u64> {
         self.client()?
-            .send(request, Sink::Handler(Box::new(on_event)), cancel, salt)
+            .send(request, Sink::Handler(Box::new(on_event)), cancel, scope)
             .map_err(|refused| refused.1)
     }
 
