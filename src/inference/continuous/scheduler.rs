@@ -8,8 +8,9 @@
 //! sampled token), a chunk of its prompt for one being prefilled. When a request's
 //! computed tokens catch up with its sequence, the executor samples its next token.
 //!
-//! - **Admission** (first come, first served) reserves the blocks of the whole prompt,
-//!   minus the blocks found in the prefix cache, never `max_tokens` ahead.
+//! - **Admission** (tenants in turn, first come first served within a tenant; preempted
+//!   requests first) reserves the blocks of the whole prompt, minus the blocks found in
+//!   the prefix cache, never `max_tokens` ahead.
 //! - **Growth**: a decoding request takes a new block when it crosses a block boundary.
 //! - **Preemption**: when no block is left, the most recently admitted running request
 //!   gives all of its blocks back and returns to the head of the queue; it is recomputed
