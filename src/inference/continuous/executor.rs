@@ -181,7 +181,16 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => return true,
                 },
             };
-            match self.prepare(&sub) {
+            // A panic while validating or tokenizing (a tokenizer bug on a hostile
+            // prompt) fails this request only.
+            let prepared =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.prepare(&sub)))
+                    .unwrap_or_else(|_| {
+                        Err(LlamaError::StepFailed(
+                            "preparing the request panicked; other requests go on".into(),
+                        ))
+                    });
+            match prepared {
                 Ok((ids, state)) => {
                     if !sub.sink.accepted(ids.len()) {
                         // Nobody listens any more.
