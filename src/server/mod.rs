@@ -286,14 +286,20 @@ impl Shared {
     }
 
     /// Takes `choices` of `tenant`'s share, or 429 when that passes
-    /// [`ServerConfig::max_choices_per_tenant`]. The share comes back when the slot is
-    /// dropped.
+    /// [`ServerConfig::max_choices_per_tenant`] (unless not `capped`: requests with no
+    /// tenant at all share the engine's queue as before). The share comes back when the
+    /// slot is dropped.
     fn reserve(
         self: &Arc<Self>,
         tenant: &str,
         choices: usize,
+        capped: bool,
     ) -> std::result::Result<TenantSlot, ApiError> {
-        let limit = self.config.max_choices_per_tenant;
+        let limit = if capped {
+            self.config.max_choices_per_tenant
+        } else {
+            usize::MAX
+        };
         let mut tenants = self
             .tenants
             .lock()

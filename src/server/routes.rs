@@ -325,6 +325,9 @@ async fn completions(
 struct TenantOf {
     name: String,
     scope: Scope,
+    /// Whether the tenant's share applies (not to `anonymous`: without an API key or a
+    /// `user` there is nobody to tell apart).
+    capped: bool,
 }
 
 impl TenantOf {
@@ -333,6 +336,7 @@ impl TenantOf {
     /// `cache_salt` requests share partition 0.
     fn new(tenant: Tenant, extras: Extras) -> Self {
         let keyed = tenant.0.is_some();
+        let capped = keyed || extras.user.is_some();
         let name = tenant
             .0
             .or(extras.user)
@@ -359,6 +363,7 @@ impl TenantOf {
         Self {
             name,
             scope: Scope { salt, tenant },
+            capped,
         }
     }
 }
@@ -431,7 +436,8 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let max_seq_len = shared.engine()?.max_seq_len();
     // The tenant's share first: a request over it costs nothing more.
-    let slot = shared.reserve(&tenant.name, prompts.len().saturating_mul(sampling.n))?;
+    let choices = prompts.len().saturating_mul(sampling.n);
+    let slot = shared.reserve(&tenant.name, choices, tenant.capped)?;
     shared
         .metrics
         .tenant_request(&tenant.name, keyed_tenant(&shared, &tenant.name));
