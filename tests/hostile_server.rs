@@ -526,10 +526,21 @@ async fn hostile_clients_cannot_bring_the_server_down() {
     }
 
     let (fan_out_results, too_large) = fan_out.await.expect("fan-out");
+    // Under the connection storm a client may see its connection fail (status 0); every
+    // answer that comes must be the right 400, and each variant must get at least one.
+    let mut answered = std::collections::HashMap::new();
     for ((status, param), want_status, want_param, what) in fan_out_results {
-        assert_eq!(status, want_status, "{what}");
-        assert_eq!(param.as_deref(), want_param, "{what}");
+        if status != 0 {
+            assert_eq!(status, want_status, "{what}");
+            assert_eq!(param.as_deref(), want_param, "{what}");
+            *answered.entry(what).or_insert(0) += 1;
+        }
     }
+    assert_eq!(
+        answered.len(),
+        fan_out_bodies().len(),
+        "answered: {answered:?}"
+    );
     assert!(
         too_large.0 == 413 || too_large.0 == 0,
         "a 3 MiB body: {too_large:?}"
