@@ -111,6 +111,10 @@ pub enum LlamaError {
     /// A handler or engine failed unexpectedly (for example it panicked).
     #[error("runtime error: {0}")]
     Runtime(String),
+    /// The engine step running the request failed (it panicked); the request's cache was
+    /// freed, and the engine goes on serving the others.
+    #[error("engine step failed: {0}")]
+    StepFailed(String),
     /// The demo model or a pretrained checkpoint could not be fetched.
     #[error("download failed: {0}")]
     Download(String),

@@ -812,3 +812,103 @@ async fn disconnects_free_their_blocks_and_64_clients_match_solo() {
     let m = engine.metrics();
     assert!(m.peak_kv_bytes_used <= m.kv_pool_bytes);
 }
+
+/// Serves `server` with [`Server::serve`] (timeouts and connection cap); returns its
+/// address.
+fn serve_guarded(server: &Server) -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let addr = listener.local_addr().expect("addr");
+    let server = server.clone();
+    runtime().spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+        server
+            .serve(listener, std::future::pending())
+            .await
+            .expect("serve");
+    });
+    addr
+}
+
+/// Sends `bytes` on a fresh connection and reads until the server closes it (at most
+/// 30 s); returns what it answered.
+fn raw_exchange(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    s.write_all(bytes).expect("write");
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test]
+async fn slow_bodies_and_headers_time_out_and_limits_name_their_flag() {
+    let mut config = ServerConfig::new(MODEL).with_tenant("t", "tenant-key");
+    config.metrics_key = Some("metrics-key".into());
+    config.body_timeout = Duration::from_secs(1);
+    config.header_timeout = Duration::from_secs(1);
+    config.max_messages = 2;
+    let server = Server::new(config).expect("server");
+    server.set_engine(shared_engine()).expect("engine");
+    let addr = serve_guarded(&server);
+    let url = format!("http://{addr}");
+
+    // Half a body: 408 once --body-timeout has passed.
+    let answer = tokio::task::spawn_blocking(move || {
+        raw_exchange(
+            addr,
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tenant-key\r\n\
+              Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":",
+        )
+    })
+    .await
+    .expect("exchange");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("--body-timeout"), "{answer}");
+    // Half a header: closed without an answer after --header-timeout.
+    let answer =
+        tokio::task::spawn_blocking(move || raw_exchange(addr, b"GET /health HTTP/1.1\r\nHo"))
+            .await
+            .expect("exchange");
+    assert!(!answer.contains("200 OK"), "{answer}");
+
+    let http = client();
+    let three = json!({"messages": [{"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]});
+    let response = http
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth("tenant-key")
+        .json(&three)
+        .send()
+        .await
+        .expect("send");
+    let error = expect_error(response, 400).await;
+    assert_eq!(error["param"], "messages");
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("--max-messages"))
+    );
+    let salt = json!({"prompt": "a", "max_tokens": 1, "cache_salt": "s".repeat(300)});
+    let response = http
+        .post(format!("{url}/v1/completions"))
+        .bearer_auth("tenant-key")
+        .json(&salt)
+        .send()
+        .await
+        .expect("send");
+    let error = expect_error(response, 400).await;
+    assert_eq!(error["param"], "cache_salt", "{error}");
+    // /metrics opens only to its own key.
+    for (key, status) in [("tenant-key", 401), ("metrics-key", 200)] {
+        let response = http
+            .get(format!("{url}/metrics"))
+            .bearer_auth(key)
+            .send()
+            .await
+            .expect("metrics");
+        assert_eq!(response.status().as_u16(), status, "{key}");
+    }
+}

@@ -41,10 +41,65 @@ struct Args {
     /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1 routes (default: the LLAMA_BURN_API_KEY
-    /// environment variable, if set).
+    /// Require `Authorization: Bearer KEY` on /v1 routes; repeat for several keys, each
+    /// its own tenant (`key-1`, `key-2`, ...). Default: the LLAMA_BURN_API_KEY
+    /// environment variable, if set.
     #[arg(long, env = "LLAMA_BURN_API_KEY", hide_env_values = true)]
-    api_key: Option<String>,
+    api_key: Vec<String>,
+    /// A file of API keys, one a line: `TENANT:KEY` (or `KEY`, named `key-N`); blank
+    /// lines and lines starting with `#` are skipped.
+    #[arg(long)]
+    api_keys_file: Option<PathBuf>,
+    /// Require `Authorization: Bearer KEY` on /metrics (API keys do not open it).
+    #[arg(long, env = "LLAMA_BURN_METRICS_KEY", hide_env_values = true)]
+    metrics_key: Option<String>,
+    /// Most choices (`n`) per request.
+    #[arg(long, default_value_t = 16)]
+    max_n: usize,
+    /// Most prompts in one /v1/completions request.
+    #[arg(long, default_value_t = 64)]
+    max_prompts: usize,
+    /// Most choices (prompts x n) in one request: its most slots of the waiting queue.
+    #[arg(long, default_value_t = 64)]
+    max_choices: usize,
+    /// Most choices one tenant may have in flight at once (more get 429).
+    #[arg(long, default_value_t = 128)]
+    max_choices_per_tenant: usize,
+    /// Most stop strings per request (at most 4, OpenAI's limit).
+    #[arg(long, default_value_t = 4)]
+    max_stop_strings: usize,
+    /// Most bytes of a request's stop strings together.
+    #[arg(long, default_value_t = 1024)]
+    max_stop_bytes: usize,
+    /// Most messages in one chat request.
+    #[arg(long, default_value_t = 512)]
+    max_messages: usize,
+    /// Deepest JSON nesting of a request body.
+    #[arg(long, default_value_t = 32)]
+    max_json_depth: usize,
+    /// Seconds to wait for a request's headers (also the idle keep-alive timeout).
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds to wait for a request's body once its headers are in (408 after).
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+    /// Seconds a write may stay blocked (client not reading) before the connection is
+    /// closed and its request cancelled.
+    #[arg(long, default_value_t = 30.0)]
+    write_timeout: f64,
+    /// Most open connections; more wait in the kernel's accept queue.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Tokens a request may have generated and not yet sent before its client is taken
+    /// to have stopped reading and the request is cancelled (per choice).
+    #[arg(long, default_value_t = 1024)]
+    max_unsent_events: usize,
+    /// Seconds between SSE keep-alive comments on streams.
+    #[arg(long, default_value_t = 15.0)]
+    sse_keep_alive: f64,
+    /// Tests only: a step running a request whose prompt contains this text panics.
+    #[arg(long, hide = true)]
+    test_panic_marker: Option<String>,
     /// The model id clients use (default: the model file's stem).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -103,6 +158,7 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
     let config = ContinuousConfig {
         max_running: args.max_running,
         max_waiting: args.max_waiting,
+        panic_marker: args.test_panic_marker.clone(),
         ..ContinuousConfig::default()
     }
     .with_kv_budget_tokens(args.kv_budget_tokens);
@@ -178,14 +234,73 @@ async fn shutdown_signal() {
     }
 }
 
+/// A positive number of seconds.
+fn seconds(name: &str, value: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("--{name} must be a positive number of seconds, not {value}"))
+}
+
+/// The tenants: every `--api-key` (`key-1`, ...), then the keys file's.
+fn tenants(args: &Args) -> Result<Vec<(String, String)>, String> {
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for key in args.api_key.iter().filter(|k| !k.is_empty()) {
+        keys.push((format!("key-{}", keys.len() + 1), key.clone()));
+    }
+    if let Some(path) = &args.api_keys_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        for line in text.lines().map(str::trim) {
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (name, key) = match line.split_once(':') {
+                Some((name, key)) => (name.trim().to_string(), key.trim().to_string()),
+                None => (format!("key-{}", keys.len() + 1), line.to_string()),
+            };
+            if name.is_empty() || key.is_empty() {
+                return Err(format!(
+                    "{}: a line has an empty tenant or key",
+                    path.display()
+                ));
+            }
+            if keys.iter().any(|(n, _)| *n == name) {
+                return Err(format!("{}: tenant `{name}` appears twice", path.display()));
+            }
+            keys.push((name, key));
+        }
+    }
+    Ok(keys)
+}
+
+fn server_config(args: &Args, name: String) -> Result<ServerConfig, String> {
+    let mut config = ServerConfig::new(name).with_max_body_bytes(args.max_body_bytes);
+    config.tenants = tenants(args)?;
+    config.metrics_key = args.metrics_key.clone().filter(|k| !k.is_empty());
+    config.max_n = args.max_n;
+    config.max_prompts = args.max_prompts;
+    config.max_choices = args.max_choices;
+    config.max_choices_per_tenant = args.max_choices_per_tenant;
+    config.max_stop_strings = args.max_stop_strings;
+    config.max_stop_bytes = args.max_stop_bytes;
+    config.max_messages = args.max_messages;
+    config.max_json_depth = args.max_json_depth;
+    config.max_connections = args.max_connections;
+    config.max_unsent_events = args.max_unsent_events;
+    config.header_timeout = seconds("header-timeout", args.header_timeout)?;
+    config.body_timeout = seconds("body-timeout", args.body_timeout)?;
+    config.write_timeout = seconds("write-timeout", args.write_timeout)?;
+    config.sse_keep_alive = seconds("sse-keep-alive", args.sse_keep_alive)?;
+    Ok(config)
+}
+
 async fn serve(args: Args) -> Result<(), String> {
     let path = match &args.model {
         Some(p) => p.clone(),
         None => llama_burn::demo::demo_model_path().map_err(|e| e.to_string())?,
     };
-    let mut config =
-        ServerConfig::new(served_name(&args, &path)).with_max_body_bytes(args.max_body_bytes);
-    config.api_key = args.api_key.clone().filter(|k| !k.is_empty());
+    let config = server_config(&args, served_name(&args, &path))?;
     let server = Server::new(config).map_err(|e| e.to_string())?;
 
     // Listen first, so /health answers 503 while the model loads.
@@ -200,14 +315,16 @@ async fn serve(args: Args) -> Result<(), String> {
     );
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let app = server.router();
-    let http = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = stop_rx.await;
-            })
-            .await
-    });
+    let http = {
+        let server = server.clone();
+        tokio::spawn(async move {
+            server
+                .serve(listener, async {
+                    let _ = stop_rx.await;
+                })
+                .await
+        })
+    };
 
     let shutdown_timeout = Duration::from_secs(args.shutdown_timeout);
     let loader = {

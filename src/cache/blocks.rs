@@ -176,12 +176,21 @@ impl BlockManager {
     /// one token uncached (its logits are needed), and takes a reference to each of its
     /// blocks. Returns no blocks when prefix caching is off.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
+        self.match_prefix_salted(tokens, 0)
+    }
+
+    /// [`match_prefix`](Self::match_prefix) in the cache partition `salt`: the hash
+    /// chain starts from `salt` instead of 0, so blocks registered under another salt
+    /// (by [`register_full_blocks`](Self::register_full_blocks) with that salt as the
+    /// first parent) never match. Tenants that must not learn each other's prompts get
+    /// different salts.
+    pub fn match_prefix_salted(&mut self, tokens: &[u32], salt: PrefixHash) -> PrefixMatch {
         if !self.prefix_caching || tokens.len() < 2 {
             return PrefixMatch::default();
         }
         let usable = (tokens.len() - 1) / self.block_size;
         let mut blocks = Vec::new();
-        for (key, _) in block_keys(tokens, self.block_size, 0).take(usable) {
+        for (key, _) in block_keys(tokens, self.block_size, salt).take(usable) {
             let Some(&id) = self.cached.get(&key) else {
                 break;
             };

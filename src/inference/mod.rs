@@ -9,7 +9,7 @@ pub mod runtime;
 pub use crate::batched::{DEFAULT_MAX_BATCH, generate_batch, generate_batch_with_max};
 pub use continuous::{
     ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, EngineMetrics, EventHandler,
-    KvBudget, Outcome, RequestMetrics, continuous_batching_handler,
+    KvBudget, Outcome, RequestMetrics, Scope, continuous_batching_handler,
 };
 pub use handlers::{concurrent_streaming_handler, request_sampler, streaming_handler};
 pub use request::{GenerateRequest, TokenOutput};

@@ -119,6 +119,21 @@ impl ApiError {
         }
     }
 
+    /// 408: the body did not arrive in time.
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        Self {
+            code: Some("request_timeout"),
+            ..Self::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive within {} s (limit: --body-timeout)",
+                    limit.as_secs_f64()
+                ),
+            )
+        }
+    }
+
     /// 503: the server is loading its model or shutting down.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self {

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use super::Shared;
 use super::error::ApiError;
 use super::openai::{Endpoint, Usage};
 use super::stop::StopMatcher;
+use super::{Shared, TenantSlot};
 use crate::error::LlamaError;
-use crate::inference::{CancelToken, EngineEvent, GenerateRequest};
+use crate::inference::{CancelToken, EngineEvent, GenerateRequest, Scope};
 use crate::llama::StopReason;
 
 /// One choice to generate.
@@ -70,22 +70,40 @@ pub(crate) struct Generation {
     request_id: String,
     endpoint: Endpoint,
     started: Instant,
-    events: mpsc::UnboundedReceiver<(usize, EngineEvent)>,
+    events: mpsc::Receiver<(usize, EngineEvent)>,
     pending: VecDeque<(usize, EngineEvent)>,
     choices: Vec<Choice>,
+    /// The tenant's share this request holds, given back when it ends.
+    _slot: TenantSlot,
 }
 
 impl Generation {
-    /// Submits every choice and waits until the engine has accepted them all, so that
-    /// an invalid request is an error status, not a broken stream.
+    /// Submits every choice (in `scope`: prefix-cache partition and tenant) and waits
+    /// until the
+    /// engine has accepted them all, so that an invalid request is an error status, not
+    /// a broken stream.
+    ///
+    /// The events wait in a channel of [`ServerConfig::max_unsent_events`] per choice:
+    /// when a client stops reading, its stream stops taking events, the channel fills,
+    /// and the engine drops the request (freeing its KV blocks) instead of buffering its
+    /// whole answer.
+    ///
+    /// [`ServerConfig::max_unsent_events`]: super::ServerConfig::max_unsent_events
     pub(crate) async fn start(
         shared: Arc<Shared>,
         endpoint: Endpoint,
         specs: Vec<ChoiceSpec>,
         request_id: String,
+        scope: Scope,
+        slot: TenantSlot,
     ) -> Result<Self, ApiError> {
         let engine = shared.engine()?;
-        let (tx, events) = mpsc::unbounded_channel();
+        let capacity = specs
+            .len()
+            .max(1)
+            .saturating_mul(shared.config.max_unsent_events)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        let (tx, events) = mpsc::channel(capacity);
         let id = shared.register();
         let mut generation = Self {
             shared: shared.clone(),
@@ -96,6 +114,7 @@ impl Generation {
             events,
             pending: VecDeque::new(),
             choices: Vec::with_capacity(specs.len()),
+            _slot: slot,
         };
         for (index, spec) in specs.into_iter().enumerate() {
             let cancel = CancelToken::new();
@@ -104,9 +123,11 @@ impl Generation {
             // channel; once the request is gone, sending fails and the engine drops the
             // choice.
             let tx = tx.clone();
-            let on_event = Box::new(move |event| tx.send((index, event)).is_ok());
+            // `try_send`: the engine thread never waits; a full channel (the client stopped
+            // reading) ends the choice.
+            let on_event = Box::new(move |event| tx.try_send((index, event)).is_ok());
             engine
-                .submit(spec.request, cancel.clone(), on_event)
+                .submit(spec.request, cancel.clone(), scope, on_event)
                 .map_err(|e| ApiError::from_llama(&e, endpoint.prompt_param()))?;
             generation.choices.push(Choice {
                 prompt: spec.prompt,

@@ -39,6 +39,8 @@ pub const NUM_PREEMPTIONS_TOTAL: &str = "llama_burn:num_preemptions_total";
 pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "llama_burn:prefix_cache_queries_total";
 /// Prompt tokens served from the prefix cache.
 pub const PREFIX_CACHE_HITS_TOTAL: &str = "llama_burn:prefix_cache_hits_total";
+/// API requests by tenant (API-key tenants only; other requests count as `other`).
+pub const TENANT_REQUESTS_TOTAL: &str = "llama_burn:tenant_requests_total";
 /// Requests refused because the engine's queue was full.
 pub const REQUESTS_REJECTED_TOTAL: &str = "llama_burn:requests_rejected_total";
 
@@ -138,6 +140,19 @@ impl ServerMetrics {
                 REQUESTS_REJECTED_TOTAL,
                 "Requests refused because the queue was full."
             );
+        });
+    }
+
+    /// Counts an API request of `tenant`; `keyed` says whether it is an API-key tenant
+    /// (a bounded set, so a label); other names count as `other`.
+    pub fn tenant_request(&self, tenant: &str, keyed: bool) {
+        let label = if keyed {
+            tenant.to_string()
+        } else {
+            "other".into()
+        };
+        self.with(|| {
+            metrics::counter!(TENANT_REQUESTS_TOTAL, "tenant" => label).increment(1);
         });
     }
 

@@ -38,9 +38,11 @@
 
 mod error;
 mod generation;
+mod limits;
 pub mod metrics;
 pub mod openai;
 mod routes;
+mod serve;
 mod stop;
 
 use std::collections::HashMap;
@@ -55,7 +57,7 @@ pub use stop::{StopMatcher, StopOutput};
 use crate::backend::LlamaBackend;
 use crate::error::{LlamaError, Result};
 use crate::inference::{
-    CancelToken, ContinuousEngine, EngineMetrics, EventHandler, GenerateRequest,
+    CancelToken, ContinuousEngine, EngineMetrics, EventHandler, GenerateRequest, Scope,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -65,16 +67,25 @@ pub trait Engine: Send + Sync + 'static {
     /// Queues `request`, cancelled through `cancel`, its events delivered to
     /// `on_event`: first [`EngineEvent::Accepted`](crate::inference::EngineEvent::Accepted)
     /// or the `Done` error that refuses it (see [`ContinuousEngine::submit_to`]).
+    ///
+    /// `scope` is the request's prefix-cache partition and tenant (see
+    /// [`ContinuousEngine::submit_scoped`]).
     fn submit(
         &self,
         request: GenerateRequest,
         cancel: CancelToken,
+        scope: Scope,
         on_event: EventHandler,
     ) -> Result<()>;
     /// A snapshot of the engine's metrics.
     fn metrics(&self) -> EngineMetrics;
     /// The context length: prompt plus generated tokens.
     fn max_seq_len(&self) -> usize;
+    /// Whether the engine still runs (false: it stopped for good; `/health` answers 503
+    /// so that an orchestrator restarts the replica).
+    fn is_alive(&self) -> bool {
+        true
+    }
 }
 
 impl<B: LlamaBackend, T: Tokenizer> Engine for ContinuousEngine<B, T>
@@ -85,9 +96,15 @@ where
         &self,
         request: GenerateRequest,
         cancel: CancelToken,
+        scope: Scope,
         on_event: EventHandler,
     ) -> Result<()> {
-        self.submit_to(request, cancel, on_event).map(drop)
+        self.submit_scoped(request, cancel, scope, on_event)
+            .map(drop)
+    }
+
+    fn is_alive(&self) -> bool {
+        ContinuousEngine::is_alive(self)
     }
 
     fn metrics(&self) -> EngineMetrics {
@@ -99,17 +116,55 @@ where
     }
 }
 
-/// Settings of a [`Server`].
+/// Settings of a [`Server`]. Every limit is checked before any work is done for a
+/// request, and before anything proportional to its size is allocated beyond its body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
     /// The model id clients use (`/v1/models`, the `model` field).
     pub served_model_name: String,
-    /// When set, `/v1/*` requires `Authorization: Bearer <api_key>`.
+    /// When set, `/v1/*` requires `Authorization: Bearer <api_key>`. The key is tenant
+    /// `default`; [`ServerConfig::tenants`] adds more.
     pub api_key: Option<String>,
+    /// More API keys, each a tenant: `(tenant name, key)`.
+    pub tenants: Vec<(String, String)>,
+    /// When set, `/metrics` requires `Authorization: Bearer <metrics_key>` (API keys do
+    /// not open it).
+    pub metrics_key: Option<String>,
     /// Largest request body in bytes (larger ones get 413).
     pub max_body_bytes: usize,
     /// Most choices (`n`) per request.
     pub max_n: usize,
+    /// Most prompts in one `/v1/completions` request.
+    pub max_prompts: usize,
+    /// Most choices (prompts x `n`) in one request: also its most waiting-queue slots.
+    pub max_choices: usize,
+    /// Most choices one tenant may have in flight (waiting or running) at once; more
+    /// get 429, so one tenant's burst leaves room for the others.
+    pub max_choices_per_tenant: usize,
+    /// Most stop strings per request.
+    pub max_stop_strings: usize,
+    /// Most bytes of all stop strings of a request together.
+    pub max_stop_bytes: usize,
+    /// Most messages in one chat request.
+    pub max_messages: usize,
+    /// Deepest JSON nesting of a request body (objects and arrays).
+    pub max_json_depth: usize,
+    /// Longest wait for the whole request body once its headers are read (408 after).
+    pub body_timeout: Duration,
+    /// Events (tokens) one request may have produced and not yet sent to its client;
+    /// beyond it the client is taken to have stopped reading and the request is
+    /// cancelled (its KV blocks freed).
+    pub max_unsent_events: usize,
+    /// Interval of the SSE keep-alive comments on streams.
+    pub sse_keep_alive: Duration,
+    /// [`Server::serve`]: longest wait for a request's headers, from the connection's
+    /// start or the end of its previous response (so also the idle keep-alive timeout).
+    pub header_timeout: Duration,
+    /// [`Server::serve`]: longest a write to a client may stay blocked (the client not
+    /// reading) before the connection is closed and its request cancelled.
+    pub write_timeout: Duration,
+    /// [`Server::serve`]: most open connections; more wait in the kernel's accept queue.
+    pub max_connections: usize,
     /// `max_tokens` when a request gives none (`None`: up to the context length).
     /// `/v1/completions` defaults to 16, as OpenAI's does.
     pub default_max_tokens: Option<usize>,
@@ -117,13 +172,32 @@ pub struct ServerConfig {
 
 impl ServerConfig {
     /// Defaults for a model served as `served_model_name`: no API key, 2 MiB bodies,
-    /// `n` up to 16, chat answers up to the context length.
+    /// `n` up to 16, 64 prompts and 64 choices per request, 128 choices per tenant, 4
+    /// stop strings of 1024 bytes together, 512 messages, JSON nesting 32, 30 s for the
+    /// body, 1024 unsent events, keep-alive comments every 15 s, 10 s for headers (and
+    /// idle keep-alive), 30 s blocked writes, 1024 connections, chat answers up to the
+    /// context length.
     pub fn new(served_model_name: impl Into<String>) -> Self {
         Self {
             served_model_name: served_model_name.into(),
             api_key: None,
+            tenants: Vec::new(),
+            metrics_key: None,
             max_body_bytes: 2 * 1024 * 1024,
             max_n: 16,
+            max_prompts: 64,
+            max_choices: 64,
+            max_choices_per_tenant: 128,
+            max_stop_strings: 4,
+            max_stop_bytes: 1024,
+            max_messages: 512,
+            max_json_depth: 32,
+            body_timeout: Duration::from_secs(30),
+            max_unsent_events: 1024,
+            sse_keep_alive: Duration::from_secs(15),
+            header_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(30),
+            max_connections: 1024,
             default_max_tokens: None,
         }
     }
@@ -135,11 +209,26 @@ impl ServerConfig {
         self
     }
 
+    /// Adds a tenant with its own API key (API keys become required).
+    #[must_use]
+    pub fn with_tenant(mut self, name: impl Into<String>, key: impl Into<String>) -> Self {
+        self.tenants.push((name.into(), key.into()));
+        self
+    }
+
     /// Sets the body size limit.
     #[must_use]
     pub fn with_max_body_bytes(mut self, bytes: usize) -> Self {
         self.max_body_bytes = bytes;
         self
+    }
+
+    /// Every API key with its tenant name: the `api_key` (tenant `default`) first.
+    pub(crate) fn keys(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.api_key
+            .iter()
+            .map(|k| ("default", k.as_str()))
+            .chain(self.tenants.iter().map(|(n, k)| (n.as_str(), k.as_str())))
     }
 }
 
@@ -152,6 +241,9 @@ pub(crate) struct Shared {
     in_flight: AtomicUsize,
     /// Cancellation of every engine request in flight, by API request.
     running: Mutex<HashMap<u64, Vec<CancelToken>>>,
+    /// Choices in flight per tenant (entries leave at 0, so the map holds only tenants
+    /// with requests in flight).
+    tenants: Mutex<HashMap<String, usize>>,
     metrics: ServerMetrics,
     /// Unix time the server was made (the model's `created`).
     created: u64,
@@ -163,10 +255,17 @@ impl Shared {
         if self.shutting_down.load(Ordering::Acquire) {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
-        self.engine
+        let engine = self
+            .engine
             .get()
             .cloned()
-            .ok_or_else(|| ApiError::unavailable("the model is still loading"))
+            .ok_or_else(|| ApiError::unavailable("the model is still loading"))?;
+        if !engine.is_alive() {
+            return Err(ApiError::unavailable(
+                "the engine has stopped; this replica must be restarted",
+            ));
+        }
+        Ok(engine)
     }
 
     /// A new API request in flight.
@@ -186,12 +285,71 @@ impl Shared {
         }
     }
 
+    /// Takes `choices` of `tenant`'s share, or 429 when that passes
+    /// [`ServerConfig::max_choices_per_tenant`] (unless not `capped`: requests with no
+    /// tenant at all share the engine's queue as before). The share comes back when the
+    /// slot is dropped.
+    fn reserve(
+        self: &Arc<Self>,
+        tenant: &str,
+        choices: usize,
+        capped: bool,
+    ) -> std::result::Result<TenantSlot, ApiError> {
+        let limit = if capped {
+            self.config.max_choices_per_tenant
+        } else {
+            usize::MAX
+        };
+        let mut tenants = self
+            .tenants
+            .lock()
+            .map_err(|_| ApiError::internal("the tenant table is poisoned"))?;
+        let in_flight = tenants.get(tenant).copied().unwrap_or(0);
+        if in_flight + choices > limit {
+            return Err(ApiError::from_llama(
+                &LlamaError::Overloaded {
+                    resource: "choices in flight of this tenant (--max-choices-per-tenant)",
+                    in_use: in_flight,
+                    requested: choices,
+                    limit,
+                },
+                "n",
+            ));
+        }
+        tenants.insert(tenant.to_string(), in_flight + choices);
+        Ok(TenantSlot {
+            shared: self.clone(),
+            tenant: tenant.to_string(),
+            choices,
+        })
+    }
+
     /// API request `id` is over.
     fn unregister(&self, id: u64) {
         if let Ok(mut running) = self.running.lock() {
             running.remove(&id);
         }
         self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A tenant's share taken by one API request; given back when dropped.
+pub(crate) struct TenantSlot {
+    shared: Arc<Shared>,
+    tenant: String,
+    choices: usize,
+}
+
+impl Drop for TenantSlot {
+    fn drop(&mut self) {
+        if let Ok(mut tenants) = self.shared.tenants.lock()
+            && let Some(n) = tenants.get_mut(&self.tenant)
+        {
+            *n = n.saturating_sub(self.choices);
+            if *n == 0 {
+                tenants.remove(&self.tenant);
+            }
+        }
     }
 }
 
@@ -224,8 +382,8 @@ impl Server {
     ///
     /// # Errors
     ///
-    /// [`LlamaError::InvalidParameter`] for an empty model name, `max_n` of 0 or a body
-    /// limit of 0.
+    /// [`LlamaError::InvalidParameter`] for an empty model name, a limit of 0 or an empty
+    /// API key.
     pub fn new(config: ServerConfig) -> Result<Self> {
         if config.served_model_name.is_empty() {
             return Err(LlamaError::invalid(
@@ -234,15 +392,42 @@ impl Server {
                 "must not be empty",
             ));
         }
-        if config.max_n == 0 {
-            return Err(LlamaError::invalid("max_n", 0, "must be at least 1"));
+        let limits = [
+            ("max_n", config.max_n),
+            ("max_body_bytes", config.max_body_bytes),
+            ("max_prompts", config.max_prompts),
+            ("max_choices", config.max_choices),
+            ("max_choices_per_tenant", config.max_choices_per_tenant),
+            ("max_messages", config.max_messages),
+            ("max_json_depth", config.max_json_depth),
+            ("max_unsent_events", config.max_unsent_events),
+            ("max_connections", config.max_connections),
+        ];
+        for (name, value) in limits {
+            if value == 0 {
+                return Err(LlamaError::invalid(name, 0, "must be at least 1"));
+            }
         }
-        if config.max_body_bytes == 0 {
+        if config.max_stop_strings > openai::MAX_STOP_STRINGS {
             return Err(LlamaError::invalid(
-                "max_body_bytes",
-                0,
-                "must be at least 1",
+                "max_stop_strings",
+                config.max_stop_strings,
+                "OpenAI's limit is 4",
             ));
+        }
+        let timeouts = [
+            ("body_timeout", config.body_timeout),
+            ("header_timeout", config.header_timeout),
+            ("write_timeout", config.write_timeout),
+            ("sse_keep_alive", config.sse_keep_alive),
+        ];
+        for (name, value) in timeouts {
+            if value.is_zero() {
+                return Err(LlamaError::invalid(name, 0, "must be positive"));
+            }
+        }
+        if config.keys().any(|(_, key)| key.is_empty()) {
+            return Err(LlamaError::invalid("api_key", "\"\"", "must not be empty"));
         }
         let metrics = ServerMetrics::new(&config.served_model_name)?;
         Ok(Self {
@@ -253,6 +438,7 @@ impl Server {
                 next_id: AtomicU64::new(0),
                 in_flight: AtomicUsize::new(0),
                 running: Mutex::new(HashMap::new()),
+                tenants: Mutex::new(HashMap::new()),
                 metrics,
                 created: unix_now(),
             }),

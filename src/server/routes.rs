@@ -8,8 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
@@ -23,11 +22,12 @@ use serde_json::{Value, json};
 use super::Shared;
 use super::error::ApiError;
 use super::generation::{ChoiceSpec, Generation, Update};
+use super::limits::{check_counts, check_depth};
 use super::openai::{
     ChatCompletionRequest, CompletionRequest, Endpoint, OpenAiRequest, PromptInput, Sampling,
     Usage, parse_request,
 };
-use crate::inference::GenerateRequest;
+use crate::inference::{GenerateRequest, Scope};
 
 type AppState = State<Arc<Shared>>;
 
@@ -95,20 +95,41 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// `/v1/*`: checks the API key.
-async fn authorize(State(shared): AppState, request: Request, next: Next) -> Response {
-    if let Some(key) = &shared.config.api_key {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().split_once(' '))
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map(|(_, token)| token.trim());
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-            return ApiError::unauthorized().into_response();
+/// The bearer token of a request, if any.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim())
+}
+
+/// The tenant an API key names (`None` when the server has no keys: tenants then come
+/// from the `user` field).
+#[derive(Clone)]
+struct Tenant(Option<String>);
+
+/// `/v1/*`: checks the API key and notes its tenant. Every key is compared (in
+/// constant time), so the time taken does not tell which key was nearly right.
+async fn authorize(State(shared): AppState, mut request: Request, next: Next) -> Response {
+    let mut keys = shared.config.keys().peekable();
+    let tenant = if keys.peek().is_some() {
+        let given = bearer(request.headers()).unwrap_or("");
+        let mut found = None;
+        for (name, key) in keys {
+            if constant_time_eq(given.as_bytes(), key.as_bytes()) && found.is_none() {
+                found = Some(name.to_string());
+            }
         }
-    }
+        let Some(name) = found else {
+            return ApiError::unauthorized().into_response();
+        };
+        Some(name)
+    } else {
+        None
+    };
+    request.extensions_mut().insert(Tenant(tenant));
     next.run(request).await
 }
 
@@ -121,6 +142,8 @@ async fn health(State(shared): AppState) -> Response {
         "shutting_down"
     } else if shared.engine.get().is_none() {
         "loading"
+    } else if shared.engine.get().is_some_and(|e| !e.is_alive()) {
+        "engine_stopped"
     } else {
         return Json(json!({"status": "ok"})).into_response();
     };
@@ -131,7 +154,13 @@ async fn health(State(shared): AppState) -> Response {
         .into_response()
 }
 
-async fn metrics(State(shared): AppState) -> Response {
+async fn metrics(State(shared): AppState, headers: HeaderMap) -> Response {
+    if let Some(key) = &shared.config.metrics_key {
+        let given = bearer(&headers).unwrap_or("");
+        if !constant_time_eq(given.as_bytes(), key.as_bytes()) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
     let engine = shared.engine.get().map(|e| e.metrics());
     (
         [(
@@ -164,20 +193,65 @@ async fn get_model(State(shared): AppState, Path(id): Path<String>) -> Response 
     }
 }
 
-/// Parses a JSON body whatever its content type: 413 over the limit, 400 for malformed
-/// JSON or a field of the wrong type (naming the field).
+/// Reads a body: 413 over `--max-body-bytes` (read no further), 408 when it does not
+/// arrive within `--body-timeout`.
+async fn read_body(shared: &Shared, body: Body) -> Result<Bytes, ApiError> {
+    let limit = shared.config.max_body_bytes;
+    let timeout = shared.config.body_timeout;
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
+        Err(_) => Err(ApiError::body_timeout(timeout)),
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => {
+            // axum's error wraps http-body-util's `LengthLimitError`.
+            let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            let mut too_large = false;
+            while let Some(err) = source {
+                too_large |= err.to_string().contains("length limit exceeded");
+                source = err.source();
+            }
+            if too_large {
+                Err(ApiError::too_large(limit))
+            } else {
+                Err(ApiError::invalid(
+                    format!("could not read the body: {e}"),
+                    None,
+                ))
+            }
+        }
+    }
+}
+
+/// Fields read apart from the endpoint's own: the tenant's `user` and `cache_salt`.
+#[derive(Default, serde::Deserialize)]
+struct Extras {
+    user: Option<String>,
+    cache_salt: Option<String>,
+}
+
+/// Longest `cache_salt` and `user` taken into account.
+const MAX_SALT_BYTES: usize = 256;
+
+/// Parses a JSON body whatever its content type, after the limits that need no parse
+/// (nesting, then the counts of prompts, choices, stop strings and messages): 400 for
+/// one of those, malformed JSON or a field of the wrong type (naming the field).
 fn parse_body<T: OpenAiRequest>(
     shared: &Shared,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<T, ApiError> {
-    let body = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::too_large(shared.config.max_body_bytes)
-        } else {
-            ApiError::invalid(format!("could not read the body: {rejection}"), None)
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(T, Extras), ApiError> {
+    check_depth(body, shared.config.max_json_depth)?;
+    check_counts(body, endpoint, &shared.config)?;
+    let request = parse_request(body)?;
+    let extras: Extras = serde_json::from_slice(body).unwrap_or_default();
+    for (name, value) in [("user", &extras.user), ("cache_salt", &extras.cache_salt)] {
+        if value.as_ref().is_some_and(|v| v.len() > MAX_SALT_BYTES) {
+            return Err(ApiError::invalid(
+                format!("`{name}` is longer than {MAX_SALT_BYTES} bytes"),
+                Some(name),
+            ));
         }
-    })?;
-    parse_request(&body)
+    }
+    Ok((request, extras))
 }
 
 fn check_model(shared: &Shared, model: Option<&str>) -> Result<(), ApiError> {
@@ -193,9 +267,12 @@ fn check_model(shared: &Shared, model: Option<&str>) -> Result<(), ApiError> {
 async fn chat_completions(
     State(shared): AppState,
     Extension(ClientRequestId(request_id)): Extension<ClientRequestId>,
-    body: Result<Bytes, BytesRejection>,
+    Extension(tenant): Extension<Tenant>,
+    body: Body,
 ) -> Result<Response, ApiError> {
-    let request: ChatCompletionRequest = parse_body(&shared, body)?;
+    let body = read_body(&shared, body).await?;
+    let (request, extras): (ChatCompletionRequest, _) = parse_body(&shared, Endpoint::Chat, &body)?;
+    drop(body);
     check_model(&shared, request.common.model.as_deref())?;
     let messages = request.conversation()?;
     let sampling = request
@@ -209,6 +286,7 @@ async fn chat_completions(
         sampling,
         default_max,
         request_id,
+        TenantOf::new(tenant, extras),
     )
     .await
 }
@@ -216,9 +294,13 @@ async fn chat_completions(
 async fn completions(
     State(shared): AppState,
     Extension(ClientRequestId(request_id)): Extension<ClientRequestId>,
-    body: Result<Bytes, BytesRejection>,
+    Extension(tenant): Extension<Tenant>,
+    body: Body,
 ) -> Result<Response, ApiError> {
-    let request: CompletionRequest = parse_body(&shared, body)?;
+    let body = read_body(&shared, body).await?;
+    let (request, extras): (CompletionRequest, _) =
+        parse_body(&shared, Endpoint::Completions, &body)?;
+    drop(body);
     check_model(&shared, request.common.model.as_deref())?;
     let prompts = request.prompts()?;
     let sampling = request
@@ -233,8 +315,57 @@ async fn completions(
         sampling,
         default_max,
         request_id,
+        TenantOf::new(tenant, extras),
     )
     .await
+}
+
+/// Who a request is for: its tenant (the API key's, else `user`, else `anonymous`) and
+/// its prefix-cache partition.
+struct TenantOf {
+    name: String,
+    scope: Scope,
+    /// Whether the tenant's share applies (not to `anonymous`: without an API key or a
+    /// `user` there is nobody to tell apart).
+    capped: bool,
+}
+
+impl TenantOf {
+    /// The prefix cache is partitioned by API-key tenant (one tenant's prompts give
+    /// another no hits) and, within it, by `cache_salt`. Without API keys and without a
+    /// `cache_salt` requests share partition 0.
+    fn new(tenant: Tenant, extras: Extras) -> Self {
+        let keyed = tenant.0.is_some();
+        let capped = keyed || extras.user.is_some();
+        let name = tenant
+            .0
+            .or(extras.user)
+            .unwrap_or_else(|| "anonymous".into());
+        let salt = if keyed || extras.cache_salt.is_some() {
+            use std::hash::{Hash, Hasher};
+            let half = |lead: u64| {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                lead.hash(&mut h);
+                keyed.then_some(name.as_str()).hash(&mut h);
+                extras.cache_salt.hash(&mut h);
+                h.finish()
+            };
+            (u128::from(half(1)) << 64) | u128::from(half(2))
+        } else {
+            0
+        };
+        let tenant = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            name.hash(&mut h);
+            h.finish()
+        };
+        Self {
+            name,
+            scope: Scope { salt, tenant },
+            capped,
+        }
+    }
 }
 
 /// The engine requests of an API request: `n` choices per prompt, choice `i` seeded
@@ -301,8 +432,15 @@ async fn run(
     sampling: Sampling,
     default_max_tokens: Option<usize>,
     request_id: Option<String>,
+    tenant: TenantOf,
 ) -> Result<Response, ApiError> {
     let max_seq_len = shared.engine()?.max_seq_len();
+    // The tenant's share first: a request over it costs nothing more.
+    let choices = prompts.len().saturating_mul(sampling.n);
+    let slot = shared.reserve(&tenant.name, choices, tenant.capped)?;
+    shared
+        .metrics
+        .tenant_request(&tenant.name, keyed_tenant(&shared, &tenant.name));
     let max_tokens = sampling
         .max_tokens
         .or(default_max_tokens.map(|d| d.min(max_seq_len)))
@@ -318,11 +456,13 @@ async fn run(
     // and so does the response.
     let request_id = request_id.unwrap_or_else(|| envelope.id.clone());
     let header_value = HeaderValue::from_str(&request_id).ok();
-    let generation = Generation::start(shared, endpoint, specs, request_id).await?;
+    let keep_alive = shared.config.sse_keep_alive;
+    let generation =
+        Generation::start(shared, endpoint, specs, request_id, tenant.scope, slot).await?;
     let mut response = if sampling.stream {
         let events = sse_events(generation, envelope, sampling.include_usage);
         Sse::new(events)
-            .keep_alive(KeepAlive::default())
+            .keep_alive(KeepAlive::new().interval(keep_alive))
             .into_response()
     } else {
         whole_response(generation, envelope).await?
@@ -331,6 +471,12 @@ async fn run(
         response.headers_mut().insert("x-request-id", value);
     }
     Ok(response)
+}
+
+/// Whether `name` is an API-key tenant (whose counters `/metrics` shows; `user` names are
+/// the clients' own and unbounded, so they are not labels).
+fn keyed_tenant(shared: &Shared, name: &str) -> bool {
+    shared.config.keys().any(|(n, _)| n == name)
 }
 
 /// Waits for every choice and answers with one JSON object. If the client goes away

@@ -39,6 +39,8 @@ struct Active<B: LlamaBackend> {
     last_token: Option<Instant>,
     prefix_hit_tokens: usize,
     preemptions: u32,
+    /// Fault injection (tests only): a step that runs this request panics.
+    poisoned: bool,
 }
 
 impl<B: LlamaBackend> Active<B> {
@@ -71,6 +73,25 @@ pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     queue: Receiver<Submission>,
     shared: Arc<Shared>,
     steps: u64,
+    panic_marker: Option<String>,
+}
+
+/// Marks the engine gone when dropped, however its thread ends: submissions are refused
+/// from then on and the engine's gauges read zero (nothing waits or runs any more).
+pub(super) struct GoneGuard(Arc<Shared>);
+
+impl Drop for GoneGuard {
+    fn drop(&mut self) {
+        self.0.gone.store(true, Ordering::Release);
+        self.0.waiting.store(0, Ordering::Release);
+        if let Ok(mut m) = self.0.metrics.lock() {
+            m.running = 0;
+            m.prefilling = 0;
+            m.waiting = 0;
+            m.kv_blocks_used = 0;
+            m.kv_bytes_used = 0;
+        }
+    }
 }
 
 impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
@@ -105,9 +126,15 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             queue,
             shared,
             steps: 0,
+            panic_marker: config.panic_marker.clone(),
         };
         worker.publish();
         Ok(worker)
+    }
+
+    /// A guard that marks the engine gone when the thread ends.
+    pub(super) fn gone_guard(&self) -> GoneGuard {
+        GoneGuard(self.shared.clone())
     }
 
     /// The engine loop; returns the model when the engine stops.
@@ -124,7 +151,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             let plan = self.scheduler.schedule();
             self.note_admissions(&plan);
             if !plan.rows.is_empty() {
-                self.execute(&plan);
+                self.execute_isolated(&plan);
             }
             self.publish();
         }
@@ -154,7 +181,16 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => return true,
                 },
             };
-            match self.prepare(&sub) {
+            // A panic while validating or tokenizing (a tokenizer bug on a hostile
+            // prompt) fails this request only.
+            let prepared =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.prepare(&sub)))
+                    .unwrap_or_else(|_| {
+                        Err(LlamaError::StepFailed(
+                            "preparing the request panicked; other requests go on".into(),
+                        ))
+                    });
+            match prepared {
                 Ok((ids, state)) => {
                     if !sub.sink.accepted(ids.len()) {
                         // Nobody listens any more.
@@ -163,7 +199,12 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         sub.sink.done(Err(LlamaError::Cancelled));
                         continue;
                     }
-                    self.scheduler.add(sub.id, ids);
+                    self.scheduler
+                        .add_for(sub.id, ids, sub.scope.salt, sub.scope.tenant);
+                    let poisoned = self
+                        .panic_marker
+                        .as_deref()
+                        .is_some_and(|marker| sub.request.prompt.contains(marker));
                     self.requests.insert(
                         sub.id,
                         Active {
@@ -177,6 +218,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                             last_token: None,
                             prefix_hit_tokens: 0,
                             preemptions: 0,
+                            poisoned,
                             state,
                         },
                     );
@@ -246,8 +288,40 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         }
     }
 
+    /// Runs one step with a panic inside it contained: the step's requests fail with
+    /// [`LlamaError::StepFailed`] and free their blocks, and the engine goes on with the
+    /// next step. The step's rows are the only state a step touches (their blocks in the
+    /// pool, their generation states), and each of those requests ends here.
+    fn execute_isolated(&mut self, plan: &StepPlan) {
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.execute(plan)));
+        if let Err(payload) = run {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            tracing_free_warn(&message);
+            for row in &plan.rows {
+                self.end(
+                    row.id,
+                    Err(LlamaError::StepFailed(format!(
+                        "the engine step running this request failed ({message}); other \
+                         requests go on"
+                    ))),
+                );
+            }
+        }
+    }
+
     /// Runs one step: the forward pass over every scheduled row, then sampling.
     fn execute(&mut self, plan: &StepPlan) {
+        if plan
+            .rows
+            .iter()
+            .any(|r| self.requests.get(&r.id).is_some_and(|a| a.poisoned))
+        {
+            panic!("fault injected into an engine step (panic_marker)");
+        }
         let logits = {
             let mut rows = Vec::with_capacity(plan.rows.len());
             for row in &plan.rows {
@@ -391,4 +465,12 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             m.prefix_hit_tokens = blocks.hit_tokens();
         }
     }
+}
+
+/// Reports a contained step panic on stderr (the library has no logger of its own; the
+/// panic hook has printed the panic itself already).
+fn tracing_free_warn(message: &str) {
+    eprintln!(
+        "llama-burn: an engine step panicked ({message}); its requests failed, the engine goes on"
+    );
 }

@@ -86,6 +86,11 @@ pub struct ContinuousConfig {
     /// Reuse the KV blocks of prefixes computed before (shared system prompts,
     /// documents). On by default; results are identical either way.
     pub prefix_caching: bool,
+    /// Fault injection, for tests of fault isolation only: a step that runs a request
+    /// whose text prompt contains this marker panics inside the step. `None` (the
+    /// default) in any real deployment.
+    #[doc(hidden)]
+    pub panic_marker: Option<String>,
 }
 
 impl Default for ContinuousConfig {
@@ -98,6 +103,7 @@ impl Default for ContinuousConfig {
             step_tokens: 256,
             min_prefill_chunk: 32,
             prefix_caching: true,
+            panic_marker: None,
         }
     }
 }
@@ -329,6 +335,19 @@ impl Sink {
     }
 }
 
+/// Who a submission is for ([`ContinuousEngine::submit_scoped`]): its prefix-cache
+/// partition and its tenant. The default (0, 0) is every unscoped submission's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Scope {
+    /// The prefix-cache partition: the request reuses cached prefix blocks only of
+    /// requests with the same salt, so tenants that must not learn each other's prompts
+    /// from cache hits get different salts.
+    pub salt: u128,
+    /// The tenant: admission takes tenants in turn (round robin), so one tenant's burst
+    /// cannot hold the others back.
+    pub tenant: u64,
+}
+
 /// A request on its way to the engine thread.
 struct Submission {
     id: u64,
@@ -336,6 +355,8 @@ struct Submission {
     sink: Sink,
     cancel: CancelToken,
     submitted: Instant,
+    /// The request's prefix-cache partition and tenant.
+    scope: Scope,
 }
 
 /// State shared between the engine handle, its clients and its thread.
@@ -348,6 +369,8 @@ struct Shared {
     stop: AtomicBool,
     /// Set by [`ContinuousEngine::shutdown`]: finish what is queued, then stop.
     drain: AtomicBool,
+    /// Set when the engine thread has ended (normally or not).
+    gone: AtomicBool,
 }
 
 /// The submitting side of an engine; cheap to clone.
@@ -365,7 +388,12 @@ impl EngineClient {
         request: GenerateRequest,
         sink: Sink,
         cancel: CancelToken,
+        scope: Scope,
     ) -> std::result::Result<u64, Box<(Sink, LlamaError)>> {
+        if self.shared.gone.load(Ordering::Acquire) {
+            let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
+            return Err(Box::new((sink, stopped)));
+        }
         let limit = self.max_waiting;
         let admitted = self
             .shared
@@ -394,6 +422,7 @@ impl EngineClient {
             sink,
             cancel,
             submitted: Instant::now(),
+            scope,
         };
         if let Err(returned) = self.queue.send(submission) {
             self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -406,7 +435,7 @@ impl EngineClient {
     /// Submits on behalf of a runtime job; a refusal ends the job at once.
     fn submit_job(&self, request: GenerateRequest, sink: JobSink<TokenOutput>) {
         let cancel = sink.cancel_token().clone();
-        if let Err(refused) = self.send(request, Sink::Job(sink), cancel) {
+        if let Err(refused) = self.send(request, Sink::Job(sink), cancel, Scope::default()) {
             let (sink, error) = *refused;
             sink.done(Err(error));
         }
@@ -426,7 +455,12 @@ impl EngineClient {
             event => tx.send(event).is_ok(),
         };
         let id = self
-            .send(request, Sink::Handler(Box::new(on_event)), cancel.clone())
+            .send(
+                request,
+                Sink::Handler(Box::new(on_event)),
+                cancel.clone(),
+                Scope::default(),
+            )
             .map_err(|refused| refused.1)?;
         Ok(EngineJob {
             id,
@@ -482,6 +516,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
             metrics: Mutex::new(EngineMetrics::default()),
             stop: AtomicBool::new(false),
             drain: AtomicBool::new(false),
+            gone: AtomicBool::new(false),
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let device = llama.device().clone();
@@ -489,7 +524,11 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         let worker = executor::Worker::new(llama, &config, num_blocks, shared.clone(), rx)?;
         let thread = std::thread::Builder::new()
             .name("llama-burn-continuous".into())
-            .spawn(move || worker.run())
+            .spawn(move || {
+                // Whatever ends the thread, even a panic outside a step, says so.
+                let _gone = worker.gone_guard();
+                worker.run()
+            })
             .map_err(|e| LlamaError::Runtime(format!("could not start the engine thread: {e}")))?;
         Ok(Self {
             client: Some(EngineClient {
@@ -559,9 +598,34 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         cancel: CancelToken,
         on_event: impl Fn(EngineEvent) -> bool + Send + 'static,
     ) -> Result<u64> {
+        self.submit_scoped(request, cancel, Scope::default(), on_event)
+    }
+
+    /// [`submit_to`](Self::submit_to) for a [`Scope`]: the request reuses cached prefix
+    /// blocks only of requests with the same salt (a server gives each tenant its own,
+    /// so a tenant cannot learn from its cache hits what another sent), and is admitted
+    /// in its tenant's turn.
+    ///
+    /// # Errors
+    ///
+    /// As [`submit_to`](Self::submit_to).
+    pub fn submit_scoped(
+        &self,
+        request: GenerateRequest,
+        cancel: CancelToken,
+        scope: Scope,
+        on_event: impl Fn(EngineEvent) -> bool + Send + 'static,
+    ) -> Result<u64> {
         self.client()?
-            .send(request, Sink::Handler(Box::new(on_event)), cancel)
+            .send(request, Sink::Handler(Box::new(on_event)), cancel, scope)
             .map_err(|refused| refused.1)
+    }
+
+    /// Whether the engine thread is still running. It survives a panic inside a step
+    /// (the step's requests fail); false means it has stopped for good and every
+    /// submission is refused with [`LlamaError::ModelUnavailable`].
+    pub fn is_alive(&self) -> bool {
+        !self.shared.gone.load(Ordering::Acquire)
     }
 
     /// The model's context length (`max_seq_len`): prompt plus generated tokens.

@@ -8,15 +8,16 @@
 //! sampled token), a chunk of its prompt for one being prefilled. When a request's
 //! computed tokens catch up with its sequence, the executor samples its next token.
 //!
-//! - **Admission** (first come, first served) reserves the blocks of the whole prompt,
-//!   minus the blocks found in the prefix cache, never `max_tokens` ahead.
+//! - **Admission** (tenants in turn, first come first served within a tenant; preempted
+//!   requests first) reserves the blocks of the whole prompt, minus the blocks found in
+//!   the prefix cache, never `max_tokens` ahead.
 //! - **Growth**: a decoding request takes a new block when it crosses a block boundary.
 //! - **Preemption**: when no block is left, the most recently admitted running request
 //!   gives all of its blocks back and returns to the head of the queue; it is recomputed
 //!   later from its tokens so far (its sampled tokens are kept, so its output is exactly
 //!   what it would have been).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use crate::cache::blocks::{BlockId, BlockManager, PrefixHash};
 
@@ -47,6 +48,12 @@ pub struct Sequence {
     pub blocks: Vec<BlockId>,
     /// Full blocks already offered to the prefix cache, and the hash chain up to them.
     registered: (usize, PrefixHash),
+    /// The request's prefix-cache partition (the start of its hash chain).
+    salt: PrefixHash,
+    /// Its tenant, for round-robin admission.
+    tenant: u64,
+    /// Preempted (it goes back in before anyone else).
+    preempted: bool,
 }
 
 impl Sequence {
@@ -96,6 +103,10 @@ pub struct Scheduler {
     /// Admitted requests, oldest admission first.
     running: Vec<Sequence>,
     preemptions: u64,
+    /// When each tenant with a request waiting or running was last admitted (an
+    /// admission counter), for round-robin admission.
+    last_admitted: HashMap<u64, u64>,
+    admissions: u64,
 }
 
 impl Scheduler {
@@ -107,6 +118,8 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             preemptions: 0,
+            last_admitted: HashMap::new(),
+            admissions: 0,
         }
     }
 
@@ -162,13 +175,57 @@ impl Scheduler {
 
     /// Queues a request with its prompt.
     pub fn add(&mut self, id: RequestId, prompt: Vec<u32>) {
+        self.add_salted(id, prompt, 0);
+    }
+
+    /// Queues a request whose prefix-cache partition is `salt`: it reuses only blocks
+    /// computed by requests with the same salt (see
+    /// [`BlockManager::match_prefix_salted`]).
+    pub fn add_salted(&mut self, id: RequestId, prompt: Vec<u32>, salt: PrefixHash) {
+        self.add_for(id, prompt, salt, 0);
+    }
+
+    /// Queues a request of `tenant` in prefix-cache partition `salt`. Admission takes
+    /// tenants in turn: the next request admitted is the oldest of the tenant admitted
+    /// least recently (preempted requests first of all), so one tenant's burst cannot
+    /// hold the others back. With one tenant this is first come, first served.
+    pub fn add_for(&mut self, id: RequestId, prompt: Vec<u32>, salt: PrefixHash, tenant: u64) {
+        self.last_admitted.entry(tenant).or_insert(0);
         self.waiting.push_back(Sequence {
             id,
             tokens: prompt,
             computed: 0,
             blocks: Vec::new(),
-            registered: (0, 0),
+            registered: (0, salt),
+            salt,
+            tenant,
+            preempted: false,
         });
+    }
+
+    /// The position in the queue of the next request to admit: a preempted one if any
+    /// (they are at the front), else the oldest request of the tenant admitted least
+    /// recently.
+    fn next_admission(&self) -> Option<usize> {
+        let front = self.waiting.front()?;
+        if front.preempted {
+            return Some(0);
+        }
+        let turn = |s: &Sequence| self.last_admitted.get(&s.tenant).copied().unwrap_or(0);
+        self.waiting
+            .iter()
+            .enumerate()
+            .min_by_key(|&(i, s)| (turn(s), i))
+            .map(|(i, _)| i)
+    }
+
+    /// Forgets the tenants with nothing waiting or running (bounds the table).
+    fn forget_idle_tenants(&mut self) {
+        if self.last_admitted.len() > self.waiting.len() + self.running.len() {
+            let (waiting, running) = (&self.waiting, &self.running);
+            self.last_admitted
+                .retain(|t, _| waiting.iter().chain(running).any(|s| s.tenant == *t));
+        }
     }
 
     /// Removes a request wherever it is, freeing its blocks. Returns whether it was held.
@@ -232,24 +289,29 @@ impl Scheduler {
                 sample: len == pending,
             });
         }
-        // 3. Admissions, first come first served, while the step has budget.
+        // 3. Admissions, tenants in turn, while the step has budget.
+        self.forget_idle_tenants();
         while budget > 0 && self.running.len() < self.limits.max_running {
-            let Some(seq) = self.waiting.front() else {
+            let Some(next) = self.next_admission() else {
                 break;
             };
-            let hit = self.blocks.match_prefix(&seq.tokens);
+            let seq = &self.waiting[next];
+            let hit = self.blocks.match_prefix_salted(&seq.tokens, seq.salt);
             let needed = self.blocks.blocks_for(seq.tokens.len()) - hit.blocks.len();
             let Some(fresh) = self.blocks.allocate(needed) else {
                 self.blocks.unmatch(&hit);
                 break;
             };
-            let Some(mut seq) = self.waiting.pop_front() else {
+            let Some(mut seq) = self.waiting.remove(next) else {
                 break;
             };
+            self.admissions += 1;
+            self.last_admitted.insert(seq.tenant, self.admissions);
+            seq.preempted = false;
             seq.computed = hit.tokens;
             seq.blocks = hit.blocks;
             seq.blocks.extend(fresh);
-            seq.registered = (0, 0);
+            seq.registered = (0, seq.salt);
             let pending = seq.pending();
             let len = pending.min(budget);
             budget -= len;
@@ -292,7 +354,8 @@ impl Scheduler {
         self.blocks.free(&seq.blocks);
         seq.blocks.clear();
         seq.computed = 0;
-        seq.registered = (0, 0);
+        seq.registered = (0, seq.salt);
+        seq.preempted = true;
         plan.preempted.push(seq.id);
         plan.rows.retain(|r| r.id != seq.id);
         self.preemptions += 1;
@@ -560,6 +623,69 @@ mod tests {
         s.finish(1);
         s.finish(2);
         assert_eq!(s.blocks().in_use(), 0);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn salted_requests_share_prefixes_only_within_their_salt() {
+        let mut s = Scheduler::new(limits(8, 64), BlockManager::new(32, 4, true));
+        let document = prompt(8, 0);
+        let with_question = |q: u32| {
+            let mut p = document.clone();
+            p.push(q);
+            p
+        };
+        s.add_salted(1, with_question(100), 11);
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        // Another salt (and the unsalted partition) computes the document again.
+        s.add_salted(2, with_question(101), 22);
+        s.add(3, with_question(102));
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        assert_eq!(s.blocks().hit_tokens(), 0, "no hit across salts");
+        let start = |plan: &StepPlan, id| plan.rows.iter().find(|r| r.id == id).unwrap().start;
+        assert_eq!(start(&plan, 2), 0);
+        assert_eq!(start(&plan, 3), 0);
+        // The same salt reuses it.
+        s.add_salted(4, with_question(103), 11);
+        let plan = s.schedule();
+        assert_eq!(start(&plan, 4), 8, "a hit within the salt");
+        assert_eq!(s.blocks().hit_tokens(), 8);
+        run(&mut s, &plan);
+        for id in 1..=4 {
+            s.finish(id);
+        }
+        assert_eq!(s.blocks().in_use(), 0);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn admission_takes_tenants_in_turn() {
+        let mut s = Scheduler::new(limits(2, 64), BlockManager::new(64, 4, false));
+        // Tenant 1's burst of 6, then tenant 2's and tenant 3's one request each.
+        for id in 0..6 {
+            s.add_for(id, prompt(3, id as u32 * 10), 0, 1);
+        }
+        s.add_for(6, prompt(3, 60), 0, 2);
+        s.add_for(7, prompt(3, 70), 0, 3);
+        let plan = s.schedule();
+        // One request of each tenant in turn, not tenant 1's whole burst first.
+        assert_eq!(plan.admitted, vec![0, 6]);
+        run(&mut s, &plan);
+        s.finish(0);
+        s.finish(6);
+        let plan = s.schedule();
+        assert_eq!(plan.admitted, vec![7, 1], "tenant 3, then tenant 1 again");
+        run(&mut s, &plan);
+        s.finish(7);
+        s.add_for(8, prompt(3, 80), 0, 2);
+        let plan = s.schedule();
+        assert_eq!(
+            plan.admitted,
+            vec![8],
+            "tenant 2's turn before tenant 1's next"
+        );
         s.check_invariants().unwrap();
     }
 
