@@ -249,10 +249,34 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         let logits = self.step_logits(&input, cache, first)?;
         let vocab = self.config().vocab_size;
 
+        // Sample every running row, in parallel: each from its own logits and sampler.
+        let stop_ids = self.tokenizer.stop_ids();
+        let mut jobs: Vec<(&mut GenerationState<B>, &mut Sampler, &[f32])> = state
+            .rows
+            .iter_mut()
+            .zip(samplers.iter_mut())
+            .enumerate()
+            .filter_map(|(r, (row, sampler))| {
+                let slot = state.active.iter().position(|&a| a == r)?;
+                Some((row, sampler, &logits[slot * vocab..(slot + 1) * vocab]))
+            })
+            .collect();
+        let tokens = crate::sampling::for_each_row(&mut jobs, |(row, sampler, logits)| {
+            row.sample_next(logits, temperature, sampler, stop_ids)
+        });
+        drop(jobs);
+        let mut tokens = tokens.into_iter();
+        let mut by_row: Vec<Option<Result<u32>>> = (0..state.rows.len()).map(|_| None).collect();
+        for r in 0..state.rows.len() {
+            if state.active.contains(&r) {
+                by_row[r] = tokens.next();
+            }
+        }
         let mut still_running = Vec::with_capacity(state.active.len());
         for (slot, &r) in state.active.iter().enumerate() {
-            let row_logits = &logits[slot * vocab..(slot + 1) * vocab];
-            let token = state.rows[r].sample_next(row_logits, temperature, &mut samplers[r])?;
+            let token = by_row[r]
+                .take()
+                .ok_or_else(|| LlamaError::Runtime("a running row was not sampled".into()))??;
             let step = self.accept_token(&mut state.rows[r], token);
             if !step.2 {
                 still_running.push(slot);

@@ -18,7 +18,7 @@ use crate::error::{LlamaError, Result};
 use crate::inference::GenerateRequest;
 use crate::inference::request::check_request_size;
 use crate::model::{Logits, Transformer};
-use crate::sampling::{Sampler, apply_repetition_penalty, validate_temperature};
+use crate::sampling::{History, Sampler, TokenLogprobs, token_logprobs, validate_temperature};
 use crate::tokenizer::{DynTokenizer, StreamDecoder, Tokenizer};
 
 /// Most bytes of text one token covers, in any tokenizer this crate reads (the longest
@@ -89,6 +89,14 @@ pub struct GenerationState<B: LlamaBackend> {
     text: String,
     honour_stop_tokens: bool,
     repetition_penalty: f32,
+    /// Stop ids of the request besides the tokenizer's (honoured even when those are not).
+    extra_stop_ids: Vec<u32>,
+    /// Stop tokens cannot be drawn before this many tokens.
+    min_tokens: usize,
+    /// Alternatives to report with each token's log-probability (`None`: no logprobs).
+    logprobs: Option<usize>,
+    /// The log-probabilities of the token sampled last, until taken.
+    last_logprobs: Option<TokenLogprobs>,
     started: Option<Instant>,
     first_token_at: Option<Instant>,
     finished_at: Option<Instant>,
@@ -170,6 +178,24 @@ impl<B: LlamaBackend> GenerationState<B> {
         Ok(self)
     }
 
+    /// Applies a request's stop and reporting settings: `ignore_eos`, `stop_token_ids`,
+    /// `min_tokens` and `logprobs` (its sampling controls go to its sampler,
+    /// [`request_sampler`](crate::inference::request_sampler)).
+    pub fn with_request(mut self, request: &GenerateRequest) -> Self {
+        self.honour_stop_tokens = !request.ignore_eos;
+        self.extra_stop_ids = request.stop_token_ids.clone();
+        self.min_tokens = request.min_tokens;
+        self.logprobs = request.logprobs;
+        self
+    }
+
+    /// The log-probabilities of the token generated last (its raw log-softmax value and
+    /// the alternatives asked for), when the request asked for them; taking them leaves
+    /// `None` until the next token.
+    pub fn take_logprobs(&mut self) -> Option<TokenLogprobs> {
+        self.last_logprobs.take()
+    }
+
     /// Records the start of processing (the first step), once.
     pub(crate) fn mark_started(&mut self) {
         if self.started.is_none() {
@@ -177,25 +203,33 @@ impl<B: LlamaBackend> GenerationState<B> {
         }
     }
 
-    /// Picks the next token from this request's logits, applying its repetition penalty.
+    /// Picks the next token from this request's logits (`stop_ids`: the tokenizer's),
+    /// with its history for the penalties, its stop tokens banned before `min_tokens`,
+    /// and its log-probabilities kept when asked for. Depends on nothing but the row.
     pub(crate) fn sample_next(
-        &self,
+        &mut self,
         logits: &[f32],
         temperature: f64,
         sampler: &mut Sampler,
+        stop_ids: &[u32],
     ) -> Result<u32> {
-        if self.repetition_penalty == 1.0 {
-            return sampler.sample(logits, temperature);
-        }
-        let mut logits = logits.to_vec();
-        let history: Vec<u32> = self
-            .prompt_tokens
-            .iter()
-            .chain(&self.tokens)
-            .copied()
-            .collect();
-        apply_repetition_penalty(&mut logits, &history, self.repetition_penalty);
-        sampler.sample(&logits, temperature)
+        let banned: Vec<u32> = if self.tokens.len() < self.min_tokens {
+            let model = stop_ids.iter().filter(|_| self.honour_stop_tokens);
+            model.chain(&self.extra_stop_ids).copied().collect()
+        } else {
+            Vec::new()
+        };
+        let history = History {
+            prompt: &self.prompt_tokens,
+            output: &self.tokens,
+            banned: &banned,
+        };
+        let token = sampler.sample_with(logits, temperature, history, self.repetition_penalty)?;
+        self.last_logprobs = match self.logprobs {
+            Some(n) => Some(token_logprobs(logits, token, n)?),
+            None => None,
+        };
+        Ok(token)
     }
 
     /// Time from the first step's start to the first token, once known.
@@ -442,6 +476,10 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             text: String::new(),
             honour_stop_tokens: true,
             repetition_penalty: 1.0,
+            extra_stop_ids: Vec::new(),
+            min_tokens: 0,
+            logprobs: None,
+            last_logprobs: None,
             started: None,
             first_token_at: None,
             finished_at: None,
@@ -482,7 +520,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             .as_mut()
             .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
         let logits = self.step_logits(&input, cache, first)?;
-        let token = state.sample_next(&logits, temperature, sampler)?;
+        let token = state.sample_next(&logits, temperature, sampler, self.tokenizer.stop_ids())?;
         Ok(self.accept_token(state, token))
     }
 
@@ -497,7 +535,8 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             state.first_token_at = Some(now);
         }
         state.tokens.push(token);
-        let is_stop = state.honour_stop_tokens && self.tokenizer.stop_ids().contains(&token);
+        let is_stop = (state.honour_stop_tokens && self.tokenizer.stop_ids().contains(&token))
+            || state.extra_stop_ids.contains(&token);
         let mut piece = if is_stop {
             String::new()
         } else {

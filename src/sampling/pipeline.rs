@@ -1,0 +1,483 @@
+//! The sampling pipeline: every control a request can give, applied in one order.
+//!
+//! The order is vLLM's: **logit bias**, **penalties** (repetition over prompt and output,
+//! frequency and presence over the output), the **ban** of stop tokens before
+//! `min_tokens`, then **temperature** (0 = greedy: the largest modified logit), **top-k**,
+//! **top-p**, **min-p**, and the **draw**.
+//!
+//! Nothing costs more than it must:
+//!
+//! - no control modifies the logits: they are read in place, never copied;
+//! - temperature alone (top-k, top-p and min-p off, the OpenAI default) is two passes in
+//!   16 lanes (the largest logit, then `e^((l - max) / t)` and block sums with the
+//!   vectorizable exponential of [`crate::kernels::attention::exp`]) and a walk of one
+//!   block of 512 weights;
+//! - top-k is one selection (`select_nth_unstable`), top-p one pass that sums the mass per
+//!   power of two of the weight and sorts only the one bucket where the mass reaches `p`,
+//!   min-p a threshold: no full sort of the vocabulary anywhere.
+//!
+//! The draw walks the kept tokens in id order (not probability order): a tiny change in
+//! the logits then moves interval boundaries only a little. Tokens tied with the last one
+//! top-k or top-p keeps are kept too, so the kept set never depends on an id order.
+//! A row's token depends only on its logits, its history and its own random generator:
+//! the same whatever the batch, the strategy or the thread count.
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+use super::{argmax, check_logits, validate_temperature, validate_top_p};
+use crate::error::{LlamaError, Result};
+use crate::kernels::attention::exp;
+use crate::kernels::cpu::largest;
+
+/// Most `logit_bias` entries a request may give.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+/// Largest absolute `logit_bias` value (OpenAI's range, `[-100, 100]`).
+pub const MAX_BIAS: f32 = 100.0;
+/// Largest absolute frequency or presence penalty (OpenAI's range, `[-2, 2]`).
+pub const MAX_PENALTY: f32 = 2.0;
+
+/// Weights per block of the draw's block sums.
+const BLOCK: usize = 512;
+/// Buckets of the top-p pass: one per power of two of the weight, the last for the rest.
+const BUCKETS: usize = 64;
+
+/// Every sampling control of a request. The defaults (`SamplingParams::default()`) are
+/// temperature 1 and every other control off.
+///
+/// ```
+/// use llama_burn::sampling::SamplingParams;
+///
+/// let params = SamplingParams { temperature: 0.8, top_k: 40, min_p: 0.05, ..Default::default() };
+/// assert!(params.validate().is_ok());
+/// assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Temperature, finite and `>= 0`; 0 is greedy (the largest logit after bias,
+    /// penalties and bans).
+    pub temperature: f64,
+    /// Keep the `top_k` largest logits (ties with the last one kept too); 0 is off.
+    pub top_k: usize,
+    /// Keep the most likely tokens until their mass reaches `top_p`, in `(0, 1]`; 1 is
+    /// off.
+    pub top_p: f64,
+    /// Keep tokens at least `min_p` times as likely as the most likely one, in `[0, 1]`;
+    /// 0 is off.
+    pub min_p: f64,
+    /// CTRL's repetition penalty over prompt and output tokens: positive logits divided,
+    /// negative ones multiplied; finite and `> 0`, 1 is off.
+    pub repetition_penalty: f32,
+    /// Subtracted from a logit once per time its token was generated, in `[-2, 2]`.
+    pub frequency_penalty: f32,
+    /// Subtracted from a logit once if its token was generated, in `[-2, 2]`.
+    pub presence_penalty: f32,
+    /// `(token id, bias)` added to logits first; at most [`MAX_LOGIT_BIAS`] entries,
+    /// values in `[-100, 100]`.
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logit_bias: Vec::new(),
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding, nothing else.
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    /// Checks every value against its range.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] naming the first field out of range.
+    pub fn validate(&self) -> Result<()> {
+        validate_temperature(self.temperature)?;
+        validate_top_p(self.top_p)?;
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(LlamaError::invalid("min_p", self.min_p, "must be in [0, 1]"));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(LlamaError::invalid(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "must be a finite number > 0 (1 is off)",
+            ));
+        }
+        for (name, value) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(-MAX_PENALTY..=MAX_PENALTY).contains(&value) {
+                return Err(LlamaError::invalid(name, value, "must be in [-2, 2]"));
+            }
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(LlamaError::invalid(
+                "logit_bias",
+                format!("{} entries", self.logit_bias.len()),
+                "at most 1024 entries",
+            ));
+        }
+        if let Some(&(_, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-MAX_BIAS..=MAX_BIAS).contains(b))
+        {
+            return Err(LlamaError::invalid(
+                "logit_bias",
+                bias,
+                "values must be in [-100, 100]",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the token ids of `logit_bias` against a vocabulary of `vocab` tokens.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] for an id outside the vocabulary.
+    pub fn validate_ids(&self, vocab: usize) -> Result<()> {
+        match self.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+            Some((id, _)) => Err(LlamaError::invalid(
+                "logit_bias",
+                id,
+                "token id outside the model's vocabulary",
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the logits are modified before temperature (bias or penalties).
+    fn modifies(&self) -> bool {
+        !self.logit_bias.is_empty()
+            || self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+    }
+}
+
+/// What the penalties and bans read: the request's tokens so far and the tokens it may
+/// not draw now.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct History<'a> {
+    /// The prompt's ids (read by the repetition penalty).
+    pub prompt: &'a [u32],
+    /// The generated ids (read by every penalty).
+    pub output: &'a [u32],
+    /// Ids that may not be drawn at this step (stop tokens before `min_tokens`).
+    pub banned: &'a [u32],
+}
+
+/// Buffers reused from token to token (their size is the vocabulary's).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Scratch {
+    logits: Vec<f32>,
+    weights: Vec<f32>,
+    blocks: Vec<f64>,
+}
+
+/// A request's sampler: its [`SamplingParams`], its seed and its own random generator.
+///
+/// ```
+/// use llama_burn::sampling::{History, Pipeline, SamplingParams};
+///
+/// let params = SamplingParams { temperature: 0.7, top_p: 0.9, ..Default::default() };
+/// let mut a = Pipeline::new(params.clone(), 7)?;
+/// let mut b = Pipeline::new(params, 7)?;
+/// let logits = [0.5, 2.0, 1.0, -1.0];
+/// let draw = |p: &mut Pipeline| p.sample(&logits, History::default());
+/// assert_eq!(draw(&mut a)?, draw(&mut b)?);
+/// assert_eq!(a.seed(), 7);
+/// # Ok::<(), llama_burn::LlamaError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Pipeline {
+    params: SamplingParams,
+    seed: u64,
+    rng: StdRng,
+    scratch: Scratch,
+}
+
+impl Pipeline {
+    /// A sampler with `params` (checked) and `seed`.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] as [`SamplingParams::validate`] says.
+    pub fn new(params: SamplingParams, seed: u64) -> Result<Self> {
+        params.validate()?;
+        Ok(Self {
+            params,
+            seed,
+            rng: StdRng::seed_from_u64(seed),
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// A sampler whose `params` are checked later (by [`Sampler::validate`] before each
+    /// draw).
+    ///
+    /// [`Sampler::validate`]: super::Sampler::validate
+    pub(crate) fn unchecked(params: SamplingParams, seed: u64) -> Self {
+        Self {
+            params,
+            seed,
+            rng: StdRng::seed_from_u64(seed),
+            scratch: Scratch::default(),
+        }
+    }
+
+    /// The seed it was made with.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Its controls.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits`.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidLogits`] when the logits hold a NaN or no token can be drawn.
+    pub fn sample(&mut self, logits: &[f32], history: History<'_>) -> Result<u32> {
+        sample(
+            &self.params,
+            logits,
+            history,
+            &mut self.rng,
+            &mut self.scratch,
+        )
+    }
+}
+
+/// The pipeline on one row: `params` over `logits`, drawing from `rng`.
+pub(crate) fn sample(
+    params: &SamplingParams,
+    logits: &[f32],
+    history: History<'_>,
+    rng: &mut StdRng,
+    scratch: &mut Scratch,
+) -> Result<u32> {
+    if logits.is_empty() {
+        return Err(LlamaError::invalid("logits", "[]", "must not be empty"));
+    }
+    check_logits(logits)?;
+    let work: &[f32] = if params.modifies() || !history.banned.is_empty() {
+        modify(params, logits, history, &mut scratch.logits);
+        check_logits(&scratch.logits)?;
+        &scratch.logits
+    } else {
+        logits
+    };
+    if params.temperature == 0.0 {
+        return Ok(argmax(work));
+    }
+    let u: f64 = rng.random();
+    let max = largest(work);
+    if max == f32::INFINITY {
+        // The softmax's limit: the `+inf` tokens share all the mass evenly.
+        let n = work.iter().filter(|&&l| l == f32::INFINITY).count();
+        let k = ((u * n as f64) as usize).min(n - 1);
+        return work
+            .iter()
+            .enumerate()
+            .filter(|&(_, &l)| l == f32::INFINITY)
+            .nth(k)
+            .map(|(i, _)| i as u32)
+            .ok_or_else(|| LlamaError::InvalidLogits("no +inf logit after all".into()));
+    }
+    let threshold = match params.top_k {
+        k if k > 0 && k < work.len() => kth_largest(work, k, &mut scratch.weights),
+        _ => f32::NEG_INFINITY,
+    };
+    let inv_t = (1.0 / params.temperature) as f32;
+    weights(work, max, inv_t, threshold, &mut scratch.weights);
+    let weights = &mut scratch.weights;
+    let mut cut = 0.0f32;
+    if params.top_p < 1.0 {
+        cut = nucleus_cut(weights, params.top_p);
+    }
+    if params.min_p > 0.0 {
+        // The largest weight is exactly 1 (`exp(0)`), so min-p is a weight threshold.
+        cut = cut.max(params.min_p as f32);
+    }
+    if cut > 0.0 {
+        for w in weights.iter_mut() {
+            *w = if *w >= cut { *w } else { 0.0 };
+        }
+    }
+    block_sums(weights, &mut scratch.blocks);
+    draw(weights, &scratch.blocks, u)
+}
+
+/// Copies `logits` into `out` with the bias, the penalties and the bans applied.
+fn modify(params: &SamplingParams, logits: &[f32], history: History<'_>, out: &mut Vec<f32>) {
+    out.clear();
+    out.extend_from_slice(logits);
+    for &(id, bias) in &params.logit_bias {
+        if let Some(l) = out.get_mut(id as usize) {
+            *l += bias;
+        }
+    }
+    if params.repetition_penalty != 1.0 {
+        let mut seen: Vec<u32> = history.prompt.iter().chain(history.output).copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        let p = params.repetition_penalty;
+        for id in seen {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l = if *l > 0.0 { *l / p } else { *l * p };
+            }
+        }
+    }
+    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+        let mut generated = history.output.to_vec();
+        generated.sort_unstable();
+        for run in generated.chunk_by(|a, b| a == b) {
+            if let Some(l) = out.get_mut(run[0] as usize) {
+                *l -= params.frequency_penalty * run.len() as f32 + params.presence_penalty;
+            }
+        }
+    }
+    for &id in history.banned {
+        if let Some(l) = out.get_mut(id as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// The `k`-th largest value of `values` (`0 < k < len`), using `buffer` as room.
+fn kth_largest(values: &[f32], k: usize, buffer: &mut Vec<f32>) -> f32 {
+    buffer.clear();
+    buffer.extend_from_slice(values);
+    let (_, kth, _) = buffer.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+    *kth
+}
+
+/// `out[i] = e^((l_i - max) * inv_t)` for logits at or above `threshold`, else 0
+/// (`-inf` logits always 0). One pass the compiler vectorizes.
+fn weights(logits: &[f32], max: f32, inv_t: f32, threshold: f32, out: &mut Vec<f32>) {
+    out.clear();
+    out.resize(logits.len(), 0.0);
+    for (w, &l) in out.iter_mut().zip(logits) {
+        let e = exp((l - max) * inv_t);
+        *w = if l >= threshold && l > f32::NEG_INFINITY {
+            e
+        } else {
+            0.0
+        };
+    }
+}
+
+/// The smallest weight the nucleus keeps: the largest weights, in decreasing order,
+/// until their sum reaches `top_p` of the total. Sums the mass per power of two of the
+/// weight (one pass), then sorts only the bucket where the mass reaches `top_p`.
+fn nucleus_cut(weights: &[f32], top_p: f64) -> f32 {
+    let mut mass = [0f64; BUCKETS];
+    let bucket = |w: f32| -> usize {
+        // Weights are in (0, 1]: 1 is bucket 0, [1/2, 1) bucket 1, [1/4, 1/2) bucket 2, ...
+        let exponent = ((w.to_bits() >> 23) & 0xff) as i32 - 127;
+        (-exponent).clamp(0, BUCKETS as i32 - 1) as usize
+    };
+    for &w in weights {
+        if w > 0.0 {
+            mass[bucket(w)] += f64::from(w);
+        }
+    }
+    let total: f64 = mass.iter().sum();
+    let target = top_p * total;
+    let mut before = 0.0;
+    let Some(b) = mass.iter().position(|&m| {
+        before += m;
+        before >= target
+    }) else {
+        return 0.0;
+    };
+    let mut cumulative = before - mass[b];
+    let mut members: Vec<f32> = weights
+        .iter()
+        .copied()
+        .filter(|&w| w > 0.0 && bucket(w) == b)
+        .collect();
+    members.sort_unstable_by(|a, b| b.total_cmp(a));
+    for &w in &members {
+        cumulative += f64::from(w);
+        if cumulative >= target {
+            return w;
+        }
+    }
+    members.last().copied().unwrap_or(0.0)
+}
+
+/// Sums of `weights` per block of [`BLOCK`] (16 lanes each, in f64 per block).
+fn block_sums(weights: &[f32], out: &mut Vec<f64>) {
+    out.clear();
+    out.extend(weights.chunks(BLOCK).map(|block| {
+        let mut lanes = [0f32; 16];
+        let chunks = block.chunks_exact(16);
+        let rest = chunks.remainder();
+        for chunk in chunks {
+            for (s, &w) in lanes.iter_mut().zip(chunk) {
+                *s += w;
+            }
+        }
+        for (s, &w) in lanes.iter_mut().zip(rest) {
+            *s += w;
+        }
+        lanes.iter().map(|&s| f64::from(s)).sum::<f64>()
+    }));
+}
+
+/// The token whose interval (weights in id order) holds `u` of the total: finds the
+/// block from the block sums, then walks it.
+fn draw(weights: &[f32], blocks: &[f64], u: f64) -> Result<u32> {
+    let total: f64 = blocks.iter().sum();
+    if total <= 0.0 || !total.is_finite() {
+        return Err(LlamaError::InvalidLogits(
+            "no token has a probability above 0".into(),
+        ));
+    }
+    let mut r = u * total;
+    let mut start = blocks.len();
+    for (b, &s) in blocks.iter().enumerate() {
+        if r < s {
+            start = b;
+            break;
+        }
+        r -= s;
+    }
+    // Rounding can leave `r` just past a block's own walk: go on to the next ones.
+    let mut last = None;
+    for (i, &w) in weights.iter().enumerate().skip(start.min(blocks.len()) * BLOCK) {
+        if w > 0.0 {
+            last = Some(i);
+            let w = f64::from(w);
+            if r < w {
+                return Ok(i as u32);
+            }
+            r -= w;
+        }
+    }
+    last.or_else(|| weights.iter().rposition(|&w| w > 0.0))
+        .map(|i| i as u32)
+        .ok_or_else(|| LlamaError::InvalidLogits("no token has a probability above 0".into()))
+}
