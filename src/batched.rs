@@ -108,6 +108,37 @@ impl<B: LlamaBackend> BatchedGenerationState<B> {
         self
     }
 
+    /// Applies each row's request settings (`ignore_eos`, `stop_token_ids`, `min_tokens`,
+    /// `logprobs`; see [`GenerationState::with_request`]): `requests[i]` to row `i`. The
+    /// sampling controls go to the rows' samplers
+    /// ([`request_sampler`](crate::inference::request_sampler)).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidBatch`] when there is not one request per row.
+    pub fn with_requests(mut self, requests: &[crate::inference::GenerateRequest]) -> Result<Self> {
+        if requests.len() != self.rows.len() {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{} requests for {} rows",
+                requests.len(),
+                self.rows.len()
+            )));
+        }
+        self.rows = self
+            .rows
+            .into_iter()
+            .zip(requests)
+            .map(|(row, request)| row.with_request(request))
+            .collect();
+        Ok(self)
+    }
+
+    /// The log-probabilities of the token row `row` generated last, when its request
+    /// asked for them (see [`GenerationState::take_logprobs`]).
+    pub fn take_logprobs(&mut self, row: usize) -> Option<crate::sampling::TokenLogprobs> {
+        self.rows.get_mut(row)?.take_logprobs()
+    }
+
     /// Consumes the batch, returning each row's final state.
     pub fn into_rows(self) -> Vec<GenerationState<B>> {
         self.rows

@@ -26,10 +26,7 @@ impl<B: LlamaBackend, T: Tokenizer> ModelDevice for Llama<B, T> {
 /// with its seed. Every strategy samples through it. Its controls are checked when it
 /// samples ([`Sampler::validate`]), or before with [`GenerateRequest::validate`].
 pub fn request_sampler(request: &GenerateRequest) -> Sampler {
-    Sampler::Pipeline(Pipeline::unchecked(
-        request.sampling_params(),
-        request.seed,
-    ))
+    Sampler::Pipeline(Pipeline::unchecked(request.sampling_params(), request.seed))
 }
 
 /// Validates `request` against the model and prepares its state.

@@ -555,7 +555,11 @@ mod tests {
         assert_invalid(&r, 100, "logit_bias");
         assert_invalid(&a().with_min_tokens(11), 100, "min_tokens");
         assert_invalid(&a().with_logprobs(21), 100, "logprobs");
-        assert_invalid(&a().with_stop_token_ids(vec![1; 257]), 100, "stop_token_ids");
+        assert_invalid(
+            &a().with_stop_token_ids(vec![1; 257]),
+            100,
+            "stop_token_ids",
+        );
         let ok = a()
             .with_top_k(5)
             .with_min_p(0.1)
@@ -566,13 +570,19 @@ mod tests {
         assert!(ok.validate_token_ids(4).is_ok());
         assert!(matches!(
             ok.validate_token_ids(3),
-            Err(LlamaError::InvalidParameter { name: "stop_token_ids", .. })
+            Err(LlamaError::InvalidParameter {
+                name: "stop_token_ids",
+                ..
+            })
         ));
         let mut r = a();
         r.logit_bias = vec![(7, -100.0)];
         assert!(matches!(
             r.validate_token_ids(7),
-            Err(LlamaError::InvalidParameter { name: "logit_bias", .. })
+            Err(LlamaError::InvalidParameter {
+                name: "logit_bias",
+                ..
+            })
         ));
     }
 

@@ -107,11 +107,7 @@ pub fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
 /// token outside the row or `n` above [`MAX_TOP_LOGPROBS`].
 pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> Result<TokenLogprobs> {
     if n > MAX_TOP_LOGPROBS {
-        return Err(LlamaError::invalid(
-            "top_logprobs",
-            n,
-            "must be in [0, 20]",
-        ));
+        return Err(LlamaError::invalid("top_logprobs", n, "must be in [0, 20]"));
     }
     let logit = *logits
         .get(token as usize)
@@ -142,9 +138,16 @@ mod tests {
 
     #[test]
     fn matches_a_plain_log_softmax() {
-        let logits: Vec<f32> = (0..1000).map(|i| ((i * 37 % 101) as f32) * 0.13 - 4.0).collect();
+        let logits: Vec<f32> = (0..1000)
+            .map(|i| ((i * 37 % 101) as f32) * 0.13 - 4.0)
+            .collect();
         let max = logits.iter().copied().fold(f32::MIN, f32::max) as f64;
-        let z: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln() + max;
+        let z: f64 = logits
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln()
+            + max;
         let out = token_logprobs(&logits, 17, 5).unwrap();
         assert!((f64::from(out.chosen.logprob) - (logits[17] as f64 - z)).abs() < 1e-5);
         assert_eq!(out.top.len(), 5);

@@ -132,13 +132,9 @@ impl Sampler {
                 let mut rng = StdRng::seed_from_u64(0);
                 pipeline::sample(&params, logits, history, &mut rng, &mut Scratch::default())
             }
-            Sampler::TopP(t) => pipeline::sample(
-                &legacy(0, t.p),
-                logits,
-                history,
-                &mut t.rng,
-                &mut t.scratch,
-            ),
+            Sampler::TopP(t) => {
+                pipeline::sample(&legacy(0, t.p), logits, history, &mut t.rng, &mut t.scratch)
+            }
             Sampler::TopK(t) => pipeline::sample(
                 &legacy(t.k, 1.0),
                 logits,

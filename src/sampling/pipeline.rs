@@ -109,7 +109,11 @@ impl SamplingParams {
         validate_temperature(self.temperature)?;
         validate_top_p(self.top_p)?;
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(LlamaError::invalid("min_p", self.min_p, "must be in [0, 1]"));
+            return Err(LlamaError::invalid(
+                "min_p",
+                self.min_p,
+                "must be in [0, 1]",
+            ));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             return Err(LlamaError::invalid(
@@ -339,7 +343,12 @@ fn modify(params: &SamplingParams, logits: &[f32], history: History<'_>, out: &m
         }
     }
     if params.repetition_penalty != 1.0 {
-        let mut seen: Vec<u32> = history.prompt.iter().chain(history.output).copied().collect();
+        let mut seen: Vec<u32> = history
+            .prompt
+            .iter()
+            .chain(history.output)
+            .copied()
+            .collect();
         seen.sort_unstable();
         seen.dedup();
         let p = params.repetition_penalty;
@@ -467,7 +476,11 @@ fn draw(weights: &[f32], blocks: &[f64], u: f64) -> Result<u32> {
     }
     // Rounding can leave `r` just past a block's own walk: go on to the next ones.
     let mut last = None;
-    for (i, &w) in weights.iter().enumerate().skip(start.min(blocks.len()) * BLOCK) {
+    for (i, &w) in weights
+        .iter()
+        .enumerate()
+        .skip(start.min(blocks.len()) * BLOCK)
+    {
         if w > 0.0 {
             last = Some(i);
             let w = f64::from(w);
@@ -480,4 +493,248 @@ fn draw(weights: &[f32], blocks: &[f64], u: f64) -> Result<u32> {
     last.or_else(|| weights.iter().rposition(|&w| w > 0.0))
         .map(|i| i as u32)
         .ok_or_else(|| LlamaError::InvalidLogits("no token has a probability above 0".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The exact distribution the pipeline samples from, in f64, by its definition: a full
+    /// sort, softmax at temperature, top-k, top-p (over the renormalized top-k), min-p.
+    fn exact(params: &SamplingParams, logits: &[f32]) -> Vec<f64> {
+        let t = params.temperature;
+        let z: Vec<f64> = logits.iter().map(|&l| f64::from(l) / t).collect();
+        let mut order: Vec<usize> = (0..z.len()).collect();
+        order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
+        let mut keep = vec![true; z.len()];
+        if params.top_k > 0 && params.top_k < z.len() {
+            let kth = z[order[params.top_k - 1]];
+            keep.iter_mut().zip(&z).for_each(|(k, &v)| *k &= v >= kth);
+        }
+        let max = z[order[0]];
+        let softmax = |keep: &[bool]| -> Vec<f64> {
+            let w: Vec<f64> = z
+                .iter()
+                .zip(keep)
+                .map(|(&v, &k)| if k { (v - max).exp() } else { 0.0 })
+                .collect();
+            let total: f64 = w.iter().sum();
+            w.iter().map(|w| w / total).collect()
+        };
+        if params.top_p < 1.0 {
+            let p = softmax(&keep);
+            let mut mass = 0.0;
+            let mut cut = 0.0;
+            for &i in order.iter().filter(|&&i| keep[i]) {
+                mass += p[i];
+                cut = p[i];
+                if mass >= params.top_p {
+                    break;
+                }
+            }
+            keep.iter_mut().zip(&p).for_each(|(k, &v)| *k &= v >= cut);
+        }
+        if params.min_p > 0.0 {
+            let p = softmax(&keep);
+            let top = p.iter().copied().fold(0.0, f64::max);
+            keep.iter_mut()
+                .zip(&p)
+                .for_each(|(k, &v)| *k &= v >= params.min_p * top);
+        }
+        softmax(&keep)
+    }
+
+    /// Draws `n` tokens and checks their counts against `expected` with a chi-square test
+    /// at the 0.1% level (a seeded test: it fails only if the distribution is wrong); a
+    /// token of probability 0 must never be drawn.
+    fn chi_square(params: SamplingParams, logits: &[f32], n: usize) {
+        let expected = exact(&params, logits);
+        let mut pipeline = Pipeline::new(params.clone(), 12345).unwrap();
+        let mut counts = vec![0usize; logits.len()];
+        for _ in 0..n {
+            counts[pipeline.sample(logits, History::default()).unwrap() as usize] += 1;
+        }
+        let mut statistic = 0.0;
+        let mut df = 0usize;
+        for (i, (&c, &p)) in counts.iter().zip(&expected).enumerate() {
+            if p == 0.0 {
+                assert_eq!(c, 0, "token {i} drawn {c} times but excluded ({params:?})");
+                continue;
+            }
+            let e = p * n as f64;
+            statistic += (c as f64 - e).powi(2) / e;
+            df += 1;
+        }
+        let df = (df - 1).max(1) as f64;
+        // Wilson-Hilferty: the chi-square quantile at 0.999 (z = 3.09).
+        let a = 2.0 / (9.0 * df);
+        let critical = df * (1.0 - a + 3.09 * a.sqrt()).powi(3);
+        assert!(
+            statistic < critical,
+            "chi-square {statistic:.1} >= {critical:.1} (df {df}) for {params:?}: {counts:?}"
+        );
+    }
+
+    fn logits() -> Vec<f32> {
+        // Distinct values, no ties, boundaries far from every cut used below.
+        vec![
+            2.0, -1.0, 0.5, 3.1, -2.0, 1.2, 0.0, 2.6, -0.5, 1.7, -3.0, 0.9, 1.4, -1.5, 2.2, 0.3,
+        ]
+    }
+
+    #[test]
+    fn draws_follow_the_exact_distribution() {
+        let base = SamplingParams::default;
+        let cases = [
+            SamplingParams {
+                temperature: 1.0,
+                ..base()
+            },
+            SamplingParams {
+                temperature: 0.6,
+                ..base()
+            },
+            SamplingParams {
+                temperature: 1.7,
+                ..base()
+            },
+            SamplingParams { top_k: 4, ..base() },
+            SamplingParams {
+                top_p: 0.8,
+                ..base()
+            },
+            SamplingParams {
+                min_p: 0.2,
+                ..base()
+            },
+            SamplingParams {
+                temperature: 1.3,
+                top_k: 9,
+                top_p: 0.9,
+                min_p: 0.05,
+                ..base()
+            },
+            SamplingParams {
+                temperature: 0.8,
+                top_k: 6,
+                min_p: 0.1,
+                ..base()
+            },
+        ];
+        for params in cases {
+            chi_square(params, &logits(), 40_000);
+        }
+    }
+
+    #[test]
+    fn a_large_vocabulary_draws_right_too() {
+        // Several blocks of the draw's block sums, and many buckets of the nucleus pass.
+        let logits: Vec<f32> = (0..5000)
+            .map(|i| ((i * 7919) % 1000) as f32 * 0.004)
+            .collect();
+        let mut coarse = logits.clone();
+        // 50 groups of 100 tokens, tested on group counts.
+        for (i, l) in coarse.iter_mut().enumerate() {
+            *l = (i / 100) as f32 * 0.05;
+        }
+        chi_square(SamplingParams::default(), &coarse, 20_000);
+        chi_square(
+            SamplingParams {
+                top_p: 0.5,
+                ..Default::default()
+            },
+            &coarse,
+            20_000,
+        );
+        // The nucleus of the varied row is exactly the reference's.
+        let params = SamplingParams {
+            top_p: 0.3,
+            ..Default::default()
+        };
+        let expected = exact(&params, &logits);
+        let mut pipeline = Pipeline::new(params, 3).unwrap();
+        for _ in 0..2000 {
+            let t = pipeline.sample(&logits, History::default()).unwrap();
+            assert!(expected[t as usize] > 0.0);
+        }
+    }
+
+    #[test]
+    fn penalties_and_bias_follow_their_definitions() {
+        let params = SamplingParams {
+            repetition_penalty: 2.0,
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            logit_bias: vec![(0, 1.0), (5, -100.0)],
+            ..Default::default()
+        };
+        let logits = [1.0, 2.0, -1.0, 4.0, 0.5, 3.0];
+        let history = History {
+            prompt: &[1, 2],
+            output: &[3, 3, 2, 9],
+            banned: &[4],
+        };
+        let mut out = Vec::new();
+        modify(&params, &logits, history, &mut out);
+        // 0: bias only. 1: prompt -> /2. 2: prompt and output once: *2, then -0.5 - 0.25.
+        // 3: output twice: /2, then -1.0 - 0.25. 4: banned. 5: bias -100.
+        assert_eq!(out, [2.0, 1.0, -2.75, 0.75, f32::NEG_INFINITY, -97.0]);
+        // Greedy reads the modified logits: a +100 bias forces a token, a ban excludes it.
+        let mut greedy = Pipeline::new(
+            SamplingParams {
+                logit_bias: vec![(2, 100.0)],
+                ..SamplingParams::greedy()
+            },
+            0,
+        )
+        .unwrap();
+        assert_eq!(greedy.sample(&logits, History::default()).unwrap(), 2);
+        let banned = History {
+            banned: &[2, 3],
+            ..History::default()
+        };
+        assert_eq!(greedy.sample(&logits, banned).unwrap(), 5);
+        // A -100 bias is never drawn at temperature 1.
+        let mut sampled = Pipeline::new(
+            SamplingParams {
+                logit_bias: vec![(3, -100.0)],
+                ..Default::default()
+            },
+            1,
+        )
+        .unwrap();
+        for _ in 0..2000 {
+            assert_ne!(sampled.sample(&logits, History::default()).unwrap(), 3);
+        }
+        // Everything banned is an error, not a panic.
+        let all = History {
+            banned: &[0, 1, 2, 3, 4, 5],
+            ..History::default()
+        };
+        assert!(matches!(
+            greedy.sample(&logits, all),
+            Err(LlamaError::InvalidLogits(_))
+        ));
+    }
+
+    #[test]
+    fn the_spec_samplers_are_the_pipeline() {
+        let logits = logits();
+        let mut top_p = super::super::Sampler::TopP(super::super::TopP::new(0.8, 9));
+        let mut pipeline = Pipeline::new(
+            SamplingParams {
+                temperature: 0.7,
+                top_p: 0.8,
+                ..Default::default()
+            },
+            9,
+        )
+        .unwrap();
+        for _ in 0..200 {
+            assert_eq!(
+                top_p.sample(&logits, 0.7).unwrap(),
+                pipeline.sample(&logits, History::default()).unwrap()
+            );
+        }
+    }
 }

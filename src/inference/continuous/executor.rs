@@ -306,16 +306,15 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             } = &mut **active;
             state.sample_next(logits, *temperature, sampler, stop_ids)
         });
-        let mut sampled: HashMap<RequestId, Result<u32>> = jobs
-            .iter()
-            .map(|(id, _, _)| *id)
-            .zip(tokens)
-            .collect();
+        let mut sampled: HashMap<RequestId, Result<u32>> =
+            jobs.iter().map(|(id, _, _)| *id).zip(tokens).collect();
         drop(jobs);
         for row in plan.rows.iter().filter(|r| r.sample) {
-            let token = sampled
-                .remove(&row.id)
-                .unwrap_or_else(|| Err(LlamaError::Runtime("a scheduled request has no state".into())));
+            let token = sampled.remove(&row.id).unwrap_or_else(|| {
+                Err(LlamaError::Runtime(
+                    "a scheduled request has no state".into(),
+                ))
+            });
             match token.and_then(|token| self.emit(row.id, token)) {
                 Ok(Some(token)) => self.scheduler.append(row.id, token),
                 Ok(None) => self.end(row.id, Ok(())),
