@@ -39,6 +39,38 @@ pub fn log_normalizer(logits: &[f32]) -> Result<f64> {
     if !max.is_finite() {
         return Ok(f64::INFINITY);
     }
+    #[cfg(target_arch = "x86_64")]
+    match crate::kernels::SimdPath::active() {
+        crate::kernels::SimdPath::Avx512 => {
+            // SAFETY: `active` picks a path only on CPUs that have its features.
+            return Ok(f64::from(max) + unsafe { exp_sum_avx512(logits, max) }.ln());
+        }
+        crate::kernels::SimdPath::Avx2 => {
+            // SAFETY: `active` picks a path only on CPUs that have its features.
+            return Ok(f64::from(max) + unsafe { exp_sum_avx2(logits, max) }.ln());
+        }
+        _ => {}
+    }
+    Ok(f64::from(max) + exp_sum(logits, max).ln())
+}
+
+/// [`exp_sum`] compiled for AVX2 (no FMA: the same bits as every path).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn exp_sum_avx2(logits: &[f32], max: f32) -> f64 {
+    exp_sum(logits, max)
+}
+
+/// [`exp_sum`] compiled for AVX-512 (the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn exp_sum_avx512(logits: &[f32], max: f32) -> f64 {
+    exp_sum(logits, max)
+}
+
+/// `sum(e^(l - max))`: 16 lanes per block of 512, the blocks summed in f64.
+#[inline(always)]
+fn exp_sum(logits: &[f32], max: f32) -> f64 {
     let mut total = 0f64;
     for block in logits.chunks(512) {
         let mut lanes = [0f32; 16];
@@ -62,7 +94,7 @@ pub fn log_normalizer(logits: &[f32]) -> Result<f64> {
         }
         total += lanes.iter().map(|&s| f64::from(s)).sum::<f64>();
     }
-    Ok(f64::from(max) + total.ln())
+    total
 }
 
 /// The log-probability of a logit given the row's [`log_normalizer`] (`+inf` when the

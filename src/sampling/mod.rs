@@ -149,10 +149,20 @@ impl Sampler {
 /// Runs `f` on every item (a row of a step: its state, sampler and logits), in parallel
 /// on the CPU kernels' pool, and returns the results in the items' order. Each call sees
 /// only its own item, so the results are those of a serial loop.
-pub(crate) fn for_each_row<T: Send, R: Send>(
-    items: &mut [T],
-    f: impl Fn(&mut T) -> R + Sync,
-) -> Vec<R> {
+///
+/// ```
+/// use llama_burn::sampling::{History, Pipeline, SamplingParams, for_each_row};
+///
+/// let logits = vec![0.0f32; 4 * 100];
+/// let mut rows: Vec<(Pipeline, &[f32])> = logits
+///     .chunks(100)
+///     .enumerate()
+///     .map(|(i, l)| (Pipeline::new(SamplingParams::default(), i as u64).unwrap(), l))
+///     .collect();
+/// let tokens = for_each_row(&mut rows, |(p, l)| p.sample(l, History::default()));
+/// assert_eq!(tokens.len(), 4);
+/// ```
+pub fn for_each_row<T: Send, R: Send>(items: &mut [T], f: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
     if items.len() <= 1 {
         return items.iter_mut().map(f).collect();
     }

@@ -314,7 +314,14 @@ pub(crate) fn sample(
         _ => f32::NEG_INFINITY,
     };
     let inv_t = (1.0 / params.temperature) as f32;
-    weights(work, max, inv_t, threshold, &mut scratch.weights);
+    weights(
+        work,
+        max,
+        inv_t,
+        threshold,
+        &mut scratch.weights,
+        &mut scratch.blocks,
+    );
     let weights = &mut scratch.weights;
     let mut cut = 0.0f32;
     if params.top_p < 1.0 {
@@ -325,11 +332,8 @@ pub(crate) fn sample(
         cut = cut.max(params.min_p as f32);
     }
     if cut > 0.0 {
-        for w in weights.iter_mut() {
-            *w = if *w >= cut { *w } else { 0.0 };
-        }
+        apply_cut(weights, cut, &mut scratch.blocks);
     }
-    block_sums(weights, &mut scratch.blocks);
     draw(weights, &scratch.blocks, u)
 }
 
@@ -383,17 +387,110 @@ fn kth_largest(values: &[f32], k: usize, buffer: &mut Vec<f32>) -> f32 {
 }
 
 /// `out[i] = e^((l_i - max) * inv_t)` for logits at or above `threshold`, else 0
-/// (`-inf` logits always 0). One pass the compiler vectorizes.
-fn weights(logits: &[f32], max: f32, inv_t: f32, threshold: f32, out: &mut Vec<f32>) {
+/// (`-inf` logits always 0), and the sums of `out` per block of [`BLOCK`] in `blocks`.
+fn weights(
+    logits: &[f32],
+    max: f32,
+    inv_t: f32,
+    threshold: f32,
+    out: &mut Vec<f32>,
+    blocks: &mut Vec<f64>,
+) {
     out.clear();
     out.resize(logits.len(), 0.0);
-    for (w, &l) in out.iter_mut().zip(logits) {
+    blocks.clear();
+    blocks.resize(logits.len().div_ceil(BLOCK), 0.0);
+    #[cfg(target_arch = "x86_64")]
+    match crate::kernels::SimdPath::active() {
+        crate::kernels::SimdPath::Avx512 => {
+            // SAFETY: `active` picks a path only on CPUs that have its features.
+            return unsafe { weights_avx512(logits, max, inv_t, threshold, out, blocks) };
+        }
+        crate::kernels::SimdPath::Avx2 => {
+            // SAFETY: `active` picks a path only on CPUs that have its features.
+            return unsafe { weights_avx2(logits, max, inv_t, threshold, out, blocks) };
+        }
+        _ => {}
+    }
+    weights_body(logits, max, inv_t, threshold, out, blocks);
+}
+
+/// [`weights_body`] compiled for AVX2 (8 lanes; plain multiplies and adds, no FMA, so
+/// the same bits as every other path).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn weights_avx2(
+    logits: &[f32],
+    max: f32,
+    inv_t: f32,
+    threshold: f32,
+    out: &mut [f32],
+    blocks: &mut [f64],
+) {
+    weights_body(logits, max, inv_t, threshold, out, blocks);
+}
+
+/// [`weights_body`] compiled for AVX-512 (16 lanes; the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn weights_avx512(
+    logits: &[f32],
+    max: f32,
+    inv_t: f32,
+    threshold: f32,
+    out: &mut [f32],
+    blocks: &mut [f64],
+) {
+    weights_body(logits, max, inv_t, threshold, out, blocks);
+}
+
+/// The weights and block sums, in 16 lanes the compiler vectorizes.
+#[inline(always)]
+fn weights_body(
+    logits: &[f32],
+    max: f32,
+    inv_t: f32,
+    threshold: f32,
+    out: &mut [f32],
+    blocks: &mut [f64],
+) {
+    let weight = |l: f32| {
         let e = exp((l - max) * inv_t);
-        *w = if l >= threshold && l > f32::NEG_INFINITY {
+        if l >= threshold && l > f32::NEG_INFINITY {
             e
         } else {
             0.0
-        };
+        }
+    };
+    for ((src, dst), sum) in logits.chunks(BLOCK).zip(out.chunks_mut(BLOCK)).zip(blocks) {
+        let mut lanes = [0f32; 16];
+        let mut whole = src.chunks_exact(16).zip(dst.chunks_exact_mut(16));
+        for (l, w) in &mut whole {
+            for i in 0..16 {
+                w[i] = weight(l[i]);
+                lanes[i] += w[i];
+            }
+        }
+        let done = src.len() / 16 * 16;
+        for (i, (&l, w)) in src[done..].iter().zip(&mut dst[done..]).enumerate() {
+            *w = weight(l);
+            lanes[i] += *w;
+        }
+        *sum = lanes.iter().map(|&s| f64::from(s)).sum();
+    }
+}
+
+/// Zeroes the weights below `cut` and sums each block again.
+fn apply_cut(weights: &mut [f32], cut: f32, blocks: &mut [f64]) {
+    for (block, sum) in weights.chunks_mut(BLOCK).zip(blocks) {
+        let mut lanes = [0f32; 16];
+        for chunk in block.chunks_mut(16) {
+            for (i, w) in chunk.iter_mut().enumerate() {
+                *w = if *w >= cut { *w } else { 0.0 };
+                lanes[i] += *w;
+            }
+        }
+        *sum = lanes.iter().map(|&s| f64::from(s)).sum();
     }
 }
 
@@ -435,25 +532,6 @@ fn nucleus_cut(weights: &[f32], top_p: f64) -> f32 {
         }
     }
     members.last().copied().unwrap_or(0.0)
-}
-
-/// Sums of `weights` per block of [`BLOCK`] (16 lanes each, in f64 per block).
-fn block_sums(weights: &[f32], out: &mut Vec<f64>) {
-    out.clear();
-    out.extend(weights.chunks(BLOCK).map(|block| {
-        let mut lanes = [0f32; 16];
-        let chunks = block.chunks_exact(16);
-        let rest = chunks.remainder();
-        for chunk in chunks {
-            for (s, &w) in lanes.iter_mut().zip(chunk) {
-                *s += w;
-            }
-        }
-        for (s, &w) in lanes.iter_mut().zip(rest) {
-            *s += w;
-        }
-        lanes.iter().map(|&s| f64::from(s)).sum::<f64>()
-    }));
 }
 
 /// The token whose interval (weights in id order) holds `u` of the total: finds the
