@@ -535,6 +535,11 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             state.first_token_at = Some(now);
         }
         state.tokens.push(token);
+        if let Some(lp) = state.last_logprobs.as_mut() {
+            for t in std::iter::once(&mut lp.chosen).chain(&mut lp.top) {
+                t.bytes = self.tokenizer.token_bytes(t.token_id).unwrap_or_default();
+            }
+        }
         let is_stop = (state.honour_stop_tokens && self.tokenizer.stop_ids().contains(&token))
             || state.extra_stop_ids.contains(&token);
         let mut piece = if is_stop {
@@ -622,7 +627,121 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     }
 }
 
+/// The result of [`Llama::score`]: how likely the model finds a continuation of a
+/// context.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Score {
+    /// The continuation's total log-likelihood: the sum of its tokens' log-probabilities
+    /// (raw log-softmax, natural log).
+    pub logprob: f64,
+    /// Whether greedy decoding from the context would produce exactly the continuation.
+    pub is_greedy: bool,
+    /// The continuation's token ids.
+    pub tokens: Vec<u32>,
+    /// Each continuation token's log-probability.
+    pub token_logprobs: Vec<f32>,
+}
+
 impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
+    /// Scores `continuation` after `context`, as evaluation harnesses ask (lm-evaluation
+    /// harness's `loglikelihood`): the context is encoded as a prompt
+    /// ([`encode_prompt`](Self::encode_prompt), BOS included where the model wants it),
+    /// the continuation as plain text after it; one forward pass over both.
+    ///
+    /// ```no_run
+    /// # fn main() -> llama_burn::Result<()> {
+    /// use llama_burn::{backend::{DefaultBackend, default_device}, llama::LlamaConfig};
+    ///
+    /// let path = llama_burn::demo::demo_model_path()?;
+    /// let llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 1024, &default_device())?;
+    /// let score = llama.score("The capital of France is", " Paris")?;
+    /// println!("log-likelihood {:.3}, greedy: {}", score.logprob, score.is_greedy);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::EmptyPrompt`] for an empty context or continuation,
+    /// [`LlamaError::PromptTooLong`] when both do not fit the context window.
+    pub fn score(&self, context: &str, continuation: &str) -> Result<Score> {
+        let context = self.encode_prompt(context)?;
+        if continuation.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        self.check_text_fits(continuation.len())?;
+        let continuation = self.tokenizer.encode(continuation, false, false)?;
+        self.score_ids(&context, &continuation)
+    }
+
+    /// [`score`](Self::score) on token ids (taken as they are).
+    pub fn score_ids(&self, context: &[u32], continuation: &[u32]) -> Result<Score> {
+        if context.is_empty() || continuation.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        let all: Vec<u32> = context.iter().chain(continuation).copied().collect();
+        let max = self.config().max_seq_len;
+        if all.len() > max {
+            return Err(LlamaError::PromptTooLong {
+                tokens: all.len(),
+                max,
+            });
+        }
+        self.config().check_token_ids(&all)?;
+        let logits = self.logits(&all)?;
+        let mut score = Score {
+            logprob: 0.0,
+            is_greedy: true,
+            tokens: continuation.to_vec(),
+            token_logprobs: Vec::with_capacity(continuation.len()),
+        };
+        for (j, &token) in continuation.iter().enumerate() {
+            let row = &logits[context.len() + j - 1];
+            let lp = token_logprobs(row, token, 0)?.chosen.logprob;
+            score.logprob += f64::from(lp);
+            score.is_greedy &= crate::sampling::argmax(row) == token;
+            score.token_logprobs.push(lp);
+        }
+        Ok(score)
+    }
+
+    /// Each prompt token's log-probability and its `n` most likely alternatives (`n <=
+    /// 20`), from one forward pass over `ids`; the first token has none (`None`).
+    ///
+    /// # Errors
+    ///
+    /// As [`score_ids`](Self::score_ids), and [`LlamaError::InvalidParameter`] for
+    /// `n > 20`.
+    pub fn prompt_logprobs(&self, ids: &[u32], n: usize) -> Result<Vec<Option<TokenLogprobs>>> {
+        if ids.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        if ids.len() > self.config().max_seq_len {
+            return Err(LlamaError::PromptTooLong {
+                tokens: ids.len(),
+                max: self.config().max_seq_len,
+            });
+        }
+        self.config().check_token_ids(ids)?;
+        if n > crate::sampling::MAX_TOP_LOGPROBS {
+            return Err(LlamaError::invalid(
+                "prompt_logprobs",
+                n,
+                "must be in [0, 20]",
+            ));
+        }
+        let logits = self.logits(ids)?;
+        let mut out = vec![None];
+        for (row, &token) in logits.iter().zip(&ids[1..]) {
+            let mut lp = token_logprobs(row, token, n)?;
+            for t in std::iter::once(&mut lp.chosen).chain(&mut lp.top) {
+                t.bytes = self.tokenizer.token_bytes(t.token_id).unwrap_or_default();
+            }
+            out.push(Some(lp));
+        }
+        Ok(out)
+    }
+
     /// One generation step's forward pass over `input` (row-major, one row per cache row):
     /// the prompts on the `first` step (read in chunks), else each row's last token. Returns
     /// the logits of each row's last position on the host, `[rows, vocab]` row-major.

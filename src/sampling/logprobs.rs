@@ -10,12 +10,15 @@ use crate::kernels::cpu::largest;
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// One token and its log-probability.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
     /// The token's id.
     pub token_id: u32,
     /// Its log-probability under the model's raw log-softmax (`<= 0`).
     pub logprob: f32,
+    /// The token's bytes in the tokenizer's vocabulary (empty until the generation
+    /// fills them in: [`token_logprobs`] has no tokenizer).
+    pub bytes: Vec<u8>,
 }
 
 /// A chosen token's log-probability and the most likely alternatives at its position.
@@ -153,12 +156,14 @@ pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> Result<TokenLogpr
         chosen: TokenLogprob {
             token_id: token,
             logprob: logprob(logit, normalizer, infinite),
+            bytes: Vec::new(),
         },
         top: top_n(logits, n)
             .into_iter()
             .map(|(token_id, l)| TokenLogprob {
                 token_id,
                 logprob: logprob(l, normalizer, infinite),
+                bytes: Vec::new(),
             })
             .collect(),
     })

@@ -16,6 +16,7 @@ use super::stop::StopMatcher;
 use crate::error::LlamaError;
 use crate::inference::{CancelToken, EngineEvent, GenerateRequest};
 use crate::llama::StopReason;
+use crate::sampling::TokenLogprobs;
 
 /// One choice to generate.
 #[derive(Debug, Clone)]
@@ -37,6 +38,9 @@ pub(crate) enum Update {
         index: usize,
         /// The text.
         text: String,
+        /// The log-probabilities of the tokens generated since the last update, with
+        /// each token's character offset in the choice's text (when asked for).
+        logprobs: Vec<(TokenLogprobs, usize)>,
     },
     /// Choice `index` ended, with its last text.
     Finished {
@@ -46,6 +50,8 @@ pub(crate) enum Update {
         text: String,
         /// `stop` or `length`.
         reason: &'static str,
+        /// As for `Text`.
+        logprobs: Vec<(TokenLogprobs, usize)>,
     },
     /// A choice failed; the request ends with this error.
     Failed(ApiError),
@@ -60,6 +66,10 @@ struct Choice {
     finish: Option<&'static str>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// Log-probabilities not sent yet, with each token's character offset.
+    logprobs: Vec<(TokenLogprobs, usize)>,
+    /// Characters of token text received so far.
+    chars: usize,
 }
 
 /// A request's choices running on the engine.
@@ -117,6 +127,8 @@ impl Generation {
                 finish: None,
                 first_token: None,
                 last_token: None,
+                logprobs: Vec::new(),
+                chars: 0,
             });
         }
         drop(tx);
@@ -190,15 +202,21 @@ impl Generation {
                 choice.first_token.get_or_insert(now);
                 choice.last_token = Some(now);
                 choice.completion_tokens += 1;
+                if let Some(lp) = token.logprobs {
+                    choice.logprobs.push((lp, choice.chars));
+                }
+                choice.chars += token.token.chars().count();
                 let out = choice.matcher.push(&token.token);
                 if out.stopped {
                     // Nothing after a stop string is wanted: free the engine at once.
                     choice.cancel.cancel();
+                    let logprobs = std::mem::take(&mut choice.logprobs);
                     self.finish(index, "stop", None);
                     Some(Update::Finished {
                         index,
                         text: out.text,
                         reason: "stop",
+                        logprobs,
                     })
                 } else if out.text.is_empty() {
                     None
@@ -206,11 +224,13 @@ impl Generation {
                     Some(Update::Text {
                         index,
                         text: out.text,
+                        logprobs: std::mem::take(&mut choice.logprobs),
                     })
                 }
             }
             EngineEvent::Done(Ok(metrics)) => {
                 let text = choice.matcher.finish();
+                let logprobs = std::mem::take(&mut choice.logprobs);
                 let reason = match metrics.stop_reason {
                     Some(StopReason::MaxTokens | StopReason::ContextFull) => "length",
                     _ => "stop",
@@ -220,6 +240,7 @@ impl Generation {
                     index,
                     text,
                     reason,
+                    logprobs,
                 })
             }
             EngineEvent::Done(Err(e)) => {
