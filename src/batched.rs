@@ -297,12 +297,15 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         });
         drop(jobs);
         let mut tokens = tokens.into_iter();
-        let mut by_row: Vec<Option<Result<u32>>> = (0..state.rows.len()).map(|_| None).collect();
-        for r in 0..state.rows.len() {
-            if state.active.contains(&r) {
-                by_row[r] = tokens.next();
-            }
-        }
+        let mut by_row: Vec<Option<Result<u32>>> = (0..state.rows.len())
+            .map(|r| {
+                if state.active.contains(&r) {
+                    tokens.next()
+                } else {
+                    None
+                }
+            })
+            .collect();
         let mut still_running = Vec::with_capacity(state.active.len());
         for (slot, &r) in state.active.iter().enumerate() {
             let token = by_row[r]

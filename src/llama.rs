@@ -97,6 +97,8 @@ pub struct GenerationState<B: LlamaBackend> {
     logprobs: Option<usize>,
     /// The log-probabilities of the token sampled last, until taken.
     last_logprobs: Option<TokenLogprobs>,
+    /// The prompt's log-probabilities, until taken.
+    prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
     started: Option<Instant>,
     first_token_at: Option<Instant>,
     finished_at: Option<Instant>,
@@ -194,6 +196,12 @@ impl<B: LlamaBackend> GenerationState<B> {
     /// `None` until the next token.
     pub fn take_logprobs(&mut self) -> Option<TokenLogprobs> {
         self.last_logprobs.take()
+    }
+
+    /// The prompt's log-probabilities, once computed
+    /// ([`Llama::with_prompt_logprobs`]); taking them leaves `None`.
+    pub fn take_prompt_logprobs(&mut self) -> Option<Vec<Option<TokenLogprobs>>> {
+        self.prompt_logprobs.take()
     }
 
     /// Records the start of processing (the first step), once.
@@ -480,6 +488,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             min_tokens: 0,
             logprobs: None,
             last_logprobs: None,
+            prompt_logprobs: None,
             started: None,
             first_token_at: None,
             finished_at: None,
@@ -627,6 +636,9 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     }
 }
 
+/// Positions per forward pass when scoring ([`Llama::score`], [`Llama::prompt_logprobs`]).
+const SCORE_CHUNK: usize = 64;
+
 /// The result of [`Llama::score`]: how likely the model finds a continuation of a
 /// context.
 #[derive(Debug, Clone, PartialEq)]
@@ -688,20 +700,26 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             });
         }
         self.config().check_token_ids(&all)?;
-        let logits = self.logits(&all)?;
         let mut score = Score {
             logprob: 0.0,
             is_greedy: true,
             tokens: continuation.to_vec(),
             token_logprobs: Vec::with_capacity(continuation.len()),
         };
-        for (j, &token) in continuation.iter().enumerate() {
-            let row = &logits[context.len() + j - 1];
+        self.for_each_logits_row(&all, |position, row| {
+            // Row `position` predicts token `position + 1`.
+            let Some(j) = (position + 1).checked_sub(context.len()) else {
+                return Ok(());
+            };
+            let Some(&token) = continuation.get(j) else {
+                return Ok(());
+            };
             let lp = token_logprobs(row, token, 0)?.chosen.logprob;
             score.logprob += f64::from(lp);
             score.is_greedy &= crate::sampling::argmax(row) == token;
             score.token_logprobs.push(lp);
-        }
+            Ok(())
+        })?;
         Ok(score)
     }
 
@@ -730,16 +748,53 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
                 "must be in [0, 20]",
             ));
         }
-        let logits = self.logits(ids)?;
         let mut out = vec![None];
-        for (row, &token) in logits.iter().zip(&ids[1..]) {
+        self.for_each_logits_row(ids, |position, row| {
+            let Some(&token) = ids.get(position + 1) else {
+                return Ok(());
+            };
             let mut lp = token_logprobs(row, token, n)?;
             for t in std::iter::once(&mut lp.chosen).chain(&mut lp.top) {
                 t.bytes = self.tokenizer.token_bytes(t.token_id).unwrap_or_default();
             }
             out.push(Some(lp));
-        }
+            Ok(())
+        })?;
         Ok(out)
+    }
+
+    /// Runs `ids` through the model in chunks of [`SCORE_CHUNK`] positions (so the logits
+    /// held at once are bounded whatever the length; a row's logits do not depend on the
+    /// chunking) and calls `f(position, logits)` for every position in order.
+    fn for_each_logits_row(
+        &self,
+        ids: &[u32],
+        mut f: impl FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let vocab = self.config().vocab_size;
+        let mut cache = self.model.new_cache(vec![0], ids.len());
+        for (c, chunk) in ids.chunks(SCORE_CHUNK).enumerate() {
+            let logits = logits_to_vec(self.model.forward(chunk, &mut cache, Logits::All)?)?;
+            for (i, row) in logits.chunks(vocab).enumerate() {
+                f(c * SCORE_CHUNK + i, row)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Computes `state`'s prompt log-probabilities when `request` asks for them
+    /// ([`GenerateRequest::with_prompt_logprobs`]), for
+    /// [`GenerationState::take_prompt_logprobs`]: one forward pass over the prompt (in
+    /// chunks, the same in every strategy).
+    pub fn with_prompt_logprobs(
+        &self,
+        mut state: GenerationState<B>,
+        request: &GenerateRequest,
+    ) -> Result<GenerationState<B>> {
+        if let Some(n) = request.prompt_logprobs {
+            state.prompt_logprobs = Some(self.prompt_logprobs(&state.prompt_tokens, n)?);
+        }
+        Ok(state)
     }
 
     /// One generation step's forward pass over `input` (row-major, one row per cache row):

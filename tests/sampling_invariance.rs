@@ -30,7 +30,8 @@ fn requests() -> Vec<GenerateRequest> {
                 .with_top_k([0, 40, 5][i % 3])
                 .with_min_p([0.0, 0.05][i % 2])
                 .with_min_tokens(i % 3)
-                .with_logprobs(i % 6);
+                .with_logprobs(i % 6)
+                .with_prompt_logprobs(i % 3);
             r.repetition_penalty = [1.0, 1.1][i % 2];
             r.frequency_penalty = [0.0, 0.5, -0.3][i % 3];
             r.presence_penalty = [0.2, 0.0][i % 2];
@@ -85,6 +86,24 @@ fn tokens_and_logprobs_are_the_same_in_every_strategy() {
     // Sampled requests draw differently with another seed (the seed is used).
     let reseeded = alone(&mut llama, &requests[2].clone().with_seed(7));
     assert_ne!(reseeded, expected[2]);
+    // Every strategy delivers the prompt's log-probabilities with the first token: those
+    // of `Llama::prompt_logprobs`.
+    let prompt_expected: Vec<_> = requests
+        .iter()
+        .map(|r| {
+            let ids = llama.encode_request(r).unwrap();
+            Some(
+                llama
+                    .prompt_logprobs(&ids, r.prompt_logprobs.unwrap())
+                    .unwrap(),
+            )
+        })
+        .collect();
+    assert!(
+        prompt_expected
+            .iter()
+            .all(|p| p.as_ref().unwrap()[0].is_none())
+    );
 
     // Batched: every prompt in one left-padded batch.
     let ids: Vec<Vec<u32>> = requests
@@ -118,19 +137,23 @@ fn tokens_and_logprobs_are_the_same_in_every_strategy() {
         .iter()
         .map(|r| service.infer(r.clone()).spawn())
         .collect();
+    let mut prompt_got = Vec::new();
     let concurrent: Vec<Run> = jobs
         .into_iter()
         .map(|job| {
-            let run = job
-                .stream
-                .iter()
-                .map(|t| (t.token_id, t.logprobs))
-                .collect();
+            let mut run = Vec::new();
+            for t in job.stream.iter() {
+                if t.index == 0 {
+                    prompt_got.push(t.prompt_logprobs.clone());
+                }
+                run.push((t.token_id, t.logprobs));
+            }
             job.join().unwrap();
             run
         })
         .collect();
     check("concurrent", &concurrent, &expected);
+    assert_eq!(prompt_got, prompt_expected, "concurrent prompt logprobs");
     drop(service);
 
     // Continuous: chunked prompts, joined by greedy requests without logprobs.
@@ -151,13 +174,19 @@ fn tokens_and_logprobs_are_the_same_in_every_strategy() {
         .iter()
         .map(|r| engine.submit(r.clone()).unwrap())
         .collect();
+    let mut prompt_got = Vec::new();
     let continuous: Vec<Run> = jobs
         .into_iter()
         .map(|job| {
             let mut run = Vec::new();
             for event in job.events().iter() {
                 match event {
-                    EngineEvent::Token(t) => run.push((t.token_id, t.logprobs)),
+                    EngineEvent::Token(t) => {
+                        if t.index == 0 {
+                            prompt_got.push(t.prompt_logprobs.clone());
+                        }
+                        run.push((t.token_id, t.logprobs));
+                    }
                     EngineEvent::Done(result) => {
                         result.unwrap();
                         break;
@@ -169,6 +198,7 @@ fn tokens_and_logprobs_are_the_same_in_every_strategy() {
         })
         .collect();
     check("continuous", &continuous, &expected);
+    assert_eq!(prompt_got, prompt_expected, "continuous prompt logprobs");
     for job in others {
         job.collect().unwrap();
     }
@@ -198,4 +228,61 @@ fn min_tokens_stop_token_ids_and_bans_hold_on_the_model() {
     let at = first.iter().position(|(id, _)| *id == stop).unwrap_or(2);
     let stopped = alone(&mut llama, &greedy.clone().with_stop_token_ids(vec![stop]));
     assert_eq!(stopped[..], first[..=at]);
+}
+
+#[test]
+fn score_and_prompt_logprobs_agree_with_generation() {
+    let llama = demo(256);
+    let context = llama.encode_prompt("The capital of France is").unwrap();
+    // The greedy continuation scores as greedy, with the generation's own logprobs.
+    let mut generating = demo(256);
+    let request = GenerateRequest::from_ids(context.clone())
+        .with_max_tokens(4)
+        .with_ignore_eos(true)
+        .with_logprobs(0);
+    let run = alone(&mut generating, &request);
+    let continuation: Vec<u32> = run.iter().map(|(id, _)| *id).collect();
+    let score = llama.score_ids(&context, &continuation).unwrap();
+    assert!(score.is_greedy);
+    let generated: Vec<f32> = run
+        .iter()
+        .map(|(_, lp)| lp.as_ref().unwrap().chosen.logprob)
+        .collect();
+    // The prompt pass and the decode steps compute the same logits to within rounding.
+    for (s, g) in score.token_logprobs.iter().zip(&generated) {
+        assert!((s - g).abs() < 1e-3, "{s} vs {g}");
+    }
+    assert!(score.logprob < 0.0);
+    // Another continuation is not greedy and less likely.
+    let mut other = continuation.clone();
+    other[0] = (other[0] + 1) % 1000;
+    let worse = llama.score_ids(&context, &other).unwrap();
+    assert!(!worse.is_greedy);
+    // The prompt's log-probabilities: none for the first token; the sum over the
+    // continuation's positions is the score.
+    let all: Vec<u32> = context.iter().chain(&continuation).copied().collect();
+    let prompt = llama.prompt_logprobs(&all, 2).unwrap();
+    assert!(prompt[0].is_none());
+    let sum: f64 = prompt[context.len()..]
+        .iter()
+        .map(|lp| f64::from(lp.as_ref().unwrap().chosen.logprob))
+        .sum();
+    assert!(
+        (sum - score.logprob).abs() < 1e-4,
+        "{sum} vs {}",
+        score.logprob
+    );
+    assert!(
+        prompt[1..]
+            .iter()
+            .all(|lp| lp.as_ref().unwrap().top.len() == 2)
+    );
+    // Text in, same answer: the context as a prompt, the continuation as plain text.
+    let text = llama.score("The capital of France is", " Paris").unwrap();
+    assert!(text.logprob < 0.0 && !text.tokens.is_empty());
+    assert!(matches!(
+        llama.score("", " Paris"),
+        Err(llama_burn::LlamaError::EmptyPrompt)
+    ));
+    assert!(llama.prompt_logprobs(&all, 21).is_err());
 }

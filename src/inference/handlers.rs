@@ -38,7 +38,7 @@ fn prepare<B: LlamaBackend, T: Tokenizer>(
     request.validate_token_ids(llama.config().vocab_size)?;
     let ids = llama.encode_request(request)?;
     let state = llama.create_generation_state_from_ids(ids, request.max_tokens)?;
-    Ok(state.with_request(request))
+    llama.with_prompt_logprobs(state.with_request(request), request)
 }
 
 /// The blocking baseline: one `submit` for the whole generation, so the model serves
@@ -63,6 +63,7 @@ pub fn streaming_handler<B: LlamaBackend, T: Tokenizer>(
                 token_id,
                 index,
                 logprobs: state.take_logprobs(),
+                prompt_logprobs: state.take_prompt_logprobs(),
             })?;
             if done {
                 break;
@@ -106,6 +107,7 @@ pub fn concurrent_streaming_handler<B: LlamaBackend, T: Tokenizer>(
             token_id,
             index,
             logprobs: state.take_logprobs(),
+            prompt_logprobs: state.take_prompt_logprobs(),
         })?;
         if done {
             break;

@@ -75,6 +75,10 @@ pub struct GenerateRequest {
     /// Report each generated token's log-probability and this many alternatives
     /// (`0..=20`) in [`TokenOutput::logprobs`]; `None` (the default) reports nothing.
     pub logprobs: Option<usize>,
+    /// Report each prompt token's log-probability and this many alternatives (`0..=20`)
+    /// in the first [`TokenOutput::prompt_logprobs`]; `None` (the default) reports
+    /// nothing. Costs one more forward pass over the prompt.
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl GenerateRequest {
@@ -117,6 +121,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             min_tokens: 0,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 
@@ -230,6 +235,21 @@ impl GenerateRequest {
         self
     }
 
+    /// Asks for each prompt token's log-probability and `n` alternatives (`0..=20`),
+    /// delivered with the first generated token.
+    ///
+    /// ```
+    /// use llama_burn::inference::GenerateRequest;
+    ///
+    /// assert!(GenerateRequest::new("Hi").with_prompt_logprobs(1).validate(2048).is_ok());
+    /// assert!(GenerateRequest::new("Hi").with_prompt_logprobs(21).validate(2048).is_err());
+    /// ```
+    #[must_use]
+    pub fn with_prompt_logprobs(mut self, n: usize) -> Self {
+        self.prompt_logprobs = Some(n);
+        self
+    }
+
     /// Sets the extra stop token ids.
     #[must_use]
     pub fn with_stop_token_ids(mut self, ids: Vec<u32>) -> Self {
@@ -330,6 +350,13 @@ impl GenerateRequest {
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(LlamaError::invalid("logprobs", n, "must be in [0, 20]"));
         }
+        if let Some(n) = self.prompt_logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(LlamaError::invalid(
+                "prompt_logprobs",
+                n,
+                "must be in [0, 20]",
+            ));
+        }
         Ok(())
     }
 }
@@ -373,7 +400,13 @@ pub(crate) fn check_request_size(
 /// ```
 /// use llama_burn::inference::TokenOutput;
 ///
-/// let first = TokenOutput { token: "Hello".to_string(), token_id: 19556, index: 0, logprobs: None };
+/// let first = TokenOutput {
+///     token: "Hello".to_string(),
+///     token_id: 19556,
+///     index: 0,
+///     logprobs: None,
+///     prompt_logprobs: None,
+/// };
 /// assert_eq!(first.index, 0);
 /// ```
 #[derive(Debug, Clone, PartialEq)]
@@ -388,6 +421,10 @@ pub struct TokenOutput {
     /// The token's log-probability under the model's raw log-softmax and the most likely
     /// alternatives, when the request asked ([`GenerateRequest::with_logprobs`]).
     pub logprobs: Option<TokenLogprobs>,
+    /// On the first token only, when the request asked
+    /// ([`GenerateRequest::with_prompt_logprobs`]): each prompt token's log-probability
+    /// and alternatives, `None` for the first prompt token (nothing predicts it).
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
 }
 
 #[cfg(test)]
@@ -441,6 +478,7 @@ mod tests {
                 stop_token_ids: Vec::new(),
                 min_tokens: 0,
                 logprobs: None,
+                prompt_logprobs: None,
             }
         );
         assert!(!r.is_greedy());
@@ -555,6 +593,7 @@ mod tests {
         assert_invalid(&r, 100, "logit_bias");
         assert_invalid(&a().with_min_tokens(11), 100, "min_tokens");
         assert_invalid(&a().with_logprobs(21), 100, "logprobs");
+        assert_invalid(&a().with_prompt_logprobs(21), 100, "prompt_logprobs");
         assert_invalid(
             &a().with_stop_token_ids(vec![1; 257]),
             100,
@@ -606,6 +645,7 @@ mod tests {
             token_id: 1917,
             index: 1,
             logprobs: None,
+            prompt_logprobs: None,
         };
         assert_eq!(t.clone(), t);
     }

@@ -120,10 +120,8 @@ pub fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
         return best;
     }
     for (i, &l) in logits.iter().enumerate() {
-        if best.len() == n && !(l > best[n - 1].1) {
-            continue;
-        }
-        if l.is_nan() {
+        // Only a value above the n-th kept one enters (an equal one has a larger id).
+        if l.is_nan() || (best.len() == n && l <= best[n - 1].1) {
             continue;
         }
         let at = best.partition_point(|&(_, b)| b >= l);

@@ -16,7 +16,7 @@ use super::stop::StopMatcher;
 use crate::error::LlamaError;
 use crate::inference::{CancelToken, EngineEvent, GenerateRequest};
 use crate::llama::StopReason;
-use crate::sampling::TokenLogprobs;
+use crate::sampling::{TokenLogprob, TokenLogprobs};
 
 /// One choice to generate.
 #[derive(Debug, Clone)]
@@ -27,6 +27,10 @@ pub(crate) struct ChoiceSpec {
     pub prompt: usize,
     /// Its stop strings.
     pub stop: Vec<String>,
+    /// The prompt text to send back first (completions' `echo`).
+    pub echo: Option<String>,
+    /// Leave the generated token out (`echo` with `max_tokens: 0`).
+    pub prompt_only: bool,
 }
 
 /// What happened next in a generation.
@@ -70,6 +74,10 @@ struct Choice {
     logprobs: Vec<(TokenLogprobs, usize)>,
     /// Characters of token text received so far.
     chars: usize,
+    /// The prompt to send back before the first token's text.
+    echo: Option<String>,
+    /// Leave generated tokens out of the answer.
+    prompt_only: bool,
 }
 
 /// A request's choices running on the engine.
@@ -129,6 +137,8 @@ impl Generation {
                 last_token: None,
                 logprobs: Vec::new(),
                 chars: 0,
+                echo: spec.echo,
+                prompt_only: spec.prompt_only,
             });
         }
         drop(tx);
@@ -194,7 +204,21 @@ impl Generation {
         }
         match event {
             EngineEvent::Accepted { .. } => None,
-            EngineEvent::Token(token) => {
+            EngineEvent::Token(mut token) => {
+                let prefix = match choice.echo.take() {
+                    Some(prompt) => {
+                        echo_logprobs(choice, &prompt, token.prompt_logprobs.take());
+                        prompt
+                    }
+                    None => String::new(),
+                };
+                if choice.prompt_only {
+                    return (!prefix.is_empty()).then(|| Update::Text {
+                        index,
+                        text: prefix,
+                        logprobs: std::mem::take(&mut choice.logprobs),
+                    });
+                }
                 let now = Instant::now();
                 self.shared
                     .metrics
@@ -206,7 +230,8 @@ impl Generation {
                     choice.logprobs.push((lp, choice.chars));
                 }
                 choice.chars += token.token.chars().count();
-                let out = choice.matcher.push(&token.token);
+                let mut out = choice.matcher.push(&token.token);
+                out.text.insert_str(0, &prefix);
                 if out.stopped {
                     // Nothing after a stop string is wanted: free the engine at once.
                     choice.cancel.cancel();
@@ -229,9 +254,13 @@ impl Generation {
                 }
             }
             EngineEvent::Done(Ok(metrics)) => {
-                let text = choice.matcher.finish();
+                let text = match choice.prompt_only {
+                    true => String::new(),
+                    false => choice.matcher.finish(),
+                };
                 let logprobs = std::mem::take(&mut choice.logprobs);
                 let reason = match metrics.stop_reason {
+                    _ if choice.prompt_only => "length",
                     Some(StopReason::MaxTokens | StopReason::ContextFull) => "length",
                     _ => "stop",
                 };
@@ -299,6 +328,39 @@ impl Generation {
             total_tokens: prompt_tokens + completion_tokens,
         }
     }
+}
+
+/// Queues the echoed prompt's log-probabilities (when there are some) before the
+/// generated tokens', and counts the prompt's characters for the text offsets. The first
+/// prompt token has no log-probability (written null): its text is what the others'
+/// bytes leave of the prompt.
+fn echo_logprobs(choice: &mut Choice, prompt: &str, logprobs: Option<Vec<Option<TokenLogprobs>>>) {
+    if let Some(entries) = logprobs {
+        let rest: Vec<u8> = entries
+            .iter()
+            .flatten()
+            .flat_map(|lp| lp.chosen.bytes.iter().copied())
+            .collect();
+        let first = prompt
+            .as_bytes()
+            .strip_suffix(rest.as_slice())
+            .unwrap_or_default();
+        let first = TokenLogprobs {
+            chosen: TokenLogprob {
+                token_id: 0,
+                logprob: f32::NAN,
+                bytes: first.to_vec(),
+            },
+            top: Vec::new(),
+        };
+        let mut offset = 0;
+        for lp in std::iter::once(first).chain(entries.into_iter().flatten()) {
+            let chars = String::from_utf8_lossy(&lp.chosen.bytes).chars().count();
+            choice.logprobs.push((lp, offset));
+            offset += chars;
+        }
+    }
+    choice.chars = prompt.chars().count();
 }
 
 impl Drop for Generation {

@@ -154,8 +154,11 @@ pub enum PromptField {
 pub struct CompletionRequest {
     /// What to continue.
     pub prompt: PromptField,
-    /// Unsupported: must be absent, null or false.
-    pub echo: Option<Value>,
+    /// Send the prompt back before the completion (with its log-probabilities when
+    /// `logprobs` is given; the first prompt token's is null). With `echo`, `max_tokens`
+    /// may be 0: the prompt's log-probabilities alone, as lm-evaluation-harness scores
+    /// log-likelihoods. Text prompts only.
+    pub echo: Option<bool>,
     /// Unsupported: must be absent or null.
     pub suffix: Option<Value>,
     /// Unsupported: must be absent, null or 1.
@@ -252,6 +255,11 @@ pub struct Sampling {
     pub ignore_eos: bool,
     /// No stop token before this many tokens.
     pub min_tokens: usize,
+    /// Completions: send the prompt back first (with its log-probabilities).
+    pub echo: bool,
+    /// Completions with `echo` and `max_tokens: 0`: one token is generated (the engine
+    /// always generates one) and left out of the answer.
+    pub prompt_only: bool,
 }
 
 fn out_of_range(name: &str, value: impl std::fmt::Display, range: &str) -> ApiError {
@@ -453,6 +461,8 @@ impl CommonFields {
             stop_token_ids,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             min_tokens,
+            echo: false,
+            prompt_only: false,
         })
     }
 
@@ -555,7 +565,6 @@ impl ChatCompletionRequest {
 impl CompletionRequest {
     /// The prompts, checked.
     pub fn prompts(&self) -> Result<Vec<PromptInput>, ApiError> {
-        refuse_unsupported("echo", &self.echo, &[Value::Bool(false)])?;
         refuse_unsupported("suffix", &self.suffix, &[])?;
         refuse_unsupported("best_of", &self.best_of, &[Value::from(1)])?;
         let prompts: Vec<PromptInput> = match &self.prompt {
@@ -568,6 +577,12 @@ impl CompletionRequest {
             return Err(ApiError::invalid(
                 "`prompt` must not be an empty list",
                 Some("prompt"),
+            ));
+        }
+        if self.echo == Some(true) && prompts.iter().any(|p| matches!(p, PromptInput::Ids(_))) {
+            return Err(ApiError::invalid(
+                "`echo` needs text prompts, not token ids",
+                Some("echo"),
             ));
         }
         let empty = prompts.iter().any(|p| match p {
@@ -981,7 +996,8 @@ mod tests {
         assert_eq!(parse(r#"{"prompt":[[1],[2]]}"#).unwrap().len(), 2);
         assert!(parse(r#"{"prompt":""}"#).is_err());
         assert!(parse(r#"{"prompt":[]}"#).is_err());
-        assert!(parse(r#"{"prompt":"a","echo":true}"#).is_err());
+        assert!(parse(r#"{"prompt":"a","echo":true}"#).is_ok());
+        assert!(parse(r#"{"prompt":[1,2],"echo":true}"#).is_err());
         assert!(parse(r#"{"prompt":"a","echo":false,"best_of":1}"#).is_ok());
         assert!(parse_request::<CompletionRequest>(br#"{"prompt":5}"#).is_err());
         let e = parse_request::<CompletionRequest>(br#"{"prompt":"a","top_p":"x"}"#).unwrap_err();

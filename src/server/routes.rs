@@ -265,8 +265,17 @@ fn choice_specs(
                 .with_stop_token_ids(sampling.stop_token_ids.clone())
                 .with_min_tokens(sampling.min_tokens);
             request.logprobs = sampling.logprobs;
+            let echo = match (&prompt, sampling.echo) {
+                (PromptInput::Text(text), true) => {
+                    request.prompt_logprobs = sampling.logprobs;
+                    Some(text.clone())
+                }
+                _ => None,
+            };
             specs.push(ChoiceSpec {
                 request,
+                echo,
+                prompt_only: sampling.prompt_only,
                 prompt: p,
                 stop: sampling.stop.clone(),
             });

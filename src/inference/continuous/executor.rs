@@ -208,6 +208,9 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 "prompt plus max_tokens exceeds the engine's KV cache budget",
             ));
         }
+        // Prompt log-probabilities (asked for rarely) take one forward pass over the
+        // prompt here, on the engine thread.
+        let state = self.llama.with_prompt_logprobs(state, request)?;
         Ok((ids, state))
     }
 
@@ -340,6 +343,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             token_id,
             index,
             logprobs: active.state.take_logprobs(),
+            prompt_logprobs: active.state.take_prompt_logprobs(),
         });
         if !delivered {
             return Err(LlamaError::Cancelled);
