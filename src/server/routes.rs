@@ -223,11 +223,20 @@ async fn completions(
     let request: CompletionRequest = parse_body(&shared, body)?;
     check_model(&shared, request.common.model.as_deref())?;
     let prompts = request.prompts()?;
-    let sampling = request.common.sampling(
-        Endpoint::Completions,
-        request.common.max_tokens,
-        shared.config.max_n,
-    )?;
+    let echo = request.echo.unwrap_or(false);
+    // `max_tokens: 0` with `echo` asks for the prompt alone: one token is generated and
+    // left out.
+    let prompt_only = echo && request.common.max_tokens == Some(0);
+    let max_tokens = match prompt_only {
+        true => Some(1),
+        false => request.common.max_tokens,
+    };
+    let mut sampling =
+        request
+            .common
+            .sampling(Endpoint::Completions, max_tokens, shared.config.max_n)?;
+    sampling.echo = echo;
+    sampling.prompt_only = prompt_only;
     // OpenAI's default for legacy completions.
     let default_max = Some(shared.config.default_max_tokens.unwrap_or(16));
     run(
@@ -298,8 +307,14 @@ struct Envelope {
 }
 
 impl Envelope {
+    /// The seed as clients send it: OpenAI's `seed` is a signed 64-bit integer, read as
+    /// its bits.
+    fn client_seed(&self) -> i64 {
+        self.seed as i64
+    }
+
     fn fingerprint(&self) -> String {
-        format!("llama-burn-seed-{}", self.seed)
+        format!("llama-burn-seed-{}", self.client_seed())
     }
 
     /// A choice's `logprobs` value: null unless asked for.
@@ -318,7 +333,7 @@ impl Envelope {
             "created": self.created,
             "model": self.model,
             "system_fingerprint": self.fingerprint(),
-            "seed": self.seed,
+            "seed": self.client_seed(),
             "choices": choices,
         });
         if let (Some(usage), Some(object)) = (usage, chunk.as_object_mut()) {
@@ -413,7 +428,7 @@ async fn whole_response(
         "created": envelope.created,
         "model": envelope.model,
         "system_fingerprint": envelope.fingerprint(),
-        "seed": envelope.seed,
+        "seed": envelope.client_seed(),
         "choices": choices,
         "usage": generation.usage(),
     }))

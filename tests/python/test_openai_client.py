@@ -170,6 +170,25 @@ class OpenAIClientTest(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as e:
             self.client.completions.create(model=MODEL, prompt="a", max_tokens=2, logprobs=6)
         self.assertEqual(e.exception.param, "logprobs")
+        # echo with max_tokens=0: the prompt's log-probabilities (lm-evaluation-harness's
+        # loglikelihood), streamed and not; the first token has none.
+        prompt = "The capital of France is Paris."
+        echo = self.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        lp = echo.choices[0].logprobs
+        self.assertEqual(echo.choices[0].text, prompt)
+        self.assertEqual("".join(lp.tokens), prompt)
+        self.assertIsNone(lp.token_logprobs[0])
+        self.assertTrue(all(x <= 0.0 for x in lp.token_logprobs[1:]))
+        self.assertEqual(echo.usage.completion_tokens, 0)
+        streamed = []
+        for chunk in self.client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                stream=True):
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    streamed.extend(choice.logprobs.token_logprobs)
+        self.assertEqual(streamed, lp.token_logprobs)
 
     def test_7_seed_comes_back_and_reproduces(self):
         messages = [{"role": "user", "content": "Tell me a story."}]
