@@ -284,8 +284,13 @@ pub(crate) fn sample(
     if logits.is_empty() {
         return Err(LlamaError::invalid("logits", "[]", "must not be empty"));
     }
-    check_logits(logits)?;
-    let work: &[f32] = if params.modifies() || !history.banned.is_empty() {
+    let modified = params.modifies() || !history.banned.is_empty();
+    // The sampled path without modifications checks for NaN in its weight pass instead of
+    // a pass of its own.
+    if modified || params.temperature == 0.0 {
+        check_logits(logits)?;
+    }
+    let work: &[f32] = if modified {
         modify(params, logits, history, &mut scratch.logits);
         check_logits(&scratch.logits)?;
         &scratch.logits
@@ -297,6 +302,9 @@ pub(crate) fn sample(
     }
     let u: f64 = rng.random();
     let max = largest(work);
+    if max == f32::INFINITY || max == f32::NEG_INFINITY {
+        check_logits(work)?;
+    }
     if max == f32::INFINITY {
         // The softmax's limit: the `+inf` tokens share all the mass evenly.
         let n = work.iter().filter(|&&l| l == f32::INFINITY).count();
@@ -314,7 +322,7 @@ pub(crate) fn sample(
         _ => f32::NEG_INFINITY,
     };
     let inv_t = (1.0 / params.temperature) as f32;
-    weights(
+    let nan = weights(
         work,
         max,
         inv_t,
@@ -322,6 +330,10 @@ pub(crate) fn sample(
         &mut scratch.weights,
         &mut scratch.blocks,
     );
+    if nan {
+        // The check names the NaN.
+        check_logits(work)?;
+    }
     let weights = &mut scratch.weights;
     let mut cut = 0.0f32;
     if params.top_p < 1.0 {
@@ -388,6 +400,7 @@ fn kth_largest(values: &[f32], k: usize, buffer: &mut Vec<f32>) -> f32 {
 
 /// `out[i] = e^((l_i - max) * inv_t)` for logits at or above `threshold`, else 0
 /// (`-inf` logits always 0), and the sums of `out` per block of [`BLOCK`] in `blocks`.
+/// Returns whether a logit is NaN.
 fn weights(
     logits: &[f32],
     max: f32,
@@ -395,7 +408,7 @@ fn weights(
     threshold: f32,
     out: &mut Vec<f32>,
     blocks: &mut Vec<f64>,
-) {
+) -> bool {
     out.clear();
     out.resize(logits.len(), 0.0);
     blocks.clear();
@@ -412,7 +425,7 @@ fn weights(
         }
         _ => {}
     }
-    weights_body(logits, max, inv_t, threshold, out, blocks);
+    weights_body(logits, max, inv_t, threshold, out, blocks)
 }
 
 /// [`weights_body`] compiled for AVX2 (8 lanes; plain multiplies and adds, no FMA, so
@@ -426,8 +439,8 @@ fn weights_avx2(
     threshold: f32,
     out: &mut [f32],
     blocks: &mut [f64],
-) {
-    weights_body(logits, max, inv_t, threshold, out, blocks);
+) -> bool {
+    weights_body(logits, max, inv_t, threshold, out, blocks)
 }
 
 /// [`weights_body`] compiled for AVX-512 (16 lanes; the same bits).
@@ -440,8 +453,8 @@ fn weights_avx512(
     threshold: f32,
     out: &mut [f32],
     blocks: &mut [f64],
-) {
-    weights_body(logits, max, inv_t, threshold, out, blocks);
+) -> bool {
+    weights_body(logits, max, inv_t, threshold, out, blocks)
 }
 
 /// The weights and block sums, in 16 lanes the compiler vectorizes.
@@ -453,7 +466,8 @@ fn weights_body(
     threshold: f32,
     out: &mut [f32],
     blocks: &mut [f64],
-) {
+) -> bool {
+    let mut nan = [false; 16];
     let weight = |l: f32| {
         let e = exp((l - max) * inv_t);
         if l >= threshold && l > f32::NEG_INFINITY {
@@ -469,15 +483,18 @@ fn weights_body(
             for i in 0..16 {
                 w[i] = weight(l[i]);
                 lanes[i] += w[i];
+                nan[i] |= l[i].is_nan();
             }
         }
         let done = src.len() / 16 * 16;
         for (i, (&l, w)) in src[done..].iter().zip(&mut dst[done..]).enumerate() {
             *w = weight(l);
             lanes[i] += *w;
+            nan[i] |= l.is_nan();
         }
         *sum = lanes.iter().map(|&s| f64::from(s)).sum();
     }
+    nan.contains(&true)
 }
 
 /// Zeroes the weights below `cut` and sums each block again.
@@ -784,6 +801,18 @@ mod tests {
         for _ in 0..2000 {
             assert_ne!(sampled.sample(&logits, History::default()).unwrap(), 3);
         }
+        // A NaN logit is an error at every temperature, with or without modifications.
+        let mut nan = logits;
+        nan[4] = f32::NAN;
+        let mut plain = Pipeline::new(SamplingParams::default(), 2).unwrap();
+        assert!(matches!(
+            plain.sample(&nan, History::default()),
+            Err(LlamaError::InvalidLogits(_))
+        ));
+        assert!(matches!(
+            sampled.sample(&nan, History::default()),
+            Err(LlamaError::InvalidLogits(_))
+        ));
         // Everything banned is an error, not a panic.
         let all = History {
             banned: &[0, 1, 2, 3, 4, 5],
