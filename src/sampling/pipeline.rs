@@ -302,7 +302,7 @@ pub(crate) fn sample(
     }
     let u: f64 = rng.random();
     let max = largest(work);
-    if max == f32::INFINITY || max == f32::NEG_INFINITY {
+    if max.is_infinite() {
         check_logits(work)?;
     }
     if max == f32::INFINITY {
