@@ -54,6 +54,15 @@ struct Args {
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
+    /// Nucleus-sampling mass (1 = off, the OpenAI default).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Top-k (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Min-p (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f64,
     /// Largest batch for the batched strategy.
     #[arg(long, default_value_t = 32)]
     max_batch: usize,
@@ -132,7 +141,9 @@ fn request(i: usize, args: &Args, prefix: &str) -> GenerateRequest {
     GenerateRequest::new(format!("{prefix}{}", PROMPTS[i % PROMPTS.len()]))
         .with_max_tokens(max_tokens)
         .with_temperature(args.temperature)
-        .with_top_p(0.9)
+        .with_top_p(args.top_p)
+        .with_top_k(args.top_k)
+        .with_min_p(args.min_p)
         .with_seed(1000 + i as u64)
         .with_ignore_eos(ignore_eos)
 }
@@ -486,6 +497,9 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
                 "prefix_caching": !args.no_prefix_cache,
                 "kv_budget_tokens": args.kv_budget_tokens,
                 "temperature": args.temperature,
+                "top_p": args.top_p,
+                "top_k": args.top_k,
+                "min_p": args.min_p,
                 "rate": args.rate,
                 "identical_outputs": identical,
                 "results": results,

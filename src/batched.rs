@@ -108,6 +108,37 @@ impl<B: LlamaBackend> BatchedGenerationState<B> {
         self
     }
 
+    /// Applies each row's request settings (`ignore_eos`, `stop_token_ids`, `min_tokens`,
+    /// `logprobs`; see [`GenerationState::with_request`]): `requests[i]` to row `i`. The
+    /// sampling controls go to the rows' samplers
+    /// ([`request_sampler`](crate::inference::request_sampler)).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidBatch`] when there is not one request per row.
+    pub fn with_requests(mut self, requests: &[crate::inference::GenerateRequest]) -> Result<Self> {
+        if requests.len() != self.rows.len() {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{} requests for {} rows",
+                requests.len(),
+                self.rows.len()
+            )));
+        }
+        self.rows = self
+            .rows
+            .into_iter()
+            .zip(requests)
+            .map(|(row, request)| row.with_request(request))
+            .collect();
+        Ok(self)
+    }
+
+    /// The log-probabilities of the token row `row` generated last, when its request
+    /// asked for them (see [`GenerationState::take_logprobs`]).
+    pub fn take_logprobs(&mut self, row: usize) -> Option<crate::sampling::TokenLogprobs> {
+        self.rows.get_mut(row)?.take_logprobs()
+    }
+
     /// Consumes the batch, returning each row's final state.
     pub fn into_rows(self) -> Vec<GenerationState<B>> {
         self.rows
@@ -249,10 +280,37 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         let logits = self.step_logits(&input, cache, first)?;
         let vocab = self.config().vocab_size;
 
+        // Sample every running row, in parallel: each from its own logits and sampler.
+        let stop_ids = self.tokenizer.stop_ids();
+        let mut jobs: Vec<(&mut GenerationState<B>, &mut Sampler, &[f32])> = state
+            .rows
+            .iter_mut()
+            .zip(samplers.iter_mut())
+            .enumerate()
+            .filter_map(|(r, (row, sampler))| {
+                let slot = state.active.iter().position(|&a| a == r)?;
+                Some((row, sampler, &logits[slot * vocab..(slot + 1) * vocab]))
+            })
+            .collect();
+        let tokens = crate::sampling::for_each_row(&mut jobs, |(row, sampler, logits)| {
+            row.sample_next(logits, temperature, sampler, stop_ids)
+        });
+        drop(jobs);
+        let mut tokens = tokens.into_iter();
+        let mut by_row: Vec<Option<Result<u32>>> = (0..state.rows.len())
+            .map(|r| {
+                if state.active.contains(&r) {
+                    tokens.next()
+                } else {
+                    None
+                }
+            })
+            .collect();
         let mut still_running = Vec::with_capacity(state.active.len());
         for (slot, &r) in state.active.iter().enumerate() {
-            let row_logits = &logits[slot * vocab..(slot + 1) * vocab];
-            let token = state.rows[r].sample_next(row_logits, temperature, &mut samplers[r])?;
+            let token = by_row[r]
+                .take()
+                .ok_or_else(|| LlamaError::Runtime("a running row was not sampled".into()))??;
             let step = self.accept_token(&mut state.rows[r], token);
             if !step.2 {
                 still_running.push(slot);

@@ -23,7 +23,7 @@ pub mod tokenizer;
 pub use batched::BatchedGenerationState;
 pub use config::{LlamaConfig, Precision};
 pub use error::{LlamaError, Result};
-pub use llama::{GenerationOutput, GenerationState, Llama, StopReason};
+pub use llama::{GenerationOutput, GenerationState, Llama, Score, StopReason};
 pub use sampling::{Sampler, TopK, TopP};
 
 /// The hub downloads' old path; they live in [`loader::pretrained`].

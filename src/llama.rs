@@ -18,7 +18,7 @@ use crate::error::{LlamaError, Result};
 use crate::inference::GenerateRequest;
 use crate::inference::request::check_request_size;
 use crate::model::{Logits, Transformer};
-use crate::sampling::{Sampler, apply_repetition_penalty, validate_temperature};
+use crate::sampling::{History, Sampler, TokenLogprobs, token_logprobs, validate_temperature};
 use crate::tokenizer::{DynTokenizer, StreamDecoder, Tokenizer};
 
 /// Most bytes of text one token covers, in any tokenizer this crate reads (the longest
@@ -89,6 +89,16 @@ pub struct GenerationState<B: LlamaBackend> {
     text: String,
     honour_stop_tokens: bool,
     repetition_penalty: f32,
+    /// Stop ids of the request besides the tokenizer's (honoured even when those are not).
+    extra_stop_ids: Vec<u32>,
+    /// Stop tokens cannot be drawn before this many tokens.
+    min_tokens: usize,
+    /// Alternatives to report with each token's log-probability (`None`: no logprobs).
+    logprobs: Option<usize>,
+    /// The log-probabilities of the token sampled last, until taken.
+    last_logprobs: Option<TokenLogprobs>,
+    /// The prompt's log-probabilities, until taken.
+    prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
     started: Option<Instant>,
     first_token_at: Option<Instant>,
     finished_at: Option<Instant>,
@@ -170,6 +180,30 @@ impl<B: LlamaBackend> GenerationState<B> {
         Ok(self)
     }
 
+    /// Applies a request's stop and reporting settings: `ignore_eos`, `stop_token_ids`,
+    /// `min_tokens` and `logprobs` (its sampling controls go to its sampler,
+    /// [`request_sampler`](crate::inference::request_sampler)).
+    pub fn with_request(mut self, request: &GenerateRequest) -> Self {
+        self.honour_stop_tokens = !request.ignore_eos;
+        self.extra_stop_ids = request.stop_token_ids.clone();
+        self.min_tokens = request.min_tokens;
+        self.logprobs = request.logprobs;
+        self
+    }
+
+    /// The log-probabilities of the token generated last (its raw log-softmax value and
+    /// the alternatives asked for), when the request asked for them; taking them leaves
+    /// `None` until the next token.
+    pub fn take_logprobs(&mut self) -> Option<TokenLogprobs> {
+        self.last_logprobs.take()
+    }
+
+    /// The prompt's log-probabilities, once computed
+    /// ([`Llama::with_prompt_logprobs`]); taking them leaves `None`.
+    pub fn take_prompt_logprobs(&mut self) -> Option<Vec<Option<TokenLogprobs>>> {
+        self.prompt_logprobs.take()
+    }
+
     /// Records the start of processing (the first step), once.
     pub(crate) fn mark_started(&mut self) {
         if self.started.is_none() {
@@ -177,25 +211,33 @@ impl<B: LlamaBackend> GenerationState<B> {
         }
     }
 
-    /// Picks the next token from this request's logits, applying its repetition penalty.
+    /// Picks the next token from this request's logits (`stop_ids`: the tokenizer's),
+    /// with its history for the penalties, its stop tokens banned before `min_tokens`,
+    /// and its log-probabilities kept when asked for. Depends on nothing but the row.
     pub(crate) fn sample_next(
-        &self,
+        &mut self,
         logits: &[f32],
         temperature: f64,
         sampler: &mut Sampler,
+        stop_ids: &[u32],
     ) -> Result<u32> {
-        if self.repetition_penalty == 1.0 {
-            return sampler.sample(logits, temperature);
-        }
-        let mut logits = logits.to_vec();
-        let history: Vec<u32> = self
-            .prompt_tokens
-            .iter()
-            .chain(&self.tokens)
-            .copied()
-            .collect();
-        apply_repetition_penalty(&mut logits, &history, self.repetition_penalty);
-        sampler.sample(&logits, temperature)
+        let banned: Vec<u32> = if self.tokens.len() < self.min_tokens {
+            let model = stop_ids.iter().filter(|_| self.honour_stop_tokens);
+            model.chain(&self.extra_stop_ids).copied().collect()
+        } else {
+            Vec::new()
+        };
+        let history = History {
+            prompt: &self.prompt_tokens,
+            output: &self.tokens,
+            banned: &banned,
+        };
+        let token = sampler.sample_with(logits, temperature, history, self.repetition_penalty)?;
+        self.last_logprobs = match self.logprobs {
+            Some(n) => Some(token_logprobs(logits, token, n)?),
+            None => None,
+        };
+        Ok(token)
     }
 
     /// Time from the first step's start to the first token, once known.
@@ -454,6 +496,11 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             text: String::new(),
             honour_stop_tokens: true,
             repetition_penalty: 1.0,
+            extra_stop_ids: Vec::new(),
+            min_tokens: 0,
+            logprobs: None,
+            last_logprobs: None,
+            prompt_logprobs: None,
             started: None,
             first_token_at: None,
             finished_at: None,
@@ -494,7 +541,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             .as_mut()
             .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
         let logits = self.step_logits(&input, cache, first)?;
-        let token = state.sample_next(&logits, temperature, sampler)?;
+        let token = state.sample_next(&logits, temperature, sampler, self.tokenizer.stop_ids())?;
         Ok(self.accept_token(state, token))
     }
 
@@ -509,7 +556,13 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             state.first_token_at = Some(now);
         }
         state.tokens.push(token);
-        let is_stop = state.honour_stop_tokens && self.tokenizer.stop_ids().contains(&token);
+        if let Some(lp) = state.last_logprobs.as_mut() {
+            for t in std::iter::once(&mut lp.chosen).chain(&mut lp.top) {
+                t.bytes = self.tokenizer.token_bytes(t.token_id).unwrap_or_default();
+            }
+        }
+        let is_stop = (state.honour_stop_tokens && self.tokenizer.stop_ids().contains(&token))
+            || state.extra_stop_ids.contains(&token);
         let mut piece = if is_stop {
             String::new()
         } else {
@@ -595,7 +648,167 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     }
 }
 
+/// Positions per forward pass when scoring ([`Llama::score`], [`Llama::prompt_logprobs`]).
+const SCORE_CHUNK: usize = 64;
+
+/// The result of [`Llama::score`]: how likely the model finds a continuation of a
+/// context.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Score {
+    /// The continuation's total log-likelihood: the sum of its tokens' log-probabilities
+    /// (raw log-softmax, natural log).
+    pub logprob: f64,
+    /// Whether greedy decoding from the context would produce exactly the continuation.
+    pub is_greedy: bool,
+    /// The continuation's token ids.
+    pub tokens: Vec<u32>,
+    /// Each continuation token's log-probability.
+    pub token_logprobs: Vec<f32>,
+}
+
 impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
+    /// Scores `continuation` after `context`, as evaluation harnesses ask (lm-evaluation
+    /// harness's `loglikelihood`): the context is encoded as a prompt
+    /// ([`encode_prompt`](Self::encode_prompt), BOS included where the model wants it),
+    /// the continuation as plain text after it; one forward pass over both.
+    ///
+    /// ```no_run
+    /// # fn main() -> llama_burn::Result<()> {
+    /// use llama_burn::{backend::{DefaultBackend, default_device}, llama::LlamaConfig};
+    ///
+    /// let path = llama_burn::demo::demo_model_path()?;
+    /// let llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 1024, &default_device())?;
+    /// let score = llama.score("The capital of France is", " Paris")?;
+    /// println!("log-likelihood {:.3}, greedy: {}", score.logprob, score.is_greedy);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::EmptyPrompt`] for an empty context or continuation,
+    /// [`LlamaError::PromptTooLong`] when both do not fit the context window.
+    pub fn score(&self, context: &str, continuation: &str) -> Result<Score> {
+        let context = self.encode_prompt(context)?;
+        if continuation.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        self.check_text_fits(continuation.len())?;
+        let continuation = self.tokenizer.encode(continuation, false, false)?;
+        self.score_ids(&context, &continuation)
+    }
+
+    /// [`score`](Self::score) on token ids (taken as they are).
+    pub fn score_ids(&self, context: &[u32], continuation: &[u32]) -> Result<Score> {
+        if context.is_empty() || continuation.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        let all: Vec<u32> = context.iter().chain(continuation).copied().collect();
+        let max = self.config().max_seq_len;
+        if all.len() > max {
+            return Err(LlamaError::PromptTooLong {
+                tokens: all.len(),
+                max,
+            });
+        }
+        self.config().check_token_ids(&all)?;
+        let mut score = Score {
+            logprob: 0.0,
+            is_greedy: true,
+            tokens: continuation.to_vec(),
+            token_logprobs: Vec::with_capacity(continuation.len()),
+        };
+        self.for_each_logits_row(&all, |position, row| {
+            // Row `position` predicts token `position + 1`.
+            let Some(j) = (position + 1).checked_sub(context.len()) else {
+                return Ok(());
+            };
+            let Some(&token) = continuation.get(j) else {
+                return Ok(());
+            };
+            let lp = token_logprobs(row, token, 0)?.chosen.logprob;
+            score.logprob += f64::from(lp);
+            score.is_greedy &= crate::sampling::argmax(row) == token;
+            score.token_logprobs.push(lp);
+            Ok(())
+        })?;
+        Ok(score)
+    }
+
+    /// Each prompt token's log-probability and its `n` most likely alternatives (`n <=
+    /// 20`), from one forward pass over `ids`; the first token has none (`None`).
+    ///
+    /// # Errors
+    ///
+    /// As [`score_ids`](Self::score_ids), and [`LlamaError::InvalidParameter`] for
+    /// `n > 20`.
+    pub fn prompt_logprobs(&self, ids: &[u32], n: usize) -> Result<Vec<Option<TokenLogprobs>>> {
+        if ids.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        if ids.len() > self.config().max_seq_len {
+            return Err(LlamaError::PromptTooLong {
+                tokens: ids.len(),
+                max: self.config().max_seq_len,
+            });
+        }
+        self.config().check_token_ids(ids)?;
+        if n > crate::sampling::MAX_TOP_LOGPROBS {
+            return Err(LlamaError::invalid(
+                "prompt_logprobs",
+                n,
+                "must be in [0, 20]",
+            ));
+        }
+        let mut out = vec![None];
+        self.for_each_logits_row(ids, |position, row| {
+            let Some(&token) = ids.get(position + 1) else {
+                return Ok(());
+            };
+            let mut lp = token_logprobs(row, token, n)?;
+            for t in std::iter::once(&mut lp.chosen).chain(&mut lp.top) {
+                t.bytes = self.tokenizer.token_bytes(t.token_id).unwrap_or_default();
+            }
+            out.push(Some(lp));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Runs `ids` through the model in chunks of [`SCORE_CHUNK`] positions (so the logits
+    /// held at once are bounded whatever the length; a row's logits do not depend on the
+    /// chunking) and calls `f(position, logits)` for every position in order.
+    fn for_each_logits_row(
+        &self,
+        ids: &[u32],
+        mut f: impl FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let vocab = self.config().vocab_size;
+        let mut cache = self.model.new_cache(vec![0], ids.len());
+        for (c, chunk) in ids.chunks(SCORE_CHUNK).enumerate() {
+            let logits = logits_to_vec(self.model.forward(chunk, &mut cache, Logits::All)?)?;
+            for (i, row) in logits.chunks(vocab).enumerate() {
+                f(c * SCORE_CHUNK + i, row)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Computes `state`'s prompt log-probabilities when `request` asks for them
+    /// ([`GenerateRequest::with_prompt_logprobs`]), for
+    /// [`GenerationState::take_prompt_logprobs`]: one forward pass over the prompt (in
+    /// chunks, the same in every strategy).
+    pub fn with_prompt_logprobs(
+        &self,
+        mut state: GenerationState<B>,
+        request: &GenerateRequest,
+    ) -> Result<GenerationState<B>> {
+        if let Some(n) = request.prompt_logprobs {
+            state.prompt_logprobs = Some(self.prompt_logprobs(&state.prompt_tokens, n)?);
+        }
+        Ok(state)
+    }
+
     /// One generation step's forward pass over `input` (row-major, one row per cache row):
     /// the prompts on the `first` step (read in chunks), else each row's last token. Returns
     /// the logits of each row's last position on the host, `[rows, vocab]` row-major.

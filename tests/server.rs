@@ -912,3 +912,88 @@ async fn slow_bodies_and_headers_time_out_and_limits_name_their_flag() {
         assert_eq!(response.status().as_u16(), status, "{key}");
     }
 }
+
+/// Completions with `echo`, `max_tokens: 0` and `logprobs`: the prompt comes back with
+/// its log-probabilities (the first null), and their sum is `Llama::score` on the same
+/// text; streamed, the same entries arrive.
+#[tokio::test]
+async fn echo_scores_the_prompt_like_llama_score() {
+    let prompt = "The capital of France is Paris, and the capital of Italy is Rome.";
+    let url = format!("{}/v1/completions", base());
+    let body = json!({"prompt": prompt, "echo": true, "max_tokens": 0, "logprobs": 1});
+    let (status, answer) = post(&url, body.clone()).await;
+    assert_eq!(status, 200, "{answer}");
+    let choice = &answer["choices"][0];
+    assert_eq!(choice["text"], prompt);
+    assert_eq!(choice["finish_reason"], "length");
+    assert_eq!(answer["usage"]["completion_tokens"], 0);
+    let lp = &choice["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), prompt);
+    let values = lp["token_logprobs"].as_array().unwrap();
+    assert!(values[0].is_null() && lp["top_logprobs"][0].is_null());
+    let sum: f64 = values[1..].iter().map(|v| v.as_f64().unwrap()).sum();
+    assert!(values[1..].iter().all(|v| v.as_f64().unwrap() <= 0.0));
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] < w[1]));
+    let score = {
+        let llama = solo_model().lock().unwrap();
+        let ids = llama.encode_prompt(prompt).unwrap();
+        llama.score_ids(&ids[..1], &ids[1..]).unwrap()
+    };
+    assert_eq!(score.tokens.len() + 1, tokens.len());
+    assert!(
+        (sum - score.logprob).abs() < 1e-4,
+        "{sum} vs {}",
+        score.logprob
+    );
+    // Streamed: the same entries.
+    let (chunks, done) = stream(
+        &url,
+        json!({"prompt": prompt, "echo": true,
+        "max_tokens": 0, "logprobs": 1, "stream": true}),
+    )
+    .await;
+    assert!(done);
+    let streamed: Vec<Value> = chunks
+        .iter()
+        .filter_map(|c| {
+            c["choices"][0]["logprobs"]["token_logprobs"]
+                .as_array()
+                .cloned()
+        })
+        .flatten()
+        .collect();
+    assert_eq!(&streamed[..], &values[..]);
+    // Echo with generated tokens: the prompt, then the completion.
+    let (status, answer) = post(
+        &url,
+        json!({"prompt": prompt, "echo": true, "max_tokens": 3, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let text = answer["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(text, format!("{prompt}{}", solo(prompt, 3)));
+    // `max_tokens: 0` without echo, and echo of token ids, are refused by name.
+    let (status, answer) = post(&url, json!({"prompt": prompt, "max_tokens": 0})).await;
+    assert_eq!(
+        (status, answer["error"]["param"].as_str()),
+        (400, Some("max_tokens"))
+    );
+    let (status, answer) = post(&url, json!({"prompt": [1, 2], "echo": true})).await;
+    assert_eq!(
+        (status, answer["error"]["param"].as_str()),
+        (400, Some("echo"))
+    );
+}

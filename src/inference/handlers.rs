@@ -11,7 +11,7 @@ use super::request::{GenerateRequest, TokenOutput};
 use super::runtime::{CancelToken, In, ModelAccessor, ModelDevice, OutStream};
 use crate::error::{LlamaError, Result};
 use crate::llama::{GenerationState, Llama};
-use crate::sampling::{Sampler, TopP};
+use crate::sampling::{Pipeline, Sampler};
 use crate::tokenizer::Tokenizer;
 
 impl<B: LlamaBackend, T: Tokenizer> ModelDevice for Llama<B, T> {
@@ -22,13 +22,11 @@ impl<B: LlamaBackend, T: Tokenizer> ModelDevice for Llama<B, T> {
     }
 }
 
-/// The sampler a request asks for: greedy at temperature 0, else top-p with its seed.
+/// The sampler a request asks for: the [`Pipeline`] of its sampling controls, seeded
+/// with its seed. Every strategy samples through it. Its controls are checked when it
+/// samples ([`Sampler::validate`]), or before with [`GenerateRequest::validate`].
 pub fn request_sampler(request: &GenerateRequest) -> Sampler {
-    if request.temperature == 0.0 {
-        Sampler::Argmax
-    } else {
-        Sampler::TopP(TopP::new(request.top_p, request.seed))
-    }
+    Sampler::Pipeline(Pipeline::unchecked(request.sampling_params(), request.seed))
 }
 
 /// Validates `request` against the model and prepares its state.
@@ -37,13 +35,10 @@ fn prepare<B: LlamaBackend, T: Tokenizer>(
     request: &GenerateRequest,
 ) -> Result<GenerationState<B>> {
     request.validate(llama.config().max_seq_len)?;
+    request.validate_token_ids(llama.config().vocab_size)?;
     let ids = llama.encode_request(request)?;
     let state = llama.create_generation_state_from_ids(ids, request.max_tokens)?;
-    Ok(if request.ignore_eos {
-        state.ignore_stop_tokens()
-    } else {
-        state
-    })
+    llama.with_prompt_logprobs(state.with_request(request), request)
 }
 
 /// The blocking baseline: one `submit` for the whole generation, so the model serves
@@ -67,6 +62,8 @@ pub fn streaming_handler<B: LlamaBackend, T: Tokenizer>(
                 token,
                 token_id,
                 index,
+                logprobs: state.take_logprobs(),
+                prompt_logprobs: state.take_prompt_logprobs(),
             })?;
             if done {
                 break;
@@ -100,7 +97,7 @@ pub fn concurrent_streaming_handler<B: LlamaBackend, T: Tokenizer>(
             .take()
             .ok_or_else(|| LlamaError::Runtime("generation state lost".into()))?;
         let temperature = request.temperature;
-        let (state, sampler, step) = model.submit(move |llama| {
+        let (mut state, sampler, step) = model.submit(move |llama| {
             let step = llama.generate_single_token(&mut state, temperature, &mut sampler);
             (state, sampler, step)
         })?;
@@ -109,6 +106,8 @@ pub fn concurrent_streaming_handler<B: LlamaBackend, T: Tokenizer>(
             token,
             token_id,
             index,
+            logprobs: state.take_logprobs(),
+            prompt_logprobs: state.take_prompt_logprobs(),
         })?;
         if done {
             break;

@@ -1,7 +1,11 @@
 //! What a client asks the inference service for, and what it gets back token by token.
 
 use crate::error::{LlamaError, Result};
+use crate::sampling::{MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs};
 use crate::tokenizer::ChatMessage;
+
+/// Most extra stop token ids a request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
 
 /// One text-generation request: a prompt and the sampling settings to continue it with.
 ///
@@ -42,10 +46,39 @@ pub struct GenerateRequest {
     /// Nucleus-sampling mass, in `(0, 1]`; `1.0` keeps the whole distribution.
     pub top_p: f64,
     /// Seed of the request's own random generator, so sampled results reproduce.
+    /// [`GenerateRequest::new`] draws a fresh random one: read it here to reproduce a
+    /// result, or set your own with [`with_seed`](Self::with_seed).
     pub seed: u64,
     /// Keep generating past the model's stop tokens until `max_tokens` (for benchmarks
     /// and fixed-length generation). Default `false`.
     pub ignore_eos: bool,
+    /// Keep only the `top_k` most likely tokens; 0 (the default) is off.
+    pub top_k: usize,
+    /// Keep only tokens at least `min_p` times as likely as the most likely one, in
+    /// `[0, 1]`; 0 (the default) is off.
+    pub min_p: f64,
+    /// CTRL's repetition penalty over prompt and output, `> 0`; 1 (the default) is off.
+    pub repetition_penalty: f32,
+    /// OpenAI's frequency penalty over the output, in `[-2, 2]`; default 0.
+    pub frequency_penalty: f32,
+    /// OpenAI's presence penalty over the output, in `[-2, 2]`; default 0.
+    pub presence_penalty: f32,
+    /// `(token id, bias)` added to the logits, values in `[-100, 100]`, at most
+    /// [`MAX_LOGIT_BIAS`](crate::sampling::pipeline::MAX_LOGIT_BIAS) entries.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Token ids that end the request besides the model's stop tokens (at most
+    /// [`MAX_STOP_TOKEN_IDS`]); honoured even with `ignore_eos`.
+    pub stop_token_ids: Vec<u32>,
+    /// Stop tokens (the model's and `stop_token_ids`) cannot be drawn before this many
+    /// tokens are generated (at most `max_tokens`). Default 0.
+    pub min_tokens: usize,
+    /// Report each generated token's log-probability and this many alternatives
+    /// (`0..=20`) in [`TokenOutput::logprobs`]; `None` (the default) reports nothing.
+    pub logprobs: Option<usize>,
+    /// Report each prompt token's log-probability and this many alternatives (`0..=20`)
+    /// in the first [`TokenOutput::prompt_logprobs`]; `None` (the default) reports
+    /// nothing. Costs one more forward pass over the prompt.
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl GenerateRequest {
@@ -55,11 +88,10 @@ impl GenerateRequest {
     pub const DEFAULT_TEMPERATURE: f64 = 0.0;
     /// Default for [`GenerateRequest::top_p`] (no truncation).
     pub const DEFAULT_TOP_P: f64 = 1.0;
-    /// Default for [`GenerateRequest::seed`].
-    pub const DEFAULT_SEED: u64 = 42;
 
     /// A request for `prompt` with the defaults: 50 tokens, greedy decoding
-    /// (temperature 0), top-p 1.0 and seed 42.
+    /// (temperature 0), every other sampling control off, and a fresh random seed (two
+    /// requests made alike draw different samples; [`seed`](Self::seed) says which).
     ///
     /// ```
     /// use llama_burn::inference::GenerateRequest;
@@ -68,7 +100,7 @@ impl GenerateRequest {
     /// assert_eq!(request.max_tokens, 50);
     /// assert_eq!(request.temperature, 0.0);
     /// assert_eq!(request.top_p, 1.0);
-    /// assert_eq!(request.seed, 42);
+    /// assert_ne!(request.seed, GenerateRequest::new("Hello").seed);
     /// ```
     pub fn new(prompt: impl Into<String>) -> Self {
         Self {
@@ -78,8 +110,18 @@ impl GenerateRequest {
             max_tokens: Self::DEFAULT_MAX_TOKENS,
             temperature: Self::DEFAULT_TEMPERATURE,
             top_p: Self::DEFAULT_TOP_P,
-            seed: Self::DEFAULT_SEED,
+            seed: rand::random(),
             ignore_eos: false,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logit_bias: Vec::new(),
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
+            logprobs: None,
+            prompt_logprobs: None,
         }
     }
 
@@ -145,9 +187,113 @@ impl GenerateRequest {
     }
 
     /// Keeps generating past stop tokens until `max_tokens`.
+    #[must_use]
     pub fn with_ignore_eos(mut self, ignore_eos: bool) -> Self {
         self.ignore_eos = ignore_eos;
         self
+    }
+
+    /// Sets every sampling control at once (temperature and top-p included).
+    #[must_use]
+    pub fn with_sampling(mut self, params: SamplingParams) -> Self {
+        self.temperature = params.temperature;
+        self.top_p = params.top_p;
+        self.top_k = params.top_k;
+        self.min_p = params.min_p;
+        self.repetition_penalty = params.repetition_penalty;
+        self.frequency_penalty = params.frequency_penalty;
+        self.presence_penalty = params.presence_penalty;
+        self.logit_bias = params.logit_bias;
+        self
+    }
+
+    /// Sets top-k (0 is off).
+    #[must_use]
+    pub fn with_top_k(mut self, top_k: usize) -> Self {
+        self.top_k = top_k;
+        self
+    }
+
+    /// Sets min-p (0 is off).
+    #[must_use]
+    pub fn with_min_p(mut self, min_p: f64) -> Self {
+        self.min_p = min_p;
+        self
+    }
+
+    /// Asks for each generated token's log-probability and `n` alternatives (`0..=20`).
+    ///
+    /// ```
+    /// use llama_burn::inference::GenerateRequest;
+    ///
+    /// assert!(GenerateRequest::new("Hi").with_logprobs(5).validate(2048).is_ok());
+    /// assert!(GenerateRequest::new("Hi").with_logprobs(21).validate(2048).is_err());
+    /// ```
+    #[must_use]
+    pub fn with_logprobs(mut self, n: usize) -> Self {
+        self.logprobs = Some(n);
+        self
+    }
+
+    /// Asks for each prompt token's log-probability and `n` alternatives (`0..=20`),
+    /// delivered with the first generated token.
+    ///
+    /// ```
+    /// use llama_burn::inference::GenerateRequest;
+    ///
+    /// assert!(GenerateRequest::new("Hi").with_prompt_logprobs(1).validate(2048).is_ok());
+    /// assert!(GenerateRequest::new("Hi").with_prompt_logprobs(21).validate(2048).is_err());
+    /// ```
+    #[must_use]
+    pub fn with_prompt_logprobs(mut self, n: usize) -> Self {
+        self.prompt_logprobs = Some(n);
+        self
+    }
+
+    /// Sets the extra stop token ids.
+    #[must_use]
+    pub fn with_stop_token_ids(mut self, ids: Vec<u32>) -> Self {
+        self.stop_token_ids = ids;
+        self
+    }
+
+    /// Sets the least number of tokens generated before a stop token may be drawn.
+    #[must_use]
+    pub fn with_min_tokens(mut self, min_tokens: usize) -> Self {
+        self.min_tokens = min_tokens;
+        self
+    }
+
+    /// The request's sampling controls.
+    pub fn sampling_params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            logit_bias: self.logit_bias.clone(),
+        }
+    }
+
+    /// Checks the token ids the request names (`logit_bias`, `stop_token_ids`) against a
+    /// vocabulary of `vocab` tokens.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] naming the field with an id outside it.
+    pub fn validate_token_ids(&self, vocab: usize) -> Result<()> {
+        self.sampling_params().validate_ids(vocab)?;
+        match self.stop_token_ids.iter().find(|&&id| id as usize >= vocab) {
+            Some(id) => Err(LlamaError::invalid(
+                "stop_token_ids",
+                id,
+                "token id outside the model's vocabulary",
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Whether this request decodes greedily (temperature exactly zero).
@@ -162,9 +308,11 @@ impl GenerateRequest {
     ///
     /// - [`LlamaError::EmptyPrompt`] if the prompt is `""` (whitespace is accepted) and
     ///   neither messages nor ids are given, or if the ids are an empty list;
-    /// - [`LlamaError::InvalidParameter`] if `max_tokens` is 0 or larger than
-    ///   `max_context`, if the temperature is NaN, infinite or negative, or if `top_p` is
-    ///   NaN or outside `(0, 1]`.
+    /// - [`LlamaError::InvalidParameter`] naming the field if `max_tokens` is 0 or larger
+    ///   than `max_context`, or a sampling control is out of its range
+    ///   ([`SamplingParams::validate`]), or there are too many `stop_token_ids`,
+    ///   `min_tokens` exceeds `max_tokens`, or `logprobs` exceeds 20. Token ids are
+    ///   checked against the vocabulary by [`validate_token_ids`](Self::validate_token_ids).
     ///
     /// ```
     /// use llama_burn::error::LlamaError;
@@ -184,8 +332,31 @@ impl GenerateRequest {
         }
         // The prompt is not tokenized yet: its length is checked when it is.
         check_request_size(None, self.max_tokens, max_context)?;
-        crate::sampling::validate_temperature(self.temperature)?;
-        crate::sampling::validate_top_p(self.top_p)?;
+        self.sampling_params().validate()?;
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(LlamaError::invalid(
+                "stop_token_ids",
+                format!("{} ids", self.stop_token_ids.len()),
+                "at most 256 ids",
+            ));
+        }
+        if self.min_tokens > self.max_tokens {
+            return Err(LlamaError::invalid(
+                "min_tokens",
+                self.min_tokens,
+                "must be at most max_tokens",
+            ));
+        }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(LlamaError::invalid("logprobs", n, "must be in [0, 20]"));
+        }
+        if let Some(n) = self.prompt_logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(LlamaError::invalid(
+                "prompt_logprobs",
+                n,
+                "must be in [0, 20]",
+            ));
+        }
         Ok(())
     }
 }
@@ -229,10 +400,16 @@ pub(crate) fn check_request_size(
 /// ```
 /// use llama_burn::inference::TokenOutput;
 ///
-/// let first = TokenOutput { token: "Hello".to_string(), token_id: 19556, index: 0 };
+/// let first = TokenOutput {
+///     token: "Hello".to_string(),
+///     token_id: 19556,
+///     index: 0,
+///     logprobs: None,
+///     prompt_logprobs: None,
+/// };
 /// assert_eq!(first.index, 0);
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenOutput {
     /// The token's text (may be empty when a multi-byte character is split across
     /// tokens and not complete yet).
@@ -241,6 +418,13 @@ pub struct TokenOutput {
     pub token_id: u32,
     /// Position in the generated sequence, starting at 0 (the prompt is not counted).
     pub index: usize,
+    /// The token's log-probability under the model's raw log-softmax and the most likely
+    /// alternatives, when the request asked ([`GenerateRequest::with_logprobs`]).
+    pub logprobs: Option<TokenLogprobs>,
+    /// On the first token only, when the request asked
+    /// ([`GenerateRequest::with_prompt_logprobs`]): each prompt token's log-probability
+    /// and alternatives, `None` for the first prompt token (nothing predicts it).
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
 }
 
 #[cfg(test)]
@@ -261,7 +445,7 @@ mod tests {
         assert_eq!(r.max_tokens, 50);
         assert_eq!(r.temperature, 0.0);
         assert_eq!(r.top_p, 1.0);
-        assert_eq!(r.seed, 42);
+        assert_ne!(r.seed, GenerateRequest::new("Hello").seed);
         assert!(r.is_greedy());
         assert!(r.validate(2048).is_ok());
     }
@@ -285,6 +469,16 @@ mod tests {
                 top_p: 0.25,
                 seed: 9,
                 ignore_eos: true,
+                top_k: 0,
+                min_p: 0.0,
+                repetition_penalty: 1.0,
+                frequency_penalty: 0.0,
+                presence_penalty: 0.0,
+                logit_bias: Vec::new(),
+                stop_token_ids: Vec::new(),
+                min_tokens: 0,
+                logprobs: None,
+                prompt_logprobs: None,
             }
         );
         assert!(!r.is_greedy());
@@ -379,6 +573,59 @@ mod tests {
     }
 
     #[test]
+    fn every_control_is_checked_and_named() {
+        let a = || GenerateRequest::new("a").with_max_tokens(10);
+        assert_invalid(&a().with_min_p(1.5), 100, "min_p");
+        assert_invalid(&a().with_min_p(-0.1), 100, "min_p");
+        let mut r = a();
+        r.repetition_penalty = 0.0;
+        assert_invalid(&r, 100, "repetition_penalty");
+        let mut r = a();
+        r.frequency_penalty = 2.5;
+        assert_invalid(&r, 100, "frequency_penalty");
+        let mut r = a();
+        r.presence_penalty = f32::NAN;
+        assert_invalid(&r, 100, "presence_penalty");
+        let mut r = a();
+        r.logit_bias = vec![(1, 101.0)];
+        assert_invalid(&r, 100, "logit_bias");
+        r.logit_bias = vec![(1, 1.0); 1025];
+        assert_invalid(&r, 100, "logit_bias");
+        assert_invalid(&a().with_min_tokens(11), 100, "min_tokens");
+        assert_invalid(&a().with_logprobs(21), 100, "logprobs");
+        assert_invalid(&a().with_prompt_logprobs(21), 100, "prompt_logprobs");
+        assert_invalid(
+            &a().with_stop_token_ids(vec![1; 257]),
+            100,
+            "stop_token_ids",
+        );
+        let ok = a()
+            .with_top_k(5)
+            .with_min_p(0.1)
+            .with_min_tokens(10)
+            .with_logprobs(20)
+            .with_stop_token_ids(vec![3]);
+        assert!(ok.validate(100).is_ok());
+        assert!(ok.validate_token_ids(4).is_ok());
+        assert!(matches!(
+            ok.validate_token_ids(3),
+            Err(LlamaError::InvalidParameter {
+                name: "stop_token_ids",
+                ..
+            })
+        ));
+        let mut r = a();
+        r.logit_bias = vec![(7, -100.0)];
+        assert!(matches!(
+            r.validate_token_ids(7),
+            Err(LlamaError::InvalidParameter {
+                name: "logit_bias",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn error_message_names_the_value() {
         let err = GenerateRequest::new("a")
             .with_temperature(-2.0)
@@ -397,6 +644,8 @@ mod tests {
             token: " world".into(),
             token_id: 1917,
             index: 1,
+            logprobs: None,
+            prompt_logprobs: None,
         };
         assert_eq!(t.clone(), t);
     }

@@ -16,6 +16,7 @@ use super::{Shared, TenantSlot};
 use crate::error::LlamaError;
 use crate::inference::{CancelToken, EngineEvent, GenerateRequest, Scope};
 use crate::llama::StopReason;
+use crate::sampling::{TokenLogprob, TokenLogprobs};
 
 /// One choice to generate.
 #[derive(Debug, Clone)]
@@ -26,6 +27,10 @@ pub(crate) struct ChoiceSpec {
     pub prompt: usize,
     /// Its stop strings.
     pub stop: Vec<String>,
+    /// The prompt text to send back first (completions' `echo`).
+    pub echo: Option<String>,
+    /// Leave the generated token out (`echo` with `max_tokens: 0`).
+    pub prompt_only: bool,
 }
 
 /// What happened next in a generation.
@@ -37,6 +42,9 @@ pub(crate) enum Update {
         index: usize,
         /// The text.
         text: String,
+        /// The log-probabilities of the tokens generated since the last update, with
+        /// each token's character offset in the choice's text (when asked for).
+        logprobs: Vec<(TokenLogprobs, usize)>,
     },
     /// Choice `index` ended, with its last text.
     Finished {
@@ -46,6 +54,8 @@ pub(crate) enum Update {
         text: String,
         /// `stop` or `length`.
         reason: &'static str,
+        /// As for `Text`.
+        logprobs: Vec<(TokenLogprobs, usize)>,
     },
     /// A choice failed; the request ends with this error.
     Failed(ApiError),
@@ -60,6 +70,14 @@ struct Choice {
     finish: Option<&'static str>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// Log-probabilities not sent yet, with each token's character offset.
+    logprobs: Vec<(TokenLogprobs, usize)>,
+    /// Characters of token text received so far.
+    chars: usize,
+    /// The prompt to send back before the first token's text.
+    echo: Option<String>,
+    /// Leave generated tokens out of the answer.
+    prompt_only: bool,
 }
 
 /// A request's choices running on the engine.
@@ -138,6 +156,10 @@ impl Generation {
                 finish: None,
                 first_token: None,
                 last_token: None,
+                logprobs: Vec::new(),
+                chars: 0,
+                echo: spec.echo,
+                prompt_only: spec.prompt_only,
             });
         }
         drop(tx);
@@ -203,7 +225,21 @@ impl Generation {
         }
         match event {
             EngineEvent::Accepted { .. } => None,
-            EngineEvent::Token(token) => {
+            EngineEvent::Token(mut token) => {
+                let prefix = match choice.echo.take() {
+                    Some(prompt) => {
+                        echo_logprobs(choice, &prompt, token.prompt_logprobs.take());
+                        prompt
+                    }
+                    None => String::new(),
+                };
+                if choice.prompt_only {
+                    return (!prefix.is_empty()).then(|| Update::Text {
+                        index,
+                        text: prefix,
+                        logprobs: std::mem::take(&mut choice.logprobs),
+                    });
+                }
                 let now = Instant::now();
                 self.shared
                     .metrics
@@ -211,15 +247,22 @@ impl Generation {
                 choice.first_token.get_or_insert(now);
                 choice.last_token = Some(now);
                 choice.completion_tokens += 1;
-                let out = choice.matcher.push(&token.token);
+                if let Some(lp) = token.logprobs {
+                    choice.logprobs.push((lp, choice.chars));
+                }
+                choice.chars += token.token.chars().count();
+                let mut out = choice.matcher.push(&token.token);
+                out.text.insert_str(0, &prefix);
                 if out.stopped {
                     // Nothing after a stop string is wanted: free the engine at once.
                     choice.cancel.cancel();
+                    let logprobs = std::mem::take(&mut choice.logprobs);
                     self.finish(index, "stop", None);
                     Some(Update::Finished {
                         index,
                         text: out.text,
                         reason: "stop",
+                        logprobs,
                     })
                 } else if out.text.is_empty() {
                     None
@@ -227,12 +270,18 @@ impl Generation {
                     Some(Update::Text {
                         index,
                         text: out.text,
+                        logprobs: std::mem::take(&mut choice.logprobs),
                     })
                 }
             }
             EngineEvent::Done(Ok(metrics)) => {
-                let text = choice.matcher.finish();
+                let text = match choice.prompt_only {
+                    true => String::new(),
+                    false => choice.matcher.finish(),
+                };
+                let logprobs = std::mem::take(&mut choice.logprobs);
                 let reason = match metrics.stop_reason {
+                    _ if choice.prompt_only => "length",
                     Some(StopReason::MaxTokens | StopReason::ContextFull) => "length",
                     _ => "stop",
                 };
@@ -241,6 +290,7 @@ impl Generation {
                     index,
                     text,
                     reason,
+                    logprobs,
                 })
             }
             EngineEvent::Done(Err(e)) => {
@@ -299,6 +349,39 @@ impl Generation {
             total_tokens: prompt_tokens + completion_tokens,
         }
     }
+}
+
+/// Queues the echoed prompt's log-probabilities (when there are some) before the
+/// generated tokens', and counts the prompt's characters for the text offsets. The first
+/// prompt token has no log-probability (written null): its text is what the others'
+/// bytes leave of the prompt.
+fn echo_logprobs(choice: &mut Choice, prompt: &str, logprobs: Option<Vec<Option<TokenLogprobs>>>) {
+    if let Some(entries) = logprobs {
+        let rest: Vec<u8> = entries
+            .iter()
+            .flatten()
+            .flat_map(|lp| lp.chosen.bytes.iter().copied())
+            .collect();
+        let first = prompt
+            .as_bytes()
+            .strip_suffix(rest.as_slice())
+            .unwrap_or_default();
+        let first = TokenLogprobs {
+            chosen: TokenLogprob {
+                token_id: 0,
+                logprob: f32::NAN,
+                bytes: first.to_vec(),
+            },
+            top: Vec::new(),
+        };
+        let mut offset = 0;
+        for lp in std::iter::once(first).chain(entries.into_iter().flatten()) {
+            let chars = String::from_utf8_lossy(&lp.chosen.bytes).chars().count();
+            choice.logprobs.push((lp, offset));
+            offset += chars;
+        }
+    }
+    choice.chars = prompt.chars().count();
 }
 
 impl Drop for Generation {

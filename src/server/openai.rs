@@ -2,15 +2,22 @@
 //! applies to them, and the response objects and stream chunks.
 //!
 //! Unknown fields are ignored (clients send many); a known field with the wrong type or
-//! an invalid value is refused. Fields for features this server does not have
-//! (`logprobs`, `tools`, penalties, ...) are accepted at their neutral value and refused
-//! otherwise, so a client never silently gets less than it asked for.
+//! an invalid value is refused with a 400 naming it. Every sampling control OpenAI, vLLM
+//! and llama.cpp clients send is honoured (`temperature`, `top_p`, `frequency_penalty`,
+//! `presence_penalty`, `logit_bias`, `logprobs`/`top_logprobs`, `seed`, and vLLM's `top_k`,
+//! `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`). Fields
+//! for features this server does not have (`tools`, `suffix`, ...) are accepted at their
+//! neutral value and refused otherwise, so a client never silently gets less than it
+//! asked for.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::error::ApiError;
+use crate::inference::request::MAX_STOP_TOKEN_IDS;
+use crate::sampling::pipeline::MAX_LOGIT_BIAS;
+use crate::sampling::{SamplingParams, TokenLogprob, TokenLogprobs};
 use crate::tokenizer::ChatMessage;
 
 /// Most stop strings a request may give (OpenAI's limit).
@@ -57,16 +64,29 @@ pub struct CommonFields {
     pub stream_options: Option<StreamOptions>,
     /// An end-user id: accepted and ignored.
     pub user: Option<String>,
-    /// Unsupported: must be absent, null, false or 0.
+    /// Chat: `true` to get each token's log-probability. Completions: the number of
+    /// alternatives per token, 0-5.
     pub logprobs: Option<Value>,
-    /// Unsupported: must be absent, null or 0.
-    pub top_logprobs: Option<Value>,
-    /// Unsupported: must be absent, null or 0.
-    pub frequency_penalty: Option<Value>,
-    /// Unsupported: must be absent, null or 0.
-    pub presence_penalty: Option<Value>,
-    /// Unsupported: must be absent, null or `{}`.
-    pub logit_bias: Option<Value>,
+    /// Chat: alternatives per token, 0-20 (needs `logprobs: true`).
+    pub top_logprobs: Option<u64>,
+    /// In `[-2, 2]`: lowers a token's logit by this much per time it was generated.
+    pub frequency_penalty: Option<f64>,
+    /// In `[-2, 2]`: lowers a token's logit by this much once it was generated.
+    pub presence_penalty: Option<f64>,
+    /// Token id (as a string) to a bias in `[-100, 100]`, at most 1024 entries.
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// vLLM: keep the `top_k` most likely tokens; -1 or 0 is off.
+    pub top_k: Option<i64>,
+    /// vLLM: keep tokens at least `min_p` times as likely as the most likely, `[0, 1]`.
+    pub min_p: Option<f64>,
+    /// vLLM: CTRL's repetition penalty over prompt and output, `(0, 2]`; 1 is off.
+    pub repetition_penalty: Option<f64>,
+    /// vLLM: token ids that also end a choice (at most 256).
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM: keep generating past the model's stop tokens.
+    pub ignore_eos: Option<bool>,
+    /// vLLM: no stop token before this many tokens.
+    pub min_tokens: Option<u64>,
 }
 
 /// A message's `content`: a string, a list of parts, or null.
@@ -134,8 +154,11 @@ pub enum PromptField {
 pub struct CompletionRequest {
     /// What to continue.
     pub prompt: PromptField,
-    /// Unsupported: must be absent, null or false.
-    pub echo: Option<Value>,
+    /// Send the prompt back before the completion (with its log-probabilities when
+    /// `logprobs` is given; the first prompt token's is null). With `echo`, `max_tokens`
+    /// may be 0: the prompt's log-probabilities alone, as lm-evaluation-harness scores
+    /// log-likelihoods. Text prompts only.
+    pub echo: Option<bool>,
     /// Unsupported: must be absent or null.
     pub suffix: Option<Value>,
     /// Unsupported: must be absent, null or 1.
@@ -222,6 +245,25 @@ pub struct Sampling {
     pub stream: bool,
     /// Add a usage chunk at the end of the stream.
     pub include_usage: bool,
+    /// Every sampling control but the temperature and top-p above.
+    pub params: SamplingParams,
+    /// Log-probabilities: alternatives per token (`None`: none asked for).
+    pub logprobs: Option<usize>,
+    /// Extra stop ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Ignore the model's stop tokens.
+    pub ignore_eos: bool,
+    /// No stop token before this many tokens.
+    pub min_tokens: usize,
+    /// Completions: send the prompt back first (with its log-probabilities).
+    pub echo: bool,
+    /// Completions with `echo` and `max_tokens: 0`: one token is generated (the engine
+    /// always generates one) and left out of the answer.
+    pub prompt_only: bool,
+}
+
+fn out_of_range(name: &str, value: impl std::fmt::Display, range: &str) -> ApiError {
+    ApiError::invalid(format!("`{name}` = {value} is outside {range}"), Some(name))
 }
 
 fn is_neutral(value: &Option<Value>, neutral: &[Value]) -> bool {
@@ -248,23 +290,97 @@ fn refuse_unsupported(
 }
 
 impl CommonFields {
-    /// Checks the shared fields; `max_tokens` is the value the endpoint takes, `max_n`
-    /// the most choices allowed.
-    pub fn sampling(&self, max_tokens: Option<u64>, max_n: usize) -> Result<Sampling, ApiError> {
-        let zero = [Value::from(0), Value::from(0.0)];
-        refuse_unsupported(
-            "logprobs",
-            &self.logprobs,
-            &[Value::Bool(false), Value::from(0)],
-        )?;
-        refuse_unsupported("top_logprobs", &self.top_logprobs, &zero)?;
-        refuse_unsupported("frequency_penalty", &self.frequency_penalty, &zero)?;
-        refuse_unsupported("presence_penalty", &self.presence_penalty, &zero)?;
-        refuse_unsupported(
-            "logit_bias",
-            &self.logit_bias,
-            &[Value::Object(Default::default())],
-        )?;
+    /// Checks the shared fields for `endpoint`; `max_tokens` is the value the endpoint
+    /// takes, `max_n` the most choices allowed. Every error names its field.
+    pub fn sampling(
+        &self,
+        endpoint: Endpoint,
+        max_tokens: Option<u64>,
+        max_n: usize,
+    ) -> Result<Sampling, ApiError> {
+        let logprobs = self.logprobs(endpoint)?;
+        let mut params = SamplingParams::default();
+        for (name, value, field) in [
+            (
+                "frequency_penalty",
+                self.frequency_penalty,
+                &mut params.frequency_penalty,
+            ),
+            (
+                "presence_penalty",
+                self.presence_penalty,
+                &mut params.presence_penalty,
+            ),
+        ] {
+            let value = value.unwrap_or(0.0);
+            if !(-2.0..=2.0).contains(&value) {
+                return Err(out_of_range(name, value, "[-2, 2]"));
+            }
+            *field = value as f32;
+        }
+        if let Some(bias) = &self.logit_bias {
+            if bias.len() > MAX_LOGIT_BIAS {
+                return Err(ApiError::invalid(
+                    format!(
+                        "`logit_bias` has {} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                        bias.len()
+                    ),
+                    Some("logit_bias"),
+                ));
+            }
+            let mut entries = Vec::with_capacity(bias.len());
+            for (key, value) in bias {
+                let id: u32 = key.parse().map_err(|_| {
+                    ApiError::invalid(
+                        format!("`logit_bias` key `{key}` is not a token id"),
+                        Some("logit_bias"),
+                    )
+                })?;
+                let value = value.as_f64().ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("`logit_bias[{key}]` must be a number"),
+                        Some("logit_bias"),
+                    )
+                })?;
+                if !(-100.0..=100.0).contains(&value) {
+                    return Err(out_of_range("logit_bias", value, "[-100, 100]"));
+                }
+                entries.push((id, value as f32));
+            }
+            // The map's order is the body's: sort so the same bias is the same request.
+            entries.sort_by_key(|&(id, _)| id);
+            params.logit_bias = entries;
+        }
+        params.top_k = match self.top_k.unwrap_or(0) {
+            -1 | 0 => 0,
+            k if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+            k => return Err(out_of_range("top_k", k, "-1 (off), 0 (off) or >= 1")),
+        };
+        params.min_p = self.min_p.unwrap_or(0.0);
+        if !(0.0..=1.0).contains(&params.min_p) {
+            return Err(out_of_range("min_p", params.min_p, "[0, 1]"));
+        }
+        let repetition = self.repetition_penalty.unwrap_or(1.0);
+        if !(repetition > 0.0 && repetition <= 2.0) {
+            return Err(out_of_range("repetition_penalty", repetition, "(0, 2]"));
+        }
+        params.repetition_penalty = repetition as f32;
+        let stop_token_ids = self.stop_token_ids.clone().unwrap_or_default();
+        if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(ApiError::invalid(
+                format!(
+                    "`stop_token_ids` has {} ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+                    stop_token_ids.len()
+                ),
+                Some("stop_token_ids"),
+            ));
+        }
+        let min_tokens = usize::try_from(self.min_tokens.unwrap_or(0)).unwrap_or(usize::MAX);
+        if let Some(max) = max_tokens
+            && min_tokens as u64 > max
+        {
+            return Err(out_of_range("min_tokens", min_tokens, "[0, max_tokens]"));
+        }
 
         let max_tokens = match max_tokens {
             None => None,
@@ -328,6 +444,8 @@ impl CommonFields {
             }
             Some(options) => options.include_usage.unwrap_or(false),
         };
+        params.temperature = temperature;
+        params.top_p = top_p;
         Ok(Sampling {
             max_tokens,
             temperature,
@@ -338,7 +456,50 @@ impl CommonFields {
             n: n as usize,
             stream,
             include_usage,
+            params,
+            logprobs,
+            stop_token_ids,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            min_tokens,
+            echo: false,
+            prompt_only: false,
         })
+    }
+
+    /// `logprobs` and `top_logprobs` as `endpoint` reads them: chat `logprobs: true` with
+    /// `top_logprobs` 0-20; completions `logprobs` 0-5. `None`: no log-probabilities.
+    fn logprobs(&self, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+        let logprobs = self.logprobs.as_ref().filter(|v| !v.is_null());
+        match endpoint {
+            Endpoint::Chat => {
+                let on = match logprobs {
+                    None => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(_) => {
+                        return Err(ApiError::invalid(
+                            "`logprobs` must be a boolean",
+                            Some("logprobs"),
+                        ));
+                    }
+                };
+                match (on, self.top_logprobs) {
+                    (_, Some(n)) if n > 20 => Err(out_of_range("top_logprobs", n, "[0, 20]")),
+                    (false, Some(n)) if n > 0 => Err(ApiError::invalid(
+                        "`top_logprobs` needs `logprobs` set to true",
+                        Some("top_logprobs"),
+                    )),
+                    (false, _) => Ok(None),
+                    (true, n) => Ok(Some(n.unwrap_or(0) as usize)),
+                }
+            }
+            Endpoint::Completions => match logprobs {
+                None => Ok(None),
+                Some(v) => match v.as_u64() {
+                    Some(n) if n <= 5 => Ok(Some(n as usize)),
+                    _ => Err(out_of_range("logprobs", v, "[0, 5]")),
+                },
+            },
+        }
     }
 }
 
@@ -404,7 +565,6 @@ impl ChatCompletionRequest {
 impl CompletionRequest {
     /// The prompts, checked.
     pub fn prompts(&self) -> Result<Vec<PromptInput>, ApiError> {
-        refuse_unsupported("echo", &self.echo, &[Value::Bool(false)])?;
         refuse_unsupported("suffix", &self.suffix, &[])?;
         refuse_unsupported("best_of", &self.best_of, &[Value::from(1)])?;
         let prompts: Vec<PromptInput> = match &self.prompt {
@@ -417,6 +577,12 @@ impl CompletionRequest {
             return Err(ApiError::invalid(
                 "`prompt` must not be an empty list",
                 Some("prompt"),
+            ));
+        }
+        if self.echo == Some(true) && prompts.iter().any(|p| matches!(p, PromptInput::Ids(_))) {
+            return Err(ApiError::invalid(
+                "`echo` needs text prompts, not token ids",
+                Some("echo"),
             ));
         }
         let empty = prompts.iter().any(|p| match p {
@@ -487,21 +653,100 @@ impl Endpoint {
         }
     }
 
-    /// A finished choice of a whole response.
-    pub fn choice(self, index: usize, text: &str, finish_reason: &str) -> Value {
+    /// A finished choice of a whole response (`logprobs`: from
+    /// [`logprobs`](Self::logprobs), or null).
+    pub fn choice(self, index: usize, text: &str, finish_reason: &str, logprobs: Value) -> Value {
         match self {
             Endpoint::Chat => serde_json::json!({
                 "index": index,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }),
             Endpoint::Completions => serde_json::json!({
                 "index": index,
                 "text": text,
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }),
+        }
+    }
+
+    /// The `logprobs` object of a choice or chunk, shaped as OpenAI shapes it. Chat:
+    /// `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`. Completions:
+    /// `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`
+    /// (`text_offset`: each token's character offset in the choice's text). A
+    /// log-probability of `-inf` is written -9999.0, as OpenAI writes it.
+    pub fn logprobs(self, entries: &[(TokenLogprobs, usize)]) -> Value {
+        let number = |lp: f32| {
+            if lp.is_finite() {
+                f64::from(lp)
+            } else {
+                -9999.0
+            }
+        };
+        let text = |t: &TokenLogprob| String::from_utf8_lossy(&t.bytes).into_owned();
+        match self {
+            Endpoint::Chat => {
+                let content: Vec<Value> = entries
+                    .iter()
+                    .map(|(lp, _)| {
+                        let top: Vec<Value> = lp
+                            .top
+                            .iter()
+                            .map(|t| {
+                                serde_json::json!({
+                                    "token": text(t),
+                                    "logprob": number(t.logprob),
+                                    "bytes": t.bytes,
+                                })
+                            })
+                            .collect();
+                        serde_json::json!({
+                            "token": text(&lp.chosen),
+                            "logprob": number(lp.chosen.logprob),
+                            "bytes": lp.chosen.bytes,
+                            "top_logprobs": top,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({ "content": content, "refusal": null })
+            }
+            Endpoint::Completions => {
+                let tokens: Vec<String> = entries.iter().map(|(lp, _)| text(&lp.chosen)).collect();
+                let token_logprobs: Vec<Value> = entries
+                    .iter()
+                    .map(|(lp, _)| {
+                        // The first prompt token of an echo has no log-probability.
+                        if lp.chosen.logprob.is_nan() {
+                            Value::Null
+                        } else {
+                            number(lp.chosen.logprob).into()
+                        }
+                    })
+                    .collect();
+                let top: Vec<Value> = entries
+                    .iter()
+                    .map(|(lp, _)| {
+                        if lp.chosen.logprob.is_nan() {
+                            return Value::Null;
+                        }
+                        let map: serde_json::Map<String, Value> = lp
+                            .top
+                            .iter()
+                            .map(|t| (text(t), number(t.logprob).into()))
+                            .collect();
+                        Value::Object(map)
+                    })
+                    .collect();
+                let offsets: Vec<usize> = entries.iter().map(|&(_, o)| o).collect();
+                serde_json::json!({
+                    "tokens": tokens,
+                    "token_logprobs": token_logprobs,
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
         }
     }
 
@@ -513,6 +758,7 @@ impl Endpoint {
         text: Option<&str>,
         first: bool,
         finish_reason: Option<&str>,
+        logprobs: Value,
     ) -> Value {
         match self {
             Endpoint::Chat => {
@@ -526,14 +772,14 @@ impl Endpoint {
                 serde_json::json!({
                     "index": index,
                     "delta": delta,
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": finish_reason,
                 })
             }
             Endpoint::Completions => serde_json::json!({
                 "index": index,
                 "text": text.unwrap_or(""),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }),
         }
@@ -565,7 +811,10 @@ mod tests {
                 ChatMessage::assistant("")
             ]
         );
-        let s = r.common.sampling(r.max_tokens(), 8).unwrap();
+        let s = r
+            .common
+            .sampling(Endpoint::Chat, r.max_tokens(), 8)
+            .unwrap();
         assert_eq!(s.temperature, 1.0);
         assert_eq!(s.n, 1);
         assert!(!s.stream);
@@ -592,11 +841,26 @@ mod tests {
             r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#,
             r#"{"messages":[{"role":"user","content":"x"}],"stop":""}"#,
             r#"{"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"logprobs":3}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"frequency_penalty":2.5}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"presence_penalty":-3}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":101}}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"x":1}}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"top_k":-2}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"min_p":1.5}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"repetition_penalty":0}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":3,"min_tokens":4}"#,
         ];
         for json in bad {
             let r = chat(json).unwrap();
-            assert!(r.common.sampling(r.max_tokens(), 8).is_err(), "{json}");
+            assert!(
+                r.common
+                    .sampling(Endpoint::Chat, r.max_tokens(), 8)
+                    .is_err(),
+                "{json}"
+            );
         }
         for json in [
             r#"{"messages":[]}"#,
@@ -606,6 +870,102 @@ mod tests {
         ] {
             assert!(chat(json).unwrap().conversation().is_err(), "{json}");
         }
+    }
+
+    #[test]
+    fn every_sampling_control_is_read_and_errors_name_the_field() {
+        let r = chat(
+            r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":5,
+                "frequency_penalty":0.5,"presence_penalty":-0.5,"logit_bias":{"7":-100,"3":2.5},
+                "top_k":40,"min_p":0.1,"repetition_penalty":1.2,"stop_token_ids":[2],
+                "ignore_eos":true,"min_tokens":2,"max_tokens":9,"seed":-1}"#,
+        )
+        .unwrap();
+        let s = r
+            .common
+            .sampling(Endpoint::Chat, r.max_tokens(), 8)
+            .unwrap();
+        assert_eq!(s.logprobs, Some(5));
+        assert_eq!(s.params.frequency_penalty, 0.5);
+        assert_eq!(s.params.presence_penalty, -0.5);
+        assert_eq!(s.params.logit_bias, vec![(3, 2.5), (7, -100.0)]);
+        assert_eq!((s.params.top_k, s.params.min_p), (40, 0.1));
+        assert_eq!(s.params.repetition_penalty, 1.2);
+        assert_eq!(s.stop_token_ids, vec![2]);
+        assert!(s.ignore_eos);
+        assert_eq!(s.min_tokens, 2);
+        assert_eq!(s.seed, Some(u64::MAX));
+        let completions = |json: &str| {
+            let r = parse_request::<CompletionRequest>(json.as_bytes()).unwrap();
+            r.common
+                .sampling(Endpoint::Completions, r.common.max_tokens, 8)
+        };
+        assert_eq!(
+            completions(r#"{"prompt":"a","logprobs":5}"#)
+                .unwrap()
+                .logprobs,
+            Some(5)
+        );
+        assert_eq!(
+            completions(r#"{"prompt":"a","logprobs":0}"#)
+                .unwrap()
+                .logprobs,
+            Some(0)
+        );
+        assert_eq!(completions(r#"{"prompt":"a"}"#).unwrap().logprobs, None);
+        for (json, field) in [
+            (r#"{"prompt":"a","logprobs":6}"#, "logprobs"),
+            (r#"{"prompt":"a","logprobs":true}"#, "logprobs"),
+            (r#"{"prompt":"a","top_k":-5}"#, "top_k"),
+            (
+                r#"{"prompt":"a","frequency_penalty":3}"#,
+                "frequency_penalty",
+            ),
+            (r#"{"prompt":"a","logit_bias":{"1":-101}}"#, "logit_bias"),
+        ] {
+            let e = completions(json).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{json}");
+        }
+        let many: serde_json::Map<String, Value> =
+            (0..1025).map(|i| (i.to_string(), Value::from(1))).collect();
+        let body = serde_json::json!({"prompt": "a", "logit_bias": many}).to_string();
+        assert_eq!(
+            completions(&body).unwrap_err().param.as_deref(),
+            Some("logit_bias")
+        );
+    }
+
+    #[test]
+    fn logprobs_shapes() {
+        let entry = TokenLogprobs {
+            chosen: TokenLogprob {
+                token_id: 5,
+                logprob: -0.5,
+                bytes: b"hi".to_vec(),
+            },
+            top: vec![
+                TokenLogprob {
+                    token_id: 5,
+                    logprob: -0.5,
+                    bytes: b"hi".to_vec(),
+                },
+                TokenLogprob {
+                    token_id: 6,
+                    logprob: f32::NEG_INFINITY,
+                    bytes: b" x".to_vec(),
+                },
+            ],
+        };
+        let chat = Endpoint::Chat.logprobs(&[(entry.clone(), 0)]);
+        assert_eq!(chat["content"][0]["token"], "hi");
+        assert_eq!(chat["content"][0]["logprob"], -0.5);
+        assert_eq!(chat["content"][0]["bytes"], serde_json::json!([104, 105]));
+        assert_eq!(chat["content"][0]["top_logprobs"][1]["logprob"], -9999.0);
+        let c = Endpoint::Completions.logprobs(&[(entry, 0)]);
+        assert_eq!(c["tokens"], serde_json::json!(["hi"]));
+        assert_eq!(c["token_logprobs"], serde_json::json!([-0.5]));
+        assert_eq!(c["top_logprobs"][0][" x"], -9999.0);
+        assert_eq!(c["text_offset"], serde_json::json!([0]));
     }
 
     #[test]
@@ -636,7 +996,8 @@ mod tests {
         assert_eq!(parse(r#"{"prompt":[[1],[2]]}"#).unwrap().len(), 2);
         assert!(parse(r#"{"prompt":""}"#).is_err());
         assert!(parse(r#"{"prompt":[]}"#).is_err());
-        assert!(parse(r#"{"prompt":"a","echo":true}"#).is_err());
+        assert!(parse(r#"{"prompt":"a","echo":true}"#).is_ok());
+        assert!(parse(r#"{"prompt":[1,2],"echo":true}"#).is_err());
         assert!(parse(r#"{"prompt":"a","echo":false,"best_of":1}"#).is_ok());
         assert!(parse_request::<CompletionRequest>(br#"{"prompt":5}"#).is_err());
         let e = parse_request::<CompletionRequest>(br#"{"prompt":"a","top_p":"x"}"#).unwrap_err();
@@ -647,11 +1008,11 @@ mod tests {
 
     #[test]
     fn chunk_shapes() {
-        let c = Endpoint::Chat.chunk_choice(1, Some("hi"), true, None);
+        let c = Endpoint::Chat.chunk_choice(1, Some("hi"), true, None, Value::Null);
         assert_eq!(c["delta"]["role"], "assistant");
         assert_eq!(c["delta"]["content"], "hi");
         assert!(c["finish_reason"].is_null());
-        let c = Endpoint::Completions.chunk_choice(0, None, false, Some("stop"));
+        let c = Endpoint::Completions.chunk_choice(0, None, false, Some("stop"), Value::Null);
         assert_eq!(c["text"], "");
         assert_eq!(c["finish_reason"], "stop");
     }

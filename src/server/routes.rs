@@ -28,6 +28,7 @@ use super::openai::{
     Usage, parse_request,
 };
 use crate::inference::{GenerateRequest, Scope};
+use crate::sampling::TokenLogprobs;
 
 type AppState = State<Arc<Shared>>;
 
@@ -275,9 +276,10 @@ async fn chat_completions(
     drop(body);
     check_model(&shared, request.common.model.as_deref())?;
     let messages = request.conversation()?;
-    let sampling = request
-        .common
-        .sampling(request.max_tokens(), shared.config.max_n)?;
+    let sampling =
+        request
+            .common
+            .sampling(Endpoint::Chat, request.max_tokens(), shared.config.max_n)?;
     let default_max = shared.config.default_max_tokens;
     run(
         shared,
@@ -303,9 +305,20 @@ async fn completions(
     drop(body);
     check_model(&shared, request.common.model.as_deref())?;
     let prompts = request.prompts()?;
-    let sampling = request
-        .common
-        .sampling(request.common.max_tokens, shared.config.max_n)?;
+    let echo = request.echo.unwrap_or(false);
+    // `max_tokens: 0` with `echo` asks for the prompt alone: one token is generated and
+    // left out.
+    let prompt_only = echo && request.common.max_tokens == Some(0);
+    let max_tokens = match prompt_only {
+        true => Some(1),
+        false => request.common.max_tokens,
+    };
+    let mut sampling =
+        request
+            .common
+            .sampling(Endpoint::Completions, max_tokens, shared.config.max_n)?;
+    sampling.echo = echo;
+    sampling.prompt_only = prompt_only;
     // OpenAI's default for legacy completions.
     let default_max = Some(shared.config.default_max_tokens.unwrap_or(16));
     run(
@@ -369,11 +382,12 @@ impl TenantOf {
 }
 
 /// The engine requests of an API request: `n` choices per prompt, choice `i` seeded
-/// `seed + i`.
+/// `seed + i` (`seed`: the request's, or a fresh random one when it gave none).
 fn choice_specs(
     prompts: Vec<PromptInput>,
     sampling: &Sampling,
     max_tokens: usize,
+    seed: u64,
 ) -> Vec<ChoiceSpec> {
     let mut specs = Vec::with_capacity(prompts.len() * sampling.n);
     for (p, prompt) in prompts.into_iter().enumerate() {
@@ -383,16 +397,25 @@ fn choice_specs(
                 PromptInput::Text(text) => GenerateRequest::new(text.clone()),
                 PromptInput::Ids(ids) => GenerateRequest::from_ids(ids.clone()),
             };
-            let seed = match sampling.seed {
-                Some(seed) => seed.wrapping_add(i as u64),
-                None => rand::random(),
+            let mut request = request
+                .with_max_tokens(max_tokens)
+                .with_sampling(sampling.params.clone())
+                .with_seed(seed.wrapping_add(i as u64))
+                .with_ignore_eos(sampling.ignore_eos)
+                .with_stop_token_ids(sampling.stop_token_ids.clone())
+                .with_min_tokens(sampling.min_tokens);
+            request.logprobs = sampling.logprobs;
+            let echo = match (&prompt, sampling.echo) {
+                (PromptInput::Text(text), true) => {
+                    request.prompt_logprobs = sampling.logprobs;
+                    Some(text.clone())
+                }
+                _ => None,
             };
             specs.push(ChoiceSpec {
-                request: request
-                    .with_max_tokens(max_tokens)
-                    .with_temperature(sampling.temperature)
-                    .with_top_p(sampling.top_p)
-                    .with_seed(seed),
+                request,
+                echo,
+                prompt_only: sampling.prompt_only,
                 prompt: p,
                 stop: sampling.stop.clone(),
             });
@@ -407,15 +430,41 @@ struct Envelope {
     id: String,
     created: u64,
     model: String,
+    /// The seed of choice 0 (choice `i` uses `seed + i`): sent back as `seed` and in
+    /// `system_fingerprint`, so a sampled answer can be reproduced.
+    seed: u64,
+    /// Whether the choices carry log-probabilities.
+    logprobs: bool,
 }
 
 impl Envelope {
+    /// The seed as clients send it: OpenAI's `seed` is a signed 64-bit integer, read as
+    /// its bits.
+    fn client_seed(&self) -> i64 {
+        self.seed as i64
+    }
+
+    fn fingerprint(&self) -> String {
+        format!("llama-burn-seed-{}", self.client_seed())
+    }
+
+    /// A choice's `logprobs` value: null unless asked for.
+    fn logprobs(&self, entries: &[(TokenLogprobs, usize)]) -> Value {
+        if self.logprobs {
+            self.endpoint.logprobs(entries)
+        } else {
+            Value::Null
+        }
+    }
+
     fn chunk(&self, choices: Vec<Value>, usage: Option<Option<Usage>>) -> Value {
         let mut chunk = json!({
             "id": self.id,
             "object": self.endpoint.chunk_object(),
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.fingerprint(),
+            "seed": self.client_seed(),
             "choices": choices,
         });
         if let (Some(usage), Some(object)) = (usage, chunk.as_object_mut()) {
@@ -445,12 +494,15 @@ async fn run(
         .max_tokens
         .or(default_max_tokens.map(|d| d.min(max_seq_len)))
         .unwrap_or(max_seq_len);
-    let specs = choice_specs(prompts, &sampling, max_tokens);
+    let seed = sampling.seed.unwrap_or_else(rand::random);
+    let specs = choice_specs(prompts, &sampling, max_tokens, seed);
     let envelope = Envelope {
         endpoint,
         id: format!("{}{:032x}", endpoint.id_prefix(), rand::random::<u128>()),
         created: super::unix_now(),
         model: shared.config.served_model_name.clone(),
+        seed,
+        logprobs: sampling.logprobs.is_some(),
     };
     // The client's id, or else the response's own: the replica's log line carries it,
     // and so does the response.
@@ -488,29 +540,41 @@ async fn whole_response(
     let n = generation.len();
     let mut texts = vec![String::new(); n];
     let mut reasons = vec!["stop"; n];
+    let mut logprobs: Vec<Vec<(TokenLogprobs, usize)>> = vec![Vec::new(); n];
     while let Some(update) = generation.next().await {
         match update {
-            Update::Text { index, text } => texts[index].push_str(&text),
+            Update::Text {
+                index,
+                text,
+                logprobs: lp,
+            } => {
+                texts[index].push_str(&text);
+                logprobs[index].extend(lp);
+            }
             Update::Finished {
                 index,
                 text,
                 reason,
+                logprobs: lp,
             } => {
                 texts[index].push_str(&text);
                 reasons[index] = reason;
+                logprobs[index].extend(lp);
             }
             Update::Failed(error) => return Err(error),
         }
     }
     let endpoint = envelope.endpoint;
     let choices: Vec<Value> = (0..n)
-        .map(|i| endpoint.choice(i, &texts[i], reasons[i]))
+        .map(|i| endpoint.choice(i, &texts[i], reasons[i], envelope.logprobs(&logprobs[i])))
         .collect();
     Ok(Json(json!({
         "id": envelope.id,
         "object": endpoint.object(),
         "created": envelope.created,
         "model": envelope.model,
+        "system_fingerprint": envelope.fingerprint(),
+        "seed": envelope.client_seed(),
         "choices": choices,
         "usage": generation.usage(),
     }))
@@ -554,7 +618,7 @@ fn sse_events(
     if state.envelope.endpoint == Endpoint::Chat {
         // The first chunk of each choice names the role, as OpenAI's do.
         for index in 0..state.generation.len() {
-            let choice = Endpoint::Chat.chunk_choice(index, Some(""), true, None);
+            let choice = Endpoint::Chat.chunk_choice(index, Some(""), true, None, Value::Null);
             let chunk = state.envelope.chunk(vec![choice], state.usage_field());
             state.push(&chunk);
         }
@@ -569,8 +633,13 @@ fn sse_events(
             }
             let endpoint = state.envelope.endpoint;
             match state.generation.next().await {
-                Some(Update::Text { index, text }) => {
-                    let choice = endpoint.chunk_choice(index, Some(&text), false, None);
+                Some(Update::Text {
+                    index,
+                    text,
+                    logprobs,
+                }) => {
+                    let logprobs = state.envelope.logprobs(&logprobs);
+                    let choice = endpoint.chunk_choice(index, Some(&text), false, None, logprobs);
                     let chunk = state.envelope.chunk(vec![choice], state.usage_field());
                     state.push(&chunk);
                 }
@@ -578,9 +647,14 @@ fn sse_events(
                     index,
                     text,
                     reason,
+                    logprobs,
                 }) => {
                     let text = (!text.is_empty()).then_some(text.as_str());
-                    let choice = endpoint.chunk_choice(index, text, false, Some(reason));
+                    let logprobs = match logprobs.is_empty() {
+                        true => Value::Null,
+                        false => state.envelope.logprobs(&logprobs),
+                    };
+                    let choice = endpoint.chunk_choice(index, text, false, Some(reason), logprobs);
                     let chunk = state.envelope.chunk(vec![choice], state.usage_field());
                     state.push(&chunk);
                 }

@@ -5,8 +5,12 @@
 Starts the server on a free port of 127.0.0.1 with the demo model and an API key, waits
 for /health, then checks `client.models.list()` and `client.chat.completions.create`
 with and without `stream=True` (greedy answers must agree), the error a wrong key gets,
-and that SIGTERM stops the server with exit status 0.
+log-probabilities (chat, streamed and not; completions), the seed sent back, penalties,
+`logit_bias`, vLLM's extensions through `extra_body`, 400s naming the field, and that
+SIGTERM stops the server with exit status 0.
 """
+
+import math
 
 import json
 import os
@@ -114,6 +118,151 @@ class OpenAIClientTest(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError):
             self.client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=5)
+
+    def test_5_chat_logprobs_whole_and_streamed(self):
+        messages = [{"role": "user", "content": "Name a color."}]
+        whole = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+            top_logprobs=5)
+        content = whole.choices[0].logprobs.content
+        self.assertEqual(len(content), whole.usage.completion_tokens)
+        for entry in content:
+            self.assertLessEqual(entry.logprob, 0.0)
+            self.assertEqual(len(entry.top_logprobs), 5)
+            # Greedy: the chosen token is the most likely one.
+            self.assertAlmostEqual(entry.logprob, max(t.logprob for t in entry.top_logprobs),
+                                   places=6)
+            self.assertTrue(all(t.logprob <= 0.0 for t in entry.top_logprobs))
+            self.assertLessEqual(sum(math.exp(t.logprob) for t in entry.top_logprobs),
+                                 1.0 + 1e-5)
+            self.assertEqual(bytes(entry.bytes).decode("utf-8", "replace"), entry.token)
+        text = "".join(e.token for e in content if e.token != "<|im_end|>")
+        self.assertEqual(text, whole.choices[0].message.content)
+
+        stream = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+            top_logprobs=5, stream=True)
+        streamed = []
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.logprobs is not None and choice.logprobs.content:
+                    streamed.extend(choice.logprobs.content)
+        self.assertEqual([(e.token, e.logprob) for e in streamed],
+                         [(e.token, e.logprob) for e in content])
+        # Without logprobs asked for, none come.
+        plain = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        self.assertIsNone(plain.choices[0].logprobs)
+
+    def test_6_completions_logprobs(self):
+        out = self.client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+            logprobs=3)
+        lp = out.choices[0].logprobs
+        self.assertEqual(len(lp.tokens), out.usage.completion_tokens)
+        self.assertEqual(len(lp.token_logprobs), len(lp.tokens))
+        self.assertTrue(all(x <= 0.0 for x in lp.token_logprobs))
+        for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+            self.assertLessEqual(len(top), 3)
+            self.assertAlmostEqual(chosen, max(top.values()), places=6)
+        self.assertEqual(lp.text_offset, sorted(lp.text_offset))
+        self.assertEqual(lp.text_offset[0], 0)
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.client.completions.create(model=MODEL, prompt="a", max_tokens=2, logprobs=6)
+        self.assertEqual(e.exception.param, "logprobs")
+        # echo with max_tokens=0: the prompt's log-probabilities (lm-evaluation-harness's
+        # loglikelihood), streamed and not; the first token has none.
+        prompt = "The capital of France is Paris."
+        echo = self.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        lp = echo.choices[0].logprobs
+        self.assertEqual(echo.choices[0].text, prompt)
+        self.assertEqual("".join(lp.tokens), prompt)
+        self.assertIsNone(lp.token_logprobs[0])
+        self.assertTrue(all(x <= 0.0 for x in lp.token_logprobs[1:]))
+        self.assertEqual(echo.usage.completion_tokens, 0)
+        streamed = []
+        for chunk in self.client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                stream=True):
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    streamed.extend(choice.logprobs.token_logprobs)
+        self.assertEqual(streamed, lp.token_logprobs)
+
+    def test_7_seed_comes_back_and_reproduces(self):
+        messages = [{"role": "user", "content": "Tell me a story."}]
+        first = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=1.0)
+        seed = first.model_extra["seed"]
+        self.assertEqual(first.system_fingerprint, f"llama-burn-seed-{seed}")
+        again = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=1.0, seed=seed)
+        self.assertEqual(again.choices[0].message.content, first.choices[0].message.content)
+        self.assertEqual(again.model_extra["seed"], seed)
+
+    def test_8_penalties_logit_bias_and_vllm_extensions(self):
+        messages = [{"role": "user", "content": "List five fruits, one per line."}]
+        greedy = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=30, temperature=0, logprobs=True)
+        tokens = [e.token for e in greedy.choices[0].logprobs.content]
+        # A +100 bias forces a token: 198 is the newline of the demo model's vocabulary.
+        forced = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=5, temperature=1.0,
+            logit_bias={"198": 100}, logprobs=True)
+        forced_tokens = [e.token for e in forced.choices[0].logprobs.content]
+        self.assertEqual(forced_tokens, ["\n"] * 5)
+        # A -100 bias bans it: the greedy answer had newlines, the banned one has none.
+        self.assertIn("\n", tokens)
+        banned = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=30, temperature=0,
+            logit_bias={"198": -100}, logprobs=True)
+        self.assertNotIn("\n", [e.token for e in banned.choices[0].logprobs.content])
+        # Penalties change a greedy answer and are accepted at their limits.
+        penalized = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=30, temperature=0,
+            frequency_penalty=2.0, presence_penalty=2.0)
+        self.assertNotEqual(penalized.choices[0].message.content,
+                            greedy.choices[0].message.content)
+        # vLLM's extensions: top_k=1 and min_p=1 at temperature 1 are greedy.
+        for extra in ({"top_k": 1}, {"min_p": 1.0}):
+            out = self.client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=30, temperature=1.0,
+                extra_body=extra)
+            self.assertEqual(out.choices[0].message.content,
+                             greedy.choices[0].message.content, extra)
+        # ignore_eos: exactly max_tokens tokens; min_tokens holds a forced stop token back;
+        # stop_token_ids ends at the forced newline.
+        out = self.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=40,
+            temperature=0, extra_body={"ignore_eos": True, "repetition_penalty": 1.1})
+        self.assertEqual(out.usage.completion_tokens, 40)
+        self.assertEqual(out.choices[0].finish_reason, "length")
+        out = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=20, temperature=0,
+            logit_bias={"2": 100}, extra_body={"min_tokens": 4})
+        self.assertEqual(out.usage.completion_tokens, 5)
+        self.assertEqual(out.choices[0].finish_reason, "stop")
+        out = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=20, temperature=0,
+            logit_bias={"198": 100}, extra_body={"stop_token_ids": [198]})
+        self.assertEqual(out.usage.completion_tokens, 1)
+        # Out of range: a 400 naming the field.
+        for kwargs, field in [
+            ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+            ({"frequency_penalty": 2.5}, "frequency_penalty"),
+            ({"presence_penalty": -2.5}, "presence_penalty"),
+            ({"logit_bias": {"198": 150}}, "logit_bias"),
+            ({"extra_body": {"top_k": -3}}, "top_k"),
+            ({"extra_body": {"min_p": 2}}, "min_p"),
+            ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+            ({"extra_body": {"min_tokens": 9}}, "min_tokens"),
+            ({"extra_body": {"stop_token_ids": [10**9]}}, "stop_token_ids"),
+        ]:
+            with self.assertRaises(openai.BadRequestError, msg=field) as e:
+                self.client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=4, **kwargs)
+            self.assertEqual(e.exception.param, field)
 
     def test_9_sigterm_exits_zero(self):
         self.proc.send_signal(signal.SIGTERM)

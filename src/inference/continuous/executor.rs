@@ -199,6 +199,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         sub.sink.done(Err(LlamaError::Cancelled));
                         continue;
                     }
+                    let sampler = request_sampler(&sub.request);
                     self.scheduler
                         .add_for(sub.id, ids, sub.scope.salt, sub.scope.tenant);
                     let poisoned = self
@@ -208,7 +209,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     self.requests.insert(
                         sub.id,
                         Active {
-                            sampler: request_sampler(&sub.request),
+                            sampler,
                             temperature: sub.request.temperature,
                             sink: sub.sink,
                             cancel: sub.cancel,
@@ -237,9 +238,11 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         let request = &sub.request;
         request.validate(self.llama.config().max_seq_len)?;
         let ids = self.llama.encode_request(request)?;
+        request.validate_token_ids(self.llama.config().vocab_size)?;
         let state = self
             .llama
-            .unreserved_state(ids.clone(), request.max_tokens)?;
+            .unreserved_state(ids.clone(), request.max_tokens)?
+            .with_request(request);
         if !self.scheduler.fits(ids.len() + request.max_tokens) {
             return Err(LlamaError::invalid(
                 "max_tokens",
@@ -247,11 +250,9 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 "prompt plus max_tokens exceeds the engine's KV cache budget",
             ));
         }
-        let state = if request.ignore_eos {
-            state.ignore_stop_tokens()
-        } else {
-            state
-        };
+        // Prompt log-probabilities (asked for rarely) take one forward pass over the
+        // prompt here, on the engine thread.
+        let state = self.llama.with_prompt_logprobs(state, request)?;
         Ok((ids, state))
     }
 
@@ -354,9 +355,44 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         };
         self.scheduler.complete(plan);
         let vocab = self.llama.config().vocab_size;
-        for (i, row) in plan.rows.iter().filter(|r| r.sample).enumerate() {
-            let row_logits = &logits[i * vocab..(i + 1) * vocab];
-            match self.emit(row.id, row_logits) {
+        // Which slice of the logits each sampled row reads.
+        let slots: HashMap<RequestId, usize> = plan
+            .rows
+            .iter()
+            .filter(|r| r.sample)
+            .enumerate()
+            .map(|(i, row)| (row.id, i))
+            .collect();
+        // Sample every row of the step in parallel: each from its own logits, history and
+        // random generator, so the tokens are those of a serial loop.
+        let stop_ids = self.llama.tokenizer.stop_ids();
+        let mut jobs: Vec<(RequestId, &mut Active<B>, &[f32])> = self
+            .requests
+            .iter_mut()
+            .filter_map(|(id, active)| {
+                let i = *slots.get(id)?;
+                Some((*id, active, &logits[i * vocab..(i + 1) * vocab]))
+            })
+            .collect();
+        let tokens = crate::sampling::for_each_row(&mut jobs, |(_, active, logits)| {
+            let Active {
+                state,
+                sampler,
+                temperature,
+                ..
+            } = &mut **active;
+            state.sample_next(logits, *temperature, sampler, stop_ids)
+        });
+        let mut sampled: HashMap<RequestId, Result<u32>> =
+            jobs.iter().map(|(id, _, _)| *id).zip(tokens).collect();
+        drop(jobs);
+        for row in plan.rows.iter().filter(|r| r.sample) {
+            let token = sampled.remove(&row.id).unwrap_or_else(|| {
+                Err(LlamaError::Runtime(
+                    "a scheduled request has no state".into(),
+                ))
+            });
+            match token.and_then(|token| self.emit(row.id, token)) {
                 Ok(Some(token)) => self.scheduler.append(row.id, token),
                 Ok(None) => self.end(row.id, Ok(())),
                 Err(e) => self.end(row.id, Err(e)),
@@ -364,16 +400,13 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         }
     }
 
-    /// Samples the next token of request `id` and sends it. Returns the token if the
-    /// request goes on, `None` if it is done.
-    fn emit(&mut self, id: RequestId, logits: &[f32]) -> Result<Option<u32>> {
+    /// Sends request `id`'s sampled `token`. Returns the token if the request goes on,
+    /// `None` if it is done.
+    fn emit(&mut self, id: RequestId, token: u32) -> Result<Option<u32>> {
         let active = self
             .requests
             .get_mut(&id)
             .ok_or_else(|| LlamaError::Runtime("a scheduled request has no state".into()))?;
-        let token = active
-            .state
-            .sample_next(logits, active.temperature, &mut active.sampler)?;
         let index = active.state.tokens().len();
         let (token_id, piece, done) = self.llama.accept_token(&mut active.state, token);
         let now = Instant::now();
@@ -383,6 +416,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             token: piece,
             token_id,
             index,
+            logprobs: active.state.take_logprobs(),
+            prompt_logprobs: active.state.take_prompt_logprobs(),
         });
         if !delivered {
             return Err(LlamaError::Cancelled);

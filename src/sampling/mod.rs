@@ -1,9 +1,24 @@
-//! Choosing the next token from logits: greedy, nucleus (top-p) and top-k sampling with
-//! temperature, plus an optional repetition penalty. Seeded samplers reproduce exactly.
+//! Choosing the next token from logits, and the log-probabilities of tokens.
+//!
+//! [`Pipeline`] applies every control a request can give ([`SamplingParams`]: logit bias,
+//! penalties, temperature, top-k, top-p, min-p) in one documented order (see
+//! [`pipeline`]), fast: no full-vocabulary sort anywhere, nothing at all for a control
+//! that is off. The spec's [`Sampler`] with [`TopP`] and [`TopK`] are front doors to the
+//! same code. [`logprobs`] computes the model's raw log-probabilities.
+//!
+//! Every sampler owns its random generator, seeded per request, so results reproduce and
+//! never depend on other requests.
 
-use rand::{Rng, SeedableRng, rngs::StdRng};
+pub mod logprobs;
+pub mod pipeline;
+
+use rand::{SeedableRng, rngs::StdRng};
+
+pub use logprobs::{MAX_TOP_LOGPROBS, TokenLogprob, TokenLogprobs, token_logprobs};
+pub use pipeline::{History, Pipeline, SamplingParams};
 
 use crate::error::{LlamaError, Result};
+use pipeline::Scratch;
 
 /// Nucleus sampling: sample among the smallest set of tokens whose probability mass
 /// reaches `p`.
@@ -11,6 +26,7 @@ use crate::error::{LlamaError, Result};
 pub struct TopP {
     p: f64,
     rng: StdRng,
+    scratch: Scratch,
 }
 
 impl TopP {
@@ -20,6 +36,7 @@ impl TopP {
         Self {
             p,
             rng: StdRng::seed_from_u64(seed),
+            scratch: Scratch::default(),
         }
     }
 
@@ -34,6 +51,7 @@ impl TopP {
 pub struct TopK {
     k: usize,
     rng: StdRng,
+    scratch: Scratch,
 }
 
 impl TopK {
@@ -42,13 +60,17 @@ impl TopK {
         Self {
             k,
             rng: StdRng::seed_from_u64(seed),
+            scratch: Scratch::default(),
         }
     }
 }
 
 /// How the next token is chosen.
 ///
-/// A temperature of 0 always means greedy decoding, whatever the sampler.
+/// A temperature of 0 always means greedy decoding, whatever the sampler. `TopP` and
+/// `TopK` run the [`Pipeline`] with that one control; `Pipeline` runs every control of its
+/// [`SamplingParams`], its own temperature included (the `temperature` argument of
+/// [`Sampler::sample`] must then be valid but is not read).
 #[derive(Debug, Clone)]
 pub enum Sampler {
     /// Always the most likely token (ties go to the lowest id).
@@ -57,10 +79,13 @@ pub enum Sampler {
     TopP(TopP),
     /// Top-k sampling.
     TopK(TopK),
+    /// Every control of a request.
+    Pipeline(Pipeline),
 }
 
 impl Sampler {
-    /// Checks the sampler's parameters: top-p in `(0, 1]`, top-k at least 1.
+    /// Checks the sampler's parameters: top-p in `(0, 1]`, top-k at least 1, a
+    /// pipeline's as [`SamplingParams::validate`] says.
     pub fn validate(&self) -> Result<()> {
         match self {
             Sampler::Argmax => Ok(()),
@@ -69,82 +94,92 @@ impl Sampler {
                 Err(LlamaError::invalid("top_k", t.k, "must be at least 1"))
             }
             Sampler::TopK(_) => Ok(()),
+            Sampler::Pipeline(p) => p.params().validate(),
         }
     }
 
     /// Picks a token from `logits` at `temperature` (0 = greedy).
     pub fn sample(&mut self, logits: &[f32], temperature: f64) -> Result<u32> {
+        self.sample_with(logits, temperature, History::default(), 1.0)
+    }
+
+    /// Picks a token from `logits` at `temperature`, with the penalties that read
+    /// `history`; `repetition_penalty` (1 is off) applies to the `TopP` and `TopK`
+    /// samplers (a pipeline has its own).
+    pub fn sample_with(
+        &mut self,
+        logits: &[f32],
+        temperature: f64,
+        history: History<'_>,
+        repetition_penalty: f32,
+    ) -> Result<u32> {
         validate_temperature(temperature)?;
         self.validate()?;
-        if logits.is_empty() {
-            return Err(LlamaError::invalid("logits", "[]", "must not be empty"));
-        }
-        check_logits(logits)?;
-        if temperature == 0.0 || matches!(self, Sampler::Argmax) {
-            return Ok(argmax(logits));
-        }
-        let mut candidates: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l))
-            .collect();
-        // Descending by logit, ties by id, so the order never depends on the sort's internals.
-        candidates.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let (keep, top_p) = match self {
-            Sampler::Argmax => return Ok(argmax(logits)),
-            Sampler::TopK(t) => (t.k.min(candidates.len()), 1.0),
-            Sampler::TopP(t) => (candidates.len(), t.p),
+        let legacy = |top_k: usize, top_p: f64| SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            ..SamplingParams::default()
         };
-        candidates.truncate(keep);
-        let max = f64::from(candidates[0].1);
-        // With a `+inf` logit the softmax puts all the mass, evenly, on the `+inf` tokens
-        // (its limit); `inf - inf` would make every probability NaN.
-        let mut probs: Vec<f64> = candidates
-            .iter()
-            .map(|&(_, l)| match max {
-                f64::INFINITY => f64::from(u8::from(l == f32::INFINITY)),
-                _ => ((f64::from(l) - max) / temperature).exp(),
-            })
-            .collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-        if top_p < 1.0 {
-            let mut mass = 0.0;
-            let mut cut = probs.len();
-            for (i, p) in probs.iter().enumerate() {
-                mass += p;
-                if mass >= top_p {
-                    cut = i + 1;
-                    break;
-                }
+        match self {
+            Sampler::Pipeline(p) => p.sample(logits, history),
+            Sampler::Argmax => {
+                let params = SamplingParams {
+                    repetition_penalty,
+                    ..SamplingParams::greedy()
+                };
+                let mut rng = StdRng::seed_from_u64(0);
+                pipeline::sample(&params, logits, history, &mut rng, &mut Scratch::default())
             }
-            probs.truncate(cut);
-        }
-        // Walk the kept candidates in id order, not logit order: then a tiny change in the
-        // logits (another batch composition, another backend) moves the interval
-        // boundaries only a little, instead of swapping near-tied tokens' intervals.
-        candidates.truncate(probs.len());
-        let mut kept: Vec<(u32, f64)> = candidates.iter().map(|c| c.0).zip(probs).collect();
-        kept.sort_unstable_by_key(|&(id, _)| id);
-        let rng = match self {
-            Sampler::Argmax => return Ok(argmax(logits)),
-            Sampler::TopK(t) => &mut t.rng,
-            Sampler::TopP(t) => &mut t.rng,
-        };
-        let total: f64 = kept.iter().map(|&(_, p)| p).sum();
-        let mut r = rng.random::<f64>() * total;
-        // Tokens of zero probability (`-inf` logits) are never drawn, even for r = 0.
-        kept.retain(|&(_, p)| p > 0.0);
-        for &(id, p) in &kept {
-            r -= p;
-            if r <= 0.0 {
-                return Ok(id);
+            Sampler::TopP(t) => {
+                pipeline::sample(&legacy(0, t.p), logits, history, &mut t.rng, &mut t.scratch)
             }
+            Sampler::TopK(t) => pipeline::sample(
+                &legacy(t.k, 1.0),
+                logits,
+                history,
+                &mut t.rng,
+                &mut t.scratch,
+            ),
         }
-        kept.last()
-            .map(|&(id, _)| id)
-            .ok_or_else(|| LlamaError::InvalidLogits("no token has a probability above 0".into()))
     }
+}
+
+/// Runs `f` on every item (a row of a step: its state, sampler and logits), in parallel
+/// on the CPU kernels' pool, and returns the results in the items' order. Each call sees
+/// only its own item, so the results are those of a serial loop.
+///
+/// ```
+/// use llama_burn::sampling::{History, Pipeline, SamplingParams, for_each_row};
+///
+/// let logits = vec![0.0f32; 4 * 100];
+/// let mut rows: Vec<(Pipeline, &[f32])> = logits
+///     .chunks(100)
+///     .enumerate()
+///     .map(|(i, l)| (Pipeline::new(SamplingParams::default(), i as u64).unwrap(), l))
+///     .collect();
+/// let tokens = for_each_row(&mut rows, |(p, l)| p.sample(l, History::default()));
+/// assert_eq!(tokens.len(), 4);
+/// ```
+pub fn for_each_row<T: Send, R: Send>(items: &mut [T], f: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
+    if items.len() <= 1 {
+        return items.iter_mut().map(f).collect();
+    }
+    let slots: Vec<std::sync::Mutex<(&mut T, Option<R>)>> = items
+        .iter_mut()
+        .map(|item| std::sync::Mutex::new((item, None)))
+        .collect();
+    crate::kernels::pool::for_each_chunk(slots.len(), &|i| {
+        if let Ok(mut slot) = slots[i].lock() {
+            let (item, out) = &mut *slot;
+            *out = Some(f(item));
+        }
+    });
+    slots
+        .into_iter()
+        .filter_map(|slot| slot.into_inner().ok().and_then(|(_, out)| out))
+        .collect()
 }
 
 /// Checks that a token can be chosen from `logits`: no NaN, and at least one value
