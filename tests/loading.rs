@@ -343,6 +343,7 @@ fn hf_directory_gives_the_gguf_logits_and_typed_errors() {
         },
     )
     .expect("load HF directory");
+    let from_hf = from_hf.with_precision(llama_burn::Precision::Exact);
     assert_eq!(last, (2 + 9 * 30, 2 + 9 * 30), "progress reaches the end");
     assert_eq!(calls, 2 + 9 * 30, "one progress call per tensor");
     // The two differ only in how rms_norm_eps was stored (f64 1e-5 vs f32 1e-5), which

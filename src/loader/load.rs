@@ -195,13 +195,19 @@ impl LlamaConfig {
         progress: ProgressFn<'_>,
     ) -> Result<Llama<B, T>> {
         let dir = dir.as_ref();
-        let config_path = dir.join("config.json");
-        let json =
-            std::fs::read_to_string(&config_path).map_err(|e| LlamaError::io(&config_path, e))?;
-        let config = Self::from_hf_json(&json)?.checked_max_seq_len(max_seq_len)?;
+        let config = Self::from_hf_dir(dir, max_seq_len)?;
         let mut source = SafetensorsSource::open_dir(dir)?;
         let model = build_transformer(&config, &mut source, device, progress)?;
         Llama::new(model, tokenizer)
+    }
+
+    /// The configuration of a Hugging Face directory (its `config.json`), allocating
+    /// for `max_seq_len` tokens of context.
+    fn from_hf_dir(dir: &Path, max_seq_len: usize) -> Result<Self> {
+        let config_path = dir.join("config.json");
+        let json =
+            std::fs::read_to_string(&config_path).map_err(|e| LlamaError::io(&config_path, e))?;
+        Self::from_hf_json(&json)?.checked_max_seq_len(max_seq_len)
     }
 
     /// [`load_hf_dir`](Self::load_hf_dir), with the checkpoint's f32, f16 or bf16
@@ -249,10 +255,7 @@ impl LlamaConfig {
         progress: ProgressFn<'_>,
     ) -> Result<Llama<B, T>> {
         let dir = dir.as_ref();
-        let config_path = dir.join("config.json");
-        let json =
-            std::fs::read_to_string(&config_path).map_err(|e| LlamaError::io(&config_path, e))?;
-        let config = Self::from_hf_json(&json)?.checked_max_seq_len(max_seq_len)?;
+        let config = Self::from_hf_dir(dir, max_seq_len)?;
         let mut inner = SafetensorsSource::open_dir(dir)?;
         let mut source = crate::loader::quantize::QuantizingSource::new(&mut inner, format)?;
         let model = build_transformer(&config, &mut source, device, progress)?;
