@@ -113,7 +113,7 @@ fn fast_precision_mostly_agrees_with_the_reference() {
         "fast precision: greedy tokens equal to the reference's (up to each prompt's first difference): {agree} of {total}; largest top-5 logit difference {worst:.4} of the logits' range"
     );
     assert!(
-        worst <= 0.02,
-        "top-5 logits within 2% of the range: {worst}"
+        worst <= 0.05,
+        "top-5 logits within 5% of the range: {worst}"
     );
 }
