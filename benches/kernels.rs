@@ -3,6 +3,10 @@
 //! this CPU supports; and at Llama 3.2 1B's and Llama 3.1 8B's feed-forward shapes, every
 //! kept format in both precisions (`real_sizes`) on the active path. Run with
 //! `cargo bench --bench kernels` (or `-- real_sizes/1b` for one group).
+//!
+//! With `LLAMA_BURN_BENCH_CPU_TIME=1`, `real_sizes` reports the CPU time all of the
+//! process's threads spent (from `/proc/self/task/*/schedstat`) instead of wall time: a
+//! kernel's cost that holds while other work shares the cores.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use llama_burn::kernels::{
@@ -33,6 +37,33 @@ fn random_matrix(format: QuantFormat, rows: usize, cols: usize) -> QuantMatrix {
     QuantMatrix::new(format, rows, cols, data).expect("valid blocks")
 }
 
+/// Nanoseconds every thread of this process has run, or `None` where Linux's
+/// `schedstat` is not readable.
+fn process_cpu_ns() -> Option<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
+}
+
+/// Times `f`: wall time, or the process's CPU time where `LLAMA_BURN_BENCH_CPU_TIME` is
+/// set (and readable).
+fn time<R>(b: &mut criterion::Bencher, mut f: impl FnMut() -> R) {
+    if std::env::var_os("LLAMA_BURN_BENCH_CPU_TIME").is_some() && process_cpu_ns().is_some() {
+        b.iter_custom(|iters| {
+            let start = process_cpu_ns().unwrap_or(0);
+            for _ in 0..iters {
+                std::hint::black_box(f());
+            }
+            std::time::Duration::from_nanos(process_cpu_ns().unwrap_or(0).saturating_sub(start))
+        });
+    } else {
+        b.iter(f);
+    }
+}
+
 /// The feed-forward up projection (`[ffn, d]`) of the 1B and 8B shapes, every format,
 /// `exact` and `fast`, at 1, 16 and 128 rows.
 fn real_sizes(c: &mut Criterion) {
@@ -48,10 +79,14 @@ fn real_sizes(c: &mut Criterion) {
                     .collect();
                 group.throughput(Throughput::Elements((rows * ffn * d) as u64));
                 group.bench_with_input(BenchmarkId::new("exact", rows), &rows, |b, &rows| {
-                    b.iter(|| matmul_transposed_on(simd, &x, rows, &w).expect("matmul"))
+                    time(b, || {
+                        matmul_transposed_on(simd, &x, rows, &w).expect("matmul")
+                    })
                 });
                 group.bench_with_input(BenchmarkId::new("fast", rows), &rows, |b, &rows| {
-                    b.iter(|| matmul_transposed_int8_on(simd, &x, rows, &w).expect("matmul"))
+                    time(b, || {
+                        matmul_transposed_int8_on(simd, &x, rows, &w).expect("matmul")
+                    })
                 });
             }
             group.finish();

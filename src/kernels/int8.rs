@@ -694,25 +694,6 @@ unsafe fn transpose8(at: impl Fn(usize) -> *const u8) -> [std::arch::x86_64::__m
     [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
 }
 
-/// Eight f16 values at `at(i)` as f32 lanes.
-///
-/// # Safety
-///
-/// Two bytes are readable at each `at(i)`.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
-unsafe fn f16_lanes(at: impl Fn(usize) -> *const u8) -> std::arch::x86_64::__m256 {
-    let mut v = [0f32; 8];
-    for (i, x) in v.iter_mut().enumerate() {
-        // SAFETY: the caller's contract.
-        let p = at(i);
-        *x = unsafe { f16_at(*p, *p.add(1)) };
-    }
-    // SAFETY: `v` holds 8 floats.
-    unsafe { std::arch::x86_64::_mm256_loadu_ps(v.as_ptr()) }
-}
-
 /// One step of a Q8_0, Q4_0 or Q4_1 group (eight rows' block `b`): the values and scales.
 ///
 /// # Safety
@@ -729,11 +710,8 @@ unsafe fn decode_step_32(
     let hb = format.head_bytes();
     // SAFETY (loads): the step's heads are `8 * hb` bytes, its payloads follow.
     let (d, m) = if hb == 4 {
-        let heads = unsafe { _mm256_loadu_si256(step.cast()) };
-        (
-            _mm256_cvtph_ps(_mm256_cvtepi32_epi16(heads)),
-            _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(heads))),
-        )
+        let [d, m] = f16_pair(unsafe { _mm256_loadu_si256(step.cast()) });
+        (d, m)
     } else {
         (
             _mm256_cvtph_ps(unsafe { _mm_loadu_si128(step.cast()) }),
@@ -771,8 +749,33 @@ unsafe fn decode_step_32(
     (w, scales)
 }
 
+/// The f16 pair at the start of each of eight rows' words (`heads`, lanes = rows: the
+/// low half, then the high half) as f32 lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+fn f16_pair(heads: std::arch::x86_64::__m256i) -> [std::arch::x86_64::__m256; 2] {
+    use std::arch::x86_64::*;
+    [
+        _mm256_cvtph_ps(_mm256_cvtepi32_epi16(heads)),
+        _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(heads))),
+    ]
+}
+
+/// `-x`, every bit of it (the scalar decoder's negation, not `0 - x`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn negate(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    _mm256_xor_ps(x, _mm256_set1_ps(-0.0))
+}
+
 /// One step of a Q4_K or Q5_K group (eight rows' super-block): calls `sub(w, scales, i)`
-/// for its eight sub-blocks in order.
+/// for its eight sub-blocks in order. The scales and minimums are unpacked for the eight
+/// rows at once: the block's first 32 bytes (`d`, `dmin` and the 12 packed bytes) are
+/// transposed like the values, so word 0 holds `d | dmin << 16` of every row and words
+/// 1-3 the packed bytes, from which each 6-bit scale and minimum is two shifts and masks.
 ///
 /// # Safety
 ///
@@ -790,18 +793,36 @@ unsafe fn decode_step_k4(
     let five = format == QuantFormat::Q5_K;
     let qs = if five { 48 } else { 16 };
     let row = |i: usize| step.wrapping_add(i * bb);
-    // SAFETY (every read): row `i < 8`'s block is `bb` bytes at `row(i)`.
-    let d = unsafe { f16_lanes(row) };
-    let dmin = unsafe { f16_lanes(|i| row(i).wrapping_add(2)) };
-    let mut sc = [[0i32; 8]; 8];
-    let mut mn = [[0f32; 8]; 8];
-    for i in 0..GROUP_ROWS {
-        let packed = unsafe { std::slice::from_raw_parts(row(i).add(4), 12) };
-        let (s, m) = k_scales_mins(packed);
-        for j in 0..8 {
-            sc[j][i] = i32::from(s[j]);
-            mn[j][i] = f32::from(m[j]);
-        }
+    // SAFETY (every read): row `i < 8`'s block is `bb >= 144` bytes at `row(i)`.
+    let head = unsafe { transpose8(row) };
+    let [d, dmin] = f16_pair(head[0]);
+    // ggml's packing of the eight 6-bit scales and minimums in 12 bytes `q`: for j < 4,
+    // scale j = q[j] & 63 and minimum j = q[j + 4] & 63; for j >= 4, the low four bits
+    // come from q[j + 4] (scale: low nibble, minimum: high nibble) and the top two from
+    // the top bits of q[j - 4] (scale) and q[j] (minimum).
+    let (a, b, c) = (head[1], head[2], head[3]);
+    let (six, four, two) = (
+        _mm256_set1_epi32(63),
+        _mm256_set1_epi32(15),
+        _mm256_set1_epi32(3),
+    );
+    let shift = |v: __m256i, n: i32| _mm256_srl_epi32(v, _mm_cvtsi32_si128(n));
+    let mut sc = [_mm256_setzero_si256(); 8];
+    let mut mn = [_mm256_setzero_ps(); 8];
+    for j in 0..4 {
+        let k = 8 * j as i32;
+        sc[j] = _mm256_and_si256(shift(a, k), six);
+        let m = _mm256_and_si256(shift(b, k), six);
+        sc[j + 4] = _mm256_or_si256(
+            _mm256_and_si256(shift(c, k), four),
+            _mm256_slli_epi32::<4>(_mm256_and_si256(shift(a, k + 6), two)),
+        );
+        let m4 = _mm256_or_si256(
+            _mm256_and_si256(shift(c, k + 4), four),
+            _mm256_slli_epi32::<4>(_mm256_and_si256(shift(b, k + 6), two)),
+        );
+        mn[j] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
+        mn[j + 4] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m4)));
     }
     let high = if five {
         unsafe { transpose8(|i| row(i).wrapping_add(16)) }
@@ -830,13 +851,10 @@ unsafe fn decode_step_k4(
                 }
             }
             let scales = SubScales {
-                sc0: unsafe { _mm256_loadu_si256(sc[s].as_ptr().cast()) },
-                sc1: unsafe { _mm256_loadu_si256(sc[s].as_ptr().cast()) },
+                sc0: sc[s],
+                sc1: sc[s],
                 d,
-                m: _mm256_sub_ps(
-                    _mm256_setzero_ps(),
-                    _mm256_mul_ps(dmin, unsafe { _mm256_loadu_ps(mn[s].as_ptr()) }),
-                ),
+                m: mn[s],
             };
             sub(&w, &scales, s);
         }
@@ -844,7 +862,8 @@ unsafe fn decode_step_k4(
 }
 
 /// One step of a Q6_K group (eight rows' super-block): calls `sub(w, scales, i)` for its
-/// eight sub-blocks in order.
+/// eight sub-blocks in order. The sixteen signed 8-bit scales of the eight rows come
+/// from one transpose of bytes 176-207 (words 4-7), each sign-extended with two shifts.
 ///
 /// # Safety
 ///
@@ -858,14 +877,17 @@ unsafe fn decode_step_q6k(
 ) {
     use std::arch::x86_64::*;
     let row = |i: usize| step.wrapping_add(i * 210);
-    // SAFETY (every read): row `i < 8`'s block is 210 bytes at `row(i)`.
-    let d = unsafe { f16_lanes(|i| row(i).wrapping_add(208)) };
-    let mut sc = [[0i32; 8]; 16];
-    for i in 0..GROUP_ROWS {
-        for (k, s) in sc.iter_mut().enumerate() {
-            s[i] = i32::from(unsafe { *row(i).add(192 + k) } as i8);
-        }
-    }
+    // SAFETY (every read): row `i < 8`'s block is 210 bytes at `row(i)`; `d` is its last
+    // two bytes, read as the high half of the word at 206.
+    let rows = _mm256_setr_epi32(0, 210, 420, 630, 840, 1050, 1260, 1470);
+    let words = unsafe { _mm256_i32gather_epi32::<1>(step.wrapping_add(206).cast(), rows) };
+    let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(words)));
+    let packed = unsafe { transpose8(|i| row(i).wrapping_add(176)) };
+    let scale = |k: usize| {
+        let v = packed[4 + k / 4];
+        let up = _mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32));
+        _mm256_srai_epi32::<24>(up)
+    };
     let (nibble, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
     let mut w = [_mm256_setzero_si256(); 8];
     for half in 0..2 {
@@ -886,8 +908,8 @@ unsafe fn decode_step_q6k(
                 *v = _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_slli_epi16::<4>(hi));
             }
             let scales = SubScales {
-                sc0: unsafe { _mm256_loadu_si256(sc[2 * s].as_ptr().cast()) },
-                sc1: unsafe { _mm256_loadu_si256(sc[2 * s + 1].as_ptr().cast()) },
+                sc0: scale(2 * s),
+                sc1: scale(2 * s + 1),
                 d,
                 m: _mm256_setzero_ps(),
             };
