@@ -55,10 +55,10 @@ pub enum Precision {
 
 impl Default for Precision {
     /// `Fast` where the CPU kernels' active path has its integer kernels (x86-64 with
-    /// AVX-512 VNNI: Zen 4 and later, Intel since Ice Lake), else `Exact`: on AVX2, NEON
-    /// and portable paths the `fast` products are computed by plain Rust and are slower
-    /// than `exact`'s SIMD kernels, so they are there for tests and for results that
-    /// match a VNNI machine's bit for bit.
+    /// AVX-512 VNNI, Zen 4 and later or Intel since Ice Lake; or with AVX2, FMA and
+    /// F16C), else `Exact`: on NEON and portable paths the `fast` products are computed
+    /// by plain Rust and are slower than `exact`'s SIMD kernels, so they are there for
+    /// tests and for results that match an x86 machine's bit for bit.
     fn default() -> Self {
         if crate::kernels::int8::has_integer_kernels() {
             Precision::Fast

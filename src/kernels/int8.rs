@@ -363,26 +363,37 @@ pub fn matmul_transposed_int8_on(
     let f = form(w.format());
     let vnni = vnni_supported(path);
     let in_registers = vnni && registers_decode(w.format());
+    let avx2_registers = !vnni && avx2_supported(path) && registers_decode(w.format());
     super::pool::for_each_chunk(n_out.div_ceil(per_chunk), &|chunk| {
         let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(n_out));
         PANEL.with_borrow_mut(|panel| {
             for first in (start..end).step_by(LANES) {
                 let n = LANES.min(end - first);
                 #[cfg(target_arch = "x86_64")]
-                if in_registers && n == LANES && rows <= GROUP_TILE {
-                    // Few rows: each group decoded in registers and multiplied at once.
+                if n == LANES && ((in_registers && rows <= GROUP_TILE) || avx2_registers) {
+                    // Each group decoded in registers and multiplied at once: with VNNI
+                    // for few rows, on AVX2 (no 16-lane panel kernel) for every tile.
                     for g in [first, first + GROUP_ROWS] {
-                        let mut res = [[0f32; GROUP_ROWS]; GROUP_TILE];
-                        // SAFETY: `in_registers` says this CPU has AVX-512 with VNNI and
-                        // the format is one `group_tile` reads; the group is full (8 rows
-                        // of `w.cols()` values) and `rows <= GROUP_TILE`.
-                        unsafe {
-                            group_tile(w.format(), w.group(g).0, f, &acts, 0, rows, &mut res)
-                        };
-                        for (i, row) in res.iter().take(rows).enumerate() {
-                            // SAFETY: row `i < rows`; columns `g .. g + 8` lie in this
-                            // chunk's `start..end`, which no other chunk writes.
-                            unsafe { target.write(i, g, row) };
+                        let group = w.group(g).0;
+                        for r in (0..rows).step_by(GROUP_TILE) {
+                            let tile = GROUP_TILE.min(rows - r);
+                            let mut res = [[0f32; GROUP_ROWS]; GROUP_TILE];
+                            // SAFETY: `in_registers` (`avx2_registers`) says this CPU
+                            // has AVX-512 with VNNI (AVX2, FMA and F16C) and the format
+                            // is one `group_tile` reads; the group is full (8 rows of
+                            // `w.cols()` values) and `r + tile <= rows`.
+                            unsafe {
+                                if in_registers {
+                                    group_tile_vnni(w.format(), group, f, &acts, r, tile, &mut res)
+                                } else {
+                                    group_tile_avx2(w.format(), group, f, &acts, r, tile, &mut res)
+                                }
+                            };
+                            for (i, row) in res.iter().take(tile).enumerate() {
+                                // SAFETY: row `r + i < rows`; columns `g .. g + 8` lie in
+                                // this chunk's `start..end`, which no other chunk writes.
+                                unsafe { target.write(r + i, g, row) };
+                            }
                         }
                     }
                     continue;
@@ -421,9 +432,28 @@ thread_local! {
 }
 
 /// Whether the [active](SimdPath::active) path runs the `fast` precision with its own
-/// integer kernels (AVX-512 with VNNI), rather than the plain-Rust reference.
+/// integer kernels (AVX-512 with VNNI, or AVX2 with FMA and F16C), rather than the
+/// plain-Rust reference.
 pub fn has_integer_kernels() -> bool {
-    vnni_supported(SimdPath::active())
+    let path = SimdPath::active();
+    vnni_supported(path) || avx2_supported(path)
+}
+
+/// Whether `path` can run the AVX2 in-register kernel ([`group_tile_avx2`]) on this
+/// CPU (the AVX-512 path takes it where the CPU lacks VNNI).
+fn avx2_supported(path: SimdPath) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        matches!(path, SimdPath::Avx2 | SimdPath::Avx512)
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = path;
+        false
+    }
 }
 
 /// Whether `path` runs the `vpdpbusd` kernel on this CPU.
@@ -442,20 +472,168 @@ fn vnni_supported(path: SimdPath) -> bool {
 /// Activation rows per tile of [`group_tile`].
 const GROUP_TILE: usize = 8;
 
+/// The few instructions in which the in-register kernels differ between AVX-512 (with
+/// VNNI) and AVX2: everything else ([`decode_group`], [`multiply_sub`]) is written once
+/// over 8-lane vectors, generic over this, and compiled into one entry point per
+/// instruction set ([`group_tile_vnni`], [`group_tile_avx2`]) with its target features.
+/// Both give the same integer sums, so the same bits.
+#[cfg(target_arch = "x86_64")]
+trait Isa {
+    /// Four vectors of two rows' four u32 words each (rows `2p`, `2p + 1`) to four
+    /// vectors of one word of eight rows each.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has the instruction set's features.
+    unsafe fn transpose4(a: [std::arch::x86_64::__m256i; 4]) -> [std::arch::x86_64::__m256i; 4];
+
+    /// The f16 values in the low halves of the eight 32-bit lanes, as f32.
+    ///
+    /// # Safety
+    ///
+    /// As [`transpose4`](Self::transpose4).
+    unsafe fn f16_low(v: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256;
+
+    /// `acc + ` each lane's four products of unsigned bytes of `w` (at most 63 on AVX2,
+    /// where `vpmaddubsw` saturates pairs at 32767) with signed bytes of `x`.
+    ///
+    /// # Safety
+    ///
+    /// As [`transpose4`](Self::transpose4).
+    unsafe fn dot4(
+        acc: std::arch::x86_64::__m256i,
+        w: std::arch::x86_64::__m256i,
+        x: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i;
+
+    /// Whether [`dot4`](Self::dot4) takes only bytes below 64, so Q8_0's values are
+    /// multiplied signed (`|q| * sign(x, q)`) rather than offset by 128.
+    const SMALL_BYTES: bool;
+}
+
+/// AVX-512 F/BW/VL with VNNI: `vpdpbusd` and two-source permutes.
+#[cfg(target_arch = "x86_64")]
+struct Vnni;
+
+/// AVX2 with FMA and F16C: `vpmaddubsw` then `vpmaddwd`, and unpacks.
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl Isa for Vnni {
+    #[inline(always)]
+    unsafe fn transpose4(a: [std::arch::x86_64::__m256i; 4]) -> [std::arch::x86_64::__m256i; 4] {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX-512 F/VL).
+        unsafe {
+            let pick_lo = _mm256_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13);
+            let pick_hi = _mm256_setr_epi32(2, 6, 10, 14, 3, 7, 11, 15);
+            let low_halves = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
+            let high_halves = _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15);
+            let p01 = _mm256_permutex2var_epi32(a[0], pick_lo, a[1]);
+            let p23 = _mm256_permutex2var_epi32(a[0], pick_hi, a[1]);
+            let q01 = _mm256_permutex2var_epi32(a[2], pick_lo, a[3]);
+            let q23 = _mm256_permutex2var_epi32(a[2], pick_hi, a[3]);
+            [
+                _mm256_permutex2var_epi32(p01, low_halves, q01),
+                _mm256_permutex2var_epi32(p01, high_halves, q01),
+                _mm256_permutex2var_epi32(p23, low_halves, q23),
+                _mm256_permutex2var_epi32(p23, high_halves, q23),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn f16_low(v: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX-512 VL, F16C).
+        unsafe { _mm256_cvtph_ps(_mm256_cvtepi32_epi16(v)) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot4(
+        acc: std::arch::x86_64::__m256i,
+        w: std::arch::x86_64::__m256i,
+        x: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        // SAFETY: the caller's contract (AVX-512 VL, VNNI).
+        unsafe { std::arch::x86_64::_mm256_dpbusd_epi32(acc, w, x) }
+    }
+
+    const SMALL_BYTES: bool = false;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Isa for Avx2 {
+    #[inline(always)]
+    unsafe fn transpose4(a: [std::arch::x86_64::__m256i; 4]) -> [std::arch::x86_64::__m256i; 4] {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX2).
+        unsafe {
+            // Per 128-bit half (rows 2p | 2p + 1): words 0-1, then 2-3, of rows 0 and 2
+            // (4 and 6) interleaved.
+            let lo02 = _mm256_unpacklo_epi32(a[0], a[1]);
+            let hi02 = _mm256_unpackhi_epi32(a[0], a[1]);
+            let lo46 = _mm256_unpacklo_epi32(a[2], a[3]);
+            let hi46 = _mm256_unpackhi_epi32(a[2], a[3]);
+            // Word j of rows 0, 2, 4, 6 | 1, 3, 5, 7: put the rows in order.
+            let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            [
+                _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(lo02, lo46), order),
+                _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi64(lo02, lo46), order),
+                _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(hi02, hi46), order),
+                _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi64(hi02, hi46), order),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn f16_low(v: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX2, F16C).
+        unsafe {
+            let pick = _mm256_setr_epi8(
+                0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9, 12, 13,
+                -1, -1, -1, -1, -1, -1, -1, -1,
+            );
+            let halves = _mm256_permute4x64_epi64::<0b1000>(_mm256_shuffle_epi8(v, pick));
+            _mm256_cvtph_ps(_mm256_castsi256_si128(halves))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dot4(
+        acc: std::arch::x86_64::__m256i,
+        w: std::arch::x86_64::__m256i,
+        x: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX2). Pairs of products stay within i16: at
+        // most 2 * 63 * 127 (or 2 * 128 * 127 for Q8_0's signed form).
+        unsafe {
+            let pairs = _mm256_maddubs_epi16(w, x);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
+    }
+
+    const SMALL_BYTES: bool = true;
+}
+
 /// Results of activation rows `r0 .. r0 + tile` against the eight rows of a full group,
 /// decoded in registers from the grouped layout (no panel): a block's eight rows of
 /// quantized values are transposed into vectors of four values per row (lanes = rows),
 /// then multiplied as [`vnni_tile`] does, with the same integer sums and float steps, so
-/// the same bits.
+/// the same bits. Compiled for AVX-512 VNNI ([`group_tile_vnni`]) and AVX2
+/// ([`group_tile_avx2`]).
 ///
 /// # Safety
 ///
-/// The CPU has AVX-512 F/BW/VL, VNNI, FMA and F16C; [`registers_decode`] holds for
-/// `format`; `group` holds 8 rows of `acts.n_in` values; `r0 + tile` rows exist.
+/// The CPU has `I`'s features; [`registers_decode`] holds for `format`; `group` holds 8
+/// rows of `acts.n_in` values; `r0 + tile` rows exist, `tile <= GROUP_TILE`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn group_tile(
+unsafe fn group_tile<I: Isa>(
     format: QuantFormat,
     group: &[u8],
     f: IntForm,
@@ -465,17 +643,63 @@ unsafe fn group_tile(
     out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
 ) {
     use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_ps(); GROUP_TILE];
-    // SAFETY: forwarded from this function's contract.
+    // SAFETY: forwarded from this function's contract; `o` holds 8 floats.
     unsafe {
-        decode_group(format, group, acts.blocks(), |w, sc, s| {
-            multiply_sub(w, sc, f, acts, s, r0, tile, &mut acc)
-        })
-    };
-    for (o, a) in out.iter_mut().zip(acc).take(tile) {
-        // SAFETY: `o` holds 8 floats.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), a) };
+        let mut sink = Multiply::<I> {
+            f,
+            acts,
+            r0,
+            tile,
+            acc: [_mm256_setzero_ps(); GROUP_TILE],
+            isa: std::marker::PhantomData,
+        };
+        decode_group::<I>(format, group, acts.blocks(), &mut sink);
+        for (o, a) in out.iter_mut().zip(sink.acc).take(tile) {
+            _mm256_storeu_ps(o.as_mut_ptr(), a);
+        }
     }
+}
+
+/// [`group_tile`] on AVX-512 with VNNI.
+///
+/// # Safety
+///
+/// As [`group_tile`], the CPU having AVX-512 F/BW/VL, VNNI, FMA, F16C and AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_tile_vnni(
+    format: QuantFormat,
+    group: &[u8],
+    f: IntForm,
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe { group_tile::<Vnni>(format, group, f, acts, r0, tile, out) }
+}
+
+/// [`group_tile`] on AVX2.
+///
+/// # Safety
+///
+/// As [`group_tile`], the CPU having AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_tile_avx2(
+    format: QuantFormat,
+    group: &[u8],
+    f: IntForm,
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe { group_tile::<Avx2>(format, group, f, acts, r0, tile, out) }
 }
 
 /// Decodes the `subs` sub-blocks of each row of a full group in registers, calling
@@ -483,16 +707,15 @@ unsafe fn group_tile(
 ///
 /// # Safety
 ///
-/// The CPU has AVX-512 F/BW/VL, F16C and AVX2; [`registers_decode`] holds for `format`;
-/// `group` holds 8 rows of `subs * 32` values.
+/// The CPU has `I`'s features; [`registers_decode`] holds for `format`; `group` holds 8
+/// rows of `subs * 32` values.
 #[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
-unsafe fn decode_group(
+#[inline(always)]
+unsafe fn decode_group<I: Isa>(
     format: QuantFormat,
     group: &[u8],
     subs: usize,
-    mut sub: impl FnMut(&[std::arch::x86_64::__m256i; 8], &SubScales, usize),
+    sink: &mut impl SubSink,
 ) {
     let bb = format.block_bytes();
     let per_block = format.block_values() / QK;
@@ -504,13 +727,13 @@ unsafe fn decode_group(
         unsafe {
             match format {
                 QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
-                    let (w, sc) = decode_step_32(format, step);
-                    sub(&w, &sc, blk);
+                    let (w, sc) = decode_step_32::<I>(format, step);
+                    sink.take(&w, &sc, blk);
                 }
                 QuantFormat::Q4_K | QuantFormat::Q5_K => {
-                    decode_step_k4(format, step, |w, sc, i| sub(w, sc, blk * 8 + i))
+                    decode_step_k4::<I>(format, step, blk * 8, sink)
                 }
-                _ => decode_step_q6k(step, |w, sc, i| sub(w, sc, blk * 8 + i)),
+                _ => decode_step_q6k::<I>(step, blk * 8, sink),
             }
         }
     }
@@ -528,7 +751,6 @@ impl Panel {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
     unsafe fn fill_in_registers(&mut self, w: &QuantMatrix, first: usize) {
-        use std::arch::x86_64::*;
         let subs = w.cols() / QK;
         self.u.resize(subs * 8 * LANES, 0);
         self.sc.resize(subs * 2 * LANES, 0);
@@ -537,25 +759,16 @@ impl Panel {
         for half in 0..2 {
             let (group, _) = w.group(first + half * GROUP_ROWS);
             let lane = half * GROUP_ROWS;
-            let (u, sc, d, m) = (
-                self.u.as_mut_ptr(),
-                self.sc.as_mut_ptr(),
-                self.d.as_mut_ptr(),
-                self.m.as_mut_ptr(),
-            );
+            let mut sink = Store {
+                u: self.u.as_mut_ptr(),
+                sc: self.sc.as_mut_ptr(),
+                d: self.d.as_mut_ptr(),
+                m: self.m.as_mut_ptr(),
+                lane,
+            };
             // SAFETY: the caller's contract; every store is inside the vectors sized
             // above (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`).
-            unsafe {
-                decode_group(w.format(), group, subs, |wv, scales, s| {
-                    for (t, v) in wv.iter().enumerate() {
-                        _mm256_storeu_si256(u.add((s * 8 + t) * LANES + lane).cast(), *v);
-                    }
-                    _mm256_storeu_si256(sc.add(s * 2 * LANES + lane).cast(), scales.sc0);
-                    _mm256_storeu_si256(sc.add((s * 2 + 1) * LANES + lane).cast(), scales.sc1);
-                    _mm256_storeu_ps(d.add(s * LANES + lane), scales.d);
-                    _mm256_storeu_ps(m.add(s * LANES + lane), scales.m);
-                })
-            };
+            unsafe { decode_group::<Vnni>(w.format(), group, subs, &mut sink) };
         }
     }
 }
@@ -571,6 +784,81 @@ fn registers_decode(format: QuantFormat) -> bool {
             | QuantFormat::Q5_K
             | QuantFormat::Q6_K
     )
+}
+
+/// What takes each decoded sub-block of a group in turn: a trait with an always-inlined
+/// method rather than a closure, because closures are compiled without the target
+/// features of the function that calls them, and each intrinsic inside one would become
+/// a call.
+#[cfg(target_arch = "x86_64")]
+trait SubSink {
+    /// Takes sub-block `s`: `w[t]` holds values `4t .. 4t + 4` of each of eight rows.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has the features of the kernel that decodes; `s` is a sub-block of the
+    /// rows.
+    unsafe fn take(&mut self, w: &[std::arch::x86_64::__m256i; 8], sc: &SubScales, s: usize);
+}
+
+/// Multiplies each sub-block with activation rows `r0 .. r0 + tile` ([`multiply_sub`]).
+#[cfg(target_arch = "x86_64")]
+struct Multiply<'a, I> {
+    f: IntForm,
+    acts: &'a QuantizedRows,
+    r0: usize,
+    tile: usize,
+    acc: [std::arch::x86_64::__m256; GROUP_TILE],
+    isa: std::marker::PhantomData<I>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<I: Isa> SubSink for Multiply<'_, I> {
+    #[inline(always)]
+    unsafe fn take(&mut self, w: &[std::arch::x86_64::__m256i; 8], sc: &SubScales, s: usize) {
+        // SAFETY: forwarded; the tile's rows exist (`group_tile`'s contract).
+        unsafe {
+            multiply_sub::<I>(
+                w,
+                sc,
+                self.f,
+                self.acts,
+                s,
+                self.r0,
+                self.tile,
+                &mut self.acc,
+            )
+        }
+    }
+}
+
+/// Stores each sub-block into lanes `lane .. lane + 8` of a panel sized for the rows.
+#[cfg(target_arch = "x86_64")]
+struct Store {
+    u: *mut u32,
+    sc: *mut i32,
+    d: *mut f32,
+    m: *mut f32,
+    lane: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl SubSink for Store {
+    #[inline(always)]
+    unsafe fn take(&mut self, wv: &[std::arch::x86_64::__m256i; 8], scales: &SubScales, s: usize) {
+        use std::arch::x86_64::*;
+        let lane = self.lane;
+        // SAFETY: the panel holds sub-block `s` for sixteen lanes (`fill_in_registers`).
+        unsafe {
+            for (t, v) in wv.iter().enumerate() {
+                _mm256_storeu_si256(self.u.add((s * 8 + t) * LANES + lane).cast(), *v);
+            }
+            _mm256_storeu_si256(self.sc.add(s * 2 * LANES + lane).cast(), scales.sc0);
+            _mm256_storeu_si256(self.sc.add((s * 2 + 1) * LANES + lane).cast(), scales.sc1);
+            _mm256_storeu_ps(self.d.add(s * LANES + lane), scales.d);
+            _mm256_storeu_ps(self.m.add(s * LANES + lane), scales.m);
+        }
+    }
 }
 
 /// A sub-block's scales for eight rows (lanes = rows), as [`Panel`] holds them.
@@ -590,10 +878,9 @@ struct SubScales {
 ///
 /// As [`group_tile`]; `s` is a sub-block of the rows.
 #[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn multiply_sub(
+unsafe fn multiply_sub<I: Isa>(
     w: &[std::arch::x86_64::__m256i; 8],
     sc: &SubScales,
     f: IntForm,
@@ -605,67 +892,64 @@ unsafe fn multiply_sub(
 ) {
     use std::arch::x86_64::*;
     let subs = acts.blocks();
-    for (i, acc) in acc.iter_mut().enumerate().take(tile) {
-        let b = (r0 + i) * subs + s;
-        // SAFETY: row `r0 + i` exists and has `subs * 32` bytes.
-        let xp = unsafe { acts.q.as_ptr().add(b * QK) }.cast::<i32>();
-        let mut x = [_mm256_setzero_si256(); 8];
-        for (t, v) in x.iter_mut().enumerate() {
-            // SAFETY: as above, word `t < 8` of the block.
-            *v = _mm256_set1_epi32(unsafe { xp.add(t).read_unaligned() });
+    // SAFETY: `I`'s features (the caller's contract); row `r0 + i` exists and has
+    // `subs * 32` bytes, of which word `t < 8` of block `s` is read.
+    unsafe {
+        // Q8_0 where `dot4` takes small bytes: signed values, no offset to take back.
+        let signed = I::SMALL_BYTES && f.offset == 128;
+        // `|q|` as the unsigned operand, `sign(x, q)` as the signed one.
+        let mut wv = *w;
+        let mut q = *w;
+        if signed {
+            let flip = _mm256_set1_epi8(-128);
+            for (v, q) in wv.iter_mut().zip(q.iter_mut()) {
+                *q = _mm256_xor_si256(*v, flip);
+                *v = _mm256_abs_epi8(*q);
+            }
         }
-        let (lo, hi) = (acts.sum16[2 * b], acts.sum16[2 * b + 1]);
-        let isum = if f.scales == IntScales::PerHalf {
-            let mut a = _mm256_set1_epi32(-f.offset * lo);
-            let mut c = _mm256_set1_epi32(-f.offset * hi);
-            for t in 0..4 {
-                a = _mm256_dpbusd_epi32(a, w[t], x[t]);
-                c = _mm256_dpbusd_epi32(c, w[t + 4], x[t + 4]);
+        let offset = if signed { 0 } else { f.offset };
+        for (i, acc) in acc.iter_mut().enumerate().take(tile) {
+            let b = (r0 + i) * subs + s;
+            let xp = acts.q.as_ptr().add(b * QK).cast::<i32>();
+            let mut x = [_mm256_setzero_si256(); 8];
+            for (t, v) in x.iter_mut().enumerate() {
+                *v = _mm256_set1_epi32(xp.add(t).read_unaligned());
             }
-            _mm256_add_epi32(_mm256_mullo_epi32(a, sc.sc0), _mm256_mullo_epi32(c, sc.sc1))
-        } else {
-            let mut a = _mm256_set1_epi32(-f.offset * (lo + hi));
-            let mut c = _mm256_setzero_si256();
-            for t in 0..4 {
-                a = _mm256_dpbusd_epi32(a, w[t], x[t]);
-                c = _mm256_dpbusd_epi32(c, w[t + 4], x[t + 4]);
+            if signed {
+                for (x, q) in x.iter_mut().zip(&q) {
+                    *x = _mm256_sign_epi8(*x, *q);
+                }
             }
-            let a = _mm256_add_epi32(a, c);
-            if f.scales == IntScales::PerBlock {
-                _mm256_mullo_epi32(a, sc.sc0)
+            let (lo, hi) = (acts.sum16[2 * b], acts.sum16[2 * b + 1]);
+            let isum = if f.scales == IntScales::PerHalf {
+                let mut a = _mm256_set1_epi32(-offset * lo);
+                let mut c = _mm256_set1_epi32(-offset * hi);
+                for t in 0..4 {
+                    a = I::dot4(a, wv[t], x[t]);
+                    c = I::dot4(c, wv[t + 4], x[t + 4]);
+                }
+                _mm256_add_epi32(_mm256_mullo_epi32(a, sc.sc0), _mm256_mullo_epi32(c, sc.sc1))
             } else {
-                a
+                let mut a = _mm256_set1_epi32(-offset * (lo + hi));
+                let mut c = _mm256_setzero_si256();
+                for t in 0..4 {
+                    a = I::dot4(a, wv[t], x[t]);
+                    c = I::dot4(c, wv[t + 4], x[t + 4]);
+                }
+                let a = _mm256_add_epi32(a, c);
+                if f.scales == IntScales::PerBlock {
+                    _mm256_mullo_epi32(a, sc.sc0)
+                } else {
+                    a
+                }
+            };
+            let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(acts.d[b]));
+            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
+            if f.mins {
+                *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(acts.sx[b]), *acc);
             }
-        };
-        let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(acts.d[b]));
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
-        if f.mins {
-            *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(acts.sx[b]), *acc);
         }
     }
-}
-
-/// Four vectors of two rows' four u32 words each (rows `2p`, `2p + 1`) to four vectors
-/// of one word of eight rows each.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn transpose4(a: [std::arch::x86_64::__m256i; 4]) -> [std::arch::x86_64::__m256i; 4] {
-    use std::arch::x86_64::*;
-    let pick_lo = _mm256_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13);
-    let pick_hi = _mm256_setr_epi32(2, 6, 10, 14, 3, 7, 11, 15);
-    let low_halves = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
-    let high_halves = _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15);
-    let p01 = _mm256_permutex2var_epi32(a[0], pick_lo, a[1]);
-    let p23 = _mm256_permutex2var_epi32(a[0], pick_hi, a[1]);
-    let q01 = _mm256_permutex2var_epi32(a[2], pick_lo, a[3]);
-    let q23 = _mm256_permutex2var_epi32(a[2], pick_hi, a[3]);
-    [
-        _mm256_permutex2var_epi32(p01, low_halves, q01),
-        _mm256_permutex2var_epi32(p01, high_halves, q01),
-        _mm256_permutex2var_epi32(p23, low_halves, q23),
-        _mm256_permutex2var_epi32(p23, high_halves, q23),
-    ]
 }
 
 /// The 32 bytes at `at(i)` for rows `i < 8` to eight vectors of one u32 word of the
@@ -673,120 +957,132 @@ fn transpose4(a: [std::arch::x86_64::__m256i; 4]) -> [std::arch::x86_64::__m256i
 ///
 /// # Safety
 ///
-/// 32 bytes are readable at each `at(i)`.
+/// The CPU has `I`'s features; 32 bytes are readable at each `at(i)`.
 #[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-unsafe fn transpose8(at: impl Fn(usize) -> *const u8) -> [std::arch::x86_64::__m256i; 8] {
+#[inline(always)]
+unsafe fn transpose8<I: Isa>(at: impl Fn(usize) -> *const u8) -> [std::arch::x86_64::__m256i; 8] {
     use std::arch::x86_64::*;
-    let mut rows = [_mm256_setzero_si256(); 8];
-    for (i, v) in rows.iter_mut().enumerate() {
-        // SAFETY: the caller's contract.
-        *v = unsafe { _mm256_loadu_si256(at(i).cast()) };
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut rows = [_mm256_setzero_si256(); 8];
+        for (i, v) in rows.iter_mut().enumerate() {
+            *v = _mm256_loadu_si256(at(i).cast());
+        }
+        let mut first = [_mm256_setzero_si256(); 4];
+        let mut last = [_mm256_setzero_si256(); 4];
+        for p in 0..4 {
+            first[p] = _mm256_permute2x128_si256::<0x20>(rows[2 * p], rows[2 * p + 1]);
+            last[p] = _mm256_permute2x128_si256::<0x31>(rows[2 * p], rows[2 * p + 1]);
+        }
+        let (a, b) = (I::transpose4(first), I::transpose4(last));
+        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
     }
-    let mut first = [_mm256_setzero_si256(); 4];
-    let mut last = [_mm256_setzero_si256(); 4];
-    for p in 0..4 {
-        first[p] = _mm256_permute2x128_si256::<0x20>(rows[2 * p], rows[2 * p + 1]);
-        last[p] = _mm256_permute2x128_si256::<0x31>(rows[2 * p], rows[2 * p + 1]);
+}
+
+/// The f16 pair in each of eight rows' words (`heads`, lanes = rows: the low half, then
+/// the high half) as f32 lanes.
+///
+/// # Safety
+///
+/// The CPU has `I`'s features.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn f16_pair<I: Isa>(heads: std::arch::x86_64::__m256i) -> [std::arch::x86_64::__m256; 2] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        [
+            I::f16_low(heads),
+            I::f16_low(_mm256_srli_epi32::<16>(heads)),
+        ]
     }
-    let (a, b) = (transpose4(first), transpose4(last));
-    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+}
+
+/// `-x`, every bit of it (the scalar decoder's negation, not `0 - x`).
+///
+/// # Safety
+///
+/// The CPU has AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn negate(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe { _mm256_xor_ps(x, _mm256_set1_ps(-0.0)) }
 }
 
 /// One step of a Q8_0, Q4_0 or Q4_1 group (eight rows' block `b`): the values and scales.
 ///
 /// # Safety
 ///
-/// `step` holds the step in the grouped layout (eight heads, then eight payloads).
+/// The CPU has `I`'s features; `step` holds the step in the grouped layout (eight heads,
+/// then eight payloads).
 #[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
-unsafe fn decode_step_32(
+#[inline(always)]
+unsafe fn decode_step_32<I: Isa>(
     format: QuantFormat,
     step: *const u8,
 ) -> ([std::arch::x86_64::__m256i; 8], SubScales) {
     use std::arch::x86_64::*;
     let hb = format.head_bytes();
     // SAFETY (loads): the step's heads are `8 * hb` bytes, its payloads follow.
-    let (d, m) = if hb == 4 {
-        let [d, m] = f16_pair(unsafe { _mm256_loadu_si256(step.cast()) });
-        (d, m)
-    } else {
-        (
-            _mm256_cvtph_ps(unsafe { _mm_loadu_si128(step.cast()) }),
-            _mm256_setzero_ps(),
-        )
-    };
-    let one = _mm256_set1_epi32(1);
-    let scales = SubScales {
-        sc0: one,
-        sc1: one,
-        d,
-        m,
-    };
-    let payload = unsafe { step.add(GROUP_ROWS * hb) };
-    let mut w = [_mm256_setzero_si256(); 8];
-    if format == QuantFormat::Q8_0 {
-        let flip = _mm256_set1_epi8(-128);
-        // SAFETY: eight payloads of 32 bytes.
-        let t = unsafe { transpose8(|i| payload.add(32 * i)) };
-        for (v, t) in w.iter_mut().zip(t) {
-            *v = _mm256_xor_si256(t, flip);
+    unsafe {
+        let (d, m) = if hb == 4 {
+            let [d, m] = f16_pair::<I>(_mm256_loadu_si256(step.cast()));
+            (d, m)
+        } else {
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(step.cast())),
+                _mm256_setzero_ps(),
+            )
+        };
+        let one = _mm256_set1_epi32(1);
+        let scales = SubScales {
+            sc0: one,
+            sc1: one,
+            d,
+            m,
+        };
+        let payload = step.add(GROUP_ROWS * hb);
+        let mut w = [_mm256_setzero_si256(); 8];
+        if format == QuantFormat::Q8_0 {
+            let flip = _mm256_set1_epi8(-128);
+            let t = transpose8::<I>(|i| payload.add(32 * i));
+            for (v, t) in w.iter_mut().zip(t) {
+                *v = _mm256_xor_si256(t, flip);
+            }
+        } else {
+            let nibble = _mm256_set1_epi8(0x0F);
+            let mut rows = [_mm256_setzero_si256(); 4];
+            for (p, v) in rows.iter_mut().enumerate() {
+                // Eight payloads of 16 bytes, two per load.
+                *v = _mm256_loadu_si256(payload.add(32 * p).cast());
+            }
+            for (j, v) in I::transpose4(rows).into_iter().enumerate() {
+                w[j] = _mm256_and_si256(v, nibble);
+                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+            }
         }
-    } else {
-        let nibble = _mm256_set1_epi8(0x0F);
-        let mut rows = [_mm256_setzero_si256(); 4];
-        for (p, v) in rows.iter_mut().enumerate() {
-            // SAFETY: eight payloads of 16 bytes, two per load.
-            *v = unsafe { _mm256_loadu_si256(payload.add(32 * p).cast()) };
-        }
-        for (j, v) in transpose4(rows).into_iter().enumerate() {
-            w[j] = _mm256_and_si256(v, nibble);
-            w[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
-        }
+        (w, scales)
     }
-    (w, scales)
-}
-
-/// The f16 pair at the start of each of eight rows' words (`heads`, lanes = rows: the
-/// low half, then the high half) as f32 lanes.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
-fn f16_pair(heads: std::arch::x86_64::__m256i) -> [std::arch::x86_64::__m256; 2] {
-    use std::arch::x86_64::*;
-    [
-        _mm256_cvtph_ps(_mm256_cvtepi32_epi16(heads)),
-        _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(heads))),
-    ]
-}
-
-/// `-x`, every bit of it (the scalar decoder's negation, not `0 - x`).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn negate(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
-    use std::arch::x86_64::*;
-    _mm256_xor_ps(x, _mm256_set1_ps(-0.0))
 }
 
 /// One step of a Q4_K or Q5_K group (eight rows' super-block): calls `sub(w, scales, i)`
 /// for its eight sub-blocks in order. The scales and minimums are unpacked for the eight
 /// rows at once: the block's first 32 bytes (`d`, `dmin` and the 12 packed bytes) are
 /// transposed like the values, so word 0 holds `d | dmin << 16` of every row and words
-/// 1-3 the packed bytes, from which each 6-bit scale and minimum is two shifts and masks.
+/// 1-3 the packed bytes, from which each 6-bit scale and minimum is shifts and masks.
 ///
 /// # Safety
 ///
-/// `step` holds eight whole blocks of the format.
+/// The CPU has `I`'s features; `step` holds eight whole blocks of the format.
 #[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
-unsafe fn decode_step_k4(
+#[inline(always)]
+unsafe fn decode_step_k4<I: Isa>(
     format: QuantFormat,
     step: *const u8,
-    mut sub: impl FnMut(&[std::arch::x86_64::__m256i; 8], &SubScales, usize),
+    first: usize,
+    sink: &mut impl SubSink,
 ) {
     use std::arch::x86_64::*;
     let bb = format.block_bytes();
@@ -794,69 +1090,74 @@ unsafe fn decode_step_k4(
     let qs = if five { 48 } else { 16 };
     let row = |i: usize| step.wrapping_add(i * bb);
     // SAFETY (every read): row `i < 8`'s block is `bb >= 144` bytes at `row(i)`.
-    let head = unsafe { transpose8(row) };
-    let [d, dmin] = f16_pair(head[0]);
-    // ggml's packing of the eight 6-bit scales and minimums in 12 bytes `q`: for j < 4,
-    // scale j = q[j] & 63 and minimum j = q[j + 4] & 63; for j >= 4, the low four bits
-    // come from q[j + 4] (scale: low nibble, minimum: high nibble) and the top two from
-    // the top bits of q[j - 4] (scale) and q[j] (minimum).
-    let (a, b, c) = (head[1], head[2], head[3]);
-    let (six, four, two) = (
-        _mm256_set1_epi32(63),
-        _mm256_set1_epi32(15),
-        _mm256_set1_epi32(3),
-    );
-    let shift = |v: __m256i, n: i32| _mm256_srl_epi32(v, _mm_cvtsi32_si128(n));
-    let mut sc = [_mm256_setzero_si256(); 8];
-    let mut mn = [_mm256_setzero_ps(); 8];
-    for j in 0..4 {
-        let k = 8 * j as i32;
-        sc[j] = _mm256_and_si256(shift(a, k), six);
-        let m = _mm256_and_si256(shift(b, k), six);
-        sc[j + 4] = _mm256_or_si256(
-            _mm256_and_si256(shift(c, k), four),
-            _mm256_slli_epi32::<4>(_mm256_and_si256(shift(a, k + 6), two)),
+    unsafe {
+        let head = transpose8::<I>(row);
+        let [d, dmin] = f16_pair::<I>(head[0]);
+        // ggml's packing of the eight 6-bit scales and minimums in 12 bytes `q`: for
+        // j < 4, scale j = q[j] & 63 and minimum j = q[j + 4] & 63; for j >= 4, the low
+        // four bits come from q[j + 4] (scale: low nibble, minimum: high nibble) and the
+        // top two from the top bits of q[j - 4] (scale) and q[j] (minimum).
+        let (a, b, c) = (head[1], head[2], head[3]);
+        let (six, four, two) = (
+            _mm256_set1_epi32(63),
+            _mm256_set1_epi32(15),
+            _mm256_set1_epi32(3),
         );
-        let m4 = _mm256_or_si256(
-            _mm256_and_si256(shift(c, k + 4), four),
-            _mm256_slli_epi32::<4>(_mm256_and_si256(shift(b, k + 6), two)),
-        );
-        mn[j] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
-        mn[j + 4] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m4)));
-    }
-    let high = if five {
-        unsafe { transpose8(|i| row(i).wrapping_add(16)) }
-    } else {
-        [_mm256_setzero_si256(); 8]
-    };
-    let (nibble, bit) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(1));
-    let mut w = [_mm256_setzero_si256(); 8];
-    for chunk in 0..4 {
-        let t = unsafe { transpose8(|i| row(i).wrapping_add(qs + 32 * chunk)) };
-        for half in 0..2 {
-            let s = 2 * chunk + half;
-            for (k, v) in w.iter_mut().enumerate() {
-                let q = if half == 0 {
-                    t[k]
-                } else {
-                    _mm256_srli_epi16::<4>(t[k])
-                };
-                *v = _mm256_and_si256(q, nibble);
-                if five {
-                    let h = _mm256_and_si256(
-                        _mm256_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32)),
-                        bit,
-                    );
-                    *v = _mm256_or_si256(*v, _mm256_slli_epi16::<4>(h));
+        let mut sc = [_mm256_setzero_si256(); 8];
+        let mut mn = [_mm256_setzero_ps(); 8];
+        for j in 0..4 {
+            let k = _mm_cvtsi32_si128(8 * j as i32);
+            let (k4, k6) = (
+                _mm_cvtsi32_si128(8 * j as i32 + 4),
+                _mm_cvtsi32_si128(8 * j as i32 + 6),
+            );
+            sc[j] = _mm256_and_si256(_mm256_srl_epi32(a, k), six);
+            let m = _mm256_and_si256(_mm256_srl_epi32(b, k), six);
+            sc[j + 4] = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srl_epi32(c, k), four),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srl_epi32(a, k6), two)),
+            );
+            let m4 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srl_epi32(c, k4), four),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srl_epi32(b, k6), two)),
+            );
+            mn[j] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
+            mn[j + 4] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m4)));
+        }
+        let high = if five {
+            transpose8::<I>(|i| row(i).wrapping_add(16))
+        } else {
+            [_mm256_setzero_si256(); 8]
+        };
+        let (nibble, bit) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(1));
+        let mut w = [_mm256_setzero_si256(); 8];
+        for chunk in 0..4 {
+            let t = transpose8::<I>(|i| row(i).wrapping_add(qs + 32 * chunk));
+            for half in 0..2 {
+                let s = 2 * chunk + half;
+                for (k, v) in w.iter_mut().enumerate() {
+                    let q = if half == 0 {
+                        t[k]
+                    } else {
+                        _mm256_srli_epi16::<4>(t[k])
+                    };
+                    *v = _mm256_and_si256(q, nibble);
+                    if five {
+                        let h = _mm256_and_si256(
+                            _mm256_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32)),
+                            bit,
+                        );
+                        *v = _mm256_or_si256(*v, _mm256_slli_epi16::<4>(h));
+                    }
                 }
+                let scales = SubScales {
+                    sc0: sc[s],
+                    sc1: sc[s],
+                    d,
+                    m: mn[s],
+                };
+                sink.take(&w, &scales, first + s);
             }
-            let scales = SubScales {
-                sc0: sc[s],
-                sc1: sc[s],
-                d,
-                m: mn[s],
-            };
-            sub(&w, &scales, s);
         }
     }
 }
@@ -867,53 +1168,54 @@ unsafe fn decode_step_k4(
 ///
 /// # Safety
 ///
-/// `step` holds eight whole Q6_K blocks.
+/// The CPU has `I`'s features; `step` holds eight whole Q6_K blocks.
 #[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
-unsafe fn decode_step_q6k(
-    step: *const u8,
-    mut sub: impl FnMut(&[std::arch::x86_64::__m256i; 8], &SubScales, usize),
-) {
+#[inline(always)]
+unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl SubSink) {
     use std::arch::x86_64::*;
     let row = |i: usize| step.wrapping_add(i * 210);
     // SAFETY (every read): row `i < 8`'s block is 210 bytes at `row(i)`; `d` is its last
     // two bytes, read as the high half of the word at 206.
-    let rows = _mm256_setr_epi32(0, 210, 420, 630, 840, 1050, 1260, 1470);
-    let words = unsafe { _mm256_i32gather_epi32::<1>(step.wrapping_add(206).cast(), rows) };
-    let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(words)));
-    let packed = unsafe { transpose8(|i| row(i).wrapping_add(176)) };
-    let scale = |k: usize| {
-        let v = packed[4 + k / 4];
-        let up = _mm256_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32));
-        _mm256_srai_epi32::<24>(up)
-    };
-    let (nibble, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
-    let mut w = [_mm256_setzero_si256(); 8];
-    for half in 0..2 {
-        let a = unsafe { transpose8(|i| row(i).wrapping_add(64 * half)) };
-        let b = unsafe { transpose8(|i| row(i).wrapping_add(64 * half + 32)) };
-        let h = unsafe { transpose8(|i| row(i).wrapping_add(128 + 32 * half)) };
-        for j in 0..4 {
-            let s = 4 * half + j;
-            let src = if j % 2 == 0 { &a } else { &b };
-            let shift = _mm_cvtsi32_si128(2 * j as i32);
-            for (k, v) in w.iter_mut().enumerate() {
-                let low = if j < 2 {
-                    src[k]
-                } else {
-                    _mm256_srli_epi16::<4>(src[k])
+    unsafe {
+        let rows = _mm256_setr_epi32(0, 210, 420, 630, 840, 1050, 1260, 1470);
+        let words = _mm256_i32gather_epi32::<1>(step.wrapping_add(206).cast(), rows);
+        let d = I::f16_low(_mm256_srli_epi32::<16>(words));
+        let packed = transpose8::<I>(|i| row(i).wrapping_add(176));
+        let mut scale = [_mm256_setzero_si256(); 16];
+        for (k, v) in scale.iter_mut().enumerate() {
+            let up = _mm256_sll_epi32(
+                packed[4 + k / 4],
+                _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32),
+            );
+            *v = _mm256_srai_epi32::<24>(up);
+        }
+        let (nibble, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
+        let mut w = [_mm256_setzero_si256(); 8];
+        for half in 0..2 {
+            let a = transpose8::<I>(|i| row(i).wrapping_add(64 * half));
+            let b = transpose8::<I>(|i| row(i).wrapping_add(64 * half + 32));
+            let h = transpose8::<I>(|i| row(i).wrapping_add(128 + 32 * half));
+            for j in 0..4 {
+                let s = 4 * half + j;
+                let src = if j % 2 == 0 { &a } else { &b };
+                let shift = _mm_cvtsi32_si128(2 * j as i32);
+                for (k, v) in w.iter_mut().enumerate() {
+                    let low = if j < 2 {
+                        src[k]
+                    } else {
+                        _mm256_srli_epi16::<4>(src[k])
+                    };
+                    let hi = _mm256_and_si256(_mm256_srl_epi16(h[k], shift), two);
+                    *v = _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_slli_epi16::<4>(hi));
+                }
+                let scales = SubScales {
+                    sc0: scale[2 * s],
+                    sc1: scale[2 * s + 1],
+                    d,
+                    m: _mm256_setzero_ps(),
                 };
-                let hi = _mm256_and_si256(_mm256_srl_epi16(h[k], shift), two);
-                *v = _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_slli_epi16::<4>(hi));
+                sink.take(&w, &scales, first + s);
             }
-            let scales = SubScales {
-                sc0: scale(2 * s),
-                sc1: scale(2 * s + 1),
-                d,
-                m: _mm256_setzero_ps(),
-            };
-            sub(&w, &scales, s);
         }
     }
 }
