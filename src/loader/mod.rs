@@ -15,6 +15,7 @@
 pub mod dequant;
 mod ggml;
 pub mod gguf;
+mod kquant;
 mod load;
 #[cfg(feature = "pretrained")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pretrained")))]
