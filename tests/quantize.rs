@@ -158,3 +158,90 @@ fn k_quant_errors_shrink_with_bits() {
         last = r;
     }
 }
+
+/// A Q8_0 load of a safetensors checkpoint, quantized in memory by our quantizer, is the
+/// Q8_0 GGUF that llama.cpp's `llama-quantize` wrote from the same checkpoint
+/// (`tests/fixtures/tiny_q8_0`, made by `make_q8_0_fixture.py`: a tiny random Llama,
+/// its F32 GGUF in llama.cpp's layout, query/key rows permuted, then `llama-quantize
+/// ... 7`): every matrix's blocks are the same bytes, and the two models' logits at
+/// every position are bitwise equal, in both precisions.
+#[test]
+fn a_q8_0_load_of_a_checkpoint_is_llama_quantize_s_q8_0_file() {
+    use llama_burn::backend::default_device;
+    use llama_burn::config::LlamaConfig;
+    use llama_burn::loader::gguf::GgufFile;
+    use llama_burn::loader::quantize::QuantizingSource;
+    use llama_burn::loader::safetensors::SafetensorsSource;
+    use llama_burn::loader::{GgufSource, TensorSource, build_transformer};
+    use llama_burn::model::Logits;
+
+    type B = llama_burn::backend::DefaultBackend;
+    let dir = std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/tiny_q8_0"
+    ));
+    let json = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
+    let mut config = LlamaConfig::from_hf_json(&json).expect("config");
+    let gguf = GgufFile::open(dir.join("model.Q8_0.gguf")).expect("gguf");
+    let from_gguf = LlamaConfig::from_gguf(&gguf).expect("gguf config");
+    assert_eq!(
+        (from_gguf.n_layers, from_gguf.d_model, from_gguf.vocab_size),
+        (config.n_layers, config.d_model, config.vocab_size)
+    );
+    // The GGUF holds epsilon as f32; the models use the same value.
+    config.norm_eps = from_gguf.norm_eps;
+
+    let mut safetensors = SafetensorsSource::open_dir(dir).expect("safetensors");
+    let mut ours = QuantizingSource::new(&mut safetensors, QuantFormat::Q8_0).expect("source");
+    let mut theirs = GgufSource::new(&gguf, &config);
+    let mut names = vec!["model.embed_tokens.weight".to_string()];
+    for layer in 0..config.n_layers {
+        for m in [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ] {
+            names.push(format!("model.layers.{layer}.{m}.weight"));
+        }
+    }
+    for name in &names {
+        let a = ours.read_quantized(name).expect("ours").expect("quantized");
+        let b = theirs
+            .read_quantized(name)
+            .expect("theirs")
+            .expect("Q8_0 in the file");
+        assert_eq!(b.format(), QuantFormat::Q8_0, "{name}");
+        assert!(
+            a.to_ggml_bytes() == b.to_ggml_bytes(),
+            "{name}: blocks differ"
+        );
+    }
+
+    let ids: Vec<u32> = vec![1, 200, 17, 45, 255, 3, 99, 128, 7, 64, 31];
+    let device = default_device();
+    for precision in [llama_burn::Precision::Exact, llama_burn::Precision::Fast] {
+        let c = config.clone().with_precision(precision);
+        let mut safetensors = SafetensorsSource::open_dir(dir).expect("safetensors");
+        let mut ours = QuantizingSource::new(&mut safetensors, QuantFormat::Q8_0).expect("src");
+        let mut theirs = GgufSource::new(&gguf, &c);
+        let logits = |source: &mut dyn TensorSource| -> Vec<f32> {
+            let model = build_transformer::<B>(&c, source, &device, &mut |_, _| {}).expect("model");
+            let mut cache = model.new_cache(vec![0], ids.len());
+            model
+                .forward(&ids, &mut cache, Logits::All)
+                .expect("forward")
+                .into_data()
+                .to_vec::<f32>()
+                .expect("logits")
+        };
+        let (a, b) = (logits(&mut ours), logits(&mut theirs));
+        assert_eq!(a.len(), ids.len() * config.vocab_size);
+        assert!(a.iter().any(|&v| v != 0.0));
+        let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{precision:?}: the logits differ");
+    }
+}

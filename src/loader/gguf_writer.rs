@@ -331,7 +331,10 @@ mod tests {
 
     fn meta() -> Vec<(String, GgufValue)> {
         vec![
-            ("general.architecture".into(), GgufValue::String("llama".into())),
+            (
+                "general.architecture".into(),
+                GgufValue::String("llama".into()),
+            ),
             ("a.u32".into(), GgufValue::U32(7)),
             ("a.f64".into(), GgufValue::F64(0.25)),
             ("a.bool".into(), GgufValue::Bool(true)),

@@ -194,14 +194,23 @@ pub fn metadata(
 ) -> Vec<(String, GgufValue)> {
     let u32_of = |v: usize| GgufValue::U32(u32::try_from(v).unwrap_or(u32::MAX));
     let mut m = vec![
-        ("general.architecture".into(), GgufValue::String("llama".into())),
+        (
+            "general.architecture".into(),
+            GgufValue::String("llama".into()),
+        ),
         ("general.name".into(), GgufValue::String(name.into())),
         ("llama.context_length".into(), u32_of(config.context_length)),
         ("llama.embedding_length".into(), u32_of(config.d_model)),
         ("llama.block_count".into(), u32_of(config.n_layers)),
-        ("llama.feed_forward_length".into(), u32_of(config.ffn_hidden)),
+        (
+            "llama.feed_forward_length".into(),
+            u32_of(config.ffn_hidden),
+        ),
         ("llama.attention.head_count".into(), u32_of(config.n_heads)),
-        ("llama.attention.head_count_kv".into(), u32_of(config.n_kv_heads)),
+        (
+            "llama.attention.head_count_kv".into(),
+            u32_of(config.n_kv_heads),
+        ),
         (
             "llama.rope.freq_base".into(),
             GgufValue::F32(config.rope_theta as f32),
@@ -412,9 +421,18 @@ mod tests {
         assert_eq!(more, vec![0, 1, 4, 7, 10, 13, 14, 15]);
         assert_eq!(t.layer_type("attn_q.weight", 0, 16), GgmlType::Q4_K);
         assert_eq!(t.embed, GgmlType::Q6_K);
-        assert_eq!(WeightTypes::parse("Q8_0", false).unwrap().embed, GgmlType::Q8_0);
-        assert_eq!(WeightTypes::parse("Q4_0", true).unwrap().embed, GgmlType::Q4_0);
-        assert_eq!(WeightTypes::parse("F16", false).unwrap().embed, GgmlType::F16);
+        assert_eq!(
+            WeightTypes::parse("Q8_0", false).unwrap().embed,
+            GgmlType::Q8_0
+        );
+        assert_eq!(
+            WeightTypes::parse("Q4_0", true).unwrap().embed,
+            GgmlType::Q4_0
+        );
+        assert_eq!(
+            WeightTypes::parse("F16", false).unwrap().embed,
+            GgmlType::F16
+        );
         assert!(WeightTypes::parse("Q4_K_M", true).is_err());
         assert!(WeightTypes::parse("IQ2_XS", false).is_err());
         assert!(shape("2b", 10).is_err());
@@ -431,6 +449,9 @@ mod tests {
         assert_ne!(a, b);
         let mean = a.iter().sum::<f32>() / a.len() as f32;
         let std = (a.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / a.len() as f32).sqrt();
-        assert!(mean.abs() < 0.002 && (std - WEIGHT_STD).abs() < 0.002, "{mean} {std}");
+        assert!(
+            mean.abs() < 0.002 && (std - WEIGHT_STD).abs() < 0.002,
+            "{mean} {std}"
+        );
     }
 }
