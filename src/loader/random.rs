@@ -146,9 +146,10 @@ impl WeightTypes {
     /// model of `n_layers` layers.
     pub fn layer_type(&self, gguf: &str, layer: usize, n_layers: usize) -> GgmlType {
         let eighth = n_layers / 8;
-        let more = layer < eighth
-            || layer >= 7 * n_layers / 8
-            || (layer >= eighth && (layer - eighth) % 3 == 2);
+        let more = match layer.checked_sub(eighth) {
+            None => true,
+            Some(past) => layer >= 7 * n_layers / 8 || past % 3 == 2,
+        };
         if self.more_bits && more && matches!(gguf, "attn_v.weight" | "ffn_down.weight") {
             GgmlType::Q6_K
         } else {
