@@ -120,7 +120,8 @@ struct Args {
     #[arg(long, default_value_t = llama_burn::Precision::default())]
     precision: llama_burn::Precision,
     /// Quantize a Hugging Face checkpoint's f32/f16/bf16 matrices in memory at load
-    /// (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1).
+    /// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K or Q6_K; a matrix whose rows are
+    /// not whole K-quant blocks of 256 stays dense).
     #[arg(long)]
     quantize: Option<llama_burn::kernels::QuantFormat>,
     /// Seconds running requests may take to finish after SIGINT/SIGTERM.

@@ -6,6 +6,9 @@
 //!   [`LlamaConfig::from_gguf`] / [`LlamaConfig::from_hf_json`];
 //! - [`gguf`]: the GGUF file reader; `ggml.rs`: the ggml type table (ids, names, block
 //!   layouts) that the reader and [`dequant`] share; [`dequant`]: ggml blocks to `f32`;
+//! - [`gguf_writer`]: a streaming GGUF writer; [`random`]: random-weight Llama GGUF
+//!   files of real shapes, written with it;
+//! - [`quantize`] (and `kquant.rs`): our quantizers, f32 into ggml blocks;
 //! - [`safetensors`]: safetensors files and shards;
 //! - `pretrained` (feature `pretrained`): hub downloads;
 //! - this file: [`TensorSource`], which hands out tensors by their Hugging Face names as
@@ -15,11 +18,14 @@
 pub mod dequant;
 mod ggml;
 pub mod gguf;
+pub mod gguf_writer;
+mod kquant;
 mod load;
 #[cfg(feature = "pretrained")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pretrained")))]
 pub mod pretrained;
 pub mod quantize;
+pub mod random;
 pub mod safetensors;
 
 use std::io::IsTerminal;

@@ -4,55 +4,59 @@
 //!
 //! The 32-value formats follow ggml's reference quantization (`quantize_row_*_ref`)
 //! operation for operation, so their bytes are ggml's and gguf-py's to the bit
-//! (`tests/quantize.rs` checks them against blocks gguf-py wrote). The K-quants have no
-//! quantizer here yet: asking for one is an error.
+//! (`tests/quantize.rs` checks them against blocks gguf-py wrote). The K-quants
+//! (`Q3_K`, `Q4_K`, `Q5_K`, `Q6_K`, in `kquant.rs`) follow ggml's reference K-quant
+//! quantizers the same way (gguf-py has none; the test's blocks come from ggml itself).
 
 use half::f16;
 
-use super::TensorSource;
+use super::{TensorSource, kquant};
 use crate::error::{LlamaError, Result};
 use crate::kernels::{QuantFormat, QuantMatrix};
 
-/// The formats [`quantize`] writes.
-pub const QUANTIZERS: [QuantFormat; 5] = [
+/// The formats [`quantize`] writes: every [`QuantFormat`].
+pub const QUANTIZERS: [QuantFormat; 9] = [
     QuantFormat::Q8_0,
     QuantFormat::Q4_0,
     QuantFormat::Q4_1,
     QuantFormat::Q5_0,
     QuantFormat::Q5_1,
+    QuantFormat::Q3_K,
+    QuantFormat::Q4_K,
+    QuantFormat::Q5_K,
+    QuantFormat::Q6_K,
 ];
 
-/// Quantizes `values` (whole 32-value blocks) into `format`'s blocks, as ggml's
-/// reference quantization does.
+/// Quantizes `values` (whole blocks: 32 values, or 256 for the K-quants) into
+/// `format`'s blocks, as ggml's reference quantization does.
 ///
 /// # Errors
 ///
-/// [`LlamaError::InvalidParameter`] if `format` has no quantizer here (the K-quants) or
-/// `values` is not a whole number of blocks.
+/// [`LlamaError::InvalidParameter`] if `values` is not a whole number of `format`'s
+/// blocks.
 pub fn quantize(format: QuantFormat, values: &[f32]) -> Result<Vec<u8>> {
-    if !QUANTIZERS.contains(&format) {
-        return Err(LlamaError::invalid(
-            "quantize",
-            format!("{format:?}"),
-            "no quantizer for this type: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 have one",
-        ));
-    }
-    if !values.len().is_multiple_of(32) {
+    let block = format.block_values();
+    if !values.len().is_multiple_of(block) {
         return Err(LlamaError::invalid(
             "quantize",
             values.len(),
-            "not a whole number of 32-value blocks",
+            "not a whole number of the format's blocks (32 values; 256 for the K-quants)",
         ));
     }
-    let mut out = Vec::with_capacity(values.len() / 32 * format.block_bytes());
-    for x in values.chunks_exact(32) {
-        match format {
-            QuantFormat::Q8_0 => q8_0(x, &mut out),
-            QuantFormat::Q4_0 => q4_0(x, &mut out),
-            QuantFormat::Q4_1 => q4_1(x, &mut out),
-            QuantFormat::Q5_0 => q5_0(x, &mut out),
-            _ => q5_1(x, &mut out),
-        }
+    let encode: fn(&[f32], &mut Vec<u8>) = match format {
+        QuantFormat::Q8_0 => q8_0,
+        QuantFormat::Q4_0 => q4_0,
+        QuantFormat::Q4_1 => q4_1,
+        QuantFormat::Q5_0 => q5_0,
+        QuantFormat::Q5_1 => q5_1,
+        QuantFormat::Q3_K => kquant::q3_k,
+        QuantFormat::Q4_K => kquant::q4_k,
+        QuantFormat::Q5_K => kquant::q5_k,
+        QuantFormat::Q6_K => kquant::q6_k,
+    };
+    let mut out = Vec::with_capacity(values.len() / block * format.block_bytes());
+    for x in values.chunks_exact(block) {
+        encode(x, &mut out);
     }
     Ok(out)
 }
@@ -155,9 +159,10 @@ impl QuantMatrix {
     /// As [`quantize`], and [`LlamaError::InvalidFormat`] if `values` is not `rows`
     /// rows of `cols`.
     pub fn quantize(format: QuantFormat, rows: usize, cols: usize, values: &[f32]) -> Result<Self> {
-        if Some(values.len()) != rows.checked_mul(cols) || !cols.is_multiple_of(32) {
+        let block = format.block_values();
+        if Some(values.len()) != rows.checked_mul(cols) || !cols.is_multiple_of(block) {
             return Err(LlamaError::InvalidFormat(format!(
-                "{} values are not {rows} rows of {cols} (a multiple of 32)",
+                "{} values are not {rows} rows of {cols} (a multiple of {block})",
                 values.len()
             )));
         }
@@ -167,7 +172,8 @@ impl QuantMatrix {
 
 /// A [`TensorSource`] whose 2-D tensors that are not already in a kept block format
 /// (f32, f16 or bf16 checkpoints) are quantized into `format` as they are read: the
-/// projections, the embedding and the output head; norms stay f32.
+/// projections, the embedding and the output head; norms stay f32. A matrix whose rows
+/// are not a whole number of `format`'s blocks (a K-quant's 256 values) stays dense.
 pub struct QuantizingSource<'a> {
     inner: &'a mut dyn TensorSource,
     format: QuantFormat,
@@ -178,7 +184,8 @@ impl<'a> QuantizingSource<'a> {
     ///
     /// # Errors
     ///
-    /// [`LlamaError::InvalidParameter`] if `format` has no quantizer ([`QUANTIZERS`]).
+    /// None today (every [`QuantFormat`] has a quantizer, [`QUANTIZERS`]); kept so a
+    /// format without one can be refused.
     pub fn new(inner: &'a mut dyn TensorSource, format: QuantFormat) -> Result<Self> {
         quantize(format, &[])?;
         Ok(Self { inner, format })
@@ -200,7 +207,7 @@ impl TensorSource for QuantizingSource<'_> {
         }
         let (shape, values) = self.inner.read(name)?;
         match shape.as_slice() {
-            [rows, cols] if cols.is_multiple_of(32) => {
+            [rows, cols] if cols.is_multiple_of(self.format.block_values()) => {
                 QuantMatrix::quantize(self.format, *rows, *cols, &values).map(Some)
             }
             _ => Ok(None),
@@ -218,11 +225,13 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
             .collect();
         for format in QUANTIZERS {
-            let m = QuantMatrix::quantize(format, 2, 128, &x).unwrap();
+            let m = QuantMatrix::quantize(format, 1, 256, &x).unwrap();
             let back = m.dequantize().unwrap();
             let step = match format {
                 QuantFormat::Q8_0 => 3.0 / 127.0,
-                QuantFormat::Q5_0 | QuantFormat::Q5_1 => 6.0 / 31.0,
+                QuantFormat::Q6_K => 6.0 / 63.0,
+                QuantFormat::Q5_0 | QuantFormat::Q5_1 | QuantFormat::Q5_K => 6.0 / 31.0,
+                QuantFormat::Q3_K => 6.0 / 7.0,
                 _ => 6.0 / 15.0,
             };
             for (a, b) in x.iter().zip(&back) {
@@ -232,8 +241,9 @@ mod tests {
     }
 
     #[test]
-    fn k_quants_and_partial_blocks_are_errors() {
-        assert!(quantize(QuantFormat::Q4_K, &[0.0; 256]).is_err());
+    fn partial_blocks_are_errors() {
+        assert!(quantize(QuantFormat::Q4_K, &[0.0; 128]).is_err());
+        assert!(QuantMatrix::quantize(QuantFormat::Q6_K, 2, 128, &[0.0; 256]).is_err());
         assert!(quantize(QuantFormat::Q8_0, &[0.0; 33]).is_err());
         assert!(QuantMatrix::quantize(QuantFormat::Q8_0, 2, 32, &[0.0; 32]).is_err());
         // An all-zero block has scale 0 and zero values.
