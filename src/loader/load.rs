@@ -217,8 +217,7 @@ impl LlamaConfig {
     ///
     /// # Errors
     ///
-    /// As [`load_hf_dir`](Self::load_hf_dir), and [`LlamaError::InvalidParameter`] if
-    /// `format` has no quantizer.
+    /// As [`load_hf_dir`](Self::load_hf_dir) (every [`QuantFormat`](crate::kernels::QuantFormat) has a quantizer).
     pub fn load_hf_dir_quantized<B: LlamaBackend>(
         dir: impl AsRef<Path>,
         max_seq_len: usize,
