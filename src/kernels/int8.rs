@@ -733,6 +733,7 @@ unsafe fn decode_group<I: Isa>(
                 QuantFormat::Q4_K | QuantFormat::Q5_K => {
                     decode_step_k4::<I>(format, step, blk * 8, sink)
                 }
+                QuantFormat::Q3_K => decode_step_q3k::<I>(step, blk * 8, sink),
                 _ => decode_step_q6k::<I>(step, blk * 8, sink),
             }
         }
@@ -781,6 +782,7 @@ fn registers_decode(format: QuantFormat) -> bool {
             | QuantFormat::Q4_0
             | QuantFormat::Q4_1
             | QuantFormat::Q4_K
+            | QuantFormat::Q3_K
             | QuantFormat::Q5_K
             | QuantFormat::Q6_K
     )
@@ -1155,6 +1157,81 @@ unsafe fn decode_step_k4<I: Isa>(
                     sc1: sc[s],
                     d,
                     m: mn[s],
+                };
+                sink.take(&w, &scales, first + s);
+            }
+        }
+    }
+}
+
+/// One step of a Q3_K group (eight rows' super-block): calls `sink` for its eight
+/// sub-blocks in order. Values: two bits from `qs` plus a third from `hmask` (set: 4
+/// added); the sixteen 6-bit scales (less 32) of the eight rows are unpacked from three
+/// gathered words per row, `d` from a fourth.
+///
+/// # Safety
+///
+/// The CPU has `I`'s features; `step` holds eight whole Q3_K blocks.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl SubSink) {
+    use std::arch::x86_64::*;
+    let row = |i: usize| step.wrapping_add(i * 110);
+    // SAFETY (every read): row `i < 8`'s block is 110 bytes at `row(i)`: `hmask` at 0,
+    // `qs` at 32, the packed scales at 96..108 and `d` at 108 (read as the high half of
+    // the word at 106).
+    unsafe {
+        let rows = _mm256_setr_epi32(0, 110, 220, 330, 440, 550, 660, 770);
+        let mut words = [_mm256_setzero_si256(); 4];
+        for (v, at) in words.iter_mut().zip([96, 100, 104, 106]) {
+            *v = _mm256_i32gather_epi32::<1>(step.wrapping_add(at).cast(), rows);
+        }
+        let packed = [words[0], words[1], words[2]];
+        let d = I::f16_low(_mm256_srli_epi32::<16>(words[3]));
+        // ggml's packing of sixteen 6-bit scales in 12 bytes `q`: the low four bits of
+        // scale i are q[i]'s low nibble (i < 8) or q[i - 8]'s high nibble; the top two are
+        // bits 2(i / 4) of q[8 + i % 4].
+        let (four, two, bias) = (
+            _mm256_set1_epi32(15),
+            _mm256_set1_epi32(3),
+            _mm256_set1_epi32(32),
+        );
+        let mut scale = [_mm256_setzero_si256(); 16];
+        for (i, v) in scale.iter_mut().enumerate() {
+            let j = i % 8;
+            let low_at = 8 * (j % 4) + if i < 8 { 0 } else { 4 };
+            let low = _mm256_and_si256(
+                _mm256_srl_epi32(packed[j / 4], _mm_cvtsi32_si128(low_at as i32)),
+                four,
+            );
+            let high_at = 8 * (i % 4) + 2 * (i / 4);
+            let high = _mm256_and_si256(
+                _mm256_srl_epi32(packed[2], _mm_cvtsi32_si128(high_at as i32)),
+                two,
+            );
+            *v = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32::<4>(high)), bias);
+        }
+        let hmask = transpose8::<I>(row);
+        let (pair, one) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
+        let mut w = [_mm256_setzero_si256(); 8];
+        for half in 0..2 {
+            let qs = transpose8::<I>(|i| row(i).wrapping_add(32 + 32 * half));
+            for pass in 0..4 {
+                let s = 4 * half + pass;
+                let (low_shift, bit) = (
+                    _mm_cvtsi32_si128(2 * pass as i32),
+                    _mm_cvtsi32_si128(s as i32),
+                );
+                for (k, v) in w.iter_mut().enumerate() {
+                    let low = _mm256_and_si256(_mm256_srl_epi16(qs[k], low_shift), pair);
+                    let high = _mm256_and_si256(_mm256_srl_epi16(hmask[k], bit), one);
+                    *v = _mm256_or_si256(low, _mm256_slli_epi16::<2>(high));
+                }
+                let scales = SubScales {
+                    sc0: scale[2 * s],
+                    sc1: scale[2 * s + 1],
+                    d,
+                    m: _mm256_setzero_ps(),
                 };
                 sink.take(&w, &scales, first + s);
             }
