@@ -130,13 +130,13 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         Ok(worker)
     }
 
-    /// A guard that marks the engine gone when the thread ends.
-    pub(super) fn gone_guard(&self) -> GoneGuard {
-        GoneGuard(self.shared.clone())
-    }
-
     /// The engine loop; returns the model when the engine stops.
     pub(super) fn run(mut self) -> Llama<B, T> {
+        // Whatever ends the thread, even a panic outside a step, marks the engine gone.
+        // A local is dropped before the worker (a parameter) while a panic unwinds, so
+        // the engine reads gone before any request's sink is dropped: whoever learns
+        // that its request ended with the engine finds `/health` saying so.
+        let _gone = GoneGuard(self.shared.clone());
         loop {
             if self.shared.stop.load(Ordering::Acquire) {
                 self.end_all(|| LlamaError::Cancelled);

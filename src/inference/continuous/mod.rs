@@ -398,6 +398,18 @@ struct Fault {
     exit: bool,
 }
 
+impl Shared {
+    /// One request fewer waits (saturating: once the engine thread has ended it has set
+    /// the count to 0, and a submission that fails after that must not wrap it).
+    fn unwait(&self) {
+        let _ = self
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                Some(w.saturating_sub(1))
+            });
+    }
+}
+
 /// What the submitting side needs to validate and tokenize a request off the engine
 /// thread (vLLM's processor in front of its engine core).
 struct Frontend<T> {
@@ -570,7 +582,7 @@ impl<T: Tokenizer> EngineClient<T> {
         let (prompt, fault) = match prepared {
             Ok(prepared) => prepared,
             Err(error) => {
-                self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+                self.shared.unwait();
                 if let Ok(mut m) = self.shared.metrics.lock() {
                     match error {
                         LlamaError::Cancelled => m.cancelled += 1,
@@ -592,7 +604,7 @@ impl<T: Tokenizer> EngineClient<T> {
             scope,
         };
         if let Err(returned) = self.queue.send(submission) {
-            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+            self.shared.unwait();
             let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
             return Err(Box::new((returned.into_inner().sink, stopped)));
         }
@@ -703,11 +715,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         let worker = executor::Worker::new(llama, &config, num_blocks, shared.clone(), rx)?;
         let thread = std::thread::Builder::new()
             .name("llama-burn-continuous".into())
-            .spawn(move || {
-                // Whatever ends the thread, even a panic outside a step, says so.
-                let _gone = worker.gone_guard();
-                worker.run()
-            })
+            .spawn(move || worker.run())
             .map_err(|e| LlamaError::Runtime(format!("could not start the engine thread: {e}")))?;
         Ok(Self {
             client: Some(EngineClient {
