@@ -12,9 +12,11 @@
 //! | `GET /health` | 200 when ready, 503 while loading or shutting down |
 //! | `GET /metrics` | Prometheus text, vLLM's metric names prefixed `llama_burn:` |
 //!
-//! Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`). A
-//! request whose client disconnects is cancelled and its KV blocks are freed at the
-//! engine's next step. The `llama-burn-server` binary serves a model file this way.
+//! Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`). Each
+//! prompt is tokenized once, whatever `n`, on a bounded pool of blocking threads
+//! ([`ServerConfig::tokenizer_threads`]), and the engine receives token ids. A request
+//! whose client disconnects is cancelled and its KV blocks are freed at the engine's
+//! next step. The `llama-burn-server` binary serves a model file this way.
 //!
 //! ```no_run
 //! # async fn serve() -> Result<(), Box<dyn std::error::Error>> {

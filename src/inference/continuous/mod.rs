@@ -4,6 +4,9 @@
 //! A [`ContinuousEngine`] owns the model on its own thread. The engine is split as vLLM
 //! splits it:
 //!
+//! - the submitting side (vLLM's processor) validates and tokenizes each request on the
+//!   caller's thread ([`ContinuousEngine::encode`], or any `submit`), so the engine
+//!   thread deals in token ids only and a long prompt never stalls the running batch;
 //! - the [`scheduler`] decides each step which requests run and how many tokens each
 //!   (one for a decoding request, a chunk for a prompt), admits waiting requests first
 //!   come first served when their prompt's blocks are free, and preempts the most
