@@ -1248,6 +1248,10 @@ async fn a_dead_engine_answers_503() {
     assert!(!rest.contains("[DONE]"), "{rest}");
 
     assert!(!engine.is_alive());
+    assert!(matches!(
+        engine.encode(&llama_burn::inference::GenerateRequest::new("Hi")),
+        Err(llama_burn::LlamaError::ModelUnavailable(_))
+    ));
     let health = client().get(format!("{url}/health")).send().await.unwrap();
     assert_eq!(health.status().as_u16(), 503);
     let health: Value = health.json().await.unwrap();
