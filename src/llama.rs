@@ -25,6 +25,75 @@ use crate::tokenizer::{DynTokenizer, StreamDecoder, Tokenizer};
 /// tokens of Llama-family vocabularies are a few dozen bytes): the bound that refuses an
 /// over-long prompt before it is tokenized.
 pub const MAX_TOKEN_BYTES: usize = 256;
+
+/// How prompts become token ids, the same for every strategy: a tokenizer and the context
+/// window that bounds a prompt's text before it is tokenized. [`Llama`] encodes through
+/// it, and so does the continuous engine's submitting side (off the engine thread).
+pub(crate) struct PromptEncoder<'a, T: ?Sized> {
+    /// The tokenizer.
+    pub tokenizer: &'a T,
+    /// The context window, prompt plus generated tokens.
+    pub max_seq_len: usize,
+}
+
+impl<T: Tokenizer + ?Sized> PromptEncoder<'_, T> {
+    /// Refuses text of `bytes` bytes that cannot fit the context window whatever its
+    /// tokens: no token covers more than [`MAX_TOKEN_BYTES`] bytes. Checked before
+    /// tokenizing, so a huge prompt costs nothing.
+    pub fn check_text_fits(&self, bytes: usize) -> Result<()> {
+        let max = self.max_seq_len;
+        if bytes > max.saturating_mul(MAX_TOKEN_BYTES) {
+            return Err(LlamaError::invalid(
+                "prompt",
+                format!("{bytes} bytes"),
+                "longer than the context window can hold in any tokenization",
+            ));
+        }
+        Ok(())
+    }
+
+    /// See [`Llama::encode_prompt`].
+    pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        self.check_text_fits(prompt.len())?;
+        let mut ids = self.tokenizer.encode(prompt, false, false)?;
+        if ids.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        // A prompt that already starts with BOS (e.g. a formatted Llama 3 chat) gets no
+        // second one.
+        if self.tokenizer.add_bos_by_default()
+            && let Some(bos) = self.tokenizer.bos_id()
+            && ids[0] != bos
+        {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    /// See [`Llama::encode_request`].
+    pub fn encode_request(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
+        let ids = match (&request.prompt_ids, &request.messages) {
+            (Some(ids), _) => ids.clone(),
+            (None, Some(messages)) => {
+                self.check_text_fits(
+                    messages
+                        .iter()
+                        .map(|m| m.content.len() + m.role.len())
+                        .sum(),
+                )?;
+                self.tokenizer.encode_chat(messages, true)?
+            }
+            (None, None) => return self.encode_prompt(&request.prompt),
+        };
+        if ids.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        Ok(ids)
+    }
+}
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
@@ -376,23 +445,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// recognised, and BOS is prepended only where the model's metadata says so (and the
     /// text does not already start with it).
     pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
-        if prompt.is_empty() {
-            return Err(LlamaError::EmptyPrompt);
-        }
-        self.check_text_fits(prompt.len())?;
-        let mut ids = self.tokenizer.encode(prompt, false, false)?;
-        if ids.is_empty() {
-            return Err(LlamaError::EmptyPrompt);
-        }
-        // A prompt that already starts with BOS (e.g. a formatted Llama 3 chat) gets no
-        // second one.
-        if self.tokenizer.add_bos_by_default()
-            && let Some(bos) = self.tokenizer.bos_id()
-            && ids[0] != bos
-        {
-            ids.insert(0, bos);
-        }
-        Ok(ids)
+        self.encoder().encode_prompt(prompt)
     }
 
     /// The prompt ids of `request`: its [`prompt_ids`](GenerateRequest::prompt_ids) as
@@ -400,38 +453,32 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// [`Tokenizer::encode_chat`] (message content as plain text), else its `prompt`
     /// through [`Llama::encode_prompt`] (special tokens written in it recognised).
     pub fn encode_request(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
-        let ids = match (&request.prompt_ids, &request.messages) {
-            (Some(ids), _) => ids.clone(),
-            (None, Some(messages)) => {
-                self.check_text_fits(
-                    messages
-                        .iter()
-                        .map(|m| m.content.len() + m.role.len())
-                        .sum(),
-                )?;
-                self.tokenizer.encode_chat(messages, true)?
-            }
-            (None, None) => return self.encode_prompt(&request.prompt),
-        };
-        if ids.is_empty() {
-            return Err(LlamaError::EmptyPrompt);
+        self.encoder().encode_request(request)
+    }
+
+    /// How this model's prompts become token ids.
+    fn encoder(&self) -> PromptEncoder<'_, T> {
+        PromptEncoder {
+            tokenizer: &self.tokenizer,
+            max_seq_len: self.config().max_seq_len,
         }
-        Ok(ids)
     }
 
     /// Refuses text of `bytes` bytes that cannot fit the context window whatever its
-    /// tokens: no token covers more than [`MAX_TOKEN_BYTES`] bytes. Checked before
-    /// tokenizing, so a huge prompt costs nothing on a thread other requests share.
+    /// tokens (see [`PromptEncoder::check_text_fits`]).
     fn check_text_fits(&self, bytes: usize) -> Result<()> {
-        let max = self.config().max_seq_len;
-        if bytes > max.saturating_mul(MAX_TOKEN_BYTES) {
-            return Err(LlamaError::invalid(
-                "prompt",
-                format!("{bytes} bytes"),
-                "longer than the context window can hold in any tokenization",
-            ));
+        self.encoder().check_text_fits(bytes)
+    }
+
+    /// The same model with its tokenizer passed through `f` (the continuous engine shares
+    /// it with its submitters as an `Arc`, and takes it back at shutdown).
+    pub(crate) fn map_tokenizer<U: Tokenizer>(self, f: impl FnOnce(T) -> U) -> Llama<B, U> {
+        Llama {
+            model: self.model,
+            tokenizer: f(self.tokenizer),
+            device: self.device,
+            kv_ledger: self.kv_ledger,
         }
-        Ok(())
     }
 
     /// Checks a prompt length and token budget against the context window.

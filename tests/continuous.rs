@@ -284,3 +284,62 @@ fn the_job_api_switches_to_continuous_batching_in_one_line() {
         .unwrap();
     assert_eq!(m.completed, 1);
 }
+
+/// The submitting side tokenizes, the engine thread takes token ids: a prompt encoded
+/// once and submitted as ids gives the text prompt's tokens, a request refused before it
+/// is queued (invalid, cancelled already) ends through its own events and counters, and
+/// `shutdown` gives the model back whole (its tokenizer no longer shared).
+#[test]
+fn submitters_tokenize_and_shutdown_returns_the_model() {
+    let mut llama = demo(256);
+    let prompt = "The capital of France is";
+    let expected = solo(&mut llama, prompt, 6);
+    let prompt_ids = llama.encode_prompt(prompt).unwrap();
+    let engine: Engine = ContinuousEngine::start(llama, ContinuousConfig::default()).unwrap();
+
+    let request = GenerateRequest::new(prompt).with_max_tokens(6);
+    let ids = engine.encode(&request).unwrap();
+    assert_eq!(ids, prompt_ids);
+    let from_text = rest(engine.submit(request).unwrap());
+    let from_ids = (0..2)
+        .map(|_| engine.submit(GenerateRequest::from_ids(ids.clone()).with_max_tokens(6)))
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    assert_eq!(from_text.0, expected);
+    assert!(from_text.1.is_ok(), "{:?}", from_text.1);
+    for job in from_ids {
+        let (tokens, result) = rest(job);
+        assert_eq!(tokens, expected);
+        assert!(result.is_ok(), "{result:?}");
+    }
+
+    // Refused before the queue: the errors come as the jobs' Done events.
+    let long = GenerateRequest::new("word ".repeat(300)).with_max_tokens(4);
+    assert!(matches!(
+        engine.encode(&long),
+        Err(LlamaError::PromptTooLong { .. })
+    ));
+    let (tokens, result) = rest(engine.submit(long).unwrap());
+    assert!(tokens.is_empty());
+    assert!(
+        matches!(result, Err(LlamaError::PromptTooLong { .. })),
+        "{result:?}"
+    );
+    let bad_id = GenerateRequest::from_ids(vec![u32::MAX]).with_max_tokens(4);
+    assert!(matches!(
+        rest(engine.submit(bad_id).unwrap()).1,
+        Err(LlamaError::InvalidParameter { .. })
+    ));
+    let cancel = llama_burn::inference::CancelToken::new();
+    cancel.cancel();
+    let cancelled = engine
+        .submit_with_cancel(GenerateRequest::new(prompt).with_max_tokens(4), cancel)
+        .unwrap();
+    assert!(matches!(rest(cancelled).1, Err(LlamaError::Cancelled)));
+    let m = engine.metrics();
+    assert_eq!((m.failed, m.cancelled, m.completed), (2, 1, 3));
+    assert_eq!((m.waiting, m.running, m.kv_blocks_used), (0, 0, 0));
+
+    let mut llama = engine.shutdown().unwrap();
+    assert_eq!(solo(&mut llama, prompt, 6), expected);
+}

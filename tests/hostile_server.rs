@@ -5,7 +5,9 @@
 //! streams 32 requests and each gets its solo greedy answer. The process never dies, its
 //! resident memory stays within a documented margin of what it held once loaded and
 //! warm, a panic injected into a step fails only its request, and afterwards the engine
-//! holds no KV block and no waiting request. Tenants' prefix caches are private.
+//! holds no KV block and no waiting request. Tenants' prefix caches are private. Last,
+//! once a test-only marker has ended the engine thread, the process stays up and
+//! `/health` and new requests answer 503.
 #![cfg(feature = "server")]
 
 use std::io::{BufRead, BufReader};
@@ -23,6 +25,7 @@ const KEY_B: &str = "key-of-tenant-b";
 const KEY_C: &str = "key-of-tenant-c";
 const METRICS_KEY: &str = "metrics-only-key";
 const PANIC_MARKER: &str = "@@inject-a-panic@@";
+const EXIT_MARKER: &str = "@@end-the-engine@@";
 /// Resident memory the attack may add to what the server held once loaded and warm
 /// (model, KV pool, runtime): connection buffers, in-flight bodies (at most
 /// `--max-body-bytes` each), event channels. Documented in the README.
@@ -66,6 +69,7 @@ impl ServerProcess {
             .args(["--max-connections", "512"])
             .args(["--metrics-key", METRICS_KEY])
             .args(["--test-panic-marker", PANIC_MARKER])
+            .args(["--test-exit-marker", EXIT_MARKER])
             .arg("--api-keys-file")
             .arg(&keys)
             .env("RUST_LOG", "info")
@@ -626,4 +630,51 @@ async fn hostile_clients_cannot_bring_the_server_down() {
         "per-tenant counters"
     );
     assert!(server.alive(), "the server is still up");
+
+    // Last, the engine thread ends (a test-only marker, as a bug outside any step would
+    // end it): the process stays up, and /health and new requests answer 503 so that an
+    // orchestrator restarts the replica.
+    let (status, _) = post_json(
+        &http,
+        &base,
+        KEY_B,
+        json!({"prompt": format!("x {EXIT_MARKER}"), "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(status, 503, "the request that ended the engine");
+    let health = http.get(format!("{base}/health")).send().await.unwrap();
+    assert_eq!(health.status().as_u16(), 503);
+    let health: Value = health.json().await.unwrap();
+    assert_eq!(health["status"], "engine_stopped");
+    for key in [KEY_A, KEY_B] {
+        let (status, error) = post_json(
+            &http,
+            &base,
+            key,
+            json!({"prompt": prompts[0], "max_tokens": 4}),
+        )
+        .await;
+        assert_eq!(
+            status, 503,
+            "a new request once the engine is gone: {error}"
+        );
+    }
+    let m = metrics(&http, &base).await;
+    assert_eq!(metric(&m, "llama_burn:num_requests_waiting"), 0.0, "{m}");
+    assert_eq!(metric(&m, "llama_burn:num_requests_running"), 0.0, "{m}");
+    assert_eq!(metric(&m, "llama_burn:kv_cache_usage_perc"), 0.0, "{m}");
+    assert!(server.alive(), "the process outlives its engine");
+}
+
+/// Posts a completion request as tenant `key`; returns the status and the body.
+async fn post_json(http: &reqwest::Client, base: &str, key: &str, body: Value) -> (u16, Value) {
+    let response = http
+        .post(format!("{base}/v1/completions"))
+        .bearer_auth(key)
+        .json(&body)
+        .send()
+        .await
+        .expect("an answer");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
 }

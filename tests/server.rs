@@ -997,3 +997,281 @@ async fn echo_scores_the_prompt_like_llama_score() {
         (400, Some("echo"))
     );
 }
+
+/// The value of a metric line (the first whose name matches) in `/metrics` text.
+fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name) && !l.starts_with('#'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn each_prompt_is_tokenized_once_whatever_n() {
+    // A server of its own, so that its tokenizer pool's counter is this test's.
+    let (url, _server) = front(ServerConfig::new(MODEL));
+    let tokenized = || async {
+        let text = client()
+            .get(format!("{url}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        metric_value(&text, "llama_burn:prompts_tokenized_total").unwrap_or(0.0)
+    };
+    assert_eq!(tokenized().await, 0.0);
+
+    // Two prompts, three choices each: two tokenizations, six greedy answers.
+    let prompts = ["The capital of France is", "1, 2, 3, 4,"];
+    let (status, whole) = post(
+        &format!("{url}/v1/completions"),
+        json!({"prompt": prompts, "n": 3, "max_tokens": 4, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(status, 200, "{whole}");
+    let choices = whole["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["text"], solo(prompts[i / 3], 4), "choice {i}");
+    }
+    let prompt_tokens: usize = prompts
+        .iter()
+        .map(|p| solo_model().lock().unwrap().encode_prompt(p).unwrap().len())
+        .sum();
+    assert_eq!(whole["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(tokenized().await, 2.0);
+
+    // A chat of four choices: one more.
+    let mut body = chat_body("Say hello.", 4);
+    body["n"] = json!(4);
+    let (status, whole) = post(&format!("{url}/v1/chat/completions"), body).await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["choices"].as_array().unwrap().len(), 4);
+    assert_eq!(tokenized().await, 3.0);
+
+    // A prompt over the context is refused after tokenizing, before any choice is
+    // submitted (the engine sees nothing: its counters do not move).
+    let before = shared_engine().metrics();
+    let (status, error) = post(
+        &format!("{url}/v1/completions"),
+        json!({"prompt": "word ".repeat(MAX_SEQ_LEN), "n": 4, "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(status, 400, "{error}");
+    assert_eq!(error["error"]["param"], "prompt", "{error}");
+    assert_eq!(tokenized().await, 3.0, "the refused prompt is not counted");
+    let after = shared_engine().metrics();
+    assert_eq!(
+        after.failed + after.rejected,
+        before.failed + before.rejected,
+        "nothing reached the engine"
+    );
+}
+
+/// Streaming clients that stop reading (a tiny receive window, never read) while their
+/// answers are long: each request is cancelled once its unsent output passes
+/// `max_unsent_events` (or its write has been blocked for `write_timeout`), its KV
+/// blocks are freed while the client still holds its connection, the server answers
+/// others meanwhile, and no stalled stream ever completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_stop_reading_are_cancelled_and_free_their_blocks() {
+    const MAX_TOKENS: usize = 480;
+    let engine = engine(32, 64);
+    let mut config = ServerConfig::new(MODEL);
+    config.max_unsent_events = 16;
+    config.write_timeout = Duration::from_secs(3);
+    config.header_timeout = Duration::from_secs(2);
+    let server = Server::new(config).unwrap();
+    server.set_engine(engine.clone()).unwrap();
+    let addr = serve_guarded(&server);
+
+    // Long answers with 20 alternatives per token: megabytes per connection, far more
+    // than the sockets hold.
+    let body = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": MAX_TOKENS, "ignore_eos": true, "temperature": 0,
+        "logprobs": true, "top_logprobs": 20, "n": 16, "stream": true,
+    })
+    .to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let stream = socket.connect(addr).await.unwrap();
+        let mut bytes = request.as_bytes();
+        while !bytes.is_empty() {
+            stream.writable().await.unwrap();
+            match stream.try_write(bytes) {
+                Ok(n) => bytes = &bytes[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => panic!("write: {e}"),
+            }
+        }
+        stalled.push(stream);
+    }
+
+    // Every choice ends on the engine, cancelled before its last token, and the engine
+    // holds nothing, while the clients still hold their connections.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while engine.metrics().recent.len() < 32 {
+        assert!(
+            Instant::now() < deadline,
+            "the stalled requests never ended: {:?}",
+            engine.metrics()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_idle(&engine, Duration::from_secs(60)).await;
+    let m = engine.metrics();
+    for r in &m.recent {
+        assert_eq!(
+            r.outcome,
+            llama_burn::inference::Outcome::Cancelled,
+            "{:?}",
+            m.recent
+        );
+        assert!(r.output_tokens < MAX_TOKENS, "{:?}", m.recent);
+    }
+    eprintln!(
+        "tokens generated before each stalled choice was cancelled: {:?}",
+        m.recent.iter().map(|r| r.output_tokens).collect::<Vec<_>>()
+    );
+
+    // The server answers others meanwhile.
+    let (status, answer) = post(
+        &format!("http://{addr}/v1/chat/completions"),
+        chat_body("Say hello.", 4),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(
+        answer["choices"][0]["message"]["content"],
+        solo_chat("Say hello.", 4)
+    );
+
+    // The stalled streams: when read at last, an answer that never completes, and a
+    // connection the server closes.
+    for stream in stalled {
+        let mut answer = Vec::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        let read = tokio::time::timeout(Duration::from_secs(120), async {
+            loop {
+                if stream.readable().await.is_err() {
+                    return;
+                }
+                match stream.try_read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(n) => answer.extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(_) => return,
+                }
+            }
+        })
+        .await;
+        assert!(read.is_ok(), "the server closed the stalled connection");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(
+            text.starts_with("HTTP/1.1 200"),
+            "{}",
+            &text[..text.len().min(200)]
+        );
+        assert!(!text.contains("data: [DONE]"), "a stalled stream completed");
+    }
+    wait_idle(&engine, Duration::from_secs(10)).await;
+    assert_eq!(server.in_flight(), 0);
+}
+
+/// A test-only marker ends the engine thread (as a bug outside any step would): the
+/// request running meanwhile ends with an error instead of hanging, `/health` and new
+/// requests answer 503 so that an orchestrator restarts the replica, and the engine's
+/// gauges read zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_engine_answers_503() {
+    const EXIT: &str = "@@end-the-engine@@";
+    let config = ContinuousConfig {
+        exit_marker: Some(EXIT.into()),
+        ..ContinuousConfig::default()
+    }
+    .with_kv_budget_tokens(4096);
+    let engine: Arc<dyn Engine> =
+        Arc::new(ContinuousEngine::start(demo(MAX_SEQ_LEN), config).expect("engine"));
+    let server = Server::new(ServerConfig::new(MODEL)).unwrap();
+    server.set_engine(engine.clone()).unwrap();
+    let url = serve(&server);
+
+    // A long answer, running when the engine goes.
+    let mut body = chat_body("Write a long story about a dragon.", 400);
+    body["stream"] = json!(true);
+    body["ignore_eos"] = json!(true);
+    let response = client()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let mut events = response.bytes_stream();
+    let _first = events.next().await.unwrap().unwrap();
+    assert_eq!(
+        client()
+            .get(format!("{url}/health"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
+
+    let (status, error) = post(
+        &format!("{url}/v1/completions"),
+        json!({"prompt": format!("x {EXIT}"), "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(status, 503, "{error}");
+
+    // The running stream ends with an error, not [DONE].
+    let mut rest = Vec::new();
+    while let Some(chunk) = events.next().await {
+        rest.extend_from_slice(&chunk.unwrap());
+    }
+    let rest = String::from_utf8(rest).unwrap();
+    assert!(rest.contains("\"error\""), "{rest}");
+    assert!(!rest.contains("[DONE]"), "{rest}");
+
+    assert!(!engine.is_alive());
+    assert!(matches!(
+        engine.encode(&llama_burn::inference::GenerateRequest::new("Hi")),
+        Err(llama_burn::LlamaError::ModelUnavailable(_))
+    ));
+    let health = client().get(format!("{url}/health")).send().await.unwrap();
+    assert_eq!(health.status().as_u16(), 503);
+    let health: Value = health.json().await.unwrap();
+    assert_eq!(health["status"], "engine_stopped");
+    let (status, error) = post(
+        &format!("{url}/v1/chat/completions"),
+        chat_body("Say hello.", 4),
+    )
+    .await;
+    assert_eq!(status, 503, "{error}");
+    let (status, error) = post(
+        &format!("{url}/v1/completions"),
+        json!({"prompt": "Hello", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(status, 503, "{error}");
+    let m = engine.metrics();
+    assert_eq!(
+        (m.running, m.prefilling, m.waiting, m.kv_blocks_used),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(server.in_flight(), 0);
+}

@@ -97,9 +97,20 @@ struct Args {
     /// Seconds between SSE keep-alive comments on streams.
     #[arg(long, default_value_t = 15.0)]
     sse_keep_alive: f64,
+    /// Threads that tokenize prompts, off the engine thread (most requests tokenized at
+    /// once).
+    #[arg(long, default_value_t = 2)]
+    tokenizer_threads: usize,
+    /// Most requests waiting for a tokenizer thread; more get 429.
+    #[arg(long, default_value_t = 64)]
+    tokenizer_queue: usize,
     /// Tests only: a step running a request whose prompt contains this text panics.
     #[arg(long, hide = true)]
     test_panic_marker: Option<String>,
+    /// Tests only: the engine thread ends when it takes a request whose prompt contains
+    /// this text (then /health and new requests answer 503).
+    #[arg(long, hide = true)]
+    test_exit_marker: Option<String>,
     /// The model id clients use (default: the model file's stem).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -160,6 +171,7 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
         max_running: args.max_running,
         max_waiting: args.max_waiting,
         panic_marker: args.test_panic_marker.clone(),
+        exit_marker: args.test_exit_marker.clone(),
         ..ContinuousConfig::default()
     }
     .with_kv_budget_tokens(args.kv_budget_tokens);
@@ -289,6 +301,8 @@ fn server_config(args: &Args, name: String) -> Result<ServerConfig, String> {
     config.max_json_depth = args.max_json_depth;
     config.max_connections = args.max_connections;
     config.max_unsent_events = args.max_unsent_events;
+    config.tokenizer_threads = args.tokenizer_threads;
+    config.tokenizer_queue = args.tokenizer_queue;
     config.header_timeout = seconds("header-timeout", args.header_timeout)?;
     config.body_timeout = seconds("body-timeout", args.body_timeout)?;
     config.write_timeout = seconds("write-timeout", args.write_timeout)?;

@@ -43,6 +43,9 @@ pub const PREFIX_CACHE_HITS_TOTAL: &str = "llama_burn:prefix_cache_hits_total";
 pub const TENANT_REQUESTS_TOTAL: &str = "llama_burn:tenant_requests_total";
 /// Requests refused because the engine's queue was full.
 pub const REQUESTS_REJECTED_TOTAL: &str = "llama_burn:requests_rejected_total";
+/// Prompts tokenized (on the tokenizer pool: each prompt of a request once, whatever
+/// `n`; none of a request whose client went away first).
+pub const PROMPTS_TOKENIZED_TOTAL: &str = "llama_burn:prompts_tokenized_total";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -140,6 +143,10 @@ impl ServerMetrics {
                 REQUESTS_REJECTED_TOTAL,
                 "Requests refused because the queue was full."
             );
+            metrics::describe_counter!(
+                PROMPTS_TOKENIZED_TOTAL,
+                "Prompts tokenized (each prompt of a request once, whatever n)."
+            );
         });
     }
 
@@ -193,6 +200,11 @@ impl ServerMetrics {
                 metrics::histogram!(REQUEST_QUEUE_TIME_SECONDS).record(queue.as_secs_f64());
             }
         });
+    }
+
+    /// `prompts` prompts have been tokenized since the server started.
+    pub fn prompts_tokenized(&self, prompts: u64) {
+        self.with(|| metrics::counter!(PROMPTS_TOKENIZED_TOTAL).absolute(prompts));
     }
 
     /// The Prometheus text exposition, with gauges and engine counters from `engine`

@@ -12,9 +12,11 @@
 //! | `GET /health` | 200 when ready, 503 while loading or shutting down |
 //! | `GET /metrics` | Prometheus text, vLLM's metric names prefixed `llama_burn:` |
 //!
-//! Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`). A
-//! request whose client disconnects is cancelled and its KV blocks are freed at the
-//! engine's next step. The `llama-burn-server` binary serves a model file this way.
+//! Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`). Each
+//! prompt is tokenized once, whatever `n`, on a bounded pool of blocking threads
+//! ([`ServerConfig::tokenizer_threads`]), and the engine receives token ids. A request
+//! whose client disconnects is cancelled and its KV blocks are freed at the engine's
+//! next step. The `llama-burn-server` binary serves a model file this way.
 //!
 //! ```no_run
 //! # async fn serve() -> Result<(), Box<dyn std::error::Error>> {
@@ -44,6 +46,7 @@ pub mod openai;
 mod routes;
 mod serve;
 mod stop;
+mod tokenize;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -77,6 +80,11 @@ pub trait Engine: Send + Sync + 'static {
         scope: Scope,
         on_event: EventHandler,
     ) -> Result<()>;
+    /// Validates `request` and returns its prompt's token ids (see
+    /// [`ContinuousEngine::encode`]). The server calls it on its tokenizer pool's
+    /// blocking threads, once per prompt, and submits token ids only, so that the
+    /// engine's own thread never tokenizes.
+    fn encode(&self, request: &GenerateRequest) -> Result<Vec<u32>>;
     /// A snapshot of the engine's metrics.
     fn metrics(&self) -> EngineMetrics;
     /// The context length: prompt plus generated tokens.
@@ -101,6 +109,10 @@ where
     ) -> Result<()> {
         self.submit_scoped(request, cancel, scope, on_event)
             .map(drop)
+    }
+
+    fn encode(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
+        ContinuousEngine::encode(self, request)
     }
 
     fn is_alive(&self) -> bool {
@@ -157,6 +169,13 @@ pub struct ServerConfig {
     pub max_unsent_events: usize,
     /// Interval of the SSE keep-alive comments on streams.
     pub sse_keep_alive: Duration,
+    /// Threads that tokenize prompts (off the engine thread): most requests tokenized
+    /// at once.
+    pub tokenizer_threads: usize,
+    /// Most requests waiting for a tokenizer thread; more get 429. Each holds at most
+    /// its body's prompts, so the pool holds at most `(tokenizer_threads +
+    /// tokenizer_queue) x max_body_bytes`.
+    pub tokenizer_queue: usize,
     /// [`Server::serve`]: longest wait for a request's headers, from the connection's
     /// start or the end of its previous response (so also the idle keep-alive timeout).
     pub header_timeout: Duration,
@@ -174,9 +193,9 @@ impl ServerConfig {
     /// Defaults for a model served as `served_model_name`: no API key, 2 MiB bodies,
     /// `n` up to 16, 64 prompts and 64 choices per request, 128 choices per tenant, 4
     /// stop strings of 1024 bytes together, 512 messages, JSON nesting 32, 30 s for the
-    /// body, 1024 unsent events, keep-alive comments every 15 s, 10 s for headers (and
-    /// idle keep-alive), 30 s blocked writes, 1024 connections, chat answers up to the
-    /// context length.
+    /// body, 1024 unsent events, keep-alive comments every 15 s, 2 tokenizer threads and
+    /// 64 requests waiting for them, 10 s for headers (and idle keep-alive), 30 s
+    /// blocked writes, 1024 connections, chat answers up to the context length.
     pub fn new(served_model_name: impl Into<String>) -> Self {
         Self {
             served_model_name: served_model_name.into(),
@@ -195,6 +214,8 @@ impl ServerConfig {
             body_timeout: Duration::from_secs(30),
             max_unsent_events: 1024,
             sse_keep_alive: Duration::from_secs(15),
+            tokenizer_threads: 2,
+            tokenizer_queue: 64,
             header_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(30),
             max_connections: 1024,
@@ -245,6 +266,8 @@ pub(crate) struct Shared {
     /// with requests in flight).
     tenants: Mutex<HashMap<String, usize>>,
     metrics: ServerMetrics,
+    /// Where prompts are tokenized.
+    tokenizer: tokenize::TokenizerPool,
     /// Unix time the server was made (the model's `created`).
     created: u64,
 }
@@ -402,6 +425,7 @@ impl Server {
             ("max_json_depth", config.max_json_depth),
             ("max_unsent_events", config.max_unsent_events),
             ("max_connections", config.max_connections),
+            ("tokenizer_threads", config.tokenizer_threads),
         ];
         for (name, value) in limits {
             if value == 0 {
@@ -430,6 +454,8 @@ impl Server {
             return Err(LlamaError::invalid("api_key", "\"\"", "must not be empty"));
         }
         let metrics = ServerMetrics::new(&config.served_model_name)?;
+        let tokenizer =
+            tokenize::TokenizerPool::new(config.tokenizer_threads, config.tokenizer_queue);
         Ok(Self {
             shared: Arc::new(Shared {
                 config,
@@ -440,6 +466,7 @@ impl Server {
                 running: Mutex::new(HashMap::new()),
                 tenants: Mutex::new(HashMap::new()),
                 metrics,
+                tokenizer,
                 created: unix_now(),
             }),
         })

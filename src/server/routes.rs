@@ -163,6 +163,9 @@ async fn metrics(State(shared): AppState, headers: HeaderMap) -> Response {
         }
     }
     let engine = shared.engine.get().map(|e| e.metrics());
+    shared
+        .metrics
+        .prompts_tokenized(shared.tokenizer.prompts_tokenized());
     (
         [(
             header::CONTENT_TYPE,
@@ -381,40 +384,79 @@ impl TenantOf {
     }
 }
 
-/// The engine requests of an API request: `n` choices per prompt, choice `i` seeded
-/// `seed + i` (`seed`: the request's, or a fresh random one when it gave none).
-fn choice_specs(
+/// The engine request every choice of an API request starts from: its settings, no
+/// prompt yet.
+fn base_request(sampling: &Sampling, max_tokens: usize) -> GenerateRequest {
+    let mut request = GenerateRequest::from_ids(Vec::new())
+        .with_max_tokens(max_tokens)
+        .with_sampling(sampling.params.clone())
+        .with_ignore_eos(sampling.ignore_eos)
+        .with_stop_token_ids(sampling.stop_token_ids.clone())
+        .with_min_tokens(sampling.min_tokens);
+    request.logprobs = sampling.logprobs;
+    request
+}
+
+/// What a prompt's choices need besides its token ids.
+struct PromptPlan {
+    /// The prompt text to send back first (completions' `echo` of a text prompt).
+    echo: Option<String>,
+    /// The prompt's log-probabilities, asked for with `echo`.
+    prompt_logprobs: Option<usize>,
+}
+
+/// Each prompt as an engine request to validate and tokenize (once, whatever `n`), and
+/// what its choices need besides the ids. The prompts are moved, not copied.
+fn prompt_requests(
     prompts: Vec<PromptInput>,
+    base: &GenerateRequest,
     sampling: &Sampling,
-    max_tokens: usize,
+) -> (Vec<GenerateRequest>, Vec<PromptPlan>) {
+    let mut requests = Vec::with_capacity(prompts.len());
+    let mut plans = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let mut plan = PromptPlan {
+            echo: None,
+            prompt_logprobs: None,
+        };
+        let mut request = base.clone();
+        request.prompt_ids = None;
+        match prompt {
+            PromptInput::Chat(messages) => request.messages = Some(messages),
+            PromptInput::Text(text) => {
+                if sampling.echo {
+                    plan.echo = Some(text.clone());
+                    plan.prompt_logprobs = sampling.logprobs;
+                    request.prompt_logprobs = sampling.logprobs;
+                }
+                request.prompt = text;
+            }
+            PromptInput::Ids(ids) => request.prompt_ids = Some(ids),
+        }
+        requests.push(request);
+        plans.push(plan);
+    }
+    (requests, plans)
+}
+
+/// The engine requests of an API request: `n` choices per prompt, each with its
+/// prompt's token ids, choice `i` seeded `seed + i` (`seed`: the request's, or a fresh
+/// random one when it gave none).
+fn choice_specs(
+    prompts: Vec<(Vec<u32>, PromptPlan)>,
+    base: &GenerateRequest,
+    sampling: &Sampling,
     seed: u64,
 ) -> Vec<ChoiceSpec> {
-    let mut specs = Vec::with_capacity(prompts.len() * sampling.n);
-    for (p, prompt) in prompts.into_iter().enumerate() {
+    let mut specs = Vec::with_capacity(prompts.len().saturating_mul(sampling.n));
+    for (p, (ids, plan)) in prompts.into_iter().enumerate() {
         for i in 0..sampling.n {
-            let request = match &prompt {
-                PromptInput::Chat(messages) => GenerateRequest::chat(messages.clone()),
-                PromptInput::Text(text) => GenerateRequest::new(text.clone()),
-                PromptInput::Ids(ids) => GenerateRequest::from_ids(ids.clone()),
-            };
-            let mut request = request
-                .with_max_tokens(max_tokens)
-                .with_sampling(sampling.params.clone())
-                .with_seed(seed.wrapping_add(i as u64))
-                .with_ignore_eos(sampling.ignore_eos)
-                .with_stop_token_ids(sampling.stop_token_ids.clone())
-                .with_min_tokens(sampling.min_tokens);
-            request.logprobs = sampling.logprobs;
-            let echo = match (&prompt, sampling.echo) {
-                (PromptInput::Text(text), true) => {
-                    request.prompt_logprobs = sampling.logprobs;
-                    Some(text.clone())
-                }
-                _ => None,
-            };
+            let mut request = base.clone().with_seed(seed.wrapping_add(i as u64));
+            request.prompt_ids = Some(ids.clone());
+            request.prompt_logprobs = plan.prompt_logprobs;
             specs.push(ChoiceSpec {
                 request,
-                echo,
+                echo: plan.echo.clone(),
                 prompt_only: sampling.prompt_only,
                 prompt: p,
                 stop: sampling.stop.clone(),
@@ -495,7 +537,17 @@ async fn run(
         .or(default_max_tokens.map(|d| d.min(max_seq_len)))
         .unwrap_or(max_seq_len);
     let seed = sampling.seed.unwrap_or_else(rand::random);
-    let specs = choice_specs(prompts, &sampling, max_tokens, seed);
+    // Each prompt is validated and tokenized once, whatever `n`, on the tokenizer pool
+    // (never on the engine thread), before any choice is submitted: a prompt over the
+    // context is refused here.
+    let base = base_request(&sampling, max_tokens);
+    let (requests, plans) = prompt_requests(prompts, &base, &sampling);
+    let ids = shared
+        .tokenizer
+        .encode(shared.engine()?, requests)
+        .await
+        .map_err(|e| ApiError::from_llama(&e, endpoint.prompt_param()))?;
+    let specs = choice_specs(ids.into_iter().zip(plans).collect(), &base, &sampling, seed);
     let envelope = Envelope {
         endpoint,
         id: format!("{}{:032x}", endpoint.id_prefix(), rand::random::<u128>()),

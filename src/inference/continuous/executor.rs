@@ -73,7 +73,6 @@ pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     queue: Receiver<Submission>,
     shared: Arc<Shared>,
     steps: u64,
-    panic_marker: Option<String>,
 }
 
 /// Marks the engine gone when dropped, however its thread ends: submissions are refused
@@ -126,19 +125,18 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             queue,
             shared,
             steps: 0,
-            panic_marker: config.panic_marker.clone(),
         };
         worker.publish();
         Ok(worker)
     }
 
-    /// A guard that marks the engine gone when the thread ends.
-    pub(super) fn gone_guard(&self) -> GoneGuard {
-        GoneGuard(self.shared.clone())
-    }
-
     /// The engine loop; returns the model when the engine stops.
     pub(super) fn run(mut self) -> Llama<B, T> {
+        // Whatever ends the thread, even a panic outside a step, marks the engine gone.
+        // A local is dropped before the worker (a parameter) while a panic unwinds, so
+        // the engine reads gone before any request's sink is dropped: whoever learns
+        // that its request ended with the engine finds `/health` saying so.
+        let _gone = GoneGuard(self.shared.clone());
         loop {
             if self.shared.stop.load(Ordering::Acquire) {
                 self.end_all(|| LlamaError::Cancelled);
@@ -181,8 +179,11 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => return true,
                 },
             };
-            // A panic while validating or tokenizing (a tokenizer bug on a hostile
-            // prompt) fails this request only.
+            if sub.fault.exit {
+                // Test-only (`exit_marker`): a bug that no step contains ends the thread.
+                panic!("fault injected: the engine thread ends (exit_marker)");
+            }
+            // A panic while preparing the request's state fails this request only.
             let prepared =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.prepare(&sub)))
                     .unwrap_or_else(|_| {
@@ -191,7 +192,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         ))
                     });
             match prepared {
-                Ok((ids, state)) => {
+                Ok(state) => {
+                    let ids = sub.prompt;
                     if !sub.sink.accepted(ids.len()) {
                         // Nobody listens any more.
                         self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -202,10 +204,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     let sampler = request_sampler(&sub.request);
                     self.scheduler
                         .add_for(sub.id, ids, sub.scope.salt, sub.scope.tenant);
-                    let poisoned = self
-                        .panic_marker
-                        .as_deref()
-                        .is_some_and(|marker| sub.request.prompt.contains(marker));
+                    let poisoned = sub.fault.step_panic;
                     self.requests.insert(
                         sub.id,
                         Active {
@@ -233,12 +232,11 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         }
     }
 
-    /// Validates a request and tokenizes its prompt.
-    fn prepare(&self, sub: &Submission) -> Result<(Vec<u32>, GenerationState<B>)> {
+    /// Prepares the generation state of a request its submitter has validated and
+    /// tokenized already (the engine thread never tokenizes).
+    fn prepare(&self, sub: &Submission) -> Result<GenerationState<B>> {
         let request = &sub.request;
-        request.validate(self.llama.config().max_seq_len)?;
-        let ids = self.llama.encode_request(request)?;
-        request.validate_token_ids(self.llama.config().vocab_size)?;
+        let ids = &sub.prompt;
         let state = self
             .llama
             .unreserved_state(ids.clone(), request.max_tokens)?
@@ -252,8 +250,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         }
         // Prompt log-probabilities (asked for rarely) take one forward pass over the
         // prompt here, on the engine thread.
-        let state = self.llama.with_prompt_logprobs(state, request)?;
-        Ok((ids, state))
+        self.llama.with_prompt_logprobs(state, request)
     }
 
     /// Ends every cancelled request, freeing its blocks at once.

@@ -4,6 +4,9 @@
 //! A [`ContinuousEngine`] owns the model on its own thread. The engine is split as vLLM
 //! splits it:
 //!
+//! - the submitting side (vLLM's processor) validates and tokenizes each request on the
+//!   caller's thread ([`ContinuousEngine::encode`], or any `submit`), so the engine
+//!   thread deals in token ids only and a long prompt never stalls the running batch;
 //! - the [`scheduler`] decides each step which requests run and how many tokens each
 //!   (one for a decoding request, a chunk for a prompt), admits waiting requests first
 //!   come first served when their prompt's blocks are free, and preempts the most
@@ -46,14 +49,14 @@ mod executor;
 pub mod scheduler;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backend::LlamaBackend;
 use crossbeam_channel::{Receiver, Sender};
 
-use super::request::{GenerateRequest, TokenOutput};
+use super::request::{GenerateRequest, TokenOutput, check_request_size};
 use super::runtime::{
     CancelToken, DirectSubmit, In, Inference, InferenceBuilder, JobSink, ModelAccessor,
     ModelDevice, OutStream,
@@ -61,7 +64,7 @@ use super::runtime::{
 pub use crate::cache::KvBudget;
 use crate::cache::paged::block_bytes;
 use crate::error::{LlamaError, Result};
-use crate::llama::{Llama, StopReason};
+use crate::llama::{Llama, PromptEncoder, StopReason};
 use crate::tokenizer::{DynTokenizer, Tokenizer};
 
 /// Sizing of a [`ContinuousEngine`].
@@ -87,10 +90,15 @@ pub struct ContinuousConfig {
     /// documents). On by default; results are identical either way.
     pub prefix_caching: bool,
     /// Fault injection, for tests of fault isolation only: a step that runs a request
-    /// whose text prompt contains this marker panics inside the step. `None` (the
-    /// default) in any real deployment.
+    /// whose prompt contains this marker panics inside the step. `None` (the default) in
+    /// any real deployment.
     #[doc(hidden)]
     pub panic_marker: Option<String>,
+    /// Fault injection, for tests only: the engine thread ends (a panic outside any step)
+    /// when it takes a request whose prompt contains this marker, as it would on a bug
+    /// that no step contains. `None` (the default) in any real deployment.
+    #[doc(hidden)]
+    pub exit_marker: Option<String>,
 }
 
 impl Default for ContinuousConfig {
@@ -104,6 +112,7 @@ impl Default for ContinuousConfig {
             min_prefill_chunk: 32,
             prefix_caching: true,
             panic_marker: None,
+            exit_marker: None,
         }
     }
 }
@@ -304,8 +313,10 @@ enum Sink {
 }
 
 /// Receives one request's events on the engine thread, in order: `Accepted`, tokens,
-/// then `Done`. It returns `false` when nobody listens any more, and the request is then
-/// dropped at once. It must not block: every request shares the thread.
+/// then `Done` (a request refused before it was queued, invalid or cancelled already,
+/// gets its `Done` on the submitting thread instead). It returns `false` when nobody
+/// listens any more, and the request is then dropped at once. It must not block: every
+/// request shares the thread.
 pub type EventHandler = Box<dyn Fn(EngineEvent) -> bool + Send>;
 
 impl Sink {
@@ -348,10 +359,17 @@ pub struct Scope {
     pub tenant: u64,
 }
 
-/// A request on its way to the engine thread.
+/// A request on its way to the engine thread: validated and tokenized already (by its
+/// submitter), so the engine thread deals in token ids only.
 struct Submission {
     id: u64,
+    /// The request's settings; its prompt text and messages are left behind (the
+    /// engine reads `prompt`).
     request: GenerateRequest,
+    /// The prompt's token ids.
+    prompt: Vec<u32>,
+    /// Test-only faults this request injects.
+    fault: Fault,
     sink: Sink,
     cancel: CancelToken,
     submitted: Instant,
@@ -373,19 +391,162 @@ struct Shared {
     gone: AtomicBool,
 }
 
+/// Faults a request injects (tests of fault isolation only; see
+/// [`ContinuousConfig::panic_marker`] and [`ContinuousConfig::exit_marker`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Fault {
+    /// A step that runs the request panics.
+    step_panic: bool,
+    /// The engine thread ends when it takes the request.
+    exit: bool,
+}
+
+impl Shared {
+    /// One request fewer waits (saturating: once the engine thread has ended it has set
+    /// the count to 0, and a submission that fails after that must not wrap it).
+    fn unwait(&self) {
+        let _ = self
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                Some(w.saturating_sub(1))
+            });
+    }
+}
+
+/// What the submitting side needs to validate and tokenize a request off the engine
+/// thread (vLLM's processor in front of its engine core).
+struct Frontend<T> {
+    /// The engine's tokenizer, shared with the engine thread (which decodes with it);
+    /// gone once that thread has ended.
+    tokenizer: Weak<T>,
+    max_seq_len: usize,
+    vocab_size: usize,
+    panic_marker: Option<String>,
+    exit_marker: Option<String>,
+}
+
+impl<T: Tokenizer> Frontend<T> {
+    /// Runs `f`, a panic inside it (a tokenizer bug on a hostile prompt) failing this
+    /// request only.
+    fn guarded<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| {
+            Err(LlamaError::StepFailed(
+                "preparing the request panicked; other requests go on".into(),
+            ))
+        })
+    }
+
+    fn tokenizer(&self) -> Result<Arc<T>> {
+        self.tokenizer
+            .upgrade()
+            .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))
+    }
+
+    /// Tokenizes the prompt of a request that has no `prompt_ids`.
+    fn tokenize(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
+        let tokenizer = self.tokenizer()?;
+        PromptEncoder {
+            tokenizer: &*tokenizer,
+            max_seq_len: self.max_seq_len,
+        }
+        .encode_request(request)
+    }
+
+    /// The checks that need no tokens: every field, and the ids it names.
+    fn check_request(&self, request: &GenerateRequest) -> Result<()> {
+        request.validate(self.max_seq_len)?;
+        request.validate_token_ids(self.vocab_size)
+    }
+
+    /// The checks of the prompt's tokens: not empty, room for one generated token, ids
+    /// in the vocabulary.
+    fn check_prompt(&self, ids: &[u32], max_tokens: usize) -> Result<()> {
+        check_request_size(Some(ids.len()), max_tokens, self.max_seq_len)?;
+        match ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            Some(&bad) => Err(LlamaError::invalid(
+                "token id",
+                bad,
+                "outside the model's vocabulary",
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// See [`ContinuousEngine::encode`].
+    fn encode(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
+        Self::guarded(|| {
+            self.check_request(request)?;
+            let ids = match &request.prompt_ids {
+                Some(ids) => ids.clone(),
+                None => self.tokenize(request)?,
+            };
+            self.check_prompt(&ids, request.max_tokens)?;
+            Ok(ids)
+        })
+    }
+
+    /// Validates `request` and takes its prompt out as token ids (tokenizing it unless
+    /// it has ids), leaving no prompt text behind in it.
+    fn prepare(&self, request: &mut GenerateRequest) -> Result<(Vec<u32>, Fault)> {
+        Self::guarded(|| {
+            self.check_request(request)?;
+            let ids = match request.prompt_ids.take() {
+                Some(ids) => ids,
+                None => self.tokenize(request)?,
+            };
+            self.check_prompt(&ids, request.max_tokens)?;
+            request.prompt = String::new();
+            request.messages = None;
+            let fault = self.fault(&ids);
+            Ok((ids, fault))
+        })
+    }
+
+    /// The faults a prompt injects: none unless a test set a marker (then the prompt is
+    /// decoded to look for it, whatever form it came in).
+    fn fault(&self, ids: &[u32]) -> Fault {
+        if self.panic_marker.is_none() && self.exit_marker.is_none() {
+            return Fault::default();
+        }
+        let text = self
+            .tokenizer()
+            .and_then(|t| t.decode(ids))
+            .unwrap_or_default();
+        let found = |marker: &Option<String>| marker.as_deref().is_some_and(|m| text.contains(m));
+        Fault {
+            step_panic: found(&self.panic_marker),
+            exit: found(&self.exit_marker),
+        }
+    }
+}
+
 /// The submitting side of an engine; cheap to clone.
-#[derive(Clone)]
-struct EngineClient {
+struct EngineClient<T> {
     queue: Sender<Submission>,
     shared: Arc<Shared>,
     max_waiting: usize,
+    frontend: Arc<Frontend<T>>,
 }
 
-impl EngineClient {
-    /// Queues a request, or gives its sink back with the reason it was refused.
+impl<T> Clone for EngineClient<T> {
+    fn clone(&self) -> Self {
+        Self {
+            queue: self.queue.clone(),
+            shared: self.shared.clone(),
+            max_waiting: self.max_waiting,
+            frontend: self.frontend.clone(),
+        }
+    }
+}
+
+impl<T: Tokenizer> EngineClient<T> {
+    /// Queues a request, or gives its sink back with the reason it was refused (the
+    /// engine has stopped, or its queue is full). The request is validated and tokenized
+    /// here, on the calling thread, after the queue's limit is checked and unless it is
+    /// cancelled already; a request that fails there ends at once through its sink.
     fn send(
         &self,
-        request: GenerateRequest,
+        mut request: GenerateRequest,
         sink: Sink,
         cancel: CancelToken,
         scope: Scope,
@@ -416,16 +577,37 @@ impl EngineClient {
             )));
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let prepared = if cancel.is_cancelled() {
+            Err(LlamaError::Cancelled)
+        } else {
+            self.frontend.prepare(&mut request)
+        };
+        let (prompt, fault) = match prepared {
+            Ok(prepared) => prepared,
+            Err(error) => {
+                self.shared.unwait();
+                if let Ok(mut m) = self.shared.metrics.lock() {
+                    match error {
+                        LlamaError::Cancelled => m.cancelled += 1,
+                        _ => m.failed += 1,
+                    }
+                }
+                sink.done(Err(error));
+                return Ok(id);
+            }
+        };
         let submission = Submission {
             id,
             request,
+            prompt,
+            fault,
             sink,
             cancel,
             submitted: Instant::now(),
             scope,
         };
         if let Err(returned) = self.queue.send(submission) {
-            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+            self.shared.unwait();
             let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
             return Err(Box::new((returned.into_inner().sink, stopped)));
         }
@@ -474,13 +656,14 @@ impl EngineClient {
 /// request in a running batch over a paged KV cache. Dropping it cancels what is left
 /// and stops the thread; [`ContinuousEngine::shutdown`] finishes the queue first.
 pub struct ContinuousEngine<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
-    client: Option<EngineClient>,
+    client: Option<EngineClient<T>>,
     shared: Arc<Shared>,
     config: ContinuousConfig,
     max_seq_len: usize,
     device: B::Device,
-    thread: Option<JoinHandle<Llama<B, T>>>,
-    _tokenizer: std::marker::PhantomData<fn() -> T>,
+    /// The engine thread, which returns the model (its tokenizer shared with the
+    /// submitters, who hold it weakly) when it stops.
+    thread: Option<JoinHandle<Llama<B, Arc<T>>>>,
 }
 
 impl<B: LlamaBackend, T: Tokenizer> std::fmt::Debug for ContinuousEngine<B, T> {
@@ -521,40 +704,84 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         let (tx, rx) = crossbeam_channel::unbounded();
         let device = llama.device().clone();
         let max_seq_len = c.max_seq_len;
+        let vocab_size = c.vocab_size;
+        // The tokenizer is shared: submitters tokenize with it on their own threads, the
+        // engine thread decodes with it.
+        let llama = llama.map_tokenizer(Arc::new);
+        let frontend = Arc::new(Frontend {
+            tokenizer: Arc::downgrade(&llama.tokenizer),
+            max_seq_len,
+            vocab_size,
+            panic_marker: config.panic_marker.clone(),
+            exit_marker: config.exit_marker.clone(),
+        });
         let worker = executor::Worker::new(llama, &config, num_blocks, shared.clone(), rx)?;
         let thread = std::thread::Builder::new()
             .name("llama-burn-continuous".into())
-            .spawn(move || {
-                // Whatever ends the thread, even a panic outside a step, says so.
-                let _gone = worker.gone_guard();
-                worker.run()
-            })
+            .spawn(move || worker.run())
             .map_err(|e| LlamaError::Runtime(format!("could not start the engine thread: {e}")))?;
         Ok(Self {
             client: Some(EngineClient {
                 queue: tx,
                 shared: shared.clone(),
                 max_waiting: config.max_waiting,
+                frontend,
             }),
             shared,
             config,
             max_seq_len,
             device,
             thread: Some(thread),
-            _tokenizer: std::marker::PhantomData,
         })
     }
 
     /// The handle that queues requests, while the engine runs.
-    fn client(&self) -> Result<&EngineClient> {
+    fn client(&self) -> Result<&EngineClient<T>> {
         self.client
             .as_ref()
             .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))
     }
 
-    /// Queues a request. Fails at once with [`LlamaError::Overloaded`] when
-    /// `max_waiting` requests are already waiting; other problems with the request
-    /// arrive as its `Done` event.
+    /// Validates `request` and returns its prompt's token ids, tokenized on the calling
+    /// thread exactly as a submission would be: what a front end calls (on a thread of
+    /// its own, once per prompt) before it submits one or more requests with those ids
+    /// ([`GenerateRequest::from_ids`]), so that the engine thread never tokenizes.
+    ///
+    /// # Errors
+    ///
+    /// What [`GenerateRequest::validate`] and
+    /// [`GenerateRequest::validate_token_ids`] refuse; [`LlamaError::EmptyPrompt`],
+    /// [`LlamaError::PromptTooLong`] or [`LlamaError::InvalidParameter`] for the prompt
+    /// itself; [`LlamaError::StepFailed`] if the tokenizer panicked;
+    /// [`LlamaError::ModelUnavailable`] once the engine has stopped.
+    ///
+    /// ```no_run
+    /// # fn main() -> llama_burn::Result<()> {
+    /// use llama_burn::backend::{DefaultBackend, default_device};
+    /// use llama_burn::inference::{ContinuousConfig, ContinuousEngine, GenerateRequest};
+    /// use llama_burn::llama::LlamaConfig;
+    ///
+    /// let llama = LlamaConfig::load_gguf::<DefaultBackend>(
+    ///     llama_burn::demo::demo_model_path()?, 2048, &default_device())?;
+    /// let engine = ContinuousEngine::start(llama, ContinuousConfig::default())?;
+    /// let ids = engine.encode(&GenerateRequest::new("Once upon a time"))?;
+    /// // Two samples of one prompt, tokenized once.
+    /// let jobs = (0..2)
+    ///     .map(|seed| engine.submit(GenerateRequest::from_ids(ids.clone()).with_seed(seed)))
+    ///     .collect::<llama_burn::Result<Vec<_>>>()?;
+    /// # drop(jobs);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn encode(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
+        self.client()?.frontend.encode(request)
+    }
+
+    /// Queues a request. It is validated and, unless it gives
+    /// [`prompt_ids`](GenerateRequest::prompt_ids), tokenized on the calling thread
+    /// (the engine thread deals in token ids only). Fails at once with
+    /// [`LlamaError::Overloaded`] when `max_waiting` requests are already waiting; other
+    /// problems with the request arrive as its `Done` event.
     pub fn submit(&self, request: GenerateRequest) -> Result<EngineJob> {
         self.submit_with_cancel(request, CancelToken::new())
     }
@@ -587,6 +814,11 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
     /// [`submit_announced`](Self::submit_announced) delivers them to a job, without a
     /// channel in between: an async server passes a closure that sends into its own
     /// channel. Cancel the request through `cancel`. Returns the engine-assigned id.
+    ///
+    /// A request that fails validation or tokenization (or is cancelled already) gets
+    /// its `Done` error at once, on the calling thread. Tokenizing a text prompt takes
+    /// the calling thread's time: async code passes token ids from
+    /// [`encode`](Self::encode), called on a blocking thread.
     ///
     /// # Errors
     ///
@@ -660,9 +892,10 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
             .thread
             .take()
             .ok_or_else(|| LlamaError::ModelUnavailable("the engine has stopped".into()))?;
-        thread
+        let llama = thread
             .join()
-            .map_err(|_| LlamaError::Runtime("the engine thread panicked".into()))
+            .map_err(|_| LlamaError::Runtime("the engine thread panicked".into()))?;
+        Ok(llama.map_tokenizer(unshare))
     }
 
     fn direct_submit(&self) -> Option<DirectSubmit<GenerateRequest, TokenOutput>> {
@@ -670,6 +903,21 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         Some(Arc::new(move |request, sink| {
             client.submit_job(request, sink)
         }))
+    }
+}
+
+/// The value of `shared` once nobody else holds it. Submitters hold the tokenizer only
+/// weakly, and strongly only for the length of one prompt's tokenization, so this waits
+/// at most for the tokenizations under way.
+fn unshare<T>(mut shared: Arc<T>) -> T {
+    loop {
+        match Arc::try_unwrap(shared) {
+            Ok(value) => return value,
+            Err(back) => {
+                shared = back;
+                std::thread::yield_now();
+            }
+        }
     }
 }
 
