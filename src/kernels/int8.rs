@@ -788,6 +788,10 @@ unsafe fn decode_group<I: Isa>(
                     let (w, sc) = decode_step_32::<I>(format, step);
                     sink.take(&w, &sc, blk);
                 }
+                QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+                    let (w, sc) = decode_step_q5::<I>(format, step);
+                    sink.take(&w, &sc, blk);
+                }
                 QuantFormat::Q4_K | QuantFormat::Q5_K => {
                     decode_step_k4::<I>(format, step, blk * 8, sink)
                 }
@@ -839,6 +843,8 @@ fn registers_decode(format: QuantFormat) -> bool {
         QuantFormat::Q8_0
             | QuantFormat::Q4_0
             | QuantFormat::Q4_1
+            | QuantFormat::Q5_0
+            | QuantFormat::Q5_1
             | QuantFormat::Q4_K
             | QuantFormat::Q3_K
             | QuantFormat::Q5_K
@@ -1109,6 +1115,79 @@ unsafe fn decode_step_32<I: Isa>(
             for (j, v) in I::transpose4(rows).into_iter().enumerate() {
                 w[j] = _mm256_and_si256(v, nibble);
                 w[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+            }
+        }
+        (w, scales)
+    }
+}
+
+/// One step of a Q5_0 or Q5_1 group (eight rows' block `b`, kept whole): the values and
+/// scales. Each row's 32 fifth bits (`qh`) are one gathered word; four of them are spread
+/// to bit 4 of four bytes by one multiplication (`x * 0x0020_4081` puts bit `i` of a
+/// 4-bit `x` at bit `8i`, the partial products never overlapping).
+///
+/// # Safety
+///
+/// The CPU has `I`'s features; `step` holds eight whole blocks of the format.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn decode_step_q5<I: Isa>(
+    format: QuantFormat,
+    step: *const u8,
+) -> ([std::arch::x86_64::__m256i; 8], SubScales) {
+    use std::arch::x86_64::*;
+    let bb = format.block_bytes();
+    let head = if format == QuantFormat::Q5_1 { 4 } else { 2 };
+    let row = |i: usize| step.wrapping_add(i * bb);
+    // SAFETY (every read): row `i < 8`'s block is `bb` bytes at `row(i)`: `d` (and `m`)
+    // at 0, `qh` at `head`, 16 bytes of `qs` at `head + 4`.
+    unsafe {
+        let rows = _mm256_mullo_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(bb as i32),
+        );
+        let heads = _mm256_i32gather_epi32::<1>(step.cast(), rows);
+        let qh = _mm256_i32gather_epi32::<1>(step.wrapping_add(head).cast(), rows);
+        let [d, m] = f16_pair::<I>(heads);
+        let m = if format == QuantFormat::Q5_1 {
+            m
+        } else {
+            _mm256_setzero_ps()
+        };
+        let one = _mm256_set1_epi32(1);
+        let scales = SubScales {
+            sc0: one,
+            sc1: one,
+            d,
+            m,
+        };
+        let mut pairs = [_mm256_setzero_si256(); 4];
+        for (p, v) in pairs.iter_mut().enumerate() {
+            *v = _mm256_loadu2_m128i(
+                row(2 * p + 1).add(head + 4).cast(),
+                row(2 * p).add(head + 4).cast(),
+            );
+        }
+        let (nibble, low4, spread, bits) = (
+            _mm256_set1_epi8(0x0F),
+            _mm256_set1_epi32(0x0F),
+            _mm256_set1_epi32(0x0020_4081),
+            _mm256_set1_epi32(0x0101_0101),
+        );
+        let mut w = [_mm256_setzero_si256(); 8];
+        for (j, v) in I::transpose4(pairs).into_iter().enumerate() {
+            let halves = [
+                _mm256_and_si256(v, nibble),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble),
+            ];
+            for (h, low) in halves.into_iter().enumerate() {
+                let t = j + 4 * h;
+                let four = _mm256_and_si256(
+                    _mm256_srl_epi32(qh, _mm_cvtsi32_si128(4 * t as i32)),
+                    low4,
+                );
+                let fifth = _mm256_and_si256(_mm256_mullo_epi32(four, spread), bits);
+                w[t] = _mm256_or_si256(low, _mm256_slli_epi32::<4>(fifth));
             }
         }
         (w, scales)
