@@ -261,6 +261,9 @@ pub struct Llama<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
     device: B::Device,
     /// The account of per-request KV caches against their limits.
     kv_ledger: Arc<KvLedger>,
+    /// The constraint engine's view of the vocabulary, built on first use
+    /// (`crate::constraints::model`).
+    pub(crate) constraint_vocab: std::sync::OnceLock<Arc<crate::constraints::ConstraintVocab>>,
 }
 
 impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
@@ -286,6 +289,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             tokenizer,
             device,
             kv_ledger,
+            constraint_vocab: std::sync::OnceLock::new(),
         })
     }
 

@@ -44,6 +44,7 @@ pub mod openai;
 mod routes;
 mod serve;
 mod stop;
+mod structured;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -168,6 +169,10 @@ pub struct ServerConfig {
     /// `max_tokens` when a request gives none (`None`: up to the context length).
     /// `/v1/completions` defaults to 16, as OpenAI's does.
     pub default_max_tokens: Option<usize>,
+    /// Most bytes of a request's structured-output constraint (`response_format`'s or
+    /// `structured_outputs`' schema serialized, regex, grammar or choices), checked
+    /// before it is compiled. Default 64 KiB.
+    pub max_constraint_bytes: usize,
 }
 
 impl ServerConfig {
@@ -199,6 +204,7 @@ impl ServerConfig {
             write_timeout: Duration::from_secs(30),
             max_connections: 1024,
             default_max_tokens: None,
+            max_constraint_bytes: 64 * 1024,
         }
     }
 
@@ -402,6 +408,7 @@ impl Server {
             ("max_json_depth", config.max_json_depth),
             ("max_unsent_events", config.max_unsent_events),
             ("max_connections", config.max_connections),
+            ("max_constraint_bytes", config.max_constraint_bytes),
         ];
         for (name, value) in limits {
             if value == 0 {

@@ -14,7 +14,7 @@ use super::{ContinuousConfig, Outcome, RequestMetrics, Shared, Sink, Submission}
 use crate::cache::{BlockManager, PagedKvCache};
 use crate::error::{LlamaError, Result};
 use crate::inference::TokenOutput;
-use crate::inference::handlers::request_sampler;
+use crate::inference::handlers::constrained_sampler;
 use crate::inference::runtime::CancelToken;
 use crate::llama::{GenerationState, Llama, StopReason, logits_to_vec};
 use crate::model::PagedRow;
@@ -191,7 +191,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         ))
                     });
             match prepared {
-                Ok((ids, state)) => {
+                Ok((ids, state, sampler)) => {
                     if !sub.sink.accepted(ids.len()) {
                         // Nobody listens any more.
                         self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -199,7 +199,6 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         sub.sink.done(Err(LlamaError::Cancelled));
                         continue;
                     }
-                    let sampler = request_sampler(&sub.request);
                     self.scheduler
                         .add_for(sub.id, ids, sub.scope.salt, sub.scope.tenant);
                     let poisoned = self
@@ -234,7 +233,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
     }
 
     /// Validates a request and tokenizes its prompt.
-    fn prepare(&self, sub: &Submission) -> Result<(Vec<u32>, GenerationState<B>)> {
+    fn prepare(&self, sub: &Submission) -> Result<(Vec<u32>, GenerationState<B>, Sampler)> {
         let request = &sub.request;
         request.validate(self.llama.config().max_seq_len)?;
         let ids = self.llama.encode_request(request)?;
@@ -253,7 +252,11 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         // Prompt log-probabilities (asked for rarely) take one forward pass over the
         // prompt here, on the engine thread.
         let state = self.llama.with_prompt_logprobs(state, request)?;
-        Ok((ids, state))
+        // The constraint (if any) is compiled here, once: its state lives in the sampler
+        // and, like the random generator, survives preemption (a recompute keeps the
+        // generated tokens the state has accepted).
+        let sampler = constrained_sampler(&self.llama, request)?;
+        Ok((ids, state, sampler))
     }
 
     /// Ends every cancelled request, freeing its blocks at once.
