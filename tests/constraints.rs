@@ -49,7 +49,9 @@ fn person_schema() -> Value {
 /// Checks `text` against [`person_schema`] (every keyword it uses).
 fn check_person(text: &str) {
     let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
-    let o = v.as_object().unwrap_or_else(|| panic!("not an object: {text}"));
+    let o = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {text}"));
     for key in o.keys() {
         assert!(
             ["name", "age", "role", "code", "pets", "nickname"].contains(&key.as_str()),
@@ -84,7 +86,11 @@ fn check_person(text: &str) {
 /// The generated text without its final stop token.
 fn text(llama: &Demo, ids: &[u32]) -> String {
     let tokenizer = &llama.tokenizer;
-    let ids: Vec<u32> = ids.iter().copied().filter(|&id| !tokenizer.is_stop(id)).collect();
+    let ids: Vec<u32> = ids
+        .iter()
+        .copied()
+        .filter(|&id| !tokenizer.is_stop(id))
+        .collect();
     tokenizer.decode(&ids).expect("decodes")
 }
 
@@ -125,7 +131,10 @@ fn json_schema_output_is_valid_and_the_same_in_every_strategy() {
     for (r, ids) in requests.iter().zip(&expected) {
         if r.constraint.is_some() {
             // It ended by itself with a stop token, within its budget.
-            assert!(llama.tokenizer.is_stop(*ids.last().expect("tokens")), "{ids:?}");
+            assert!(
+                llama.tokenizer.is_stop(*ids.last().expect("tokens")),
+                "{ids:?}"
+            );
             check_person(&text(&llama, ids));
         }
     }
@@ -201,7 +210,9 @@ fn regex_and_choice_are_honoured() {
     assert!(
         c.len() == 8
             && c[3] == '-'
-            && c.iter().enumerate().all(|(i, ch)| i == 3 || ch.is_ascii_digit()),
+            && c.iter()
+                .enumerate()
+                .all(|(i, ch)| i == 3 || ch.is_ascii_digit()),
         "{out:?}"
     );
     let colours = vec!["red".to_string(), "green".into(), "dark blue".into()];
@@ -225,7 +236,10 @@ fn regex_and_choice_are_honoured() {
     let out = text(&llama, &ids);
     let (answer, number) = out.split_once(", ").unwrap_or_else(|| panic!("{out:?}"));
     assert!(["yes", "no"].contains(&answer), "{out:?}");
-    assert!(number.parse::<u32>().is_ok_and(|n| (1..100).contains(&n)), "{out:?}");
+    assert!(
+        number.parse::<u32>().is_ok_and(|n| (1..100).contains(&n)),
+        "{out:?}"
+    );
 }
 
 #[test]
@@ -248,13 +262,18 @@ fn bad_and_hostile_constraints_get_typed_errors() {
         deep = json!({"type": "array", "items": deep, "minItems": 2});
     }
     let deep = llama.compile_constraint(&Constraint::JsonSchema(deep));
-    assert!(matches!(deep, Ok(_) | Err(LlamaError::InvalidConstraint(_))), "{deep:?}");
+    assert!(
+        matches!(deep, Ok(_) | Err(LlamaError::InvalidConstraint(_))),
+        "{deep:?}"
+    );
 
     // A 10,000-value enum is a legitimate schema: it compiles under the default limits
     // and is refused, with a typed error naming the limit, under a small lexer budget.
     let values: Vec<Value> = (0..10_000).map(|i| json!(format!("value-{i}"))).collect();
     let big_enum = Constraint::JsonSchema(json!({"enum": values}));
-    llama.compile_constraint(&big_enum).expect("compiles under the defaults");
+    llama
+        .compile_constraint(&big_enum)
+        .expect("compiles under the defaults");
     let small = ConstraintLimits {
         initial_lexer_fuel: 20_000,
         ..ConstraintLimits::default()
@@ -278,7 +297,10 @@ fn the_engine_refuses_a_bad_constraint_and_keeps_serving() {
         .with_max_tokens(4);
     let (ids, result) = rest(engine.submit(bad).expect("submitted"));
     assert!(ids.is_empty());
-    assert!(matches!(result, Err(LlamaError::InvalidConstraint(_))), "{result:?}");
+    assert!(
+        matches!(result, Err(LlamaError::InvalidConstraint(_))),
+        "{result:?}"
+    );
     let good = GenerateRequest::new(chat("Yes or no?"))
         .with_constraint(Constraint::Choice(vec!["yes".into(), "no".into()]))
         .with_max_tokens(4);

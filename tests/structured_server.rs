@@ -87,15 +87,21 @@ fn response_format_and_structured_outputs_over_http() {
         .await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
-        check_city(body["choices"][0]["message"]["content"].as_str().expect("content"));
+        check_city(
+            body["choices"][0]["message"]["content"]
+                .as_str()
+                .expect("content"),
+        );
 
         // The same streamed: the deltas join into the same valid JSON.
         let response = client
             .post(&chat)
-            .json(&json!({"messages": messages, "max_tokens": 80, "temperature": 1.0,
+            .json(
+                &json!({"messages": messages, "max_tokens": 80, "temperature": 1.0,
                 "seed": 3, "stream": true,
                 "response_format": {"type": "json_schema",
-                    "json_schema": {"name": "city", "schema": schema()}}}))
+                    "json_schema": {"name": "city", "schema": schema()}}}),
+            )
             .send()
             .await
             .expect("sent");
@@ -112,10 +118,15 @@ fn response_format_and_structured_outputs_over_http() {
             .filter(|d| *d != "[DONE]")
             .filter_map(|d| {
                 let v: Value = serde_json::from_str(d).ok()?;
-                v["choices"][0]["delta"]["content"].as_str().map(str::to_string)
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_string)
             })
             .collect();
-        assert_eq!(streamed, body["choices"][0]["message"]["content"].as_str().unwrap());
+        assert_eq!(
+            streamed,
+            body["choices"][0]["message"]["content"].as_str().unwrap()
+        );
 
         // json_object: any JSON object.
         let (status, body) = post(
@@ -126,7 +137,9 @@ fn response_format_and_structured_outputs_over_http() {
         )
         .await;
         assert_eq!(status, 200, "{body}");
-        let content = body["choices"][0]["message"]["content"].as_str().expect("content");
+        let content = body["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("content");
         if body["choices"][0]["finish_reason"] == "stop" {
             let v: Value = serde_json::from_str(content).expect("valid JSON");
             assert!(v.is_object(), "{content}");
@@ -162,11 +175,23 @@ fn response_format_and_structured_outputs_over_http() {
 
         // Bad constraints: a 400 naming the field, and the server keeps serving.
         for (bad, param) in [
-            (json!({"response_format": {"type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}), "response_format"),
-            (json!({"response_format": {"type": "xml"}}), "response_format.type"),
-            (json!({"structured_outputs": {"regex": "(unclosed"}}), "response_format"),
-            (json!({"structured_outputs": {"regex": "a".repeat(5000)}}), "structured_outputs"),
+            (
+                json!({"response_format": {"type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "xml"}}),
+                "response_format.type",
+            ),
+            (
+                json!({"structured_outputs": {"regex": "(unclosed"}}),
+                "response_format",
+            ),
+            (
+                json!({"structured_outputs": {"regex": "a".repeat(5000)}}),
+                "structured_outputs",
+            ),
         ] {
             let mut request = json!({"messages": messages, "max_tokens": 8});
             for (k, v) in bad.as_object().unwrap() {
@@ -177,8 +202,12 @@ fn response_format_and_structured_outputs_over_http() {
             assert_eq!(body["error"]["param"], param, "{body}");
             assert!(!body["error"]["message"].as_str().unwrap().is_empty());
         }
-        let (status, _) =
-            post(&client, &chat, json!({"messages": messages, "max_tokens": 2})).await;
+        let (status, _) = post(
+            &client,
+            &chat,
+            json!({"messages": messages, "max_tokens": 2}),
+        )
+        .await;
         assert_eq!(status, 200);
     });
 }

@@ -104,8 +104,7 @@ impl ConstraintVocab {
             .or_else(|| stop_ids.first().copied())
             .ok_or_else(|| {
                 LlamaError::InvalidConstraint(
-                    "the tokenizer has no stop token, so a constrained output could not end"
-                        .into(),
+                    "the tokenizer has no stop token, so a constrained output could not end".into(),
                 )
             })?;
         let n = u32::try_from(vocab_size)

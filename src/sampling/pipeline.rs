@@ -217,7 +217,7 @@ pub struct Pipeline {
     seed: u64,
     rng: StdRng,
     scratch: Scratch,
-    constraint: Option<Constrained>,
+    constraint: Option<Box<Constrained>>,
 }
 
 /// A pipeline's constraint: its state and the buffer of masked logits.
@@ -265,10 +265,10 @@ impl Pipeline {
     /// sampling); with top-k, top-p or min-p on, the mask is applied first.
     #[must_use]
     pub fn with_constraint(mut self, state: ConstraintState) -> Self {
-        self.constraint = Some(Constrained {
+        self.constraint = Some(Box::new(Constrained {
             state,
             masked: Vec::new(),
-        });
+        }));
         self
     }
 

@@ -23,11 +23,11 @@ use super::Shared;
 use super::error::ApiError;
 use super::generation::{ChoiceSpec, Generation, Update};
 use super::limits::{check_counts, check_depth};
-use super::structured;
 use super::openai::{
     ChatCompletionRequest, CompletionRequest, Endpoint, OpenAiRequest, PromptInput, Sampling,
     Usage, parse_request,
 };
+use super::structured;
 use crate::inference::{GenerateRequest, Scope};
 use crate::sampling::TokenLogprobs;
 

@@ -60,7 +60,10 @@ pub(crate) fn constraint(body: &[u8], max_bytes: usize) -> Result<Option<Constra
     if size > max_bytes {
         return Err(invalid(
             param,
-            format!("the {} is {size} bytes, at most {max_bytes}", constraint.kind()),
+            format!(
+                "the {} is {size} bytes, at most {max_bytes}",
+                constraint.kind()
+            ),
         ));
     }
     constraint
@@ -94,7 +97,10 @@ fn response_format(format: &Value) -> Result<Option<Constraint>, ApiError> {
                     "`response_format.json_schema.name` must be a string",
                 ));
             }
-            if spec.get("strict").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
+            if spec
+                .get("strict")
+                .is_some_and(|s| !s.is_boolean() && !s.is_null())
+            {
                 return Err(invalid(
                     "response_format.json_schema.strict",
                     "`response_format.json_schema.strict` must be a boolean",
@@ -215,7 +221,10 @@ mod tests {
     #[test]
     fn response_formats() {
         assert_eq!(parse(json!({})).unwrap(), None);
-        assert_eq!(parse(json!({"response_format": {"type": "text"}})).unwrap(), None);
+        assert_eq!(
+            parse(json!({"response_format": {"type": "text"}})).unwrap(),
+            None
+        );
         assert_eq!(
             parse(json!({"response_format": {"type": "json_object"}})).unwrap(),
             Some(Constraint::JsonSchema(json!({"type": "object"})))
@@ -229,7 +238,9 @@ mod tests {
             "response_format.type"
         );
         assert_eq!(
-            param(json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}})),
+            param(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}})
+            ),
             "response_format.json_schema.name"
         );
         assert_eq!(
