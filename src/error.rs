@@ -115,6 +115,15 @@ pub enum LlamaError {
     /// freed, and the engine goes on serving the others.
     #[error("engine step failed: {0}")]
     StepFailed(String),
+    /// A structured-output constraint (JSON Schema, regex, grammar, choice) could not be
+    /// compiled: it is malformed, uses something unsupported, or exceeds the constraint
+    /// engine's limits. The request is refused before it runs (a 400 from the server).
+    #[error("invalid constraint: {0}")]
+    InvalidConstraint(String),
+    /// The constraint engine failed while decoding a constrained request (a step went
+    /// past its limits, or the grammar allows no token); the request ends with it.
+    #[error("constraint failed during decoding: {0}")]
+    ConstraintFailed(String),
     /// The demo model or a pretrained checkpoint could not be fetched.
     #[error("download failed: {0}")]
     Download(String),

@@ -6,6 +6,7 @@ pub mod backend;
 pub mod batched;
 pub mod cache;
 pub mod config;
+pub mod constraints;
 pub mod demo;
 pub mod error;
 pub mod inference;

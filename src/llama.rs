@@ -330,6 +330,9 @@ pub struct Llama<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
     device: B::Device,
     /// The account of per-request KV caches against their limits.
     kv_ledger: Arc<KvLedger>,
+    /// The constraint engine's view of the vocabulary, built on first use
+    /// (`crate::constraints::model`).
+    pub(crate) constraint_vocab: std::sync::OnceLock<Arc<crate::constraints::ConstraintVocab>>,
 }
 
 impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
@@ -355,6 +358,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             tokenizer,
             device,
             kv_ledger,
+            constraint_vocab: std::sync::OnceLock::new(),
         })
     }
 
@@ -478,6 +482,8 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             tokenizer: f(self.tokenizer),
             device: self.device,
             kv_ledger: self.kv_ledger,
+            // The same vocabulary: `f` wraps the tokenizer, it does not change it.
+            constraint_vocab: self.constraint_vocab,
         }
     }
 

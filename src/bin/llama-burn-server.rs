@@ -77,6 +77,10 @@ struct Args {
     /// Deepest JSON nesting of a request body.
     #[arg(long, default_value_t = 32)]
     max_json_depth: usize,
+    /// Most bytes of a request's structured-output constraint (JSON Schema, regex,
+    /// grammar or choices), checked before it is compiled.
+    #[arg(long, default_value_t = 64 * 1024)]
+    max_constraint_bytes: usize,
     /// Seconds to wait for a request's headers (also the idle keep-alive timeout).
     #[arg(long, default_value_t = 10.0)]
     header_timeout: f64,
@@ -299,6 +303,7 @@ fn server_config(args: &Args, name: String) -> Result<ServerConfig, String> {
     config.max_stop_bytes = args.max_stop_bytes;
     config.max_messages = args.max_messages;
     config.max_json_depth = args.max_json_depth;
+    config.max_constraint_bytes = args.max_constraint_bytes;
     config.max_connections = args.max_connections;
     config.max_unsent_events = args.max_unsent_events;
     config.tokenizer_threads = args.tokenizer_threads;

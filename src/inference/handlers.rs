@@ -23,10 +23,29 @@ impl<B: LlamaBackend, T: Tokenizer> ModelDevice for Llama<B, T> {
 }
 
 /// The sampler a request asks for: the [`Pipeline`] of its sampling controls, seeded
-/// with its seed. Every strategy samples through it. Its controls are checked when it
-/// samples ([`Sampler::validate`]), or before with [`GenerateRequest::validate`].
+/// with its seed. Its controls are checked when it samples ([`Sampler::validate`]), or
+/// before with [`GenerateRequest::validate`]. It has no constraint: the strategies use
+/// [`constrained_sampler`], which compiles the request's
+/// [`constraint`](GenerateRequest::constraint) against the model.
 pub fn request_sampler(request: &GenerateRequest) -> Sampler {
     Sampler::Pipeline(Pipeline::unchecked(request.sampling_params(), request.seed))
+}
+
+/// The sampler a request asks for with its constraint, if any, compiled against
+/// `llama` ([`Llama::compile_constraint`]): what every strategy samples through.
+///
+/// # Errors
+///
+/// [`LlamaError::InvalidConstraint`] when the constraint does not compile.
+pub fn constrained_sampler<B: LlamaBackend, T: Tokenizer>(
+    llama: &Llama<B, T>,
+    request: &GenerateRequest,
+) -> Result<Sampler> {
+    let pipeline = Pipeline::unchecked(request.sampling_params(), request.seed);
+    Ok(Sampler::Pipeline(match &request.constraint {
+        Some(constraint) => pipeline.with_constraint(llama.compile_constraint(constraint)?),
+        None => pipeline,
+    }))
 }
 
 /// Validates `request` against the model and prepares its state.
@@ -51,7 +70,7 @@ pub fn streaming_handler<B: LlamaBackend, T: Tokenizer>(
 ) -> Result<()> {
     model.submit(move |llama| {
         let mut state = prepare(llama, &request)?;
-        let mut sampler = request_sampler(&request);
+        let mut sampler = constrained_sampler(llama, &request)?;
         for index in 0.. {
             if cancel.is_cancelled() {
                 return Err(LlamaError::Cancelled);
@@ -86,9 +105,12 @@ pub fn concurrent_streaming_handler<B: LlamaBackend, T: Tokenizer>(
     let request = std::sync::Arc::new(request);
     let prepared = {
         let request = request.clone();
-        model.submit(move |llama| prepare(llama, &request))??
+        model.submit(move |llama| {
+            let state = prepare(llama, &request)?;
+            Ok::<_, LlamaError>((state, constrained_sampler(llama, &request)?))
+        })??
     };
-    let mut carry = Some((prepared, request_sampler(&request)));
+    let mut carry = Some(prepared);
     for index in 0.. {
         if cancel.is_cancelled() {
             return Err(LlamaError::Cancelled);

@@ -11,7 +11,9 @@ pub use continuous::{
     ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, EngineMetrics, EventHandler,
     KvBudget, Outcome, RequestMetrics, Scope, continuous_batching_handler,
 };
-pub use handlers::{concurrent_streaming_handler, request_sampler, streaming_handler};
+pub use handlers::{
+    concurrent_streaming_handler, constrained_sampler, request_sampler, streaming_handler,
+};
 pub use request::{GenerateRequest, TokenOutput};
 pub use runtime::{
     CancelToken, Handler, In, Inference, InferenceBuilder, Job, JobBuilder, JobHandle, JobIter,

@@ -1,5 +1,6 @@
 //! What a client asks the inference service for, and what it gets back token by token.
 
+use crate::constraints::Constraint;
 use crate::error::{LlamaError, Result};
 use crate::sampling::{MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs};
 use crate::tokenizer::ChatMessage;
@@ -79,6 +80,9 @@ pub struct GenerateRequest {
     /// in the first [`TokenOutput::prompt_logprobs`]; `None` (the default) reports
     /// nothing. Costs one more forward pass over the prompt.
     pub prompt_logprobs: Option<usize>,
+    /// What the output must be (a JSON Schema, a regex, a Lark grammar, a choice), or
+    /// `None` (the default) for free text. See [`crate::constraints`].
+    pub constraint: Option<Constraint>,
 }
 
 impl GenerateRequest {
@@ -122,6 +126,7 @@ impl GenerateRequest {
             min_tokens: 0,
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         }
     }
 
@@ -264,6 +269,24 @@ impl GenerateRequest {
         self
     }
 
+    /// Constrains the output to `constraint` (compiled against the model when the request
+    /// starts; a bad one fails the request with
+    /// [`LlamaError::InvalidConstraint`]). Every strategy honours it.
+    ///
+    /// ```
+    /// use llama_burn::constraints::Constraint;
+    /// use llama_burn::inference::GenerateRequest;
+    ///
+    /// let request = GenerateRequest::new("Is water wet? Answer:")
+    ///     .with_constraint(Constraint::Choice(vec![" yes".into(), " no".into()]));
+    /// assert!(request.validate(2048).is_ok());
+    /// ```
+    #[must_use]
+    pub fn with_constraint(mut self, constraint: Constraint) -> Self {
+        self.constraint = Some(constraint);
+        self
+    }
+
     /// The request's sampling controls.
     pub fn sampling_params(&self) -> SamplingParams {
         SamplingParams {
@@ -356,6 +379,9 @@ impl GenerateRequest {
                 n,
                 "must be in [0, 20]",
             ));
+        }
+        if let Some(constraint) = &self.constraint {
+            constraint.validate()?;
         }
         Ok(())
     }
@@ -479,6 +505,7 @@ mod tests {
                 min_tokens: 0,
                 logprobs: None,
                 prompt_logprobs: None,
+                constraint: None,
             }
         );
         assert!(!r.is_greedy());

@@ -1182,10 +1182,8 @@ unsafe fn decode_step_q5<I: Isa>(
             ];
             for (h, low) in halves.into_iter().enumerate() {
                 let t = j + 4 * h;
-                let four = _mm256_and_si256(
-                    _mm256_srl_epi32(qh, _mm_cvtsi32_si128(4 * t as i32)),
-                    low4,
-                );
+                let four =
+                    _mm256_and_si256(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(4 * t as i32)), low4);
                 let fifth = _mm256_and_si256(_mm256_mullo_epi32(four, spread), bits);
                 w[t] = _mm256_or_si256(low, _mm256_slli_epi32::<4>(fifth));
             }

@@ -25,6 +25,7 @@
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 use super::{argmax, check_logits, validate_temperature, validate_top_p};
+use crate::constraints::ConstraintState;
 use crate::error::{LlamaError, Result};
 use crate::kernels::attention::exp;
 use crate::kernels::cpu::largest;
@@ -216,6 +217,14 @@ pub struct Pipeline {
     seed: u64,
     rng: StdRng,
     scratch: Scratch,
+    constraint: Option<Box<Constrained>>,
+}
+
+/// A pipeline's constraint: its state and the buffer of masked logits.
+#[derive(Debug, Clone)]
+struct Constrained {
+    state: ConstraintState,
+    masked: Vec<f32>,
 }
 
 impl Pipeline {
@@ -231,6 +240,7 @@ impl Pipeline {
             seed,
             rng: StdRng::seed_from_u64(seed),
             scratch: Scratch::default(),
+            constraint: None,
         })
     }
 
@@ -244,7 +254,32 @@ impl Pipeline {
             seed,
             rng: StdRng::seed_from_u64(seed),
             scratch: Scratch::default(),
+            constraint: None,
         }
+    }
+
+    /// Constrains what it draws to `state`'s grammar: the mask step of the pipeline
+    /// (after bias, penalties and bans, before temperature), and the state advances with
+    /// each token drawn. The token drawn without the mask is kept when the grammar allows
+    /// it (exactly the masked distribution for greedy decoding and plain temperature
+    /// sampling); with top-k, top-p or min-p on, the mask is applied first.
+    #[must_use]
+    pub fn with_constraint(mut self, state: ConstraintState) -> Self {
+        self.constraint = Some(Box::new(Constrained {
+            state,
+            masked: Vec::new(),
+        }));
+        self
+    }
+
+    /// Its constraint's state, if it has one.
+    pub fn constraint(&self) -> Option<&ConstraintState> {
+        self.constraint.as_ref().map(|c| &c.state)
+    }
+
+    /// Its constraint's state, mutably (to roll it back).
+    pub fn constraint_mut(&mut self) -> Option<&mut ConstraintState> {
+        self.constraint.as_mut().map(|c| &mut c.state)
     }
 
     /// The seed it was made with.
@@ -262,14 +297,36 @@ impl Pipeline {
     /// # Errors
     ///
     /// [`LlamaError::InvalidLogits`] when the logits hold a NaN or no token can be drawn.
+    /// With a constraint, [`LlamaError::ConstraintFailed`] when its step fails.
     pub fn sample(&mut self, logits: &[f32], history: History<'_>) -> Result<u32> {
-        sample(
-            &self.params,
-            logits,
+        let Some(constrained) = self.constraint.as_mut() else {
+            return sample(
+                &self.params,
+                logits,
+                history,
+                &mut self.rng,
+                &mut self.scratch,
+            );
+        };
+        let params = &self.params;
+        let truncates = params.top_k > 0 || params.top_p < 1.0 || params.min_p > 0.0;
+        if !truncates {
+            // The sampled token first: kept when the grammar allows it.
+            let token = sample(params, logits, history, &mut self.rng, &mut self.scratch)?;
+            if constrained.state.try_accept(token)? {
+                return Ok(token);
+            }
+        }
+        constrained.state.mask(logits, &mut constrained.masked)?;
+        let token = sample(
+            params,
+            &constrained.masked,
             history,
             &mut self.rng,
             &mut self.scratch,
-        )
+        )?;
+        constrained.state.accept(token)?;
+        Ok(token)
     }
 }
 

@@ -173,6 +173,10 @@ impl ApiError {
             LlamaError::EmptyPrompt | LlamaError::Tokenizer(_) | LlamaError::InvalidBatch(_) => {
                 Self::invalid(error.to_string(), Some(prompt_param))
             }
+            LlamaError::InvalidConstraint(_) => Self {
+                code: Some("invalid_constraint"),
+                ..Self::invalid(error.to_string(), Some("response_format"))
+            },
             LlamaError::Overloaded { .. } => Self {
                 code: Some("queue_full"),
                 retry_after: Some(1),

@@ -46,6 +46,7 @@ pub mod openai;
 mod routes;
 mod serve;
 mod stop;
+mod structured;
 mod tokenize;
 
 use std::collections::HashMap;
@@ -187,6 +188,10 @@ pub struct ServerConfig {
     /// `max_tokens` when a request gives none (`None`: up to the context length).
     /// `/v1/completions` defaults to 16, as OpenAI's does.
     pub default_max_tokens: Option<usize>,
+    /// Most bytes of a request's structured-output constraint (`response_format`'s or
+    /// `structured_outputs`' schema serialized, regex, grammar or choices), checked
+    /// before it is compiled. Default 64 KiB.
+    pub max_constraint_bytes: usize,
 }
 
 impl ServerConfig {
@@ -220,6 +225,7 @@ impl ServerConfig {
             write_timeout: Duration::from_secs(30),
             max_connections: 1024,
             default_max_tokens: None,
+            max_constraint_bytes: 64 * 1024,
         }
     }
 
@@ -426,6 +432,7 @@ impl Server {
             ("max_unsent_events", config.max_unsent_events),
             ("max_connections", config.max_connections),
             ("tokenizer_threads", config.tokenizer_threads),
+            ("max_constraint_bytes", config.max_constraint_bytes),
         ];
         for (name, value) in limits {
             if value == 0 {

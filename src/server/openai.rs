@@ -128,7 +128,8 @@ pub struct ChatCompletionRequest {
     pub max_completion_tokens: Option<u64>,
     /// Unsupported: must be absent, null or an empty list.
     pub tools: Option<Value>,
-    /// Unsupported: must be absent, null or `{"type": "text"}`.
+    /// `text`, `json_object` or `json_schema` (read into a constraint by the server's
+    /// structured-outputs module).
     pub response_format: Option<Value>,
     /// The shared fields (read by [`parse_request`]).
     #[serde(skip)]
@@ -260,6 +261,8 @@ pub struct Sampling {
     /// Completions with `echo` and `max_tokens: 0`: one token is generated (the engine
     /// always generates one) and left out of the answer.
     pub prompt_only: bool,
+    /// The structured-output constraint (`response_format`, `structured_outputs`).
+    pub constraint: Option<crate::constraints::Constraint>,
 }
 
 fn out_of_range(name: &str, value: impl std::fmt::Display, range: &str) -> ApiError {
@@ -463,6 +466,7 @@ impl CommonFields {
             min_tokens,
             echo: false,
             prompt_only: false,
+            constraint: None,
         })
     }
 
@@ -507,11 +511,6 @@ impl ChatCompletionRequest {
     /// The conversation as chat messages, checked.
     pub fn conversation(&self) -> Result<Vec<ChatMessage>, ApiError> {
         refuse_unsupported("tools", &self.tools, &[Value::Array(Vec::new())])?;
-        refuse_unsupported(
-            "response_format",
-            &self.response_format,
-            &[serde_json::json!({"type": "text"})],
-        )?;
         if self.messages.is_empty() {
             return Err(ApiError::invalid(
                 "`messages` must not be empty",

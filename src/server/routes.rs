@@ -27,6 +27,7 @@ use super::openai::{
     ChatCompletionRequest, CompletionRequest, Endpoint, OpenAiRequest, PromptInput, Sampling,
     Usage, parse_request,
 };
+use super::structured;
 use crate::inference::{GenerateRequest, Scope};
 use crate::sampling::TokenLogprobs;
 
@@ -276,13 +277,15 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let body = read_body(&shared, body).await?;
     let (request, extras): (ChatCompletionRequest, _) = parse_body(&shared, Endpoint::Chat, &body)?;
+    let constraint = structured::constraint(&body, shared.config.max_constraint_bytes)?;
     drop(body);
     check_model(&shared, request.common.model.as_deref())?;
     let messages = request.conversation()?;
-    let sampling =
+    let mut sampling =
         request
             .common
             .sampling(Endpoint::Chat, request.max_tokens(), shared.config.max_n)?;
+    sampling.constraint = constraint;
     let default_max = shared.config.default_max_tokens;
     run(
         shared,
@@ -305,6 +308,7 @@ async fn completions(
     let body = read_body(&shared, body).await?;
     let (request, extras): (CompletionRequest, _) =
         parse_body(&shared, Endpoint::Completions, &body)?;
+    let constraint = structured::constraint(&body, shared.config.max_constraint_bytes)?;
     drop(body);
     check_model(&shared, request.common.model.as_deref())?;
     let prompts = request.prompts()?;
@@ -322,6 +326,7 @@ async fn completions(
             .sampling(Endpoint::Completions, max_tokens, shared.config.max_n)?;
     sampling.echo = echo;
     sampling.prompt_only = prompt_only;
+    sampling.constraint = constraint;
     // OpenAI's default for legacy completions.
     let default_max = Some(shared.config.default_max_tokens.unwrap_or(16));
     run(
@@ -394,6 +399,7 @@ fn base_request(sampling: &Sampling, max_tokens: usize) -> GenerateRequest {
         .with_stop_token_ids(sampling.stop_token_ids.clone())
         .with_min_tokens(sampling.min_tokens);
     request.logprobs = sampling.logprobs;
+    request.constraint = sampling.constraint.clone();
     request
 }
 

@@ -201,6 +201,54 @@ class OpenAIClientTest(unittest.TestCase):
         self.assertEqual(again.choices[0].message.content, first.choices[0].message.content)
         self.assertEqual(again.model_extra["seed"], seed)
 
+    def test_85_structured_outputs(self):
+        from typing import List, Literal, Optional
+        import pydantic
+
+        class Pet(pydantic.BaseModel):
+            kind: Literal["cat", "dog"]
+            legs: int = pydantic.Field(ge=0, le=8)
+
+        class Person(pydantic.BaseModel):
+            name: str = pydantic.Field(max_length=12)
+            age: int = pydantic.Field(ge=0, le=120)
+            code: str = pydantic.Field(pattern=r"^[A-Z]{2}[0-9]{2}$")
+            pets: List[Pet] = pydantic.Field(max_length=2)
+            nickname: Optional[str] = pydantic.Field(default=None, max_length=8)
+
+        messages = [{"role": "user", "content": "Describe a person as JSON."}]
+        # parse(): nested objects in an array, enums, bounded numbers, an optional field
+        # and a string pattern, through OpenAI's strict json_schema response_format.
+        out = self.client.chat.completions.parse(
+            model=MODEL, messages=messages, max_tokens=150, temperature=1.0, seed=4,
+            response_format=Person)
+        person = out.choices[0].message.parsed
+        self.assertIsInstance(person, Person)
+        Person.model_validate_json(out.choices[0].message.content)
+        # The same streamed: the client reassembles the deltas and parses them.
+        with self.client.chat.completions.stream(
+                model=MODEL, messages=messages, max_tokens=150, temperature=1.0, seed=4,
+                response_format=Person) as stream:
+            final = stream.get_final_completion()
+        self.assertEqual(final.choices[0].message.parsed, person)
+        # vLLM's structured_outputs through extra_body: a choice and a regex.
+        out = self.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Pick a side."}],
+            max_tokens=8, temperature=1.0,
+            extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+        self.assertIn(out.choices[0].message.content, ["left", "right"])
+        out = self.client.completions.create(
+            model=MODEL, prompt="The year was", max_tokens=8, temperature=1.0,
+            extra_body={"structured_outputs": {"regex": " [12][0-9]{3}"}})
+        self.assertRegex(out.choices[0].text, r"^ [12][0-9]{3}$")
+        # A schema that does not compile: a 400 naming response_format.
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=4,
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "bad", "schema": {"type": "nonsense"}}})
+        self.assertEqual(e.exception.param, "response_format")
+
     def test_8_penalties_logit_bias_and_vllm_extensions(self):
         messages = [{"role": "user", "content": "List five fruits, one per line."}]
         greedy = self.client.chat.completions.create(

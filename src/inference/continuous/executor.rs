@@ -14,7 +14,7 @@ use super::{ContinuousConfig, Outcome, RequestMetrics, Shared, Sink, Submission}
 use crate::cache::{BlockManager, PagedKvCache};
 use crate::error::{LlamaError, Result};
 use crate::inference::TokenOutput;
-use crate::inference::handlers::request_sampler;
+use crate::inference::handlers::constrained_sampler;
 use crate::inference::runtime::CancelToken;
 use crate::llama::{GenerationState, Llama, StopReason, logits_to_vec};
 use crate::model::PagedRow;
@@ -192,7 +192,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         ))
                     });
             match prepared {
-                Ok(state) => {
+                Ok((state, sampler)) => {
                     let ids = sub.prompt;
                     if !sub.sink.accepted(ids.len()) {
                         // Nobody listens any more.
@@ -201,7 +201,6 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         sub.sink.done(Err(LlamaError::Cancelled));
                         continue;
                     }
-                    let sampler = request_sampler(&sub.request);
                     self.scheduler
                         .add_for(sub.id, ids, sub.scope.salt, sub.scope.tenant);
                     let poisoned = sub.fault.step_panic;
@@ -232,9 +231,10 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         }
     }
 
-    /// Prepares the generation state of a request its submitter has validated and
-    /// tokenized already (the engine thread never tokenizes).
-    fn prepare(&self, sub: &Submission) -> Result<GenerationState<B>> {
+    /// Prepares the generation state and the sampler (with its compiled constraint, if
+    /// any) of a request its submitter has validated and tokenized already (the engine
+    /// thread never tokenizes).
+    fn prepare(&self, sub: &Submission) -> Result<(GenerationState<B>, Sampler)> {
         let request = &sub.request;
         let ids = &sub.prompt;
         let state = self
@@ -250,7 +250,12 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         }
         // Prompt log-probabilities (asked for rarely) take one forward pass over the
         // prompt here, on the engine thread.
-        self.llama.with_prompt_logprobs(state, request)
+        let state = self.llama.with_prompt_logprobs(state, request)?;
+        // The constraint (if any) is compiled here, once: its state lives in the sampler
+        // and, like the random generator, survives preemption (a recompute keeps the
+        // generated tokens the state has accepted).
+        let sampler = constrained_sampler(&self.llama, request)?;
+        Ok((state, sampler))
     }
 
     /// Ends every cancelled request, freeing its blocks at once.

@@ -1,0 +1,213 @@
+//! Structured outputs through the OpenAI-compatible server over real HTTP:
+//! `response_format` (json_object, json_schema) and vLLM's `structured_outputs` give
+//! output that follows them, streamed and not; a bad schema is a 400 naming the field.
+#![cfg(feature = "server")]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::demo;
+use futures_util::StreamExt;
+use llama_burn::inference::{ContinuousConfig, ContinuousEngine};
+use llama_burn::server::{Engine, Server, ServerConfig};
+use serde_json::{Value, json};
+
+/// Serves the demo model on an ephemeral port; returns its base URL and the runtime.
+fn start() -> (String, tokio::runtime::Runtime, Server) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let config = ContinuousConfig::default().with_kv_budget_tokens(4096);
+    let engine: Arc<dyn Engine> =
+        Arc::new(ContinuousEngine::start(demo(512), config).expect("engine"));
+    let mut server_config = ServerConfig::new("smol");
+    server_config.max_constraint_bytes = 4096;
+    let server = Server::new(server_config).expect("server");
+    server.set_engine(engine).expect("engine");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let addr = listener.local_addr().expect("addr");
+    let app = server.router();
+    rt.spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+        axum::serve(listener, app).await.expect("serve");
+    });
+    (format!("http://{addr}"), rt, server)
+}
+
+fn schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 16},
+            "population": {"type": "integer", "minimum": 0},
+            "sizes": {"type": "array", "items": {"enum": ["small", "big"]}, "maxItems": 3}
+        },
+        "required": ["city", "population", "sizes"],
+        "additionalProperties": false
+    })
+}
+
+fn check_city(text: &str) {
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    let o = v.as_object().expect("an object");
+    assert_eq!(o.len(), 3, "{text}");
+    assert!(o["city"].as_str().expect("city").chars().count() <= 16);
+    assert!(o["population"].as_u64().is_some(), "{text}");
+    let sizes = o["sizes"].as_array().expect("sizes");
+    assert!(sizes.len() <= 3);
+    assert!(sizes.iter().all(|s| s == "small" || s == "big"), "{text}");
+}
+
+async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let response = client.post(url).json(&body).send().await.expect("sent");
+    let status = response.status().as_u16();
+    (status, response.json().await.expect("json body"))
+}
+
+#[test]
+fn response_format_and_structured_outputs_over_http() {
+    let (base, rt, _server) = start();
+    let chat = format!("{base}/v1/chat/completions");
+    let completions = format!("{base}/v1/completions");
+    let messages = json!([{"role": "user", "content": "Describe a city as JSON."}]);
+    rt.block_on(async {
+        let client = reqwest::Client::new();
+        // json_schema, sampled with a seed.
+        let (status, body) = post(
+            &client,
+            &chat,
+            json!({"messages": messages, "max_tokens": 80, "temperature": 1.0, "seed": 3,
+                   "response_format": {"type": "json_schema",
+                       "json_schema": {"name": "city", "schema": schema(), "strict": true}}}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+        check_city(
+            body["choices"][0]["message"]["content"]
+                .as_str()
+                .expect("content"),
+        );
+
+        // The same streamed: the deltas join into the same valid JSON.
+        let response = client
+            .post(&chat)
+            .json(
+                &json!({"messages": messages, "max_tokens": 80, "temperature": 1.0,
+                "seed": 3, "stream": true,
+                "response_format": {"type": "json_schema",
+                    "json_schema": {"name": "city", "schema": schema()}}}),
+            )
+            .send()
+            .await
+            .expect("sent");
+        assert_eq!(response.status().as_u16(), 200);
+        let mut stream = response.bytes_stream();
+        let mut raw = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            raw.extend_from_slice(&chunk.expect("chunk"));
+        }
+        let text = String::from_utf8(raw).expect("utf-8");
+        let streamed: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| {
+                let v: Value = serde_json::from_str(d).ok()?;
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .collect();
+        assert_eq!(
+            streamed,
+            body["choices"][0]["message"]["content"].as_str().unwrap()
+        );
+
+        // json_object: any JSON object.
+        let (status, body) = post(
+            &client,
+            &chat,
+            json!({"messages": messages, "max_tokens": 60, "temperature": 0,
+                   "response_format": {"type": "json_object"}}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let content = body["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("content");
+        if body["choices"][0]["finish_reason"] == "stop" {
+            let v: Value = serde_json::from_str(content).expect("valid JSON");
+            assert!(v.is_object(), "{content}");
+        } else {
+            assert!(content.starts_with('{'), "{content}");
+        }
+
+        // vLLM's structured_outputs: a choice and a regex, on both endpoints.
+        let (status, body) = post(
+            &client,
+            &chat,
+            json!({"messages": [{"role": "user", "content": "Pick one."}], "max_tokens": 8,
+                   "temperature": 1.0, "seed": 1,
+                   "structured_outputs": {"choice": ["left", "right"]}}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let content = body["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(["left", "right"].contains(&content), "{content:?}");
+        let (status, body) = post(
+            &client,
+            &completions,
+            json!({"prompt": "The year was", "max_tokens": 8,
+                   "structured_outputs": {"regex": " [12][0-9]{3}"}}),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let text = body["choices"][0]["text"].as_str().unwrap();
+        assert!(
+            text.len() == 5 && text[1..].chars().all(|c| c.is_ascii_digit()),
+            "{text:?}"
+        );
+
+        // Bad constraints: a 400 naming the field, and the server keeps serving.
+        for (bad, param) in [
+            (
+                json!({"response_format": {"type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "xml"}}),
+                "response_format.type",
+            ),
+            (
+                json!({"structured_outputs": {"regex": "(unclosed"}}),
+                "response_format",
+            ),
+            (
+                json!({"structured_outputs": {"regex": "a".repeat(5000)}}),
+                "structured_outputs",
+            ),
+        ] {
+            let mut request = json!({"messages": messages, "max_tokens": 8});
+            for (k, v) in bad.as_object().unwrap() {
+                request[k] = v.clone();
+            }
+            let (status, body) = post(&client, &chat, request).await;
+            assert_eq!(status, 400, "{body}");
+            assert_eq!(body["error"]["param"], param, "{body}");
+            assert!(!body["error"]["message"].as_str().unwrap().is_empty());
+        }
+        let (status, _) = post(
+            &client,
+            &chat,
+            json!({"messages": messages, "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(status, 200);
+    });
+}
