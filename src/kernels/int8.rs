@@ -781,6 +781,7 @@ unsafe fn decode_group<I: Isa>(
     for blk in 0..subs / per_block {
         // SAFETY: block `blk` of the group is `8 * bb` bytes at `blk * 8 * bb`.
         let step = unsafe { group.as_ptr().add(blk * GROUP_ROWS * bb) };
+        super::tiling::prefetch_range(step, super::tiling::GROUP_PREFETCH_BYTES, GROUP_ROWS * bb);
         // SAFETY (each arm): `step` holds the format's eight blocks in the grouped layout.
         unsafe {
             match format {
