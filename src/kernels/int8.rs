@@ -1122,6 +1122,24 @@ unsafe fn decode_step_32<I: Isa>(
     }
 }
 
+/// The 32-bit word at byte `at` of each of eight rows `stride` bytes apart from `step`
+/// (lanes = rows): one gather, for fields too few or too scattered to transpose.
+///
+/// # Safety
+///
+/// The CPU has AVX2; four bytes are readable at `step + i * stride + at` for `i < 8`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn row_words(step: *const u8, stride: usize, at: usize) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let s = stride as i32;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let rows = _mm256_setr_epi32(0, s, 2 * s, 3 * s, 4 * s, 5 * s, 6 * s, 7 * s);
+        _mm256_i32gather_epi32::<1>(step.wrapping_add(at).cast(), rows)
+    }
+}
+
 /// One step of a Q5_0 or Q5_1 group (eight rows' block `b`, kept whole): the values and
 /// scales. Each row's 32 fifth bits (`qh`) are one gathered word; four of them are spread
 /// to bit 4 of four bytes by one multiplication (`x * 0x0020_4081` puts bit `i` of a
@@ -1143,12 +1161,8 @@ unsafe fn decode_step_q5<I: Isa>(
     // SAFETY (every read): row `i < 8`'s block is `bb` bytes at `row(i)`: `d` (and `m`)
     // at 0, `qh` at `head`, 16 bytes of `qs` at `head + 4`.
     unsafe {
-        let rows = _mm256_mullo_epi32(
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            _mm256_set1_epi32(bb as i32),
-        );
-        let heads = _mm256_i32gather_epi32::<1>(step.cast(), rows);
-        let qh = _mm256_i32gather_epi32::<1>(step.wrapping_add(head).cast(), rows);
+        let heads = row_words(step, bb, 0);
+        let qh = row_words(step, bb, head);
         let [d, m] = f16_pair::<I>(heads);
         let m = if format == QuantFormat::Q5_1 {
             m
@@ -1305,13 +1319,12 @@ unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
     // `qs` at 32, the packed scales at 96..108 and `d` at 108 (read as the high half of
     // the word at 106).
     unsafe {
-        let rows = _mm256_setr_epi32(0, 110, 220, 330, 440, 550, 660, 770);
-        let mut words = [_mm256_setzero_si256(); 4];
-        for (v, at) in words.iter_mut().zip([96, 100, 104, 106]) {
-            *v = _mm256_i32gather_epi32::<1>(step.wrapping_add(at).cast(), rows);
-        }
-        let packed = [words[0], words[1], words[2]];
-        let d = I::f16_low(_mm256_srli_epi32::<16>(words[3]));
+        let packed = [
+            row_words(step, 110, 96),
+            row_words(step, 110, 100),
+            row_words(step, 110, 104),
+        ];
+        let d = I::f16_low(_mm256_srli_epi32::<16>(row_words(step, 110, 106)));
         // ggml's packing of sixteen 6-bit scales in 12 bytes `q`: the low four bits of
         // scale i are q[i]'s low nibble (i < 8) or q[i - 8]'s high nibble; the top two are
         // bits 2(i / 4) of q[8 + i % 4].
@@ -1378,9 +1391,7 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
     // SAFETY (every read): row `i < 8`'s block is 210 bytes at `row(i)`; `d` is its last
     // two bytes, read as the high half of the word at 206.
     unsafe {
-        let rows = _mm256_setr_epi32(0, 210, 420, 630, 840, 1050, 1260, 1470);
-        let words = _mm256_i32gather_epi32::<1>(step.wrapping_add(206).cast(), rows);
-        let d = I::f16_low(_mm256_srli_epi32::<16>(words));
+        let d = I::f16_low(_mm256_srli_epi32::<16>(row_words(step, 210, 206)));
         let packed = transpose8::<I>(|i| row(i).wrapping_add(176));
         let mut scale = [_mm256_setzero_si256(); 16];
         for (k, v) in scale.iter_mut().enumerate() {

@@ -345,10 +345,14 @@ pub(crate) fn q5_k(x: &[f32], out: &mut Vec<u8>) {
     }
 }
 
-/// `Q6_K` (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen signed
-/// 8-bit scales, `d` (f16). An all-zero block is all zero bytes.
-pub(crate) fn q6_k(x: &[f32], out: &mut Vec<u8>) {
-    let mut levels = [0u8; QK_K];
+/// Fits each 16-value group of a 256-value block with `fit` (which writes the group's
+/// levels and returns its scale): the sixteen scales, then the one of largest magnitude
+/// (the first such) and that magnitude.
+fn fit_groups(
+    x: &[f32],
+    levels: &mut [u8; QK_K],
+    mut fit: impl FnMut(&[f32], &mut [u8]) -> f32,
+) -> ([f32; 16], f32, f32) {
     let mut scales = [0f32; 16];
     let (mut max_scale, mut max_abs) = (0f32, 0f32);
     for (j, (group, lv)) in x
@@ -356,13 +360,21 @@ pub(crate) fn q6_k(x: &[f32], out: &mut Vec<u8>) {
         .zip(levels.chunks_exact_mut(16))
         .enumerate()
     {
-        let s = fit_scale(group, 32, lv);
+        let s = fit(group, lv);
         scales[j] = s;
         if s.abs() > max_abs {
             max_abs = s.abs();
             max_scale = s;
         }
     }
+    (scales, max_scale, max_abs)
+}
+
+/// `Q6_K` (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen signed
+/// 8-bit scales, `d` (f16). An all-zero block is all zero bytes.
+pub(crate) fn q6_k(x: &[f32], out: &mut Vec<u8>) {
+    let mut levels = [0u8; QK_K];
+    let (scales, max_scale, max_abs) = fit_groups(x, &mut levels, |g, lv| fit_scale(g, 32, lv));
     if max_abs < ZERO_GROUP {
         out.extend_from_slice(&[0u8; 210]);
         return;
@@ -411,20 +423,7 @@ pub(crate) fn q6_k(x: &[f32], out: &mut Vec<u8>) {
 /// bytes of sixteen 6-bit scales offset by 32, `d` (f16).
 pub(crate) fn q3_k(x: &[f32], out: &mut Vec<u8>) {
     let mut levels = [0u8; QK_K];
-    let mut scales = [0f32; 16];
-    let (mut max_scale, mut max_abs) = (0f32, 0f32);
-    for (j, (group, lv)) in x
-        .chunks_exact(16)
-        .zip(levels.chunks_exact_mut(16))
-        .enumerate()
-    {
-        let s = fit_scale_3bit(group, 4, lv);
-        scales[j] = s;
-        if s.abs() > max_abs {
-            max_abs = s.abs();
-            max_scale = s;
-        }
-    }
+    let (scales, max_scale, _) = fit_groups(x, &mut levels, |g, lv| fit_scale_3bit(g, 4, lv));
     let mut coded = [0u8; 16];
     let d = if max_scale != 0.0 {
         let inv = -32.0 / max_scale;
