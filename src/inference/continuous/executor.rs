@@ -81,15 +81,33 @@ pub(super) struct GoneGuard(Arc<Shared>);
 
 impl Drop for GoneGuard {
     fn drop(&mut self) {
-        self.0.gone.store(true, Ordering::Release);
-        self.0.waiting.store(0, Ordering::Release);
-        if let Ok(mut m) = self.0.metrics.lock() {
-            m.running = 0;
-            m.prefilling = 0;
-            m.waiting = 0;
-            m.kv_blocks_used = 0;
-            m.kv_bytes_used = 0;
+        mark_gone(&self.0);
+    }
+}
+
+/// Marks the engine gone if dropped while a panic unwinds past it. Bound next to a local
+/// that owns a request's sink, after it, so that it is dropped first: the request's
+/// submitter, told that its request ended, finds the engine already marked gone.
+struct GoneOnUnwind(Arc<Shared>);
+
+impl Drop for GoneOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            mark_gone(&self.0);
         }
+    }
+}
+
+/// Refuses submissions from now on and zeroes the engine's gauges.
+fn mark_gone(shared: &Shared) {
+    shared.gone.store(true, Ordering::Release);
+    shared.waiting.store(0, Ordering::Release);
+    if let Ok(mut m) = shared.metrics.lock() {
+        m.running = 0;
+        m.prefilling = 0;
+        m.waiting = 0;
+        m.kv_blocks_used = 0;
+        m.kv_bytes_used = 0;
     }
 }
 
@@ -179,6 +197,9 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => return true,
                 },
             };
+            // A panic that escapes this loop ends the thread; `sub` is dropped after this
+            // guard, so its submitter learns of the end only once the engine reads gone.
+            let _gone_first = GoneOnUnwind(self.shared.clone());
             if sub.fault.exit {
                 // Test-only (`exit_marker`): a bug that no step contains ends the thread.
                 panic!("fault injected: the engine thread ends (exit_marker)");
