@@ -633,17 +633,11 @@ impl LlamaBackend for burn::backend::Flex {
     }
 }
 
-#[cfg(feature = "cuda")]
-impl LlamaBackend for burn::backend::Cuda {}
-
 #[cfg(any(feature = "tch-gpu", feature = "tch-cpu"))]
 impl LlamaBackend for burn::backend::LibTorch {}
 
-#[cfg(feature = "wgpu")]
-impl LlamaBackend for burn::backend::Wgpu {}
-
-#[cfg(feature = "vulkan")]
-impl LlamaBackend for burn::backend::Vulkan {}
+// Burn's CubeCL backends (cuda, wgpu, vulkan): implemented in `crate::gpu`, with our
+// CubeCL kernels.
 
 /// Burn's remote backend: every tensor operation goes to the server's device, so the
 /// portable defaults (dequantized weights, Burn's operations) are the only path; our CPU

@@ -87,3 +87,105 @@ fn wgpu_gives_the_cpu_backend_tokens_and_logits() {
     let m = engine.metrics();
     assert_eq!((m.cancelled, m.completed, m.kv_blocks_used), (1, 2, 0));
 }
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+        })
+        .collect()
+}
+
+#[test]
+fn paged_attention_kernel_gives_the_cpu_reference() {
+    use burn::tensor::{Tensor, TensorData};
+    use llama_burn::kernels::attention::{PagedPool, PagedSeq, paged_attention};
+    use llama_burn::model::attention::PagedBatch;
+
+    // Odd shapes: blocks of 5 positions, heads of 16 values (tiles of 16 keys), 4 query
+    // heads over 2 key/value heads; block tables with holes (blocks no sequence uses) and
+    // a prefix block (7) shared by two sequences; lengths not multiples of the block size,
+    // decode rows, prompt chunks over cached keys and a fresh prompt.
+    let (n_heads, kv_heads, block_size, dim, blocks) = (4, 2, 5, 16, 24);
+    let tables: [&[u32]; 5] = [
+        &[7, 2, 9],
+        &[7, 3],
+        &[11],
+        &[20, 19, 18, 17, 16, 15, 14, 13, 12, 10],
+        &[4],
+    ];
+    // (tokens, start) per sequence.
+    let shapes = [(1, 13), (4, 6), (3, 0), (2, 46), (1, 0)];
+    let seqs: Vec<PagedSeq> = shapes
+        .iter()
+        .zip(tables)
+        .map(|(&(tokens, start), blocks)| PagedSeq {
+            tokens,
+            start,
+            blocks,
+        })
+        .collect();
+    let pool_len = blocks * kv_heads * block_size * dim;
+    let (keys, vals) = (values(pool_len, 1), values(pool_len, 2));
+    let tokens: usize = shapes.iter().map(|s| s.0).sum();
+    let q = values(tokens * n_heads * dim, 3);
+    let pool = PagedPool {
+        keys: &keys,
+        values: &vals,
+        heads: kv_heads,
+        block_size,
+        dim,
+    };
+    let want = paged_attention(&q, n_heads, pool, &seqs).expect("cpu reference");
+
+    let device = Default::default();
+    let pool_dims = [blocks, kv_heads, block_size, dim];
+    let k = Tensor::<Wgpu, 4>::from_data(TensorData::new(keys.clone(), pool_dims), &device);
+    let v = Tensor::<Wgpu, 4>::from_data(TensorData::new(vals.clone(), pool_dims), &device);
+    let run = |q: &[f32], seqs: Vec<PagedSeq>| -> Vec<f32> {
+        let rows: usize = seqs.iter().map(|s| s.tokens).sum();
+        let batch = PagedBatch::<Wgpu>::new(seqs, n_heads, block_size, blocks, &device)
+            .expect("batch");
+        let q = Tensor::<Wgpu, 2>::from_data(
+            TensorData::new(q.to_vec(), [rows, n_heads * dim]),
+            &device,
+        );
+        Wgpu::paged_attention(q, &k, &v, &batch)
+            .expect("wgpu paged attention")
+            .into_data()
+            .into_vec::<f32>()
+            .expect("f32")
+    };
+    let got = run(&q, seqs.clone());
+    let diff = want
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    eprintln!("paged attention kernel vs cpu: max |diff| {diff:e}");
+    assert_eq!(got.len(), want.len());
+    assert!(diff <= 1e-5, "{diff}");
+
+    // Batch invariance: each sequence alone gives its rows of the batch, bitwise.
+    let width = n_heads * dim;
+    let mut first = 0;
+    for seq in &seqs {
+        let rows = first..first + seq.tokens;
+        let alone = run(&q[rows.start * width..rows.end * width], vec![*seq]);
+        assert_eq!(alone, got[rows.start * width..rows.end * width]);
+        first = rows.end;
+    }
+
+    // A block outside the pool is an error, not a read out of bounds.
+    let outside = [PagedSeq {
+        tokens: 1,
+        start: 0,
+        blocks: &[blocks as u32],
+    }];
+    assert!(PagedBatch::<Wgpu>::new(outside.to_vec(), n_heads, block_size, blocks, &device).is_err());
+}

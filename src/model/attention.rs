@@ -81,6 +81,60 @@ pub struct PagedBatch<'a, B: Backend> {
     device: B::Device,
     /// Built on first use, by backends that gather blocks.
     gathered: OnceCell<Gathered<B>>,
+    /// Built on first use, by backends whose kernel reads the block tables on the device.
+    table: OnceCell<DeviceTable<B>>,
+}
+
+/// A step's block tables on the device (see [`PagedBatch::device_table`]).
+#[derive(Debug)]
+struct DeviceTable<B: Backend> {
+    values: Tensor<B, 1, Int>,
+    /// The largest block id named, checked against a layer's pool.
+    max_block: usize,
+}
+
+impl<'a, B: Backend> PagedBatch<'a, B> {
+    /// The sequences of a step over a pool of `blocks` blocks of `block_size`
+    /// positions, for `n_heads` query heads: what a paged forward pass builds once per
+    /// step, and what a test of a backend's
+    /// [`paged_attention`](LlamaBackend::paged_attention) builds by hand.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidBatch`] if there are no sequences, one has no tokens, or a
+    /// block table is too short for its tokens or names a block outside the pool.
+    pub fn new(
+        seqs: Vec<PagedSeq<'a>>,
+        n_heads: usize,
+        block_size: usize,
+        blocks: usize,
+        device: &B::Device,
+    ) -> Result<Self> {
+        if seqs.is_empty() || block_size == 0 || seqs.iter().any(|s| s.tokens == 0) {
+            return Err(LlamaError::InvalidBatch(
+                "a paged step needs sequences with at least one token each".into(),
+            ));
+        }
+        for seq in &seqs {
+            let end = seq.start + seq.tokens;
+            if seq.blocks.len().saturating_mul(block_size) < end
+                || seq.blocks.iter().any(|&b| b as usize >= blocks)
+            {
+                return Err(LlamaError::InvalidBatch(format!(
+                    "a block table of {} blocks in a pool of {blocks} cannot hold {end} tokens",
+                    seq.blocks.len()
+                )));
+            }
+        }
+        Ok(Self {
+            seqs,
+            n_heads,
+            block_size,
+            device: device.clone(),
+            gathered: OnceCell::new(),
+            table: OnceCell::new(),
+        })
+    }
 }
 
 impl<'a, B: LlamaBackend> PagedBatch<'a, B> {
@@ -92,6 +146,38 @@ impl<'a, B: LlamaBackend> PagedBatch<'a, B> {
     /// Query heads.
     pub fn n_heads(&self) -> usize {
         self.n_heads
+    }
+
+    /// Positions per block of the pool.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The step's block tables as one integer tensor on the device, for kernels that
+    /// read them there, and the largest block id they name. For query token `t` (the
+    /// sequences' new tokens one after another), entry `2 t` is where its sequence's
+    /// block table starts in this tensor and entry `2 t + 1` its position; the tables
+    /// follow, each holding the blocks of its sequence's `start + tokens` positions. Built
+    /// on first use (one upload per step) and shared by every layer.
+    pub fn device_table(&self) -> (&Tensor<B, 1, Int>, usize) {
+        let table = self.table.get_or_init(|| {
+            let tokens: usize = self.seqs.iter().map(|s| s.tokens).sum();
+            let mut values = Vec::with_capacity(2 * tokens);
+            let mut tables = Vec::new();
+            for seq in &self.seqs {
+                let at = 2 * tokens + tables.len();
+                let used = (seq.start + seq.tokens).div_ceil(self.block_size.max(1));
+                tables.extend(seq.blocks[..used.min(seq.blocks.len())].iter().map(|&b| b as i64));
+                values.extend((0..seq.tokens).flat_map(|s| [at as i64, (seq.start + s) as i64]));
+            }
+            let max_block = tables.iter().copied().max().unwrap_or(0) as usize;
+            values.extend(tables);
+            DeviceTable {
+                values: int_tensor(values, &self.device),
+                max_block,
+            }
+        });
+        (&table.values, table.max_block)
     }
 
     /// Attention by gathering each group of similar sequences' blocks into a padded
@@ -319,6 +405,7 @@ impl<'a, B: Backend> PagedPlan<'a, B> {
                 block_size: bs,
                 device: device.clone(),
                 gathered: OnceCell::new(),
+                table: OnceCell::new(),
             },
         })
     }
