@@ -10,7 +10,10 @@ pub mod constraints;
 pub mod demo;
 pub mod error;
 #[cfg(feature = "cubecl-kernels")]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "cuda", feature = "wgpu", feature = "vulkan"))))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "cuda", feature = "wgpu", feature = "vulkan")))
+)]
 pub mod gpu;
 pub mod inference;
 pub mod kernels;

@@ -90,7 +90,9 @@ fn wgpu_gives_the_cpu_backend_tokens_and_logits() {
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
             state = state
@@ -149,8 +151,8 @@ fn paged_attention_kernel_gives_the_cpu_reference() {
     let v = Tensor::<Wgpu, 4>::from_data(TensorData::new(vals.clone(), pool_dims), &device);
     let run = |q: &[f32], seqs: Vec<PagedSeq>| -> Vec<f32> {
         let rows: usize = seqs.iter().map(|s| s.tokens).sum();
-        let batch = PagedBatch::<Wgpu>::new(seqs, n_heads, block_size, blocks, &device)
-            .expect("batch");
+        let batch =
+            PagedBatch::<Wgpu>::new(seqs, n_heads, block_size, blocks, &device).expect("batch");
         let q = Tensor::<Wgpu, 2>::from_data(
             TensorData::new(q.to_vec(), [rows, n_heads * dim]),
             &device,
@@ -187,5 +189,49 @@ fn paged_attention_kernel_gives_the_cpu_reference() {
         start: 0,
         blocks: &[blocks as u32],
     }];
-    assert!(PagedBatch::<Wgpu>::new(outside.to_vec(), n_heads, block_size, blocks, &device).is_err());
+    assert!(
+        PagedBatch::<Wgpu>::new(outside.to_vec(), n_heads, block_size, blocks, &device).is_err()
+    );
+}
+
+#[test]
+fn quantized_matmul_kernels_give_the_cpu_reference() {
+    use burn::tensor::{Tensor, TensorData};
+    use llama_burn::Precision;
+    use llama_burn::kernels::{QuantFormat, QuantMatrix};
+
+    let device = Default::default();
+    // Every kept format: Q8_0, Q4_0 and Q4_1 through the fused kernel, the others through
+    // their dense copy on the device. An odd number of outputs, one row and several.
+    for format in QuantFormat::ALL {
+        let (n_out, cols) = (37, 2 * format.block_values());
+        let w =
+            QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 4)).expect("quantize");
+        let dense = w.dequantize().expect("dequantize");
+        for rows in [1, 5] {
+            let x = values(rows * cols, 5 + rows as u64);
+            let want: Vec<f32> = (0..rows * n_out)
+                .map(|i| {
+                    let (r, o) = (i / n_out, i % n_out);
+                    (0..cols)
+                        .map(|c| f64::from(x[r * cols + c]) * f64::from(dense[o * cols + c]))
+                        .sum::<f64>() as f32
+                })
+                .collect();
+            let xt = Tensor::<Wgpu, 2>::from_data(TensorData::new(x, [rows, cols]), &device);
+            let got = Wgpu::quantized_matmul(xt, &w, Precision::Exact)
+                .expect("wgpu quantized matmul")
+                .into_data()
+                .into_vec::<f32>()
+                .expect("f32");
+            let diff = want
+                .iter()
+                .zip(&got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert_eq!(got.len(), want.len());
+            assert!(diff <= 1e-4, "{format:?}, {rows} rows: {diff}");
+        }
+    }
+    assert!(<Wgpu as LlamaBackend>::keeps_quantized_weights());
 }

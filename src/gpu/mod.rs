@@ -11,16 +11,23 @@
 //! - [`paged_attention`](LlamaBackend::paged_attention): reads every sequence's block
 //!   table on the device, decode and prompt chunks, grouped-query heads, causal; no
 //!   gathered copy of the pool, no padding, no mask.
+//! - [`quantized_matmul`](LlamaBackend::quantized_matmul): weights stay in their GGUF
+//!   blocks on the device ([`keeps_quantized_weights`](LlamaBackend::keeps_quantized_weights)),
+//!   uploaded once on first use; Q8_0, Q4_0 and Q4_1 are multiplied by a fused
+//!   dequantize-and-multiply kernel, the other kept formats are dequantized once to an
+//!   f32 copy on the device (the portable path's memory) and multiplied by Burn's matmul.
 
 mod kernels;
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Tensor, TensorPrimitive, backend::Backend};
+use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive, backend::Backend};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 
 use crate::backend::LlamaBackend;
+use crate::config::Precision;
 use crate::error::{LlamaError, Result};
+use crate::kernels::{QuantFormat, QuantMatrix};
 use crate::model::attention::PagedBatch;
 
 /// The shape of a paged attention call (see [`CubeKernels::paged_attention_primitive`]).
@@ -38,6 +45,19 @@ pub struct PagedShape {
     pub dim: usize,
 }
 
+/// The shape of a quantized product (see [`CubeKernels::quantized_matmul_primitive`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantShape {
+    /// Rows of `x`.
+    pub rows: usize,
+    /// Outputs (rows of the weight).
+    pub n_out: usize,
+    /// Inputs (columns of `x` and of the weight, a whole number of 32-value blocks).
+    pub cols: usize,
+    /// The block format: 0 Q8_0, 1 Q4_0, 2 Q4_1.
+    pub format: u32,
+}
+
 /// The largest head the paged attention kernel takes (one unit per value of a head).
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -53,6 +73,15 @@ pub trait CubeKernels: Backend {
         values: FloatTensor<Self>,
         table: IntTensor<Self>,
         shape: PagedShape,
+    ) -> FloatTensor<Self>;
+
+    /// `x @ W^T` for `x` `[rows, cols]` and `W` `[n_out, cols]` in ggml's blocks of
+    /// `shape.format`, row by row, its bytes packed little-endian four to an integer
+    /// (`words`); returns `[rows, n_out]`. The caller has checked the shapes.
+    fn quantized_matmul_primitive(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        shape: QuantShape,
     ) -> FloatTensor<Self>;
 }
 
@@ -108,6 +137,45 @@ where
         );
         out
     }
+
+    fn quantized_matmul_primitive(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        shape: QuantShape,
+    ) -> FloatTensor<Self> {
+        use burn_cubecl::kernel::into_contiguous;
+        use burn_cubecl::tensor::CubeTensor;
+        use cubecl::{CubeCount, CubeDim};
+
+        let x = into_contiguous(x);
+        let words = into_contiguous(words);
+        let out_shape = burn::tensor::Shape::new([shape.rows, shape.n_out]);
+        let bytes = out_shape.num_elements() * x.dtype.size();
+        let out = CubeTensor::new_contiguous(
+            x.client.clone(),
+            x.device.clone(),
+            out_shape,
+            x.client.empty(bytes),
+            x.dtype,
+        );
+        let (f_dtype, i_dtype) = (x.dtype, words.dtype);
+        let client = x.client.clone();
+        let width = 64u32;
+        kernels::quantized_matmul_kernel::launch::<R>(
+            &client,
+            CubeCount::Static((shape.n_out as u32).div_ceil(width), shape.rows as u32, 1),
+            CubeDim::new_1d(width),
+            x.into_tensor_arg(),
+            words.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            shape.rows as u32,
+            shape.n_out as u32,
+            shape.cols as u32,
+            shape.format,
+            [f_dtype.into(), i_dtype.into()],
+        );
+        out
+    }
 }
 
 impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
@@ -156,7 +224,12 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
         );
         let desc = CustomOpIr::new(
             "llama_burn_paged_attention",
-            &[q.into_ir(), keys.into_ir(), values.into_ir(), table.into_ir()],
+            &[
+                q.into_ir(),
+                keys.into_ir(),
+                values.into_ir(),
+                table.into_ir(),
+            ],
             &[out],
         );
         client
@@ -164,6 +237,62 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
                 streams,
                 OperationIr::Custom(desc.clone()),
                 PagedAttentionOp::<B> {
+                    desc,
+                    shape,
+                    _backend: core::marker::PhantomData,
+                },
+            )
+            .output()
+    }
+
+    fn quantized_matmul_primitive(
+        x: FloatTensor<Self>,
+        words: IntTensor<Self>,
+        shape: QuantShape,
+    ) -> FloatTensor<Self> {
+        use burn_fusion::stream::{Operation, OperationStreams};
+        use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+        /// The kernel as an operation of the fusion stream.
+        #[derive(Debug)]
+        struct QuantizedMatmulOp<B> {
+            desc: CustomOpIr,
+            shape: QuantShape,
+            _backend: core::marker::PhantomData<B>,
+        }
+
+        impl<B: FusionBackend + CubeKernels> Operation<B::FusionRuntime> for QuantizedMatmulOp<B> {
+            fn execute(
+                &self,
+                handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+            ) {
+                let ([x, words], [out]) = self.desc.as_fixed();
+                let result = B::quantized_matmul_primitive(
+                    handles.get_float_tensor::<B>(x),
+                    handles.get_int_tensor::<B>(words),
+                    self.shape,
+                );
+                handles.register_float_tensor::<B>(&out.id, result);
+            }
+        }
+
+        let client = x.client.clone();
+        let streams = OperationStreams::with_inputs([&x, &words]);
+        let out = TensorIr::uninit(
+            client.create_empty_handle(),
+            burn::tensor::Shape::new([shape.rows, shape.n_out]),
+            x.dtype,
+        );
+        let desc = CustomOpIr::new(
+            "llama_burn_quantized_matmul",
+            &[x.into_ir(), words.into_ir()],
+            &[out],
+        );
+        client
+            .register(
+                streams,
+                OperationIr::Custom(desc.clone()),
+                QuantizedMatmulOp::<B> {
                     desc,
                     shape,
                     _backend: core::marker::PhantomData,
@@ -224,6 +353,99 @@ fn paged_attention<B: LlamaBackend + CubeKernels>(
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
 }
 
+/// A quantized matrix on a device: its blocks as words for the kernel's formats, else
+/// its dense f32 transpose `[in, out]`.
+#[derive(Debug, Clone)]
+enum DeviceWeight<B: Backend> {
+    Blocks(Tensor<B, 1, Int>, u32),
+    Dense(Tensor<B, 2>),
+}
+
+impl<B: Backend> DeviceWeight<B> {
+    fn device(&self) -> B::Device {
+        match self {
+            Self::Blocks(t, _) => t.device(),
+            Self::Dense(t) => t.device(),
+        }
+    }
+}
+
+/// The kernel's code for a block format, if it has one.
+fn kernel_format(format: QuantFormat) -> Option<u32> {
+    match format {
+        QuantFormat::Q8_0 => Some(0),
+        QuantFormat::Q4_0 => Some(1),
+        QuantFormat::Q4_1 => Some(2),
+        _ => None,
+    }
+}
+
+/// [`LlamaBackend::quantized_matmul`] on the device: the matrix's copy there (made on
+/// first use and kept with the matrix), through the fused kernel or Burn's matmul.
+fn quantized_matmul<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    w: &QuantMatrix,
+) -> Result<Tensor<B, 2>> {
+    let [rows, n_in] = x.dims();
+    if n_in != w.cols() {
+        return Err(LlamaError::ShapeMismatch {
+            name: "quantized matmul input".into(),
+            expected: vec![w.cols()],
+            actual: vec![n_in],
+        });
+    }
+    let device = x.device();
+    let weight = w.device_copy::<DeviceWeight<B>>(
+        |copy| copy.device() == device,
+        |w| {
+            Ok(match kernel_format(w.format()) {
+                Some(format) => {
+                    let bytes = w.to_ggml_bytes();
+                    // Four bytes to a word, little-endian; the integer tensor holds the
+                    // words' bits (an `i32` of any value).
+                    let words: Vec<i32> = bytes
+                        .chunks(4)
+                        .map(|c| {
+                            let mut word = [0u8; 4];
+                            word[..c.len()].copy_from_slice(c);
+                            i32::from_le_bytes(word)
+                        })
+                        .collect();
+                    let n = words.len();
+                    DeviceWeight::Blocks(
+                        Tensor::from_data(TensorData::new(words, [n]), &device),
+                        format,
+                    )
+                }
+                None => DeviceWeight::Dense(
+                    Tensor::<B, 2>::from_data(
+                        TensorData::new(w.dequantize()?, [w.rows(), w.cols()]),
+                        &device,
+                    )
+                    .transpose(),
+                ),
+            })
+        },
+    )?;
+    match weight {
+        DeviceWeight::Blocks(words, format) => {
+            let shape = QuantShape {
+                rows,
+                n_out: w.rows(),
+                cols: n_in,
+                format,
+            };
+            let out = B::quantized_matmul_primitive(
+                x.into_primitive().tensor(),
+                words.into_primitive(),
+                shape,
+            );
+            Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+        }
+        DeviceWeight::Dense(t) => Ok(x.matmul(t)),
+    }
+}
+
 /// Burn's CubeCL backends without fusion: our kernels where we have them, the portable
 /// defaults elsewhere.
 impl<R, F, I, BT> LlamaBackend for CubeBackend<R, F, I, BT>
@@ -241,6 +463,18 @@ where
     ) -> Result<Tensor<Self, 2>> {
         paged_attention(q, keys, values, batch)
     }
+
+    fn keeps_quantized_weights() -> bool {
+        true
+    }
+
+    fn quantized_matmul(
+        x: Tensor<Self, 2>,
+        w: &QuantMatrix,
+        _precision: Precision,
+    ) -> Result<Tensor<Self, 2>> {
+        quantized_matmul(x, w)
+    }
 }
 
 /// Burn's CubeCL backends with fusion (`burn::backend::{Cuda, Wgpu, Vulkan}`): our
@@ -253,5 +487,17 @@ impl<B: FusionBackend + CubeKernels> LlamaBackend for Fusion<B> {
         batch: &PagedBatch<'_, Self>,
     ) -> Result<Tensor<Self, 2>> {
         paged_attention(q, keys, values, batch)
+    }
+
+    fn keeps_quantized_weights() -> bool {
+        true
+    }
+
+    fn quantized_matmul(
+        x: Tensor<Self, 2>,
+        w: &QuantMatrix,
+        _precision: Precision,
+    ) -> Result<Tensor<Self, 2>> {
+        quantized_matmul(x, w)
     }
 }

@@ -155,6 +155,60 @@ pub struct QuantMatrix {
     rows: usize,
     cols: usize,
     data: Vec<u8>,
+    /// What GPU backends made of it on their devices, made on first use.
+    device: DeviceCopies,
+}
+
+/// Copies of a matrix that a GPU backend keeps on its devices (its blocks, or a dense
+/// form where the backend has no kernel for the format), type-erased and shared by the
+/// matrix's clones. They are derived from the matrix, so they never make two matrices
+/// differ.
+#[derive(Clone, Default)]
+struct DeviceCopies(std::sync::Arc<std::sync::Mutex<Vec<DeviceCopy>>>);
+
+type DeviceCopy = std::sync::Arc<dyn std::any::Any + Send + Sync>;
+
+impl std::fmt::Debug for DeviceCopies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |copies| copies.len());
+        write!(f, "DeviceCopies({n})")
+    }
+}
+
+impl PartialEq for DeviceCopies {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl QuantMatrix {
+    /// The copy of type `T` for which `fits` holds (a tensor on the right device), made
+    /// by `make` and kept on first use.
+    ///
+    /// # Errors
+    ///
+    /// What `make` reports, and [`LlamaError::Runtime`] if another thread panicked while
+    /// holding the copies.
+    pub(crate) fn device_copy<T: Clone + Send + Sync + 'static>(
+        &self,
+        fits: impl Fn(&T) -> bool,
+        make: impl FnOnce(&Self) -> Result<T>,
+    ) -> Result<T> {
+        let mut copies =
+            self.device.0.lock().map_err(|_| {
+                LlamaError::Runtime("a matrix's device copies were poisoned".into())
+            })?;
+        if let Some(copy) = copies
+            .iter()
+            .filter_map(|c| c.downcast_ref::<T>())
+            .find(|c| fits(c))
+        {
+            return Ok(copy.clone());
+        }
+        let copy = make(self)?;
+        copies.push(std::sync::Arc::new(copy.clone()));
+        Ok(copy)
+    }
 }
 
 impl QuantMatrix {
@@ -186,6 +240,7 @@ impl QuantMatrix {
             rows,
             cols,
             data: Vec::new(),
+            device: DeviceCopies::default(),
         };
         let (bb, hb) = (format.block_bytes(), format.head_bytes());
         let row_bytes = m.row_bytes();

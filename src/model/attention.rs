@@ -167,7 +167,11 @@ impl<'a, B: LlamaBackend> PagedBatch<'a, B> {
             for seq in &self.seqs {
                 let at = 2 * tokens + tables.len();
                 let used = (seq.start + seq.tokens).div_ceil(self.block_size.max(1));
-                tables.extend(seq.blocks[..used.min(seq.blocks.len())].iter().map(|&b| b as i64));
+                tables.extend(
+                    seq.blocks[..used.min(seq.blocks.len())]
+                        .iter()
+                        .map(|&b| b as i64),
+                );
                 values.extend((0..seq.tokens).flat_map(|s| [at as i64, (seq.start + s) as i64]));
             }
             let max_block = tables.iter().copied().max().unwrap_or(0) as usize;
