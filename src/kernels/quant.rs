@@ -189,6 +189,7 @@ impl QuantMatrix {
     ///
     /// What `make` reports, and [`LlamaError::Runtime`] if another thread panicked while
     /// holding the copies.
+    #[cfg_attr(not(feature = "cubecl-kernels"), allow(dead_code))]
     pub(crate) fn device_copy<T: Clone + Send + Sync + 'static>(
         &self,
         fits: impl Fn(&T) -> bool,
