@@ -633,8 +633,33 @@ impl LlamaBackend for burn::backend::Flex {
     }
 }
 
+/// LibTorch: the portable path, but for the attention mask. burn-tch 0.21 hands Burn's
+/// mask (`true` hides a key) to PyTorch's `scaled_dot_product_attention` as it is, where a
+/// boolean `true` means the opposite (the key takes part), so every masked attention came
+/// out wrong (the reference test's first greedy token differed). The mask is inverted
+/// here, so the fused kernel sees PyTorch's meaning.
 #[cfg(any(feature = "tch-gpu", feature = "tch-cpu"))]
-impl LlamaBackend for burn::backend::LibTorch {}
+impl LlamaBackend for burn::backend::LibTorch {
+    fn masked_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: Option<Tensor<Self, 4, Bool>>,
+    ) -> Result<Tensor<Self, 4>> {
+        Ok(attention(
+            q,
+            k,
+            v,
+            mask.map(Tensor::bool_not),
+            None,
+            AttentionModuleOptions {
+                scale: None,
+                softcap: None,
+                is_causal: false,
+            },
+        ))
+    }
+}
 
 // Burn's CubeCL backends (cuda, wgpu, vulkan): implemented in `crate::gpu`, with our
 // CubeCL kernels.
