@@ -112,8 +112,10 @@ use crate::model::attention::PagedBatch;
 ///
 /// Implemented for every backend of this crate's features: the CPU backend (Flex) keeps
 /// quantized weights in their blocks and multiplies them with our own kernels
-/// ([`crate::kernels::cpu`]); the GPU backends keep the defaults, so loading dequantizes
-/// and projections are Burn's matmul, as before.
+/// ([`crate::kernels::cpu`]); Burn's CubeCL backends (cuda, wgpu, vulkan) run our CubeCL
+/// kernels for paged attention and quantized projections (`crate::gpu`, with those
+/// features); the others keep the defaults, so loading dequantizes and projections are
+/// Burn's matmul.
 pub trait LlamaBackend: Backend {
     /// Whether loading keeps weights in a supported block format
     /// ([`QuantFormat`](crate::kernels::QuantFormat)) instead of dequantizing them.
