@@ -497,6 +497,7 @@ impl<T: Tokenizer> Frontend<T> {
             self.check_prompt(&ids, request.max_tokens)?;
             request.prompt = String::new();
             request.messages = None;
+            request.tools = Vec::new();
             let fault = self.fault(&ids);
             Ok((ids, fault))
         })
