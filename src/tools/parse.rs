@@ -143,14 +143,14 @@ impl ToolCallParser {
         out
     }
 
-    /// Sends `text` as content (whitespace alone is held back).
+    /// Sends `text` as content; trailing whitespace is held back (dropped if a call
+    /// follows).
     fn content(&mut self, out: &mut Vec<ToolCallEvent>, text: &str) {
-        if text.is_empty() {
-            return;
-        }
         self.held.push_str(text);
-        if !self.held.trim().is_empty() {
-            out.push(ToolCallEvent::Content(std::mem::take(&mut self.held)));
+        let end = self.held.trim_end().len();
+        if end > 0 {
+            let rest = self.held.split_off(end);
+            out.push(ToolCallEvent::Content(std::mem::replace(&mut self.held, rest)));
         }
     }
 
@@ -540,7 +540,7 @@ mod tests {
                 "Sure.\n<tool_call>\n{\"arguments\": {\"x\": 1}, \"name\": \"g\"}\n</tool_call>",
                 step,
             );
-            assert_eq!(content, "Sure.\n");
+            assert_eq!(content, "Sure.");
             assert_eq!((calls[0].name.as_str(), calls[0].arguments.as_str()), ("g", "{\"x\":1}"));
             // A call cut short before its closer still counts if it parses.
             let (_, calls, _) = run(

@@ -778,6 +778,15 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         self.client()?.frontend.encode(request)
     }
 
+    /// How the model writes tool calls ([`Tokenizer::tool_format`]; Hermes blocks once
+    /// the engine has stopped).
+    pub fn tool_format(&self) -> crate::tools::ToolFormat {
+        self.client()
+            .ok()
+            .and_then(|c| c.frontend.tokenizer().ok())
+            .map_or(crate::tools::ToolFormat::Hermes, |t| t.tool_format())
+    }
+
     /// Queues a request. It is validated and, unless it gives
     /// [`prompt_ids`](GenerateRequest::prompt_ids), tokenized on the calling thread
     /// (the engine thread deals in token ids only). Fails at once with
