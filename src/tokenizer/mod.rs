@@ -165,26 +165,65 @@ pub trait Tokenizer: Send + Sync + 'static {
                 })?
                 .pieces(messages, add_generation_prompt),
         };
+        // Control tokens as their ids; the text between them (the template's own and
+        // message content, which never holds one) as plain text, in runs as long as
+        // possible so that the ids are those of the whole text.
         let mut ids = Vec::new();
+        let mut run = String::new();
         for piece in pieces {
             match piece {
-                ChatPiece::Special(token) => match self.encode(token, false, false)?[..] {
-                    [id] => ids.push(id),
-                    _ => {
-                        return Err(LlamaError::Tokenizer(format!(
-                            "the chat template's control token `{token}` is not a single \
-                             token of this vocabulary"
-                        )));
+                ChatPiece::Special(token) => {
+                    let id = match self.encode(token, false, false)?[..] {
+                        [id] => id,
+                        _ => {
+                            return Err(LlamaError::Tokenizer(format!(
+                                "the chat template's control token `{token}` is not a \
+                                 single token of this vocabulary"
+                            )));
+                        }
+                    };
+                    ids.extend(self.encode_text(&std::mem::take(&mut run))?);
+                    ids.push(id);
+                }
+                ChatPiece::Text(text) => run.push_str(&text),
+                ChatPiece::Markup(text) => {
+                    let mut rest = text.as_str();
+                    for (id, special) in control_tokens(self, &text)? {
+                        let Some(at) = rest.find(&special) else {
+                            continue;
+                        };
+                        run.push_str(&rest[..at]);
+                        ids.extend(self.encode_text(&std::mem::take(&mut run))?);
+                        ids.push(id);
+                        rest = &rest[at + special.len()..];
                     }
-                },
-                ChatPiece::Text(text) => ids.extend(self.encode_text(&text)?),
-                ChatPiece::Markup(text) => ids.extend(self.encode(&text, false, false)?),
+                    run.push_str(rest);
+                }
             }
         }
+        ids.extend(self.encode_text(&run)?);
         let bos = self.add_bos_by_default()
             && self.bos_id().is_some_and(|b| ids.first() != Some(&b));
         wrap_bos_eos(ids, bos, false, self.bos_id(), self.eos_id())
     }
+}
+
+/// The control tokens `text` holds, in order: the ids of encoding it with special-token
+/// matching whose own text does not encode back to them as plain text.
+fn control_tokens<T: Tokenizer + ?Sized>(tokenizer: &T, text: &str) -> Result<Vec<(u32, String)>> {
+    let mut out = Vec::new();
+    for id in tokenizer.encode(text, false, false)? {
+        let Some(bytes) = tokenizer.token_bytes(id) else {
+            continue;
+        };
+        let Ok(token) = String::from_utf8(bytes) else {
+            continue;
+        };
+        if !token.is_empty() && tokenizer.encode_text(&token)? != [id] {
+            out.push((id, token));
+        }
+    }
+    Ok(out)
 }
 
 /// Refuses what a template would write from the request as its own text (roles, tool
