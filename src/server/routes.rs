@@ -29,11 +29,11 @@ use super::openai::{
 };
 use super::structured;
 use super::tools;
+use crate::inference::{GenerateRequest, Scope};
+use crate::sampling::TokenLogprobs;
 use crate::tools::ToolChoice;
 use crate::tools::grammar::tool_constraint;
 use crate::tools::parse::{ToolCallEvent, ToolCallParser, collect};
-use crate::inference::{GenerateRequest, Scope};
-use crate::sampling::TokenLogprobs;
 
 type AppState = State<Arc<Shared>>;
 

@@ -77,7 +77,9 @@ pub(crate) fn read(body: &[u8], max_bytes: usize) -> Result<Option<ToolRequest>,
     if size > max_bytes {
         return Err(invalid(
             "tools",
-            format!("the tools are {size} bytes, at most {max_bytes} (limit: --max-constraint-bytes)"),
+            format!(
+                "the tools are {size} bytes, at most {max_bytes} (limit: --max-constraint-bytes)"
+            ),
         ));
     }
     let mut tools = Vec::with_capacity(entries.len());
@@ -260,14 +262,19 @@ mod tests {
         let named = |name: &str| json!({"type": "function", "function": {"name": name}});
         assert_eq!(param(json!({"tools": {}})), "tools");
         assert_eq!(param(json!({"tools": [{"type": "x"}]})), "tools[0].type");
-        assert_eq!(param(json!({"tools": [named("a b")]})), "tools[0].function.name");
+        assert_eq!(
+            param(json!({"tools": [named("a b")]})),
+            "tools[0].function.name"
+        );
         assert_eq!(
             param(json!({"tools": [named("a"), named("a")]})),
             "tools[1].function.name"
         );
         assert_eq!(
-            param(json!({"tools": [{"type": "function", "function": {"name": "a",
-                "parameters": "x"}}]})),
+            param(
+                json!({"tools": [{"type": "function", "function": {"name": "a",
+                "parameters": "x"}}]})
+            ),
             "tools[0].function.parameters"
         );
         assert_eq!(
@@ -275,17 +282,26 @@ mod tests {
                 {"type": "function", "function": {"name": "nope"}}})),
             "tool_choice"
         );
-        assert_eq!(param(json!({"tools": [weather()], "tool_choice": "always"})), "tool_choice");
+        assert_eq!(
+            param(json!({"tools": [weather()], "tool_choice": "always"})),
+            "tool_choice"
+        );
         assert_eq!(param(json!({"tool_choice": "required"})), "tool_choice");
         assert_eq!(
             param(json!({"tools": [weather()], "parallel_tool_calls": "yes"})),
             "parallel_tool_calls"
         );
-        let many: Vec<Value> = (0..MAX_TOOLS + 1).map(|i| named(&format!("f{i}"))).collect();
+        let many: Vec<Value> = (0..MAX_TOOLS + 1)
+            .map(|i| named(&format!("f{i}")))
+            .collect();
         assert_eq!(param(json!({"tools": many})), "tools");
         let big = json!({"type": "function", "function": {"name": "f",
             "description": "x".repeat(5000)}});
         let e = parse(json!({"tools": [big]})).unwrap_err();
-        assert!(e.message.contains("--max-constraint-bytes"), "{}", e.message);
+        assert!(
+            e.message.contains("--max-constraint-bytes"),
+            "{}",
+            e.message
+        );
     }
 }

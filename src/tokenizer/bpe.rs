@@ -8,7 +8,9 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-use super::{ChatFormat, ChatTemplate, Tokenizer, collect_stop_ids, decode_with_table, wrap_bos_eos};
+use super::{
+    ChatFormat, ChatTemplate, Tokenizer, collect_stop_ids, decode_with_table, wrap_bos_eos,
+};
 use crate::error::{LlamaError, Result};
 use crate::loader::gguf::GgufFile;
 
@@ -368,7 +370,8 @@ impl GgufBpeTokenizer {
             add_bos: data.add_bos,
             add_eos: data.add_eos,
             stop_ids,
-            template: data.chat_template
+            template: data
+                .chat_template
                 .as_deref()
                 .and_then(|source| ChatTemplate::new(source).ok()),
             chat_template: data.chat_template,

@@ -323,7 +323,8 @@ impl HfTokenizer {
             eos_id,
             stop_ids,
             add_bos,
-            template: config.chat_template
+            template: config
+                .chat_template
                 .as_deref()
                 .and_then(|source| ChatTemplate::new(source).ok()),
             chat_template: config.chat_template,

@@ -202,8 +202,8 @@ pub trait Tokenizer: Send + Sync + 'static {
             }
         }
         ids.extend(self.encode_text(&run)?);
-        let bos = self.add_bos_by_default()
-            && self.bos_id().is_some_and(|b| ids.first() != Some(&b));
+        let bos =
+            self.add_bos_by_default() && self.bos_id().is_some_and(|b| ids.first() != Some(&b));
         wrap_bos_eos(ids, bos, false, self.bos_id(), self.eos_id())
     }
 }
@@ -244,7 +244,10 @@ fn check_template_inputs<T: Tokenizer + ?Sized>(
     for message in messages {
         check("a message's role", &message.role)?;
         for call in &message.tool_calls {
-            check("a tool call", &format!("{}{}{}", call.id, call.name, call.arguments))?;
+            check(
+                "a tool call",
+                &format!("{}{}{}", call.id, call.name, call.arguments),
+            )?;
         }
         if let Some(id) = &message.tool_call_id {
             check("a tool_call_id", id)?;

@@ -72,11 +72,16 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
-        env.add_function("raise_exception", |message: String| -> std::result::Result<JinjaValue, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<JinjaValue, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
         env.add_template_owned("chat", source.to_string())
-            .map_err(|e| LlamaError::Tokenizer(format!("the chat template does not compile: {e}")))?;
+            .map_err(|e| {
+                LlamaError::Tokenizer(format!("the chat template does not compile: {e}"))
+            })?;
         Ok(Self {
             env,
             source: source.to_string(),
@@ -229,7 +234,8 @@ fn tojson(
     let _: Option<JinjaValue> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
     let json: Value = serde_json::to_value(value).map_err(|e| {
-        minijinja::Error::new(ErrorKind::InvalidOperation, "cannot serialize to JSON").with_source(e)
+        minijinja::Error::new(ErrorKind::InvalidOperation, "cannot serialize to JSON")
+            .with_source(e)
     })?;
     let width = indent
         .filter(|i| !i.is_none())
@@ -239,29 +245,57 @@ fn tojson(
         Some(width) => {
             let pad = " ".repeat(width);
             let formatter = serde_json::ser::PrettyFormatter::with_indent(pad.as_bytes());
-            serde::Serialize::serialize(&json, &mut serde_json::Serializer::with_formatter(&mut out, formatter))
+            serde::Serialize::serialize(
+                &json,
+                &mut serde_json::Serializer::with_formatter(&mut out, formatter),
+            )
         }
-        None => serde::Serialize::serialize(&json, &mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter)),
+        None => serde::Serialize::serialize(
+            &json,
+            &mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter),
+        ),
     };
     written.map_err(|e| {
-        minijinja::Error::new(ErrorKind::InvalidOperation, "cannot serialize to JSON").with_source(e)
+        minijinja::Error::new(ErrorKind::InvalidOperation, "cannot serialize to JSON")
+            .with_source(e)
     })?;
-    Ok(JinjaValue::from_safe_string(String::from_utf8_lossy(&out).into_owned()))
+    Ok(JinjaValue::from_safe_string(
+        String::from_utf8_lossy(&out).into_owned(),
+    ))
 }
 
 /// serde_json's compact output with Python's default separators.
 struct PythonFormatter;
 
 impl serde_json::ser::Formatter for PythonFormatter {
-    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, writer: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { writer.write_all(b", ") }
+    fn begin_array_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
     }
 
-    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, writer: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { writer.write_all(b", ") }
+    fn begin_object_key<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+        first: bool,
+    ) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            writer.write_all(b", ")
+        }
     }
 
-    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, writer: &mut W) -> std::io::Result<()> {
+    fn begin_object_value<W: ?Sized + std::io::Write>(
+        &mut self,
+        writer: &mut W,
+    ) -> std::io::Result<()> {
         writer.write_all(b": ")
     }
 }
@@ -279,7 +313,13 @@ mod tests {
         .unwrap();
         let tools = [Tool::new("f", json!({"type": "object", "é": "<x>"}))];
         let pieces = t
-            .render(&[ChatMessage::user("  hi "), ChatMessage::assistant("")], &tools, false, "<s>", "")
+            .render(
+                &[ChatMessage::user("  hi "), ChatMessage::assistant("")],
+                &tools,
+                false,
+                "<s>",
+                "",
+            )
             .unwrap();
         assert_eq!(
             pieces,
@@ -302,7 +342,8 @@ mod tests {
         assert!(ChatTemplate::new("{% for %}").is_err());
         let py = ChatTemplate::new("{{ messages[0].content.strip() }}").unwrap();
         assert_eq!(
-            py.render(&[ChatMessage::user(" a ")], &[], false, "", "").unwrap(),
+            py.render(&[ChatMessage::user(" a ")], &[], false, "", "")
+                .unwrap(),
             vec![ChatPiece::Text("a".into())]
         );
     }

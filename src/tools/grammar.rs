@@ -91,11 +91,17 @@ mod tests {
     fn grammars() {
         let tools = [
             Tool::new("a", json!({})),
-            Tool::new("b", json!({"type": "object", "properties": {"x": {"type": "integer"}}})),
+            Tool::new(
+                "b",
+                json!({"type": "object", "properties": {"x": {"type": "integer"}}}),
+            ),
         ];
-        let Some(Constraint::Grammar(g)) =
-            tool_constraint(&tools, &ToolChoice::Function("b".into()), true, ToolFormat::Hermes)
-        else {
+        let Some(Constraint::Grammar(g)) = tool_constraint(
+            &tools,
+            &ToolChoice::Function("b".into()),
+            true,
+            ToolFormat::Hermes,
+        ) else {
             panic!("no grammar");
         };
         assert!(g.starts_with("start: call\n"), "{g}");
@@ -109,8 +115,13 @@ mod tests {
         assert!(g.starts_with("start: body\nbody: fn_0 | fn_1\n"), "{g}");
         assert!(g.contains("\"parameters\""), "{g}");
         assert!(
-            tool_constraint(&tools, &ToolChoice::Function("c".into()), true, ToolFormat::Hermes)
-                .is_none()
+            tool_constraint(
+                &tools,
+                &ToolChoice::Function("c".into()),
+                true,
+                ToolFormat::Hermes
+            )
+            .is_none()
         );
     }
 }

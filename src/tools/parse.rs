@@ -150,7 +150,10 @@ impl ToolCallParser {
         let end = self.held.trim_end().len();
         if end > 0 {
             let rest = self.held.split_off(end);
-            out.push(ToolCallEvent::Content(std::mem::replace(&mut self.held, rest)));
+            out.push(ToolCallEvent::Content(std::mem::replace(
+                &mut self.held,
+                rest,
+            )));
         }
     }
 
@@ -199,7 +202,8 @@ impl ToolCallParser {
                 ToolFormat::Llama3Json => {
                     let trimmed = self.buf.trim_start();
                     let trimmed = trimmed.strip_prefix(PYTHON_TAG).unwrap_or(trimmed);
-                    let trimmed = trimmed.trim_start_matches(|c: char| c.is_whitespace() || c == ';');
+                    let trimmed =
+                        trimmed.trim_start_matches(|c: char| c.is_whitespace() || c == ';');
                     if trimmed.is_empty() {
                         return false;
                     }
@@ -360,7 +364,11 @@ impl ToolCallParser {
     /// Reads `text` as one whole call; whether it was one.
     fn whole_call(&mut self, out: &mut Vec<ToolCallEvent>, text: &str) -> bool {
         let text = text.strip_suffix(CLOSE).unwrap_or(text).trim();
-        match serde_json::from_str::<Value>(text).ok().as_ref().and_then(call_parts) {
+        match serde_json::from_str::<Value>(text)
+            .ok()
+            .as_ref()
+            .and_then(call_parts)
+        {
             Some((name, arguments)) => {
                 let index = self.start_call(out, name);
                 out.push(ToolCallEvent::Arguments {
@@ -541,7 +549,10 @@ mod tests {
                 step,
             );
             assert_eq!(content, "Sure.");
-            assert_eq!((calls[0].name.as_str(), calls[0].arguments.as_str()), ("g", "{\"x\":1}"));
+            assert_eq!(
+                (calls[0].name.as_str(), calls[0].arguments.as_str()),
+                ("g", "{\"x\":1}")
+            );
             // A call cut short before its closer still counts if it parses.
             let (_, calls, _) = run(
                 ToolFormat::Hermes,
@@ -549,7 +560,11 @@ mod tests {
                 step,
             );
             assert_eq!(calls[0].name, "h");
-            let (content, calls, _) = run(ToolFormat::Hermes, "<tool_call>not json</tool_call> ok", step);
+            let (content, calls, _) = run(
+                ToolFormat::Hermes,
+                "<tool_call>not json</tool_call> ok",
+                step,
+            );
             assert!(calls.is_empty());
             assert_eq!(content, "<tool_call>not json</tool_call> ok");
             let (content, calls, _) = run(

@@ -66,7 +66,10 @@ pub fn with_tools_prompt(messages: &[ChatMessage], tools: &[Tool]) -> Vec<ChatMe
         let prompt = tools_system_prompt(tools);
         match messages.first() {
             Some(first) if first.role == "system" => {
-                out.push(ChatMessage::system(format!("{}\n\n{prompt}", first.content)));
+                out.push(ChatMessage::system(format!(
+                    "{}\n\n{prompt}",
+                    first.content
+                )));
                 rest = &messages[1..];
             }
             _ => out.push(ChatMessage::system(prompt)),
@@ -128,6 +131,9 @@ mod tests {
         );
         assert_eq!(out[2].role, "user");
         assert_eq!(out[2].content, "<tool_response>\n42\n</tool_response>");
-        assert_eq!(with_tools_prompt(&messages[..1], &[]), messages[..1].to_vec());
+        assert_eq!(
+            with_tools_prompt(&messages[..1], &[]),
+            messages[..1].to_vec()
+        );
     }
 }
