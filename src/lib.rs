@@ -26,6 +26,7 @@ pub mod sampling;
 pub mod server;
 
 pub mod tokenizer;
+pub mod tools;
 
 pub use batched::BatchedGenerationState;
 pub use config::{LlamaConfig, Precision};

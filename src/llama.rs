@@ -78,13 +78,27 @@ impl<T: Tokenizer + ?Sized> PromptEncoder<'_, T> {
         let ids = match (&request.prompt_ids, &request.messages) {
             (Some(ids), _) => ids.clone(),
             (None, Some(messages)) => {
+                let tools: usize = request
+                    .tools
+                    .iter()
+                    .map(|t| t.openai_json().to_string().len())
+                    .sum();
                 self.check_text_fits(
                     messages
                         .iter()
-                        .map(|m| m.content.len() + m.role.len())
-                        .sum(),
+                        .map(|m| {
+                            m.content.len()
+                                + m.role.len()
+                                + m.tool_calls
+                                    .iter()
+                                    .map(|c| c.name.len() + c.arguments.len())
+                                    .sum::<usize>()
+                        })
+                        .sum::<usize>()
+                        + tools,
                 )?;
-                self.tokenizer.encode_chat(messages, true)?
+                self.tokenizer
+                    .encode_conversation(messages, &request.tools, true)?
             }
             (None, None) => return self.encode_prompt(&request.prompt),
         };

@@ -211,3 +211,120 @@ fn response_format_and_structured_outputs_over_http() {
         assert_eq!(status, 200);
     });
 }
+
+/// Hostile constraints: each is refused with its typed 400 (the time it took is printed;
+/// no timing is asserted), and the server keeps serving.
+#[test]
+fn hostile_constraints_are_refused_and_the_server_keeps_serving() {
+    let (base, rt, _server) = start();
+    let chat = format!("{base}/v1/chat/completions");
+    let messages = json!([{"role": "user", "content": "Answer."}]);
+    // Nested `oneOf`s of arrays, within the body's nesting limit.
+    let mut nested = json!({"type": "integer"});
+    for _ in 0..6 {
+        nested = json!({"oneOf": [nested.clone(), {"type": "array", "items": nested}]});
+    }
+    // Nested past the body's nesting limit (32).
+    let mut deep = json!({"type": "integer"});
+    for _ in 0..40 {
+        deep = json!({"type": "array", "items": deep});
+    }
+    let values: Vec<Value> = (0..10_000).map(|i| json!(format!("value-{i}"))).collect();
+    let schema = |s: Value| {
+        json!({"response_format": {"type": "json_schema",
+        "json_schema": {"name": "x", "schema": s}}})
+    };
+    let cases: [(&str, Value, Option<&str>); 4] = [
+        ("deep arrays", schema(deep), None),
+        ("nested oneOf", schema(nested), Some("invalid_constraint")),
+        (
+            "10,000-value enum",
+            schema(json!({"enum": values.clone()})),
+            None,
+        ),
+        (
+            "10,000-value enum tool",
+            json!({"tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object",
+            "properties": {"x": {"enum": values}}}}}], "tool_choice": "required"}),
+            None,
+        ),
+    ];
+    rt.block_on(async {
+        let client = reqwest::Client::new();
+        for (name, fields, code) in cases {
+            let mut request = json!({"messages": messages, "max_tokens": 8});
+            for (k, v) in fields.as_object().unwrap() {
+                request[k] = v.clone();
+            }
+            let started = std::time::Instant::now();
+            let (status, body) = post(&client, &chat, request).await;
+            println!(
+                "{name}: {status} in {:?}: {}",
+                started.elapsed(),
+                body["error"]["message"]
+            );
+            assert_eq!(status, 400, "{name}: {body}");
+            assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+            if let Some(code) = code {
+                assert_eq!(body["error"]["code"], code, "{name}: {body}");
+            }
+            let (status, _) = post(
+                &client,
+                &chat,
+                json!({"messages": messages, "max_tokens": 2}),
+            )
+            .await;
+            assert_eq!(status, 200, "served after {name}");
+        }
+        // Regexes that are exponential for backtracking engines, or huge counted
+        // repetitions, are built lazily by llguidance's derivative lexer: they are served
+        // (each step's work is bounded by `step_lexer_fuel`). So are an ambiguous
+        // left-recursive grammar.
+        for (name, fields) in [
+            (
+                "(a|aa)*b",
+                json!({"structured_outputs": {"regex": "(a|aa)*b"}}),
+            ),
+            (
+                "a{1000}{1000}",
+                json!({"structured_outputs": {"regex": "a{1000}{1000}"}}),
+            ),
+            (
+                "(a{100}){100}{100}",
+                json!({"structured_outputs": {"regex": "(a{100}){100}{100}"}}),
+            ),
+            (
+                "(.*a){40}",
+                json!({"structured_outputs": {"regex": "(.*a){40}"}}),
+            ),
+            (
+                "[ab]*a[ab]{40}",
+                json!({"structured_outputs": {"regex": "[ab]*a[ab]{40}"}}),
+            ),
+            (
+                "(a|b|ab)*(ba){50}(x{20}|y{30}){30}",
+                json!({"structured_outputs": {"regex": "(a|b|ab)*(ba){50}(x{20}|y{30}){30}"}}),
+            ),
+            (
+                "lark",
+                json!({"structured_outputs": {"grammar": "start: x\nx: x x | \"a\""}}),
+            ),
+        ] {
+            let mut request = json!({"messages": messages, "max_tokens": 8, "temperature": 0});
+            for (k, v) in fields.as_object().unwrap() {
+                request[k] = v.clone();
+            }
+            let started = std::time::Instant::now();
+            let (status, body) = post(&client, &chat, request).await;
+            println!(
+                "{name}: {status} in {:?}: {}",
+                started.elapsed(),
+                body["choices"][0]["message"]["content"]
+            );
+            assert_eq!(status, 200, "{name}: {body}");
+            let content = body["choices"][0]["message"]["content"].as_str();
+            assert!(content.is_some_and(|c| !c.is_empty()), "{name}: {body}");
+        }
+    });
+}

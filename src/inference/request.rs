@@ -37,6 +37,10 @@ pub struct GenerateRequest {
     /// [`Tokenizer::encode_chat`](crate::tokenizer::Tokenizer::encode_chat), message content
     /// as plain text (it can never be read as a control token).
     pub messages: Option<Vec<ChatMessage>>,
+    /// Functions the model may call in its answer to [`messages`](Self::messages): given
+    /// to the chat template (or described in the system prompt of a template without
+    /// tools, see [`crate::tools::prompt`]). Empty: none.
+    pub tools: Vec<crate::tools::Tool>,
     /// Token ids to continue instead of `prompt` (taken as they are: no BOS is added).
     /// Takes precedence over `messages`.
     pub prompt_ids: Option<Vec<u32>>,
@@ -110,6 +114,7 @@ impl GenerateRequest {
         Self {
             prompt: prompt.into(),
             messages: None,
+            tools: Vec::new(),
             prompt_ids: None,
             max_tokens: Self::DEFAULT_MAX_TOKENS,
             temperature: Self::DEFAULT_TEMPERATURE,
@@ -489,6 +494,7 @@ mod tests {
             GenerateRequest {
                 prompt: "p".into(),
                 messages: None,
+                tools: Vec::new(),
                 prompt_ids: None,
                 max_tokens: 7,
                 temperature: 0.5,

@@ -48,6 +48,7 @@ mod serve;
 mod stop;
 mod structured;
 mod tokenize;
+mod tools;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -90,6 +91,10 @@ pub trait Engine: Send + Sync + 'static {
     fn metrics(&self) -> EngineMetrics;
     /// The context length: prompt plus generated tokens.
     fn max_seq_len(&self) -> usize;
+    /// How the model writes tool calls (from its chat template).
+    fn tool_format(&self) -> crate::tools::ToolFormat {
+        crate::tools::ToolFormat::Hermes
+    }
     /// Whether the engine still runs (false: it stopped for good; `/health` answers 503
     /// so that an orchestrator restarts the replica).
     fn is_alive(&self) -> bool {
@@ -126,6 +131,10 @@ where
 
     fn max_seq_len(&self) -> usize {
         ContinuousEngine::max_seq_len(self)
+    }
+
+    fn tool_format(&self) -> crate::tools::ToolFormat {
+        ContinuousEngine::tool_format(self)
     }
 }
 

@@ -6,9 +6,10 @@
 //! and llama.cpp clients send is honoured (`temperature`, `top_p`, `frequency_penalty`,
 //! `presence_penalty`, `logit_bias`, `logprobs`/`top_logprobs`, `seed`, and vLLM's `top_k`,
 //! `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`). Fields
-//! for features this server does not have (`tools`, `suffix`, ...) are accepted at their
+//! for features this server does not have (`suffix`, `best_of`) are accepted at their
 //! neutral value and refused otherwise, so a client never silently gets less than it
-//! asked for.
+//! asked for. Tools and structured outputs are read from the body by the server's own
+//! modules for them.
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,8 @@ use crate::inference::request::MAX_STOP_TOKEN_IDS;
 use crate::sampling::pipeline::MAX_LOGIT_BIAS;
 use crate::sampling::{SamplingParams, TokenLogprob, TokenLogprobs};
 use crate::tokenizer::ChatMessage;
+use crate::tools::ToolCall;
+use crate::tools::parse::ToolCallEvent;
 
 /// Most stop strings a request may give (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
@@ -113,10 +116,35 @@ pub enum ContentPart {
 /// One message of `messages`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct RequestMessage {
-    /// `system`, `developer` (read as `system`), `user` or `assistant`.
+    /// `system`, `developer` (read as `system`), `user`, `assistant` or `tool`.
     pub role: String,
     /// The content (null only for an assistant message).
     pub content: Option<MessageContent>,
+    /// An assistant message's calls.
+    pub tool_calls: Option<Vec<RequestToolCall>>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+}
+
+/// One call of an assistant message's `tool_calls`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct RequestToolCall {
+    /// The call's id.
+    pub id: Option<String>,
+    /// `function` (the only kind).
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    /// The function called.
+    pub function: RequestFunctionCall,
+}
+
+/// The function of a [`RequestToolCall`].
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct RequestFunctionCall {
+    /// Its name.
+    pub name: String,
+    /// Its arguments: JSON text (as OpenAI sends them back), or a JSON value.
+    pub arguments: Value,
 }
 
 /// The body of `POST /v1/chat/completions`.
@@ -126,8 +154,6 @@ pub struct ChatCompletionRequest {
     pub messages: Vec<RequestMessage>,
     /// Newer name of `max_tokens`; wins when both are given.
     pub max_completion_tokens: Option<u64>,
-    /// Unsupported: must be absent, null or an empty list.
-    pub tools: Option<Value>,
     /// `text`, `json_object` or `json_schema` (read into a constraint by the server's
     /// structured-outputs module).
     pub response_format: Option<Value>,
@@ -261,8 +287,15 @@ pub struct Sampling {
     /// Completions with `echo` and `max_tokens: 0`: one token is generated (the engine
     /// always generates one) and left out of the answer.
     pub prompt_only: bool,
-    /// The structured-output constraint (`response_format`, `structured_outputs`).
+    /// The structured-output constraint (`response_format`, `structured_outputs`, or a
+    /// forced tool call).
     pub constraint: Option<crate::constraints::Constraint>,
+    /// The field a constraint that does not compile is blamed on.
+    pub constraint_param: &'static str,
+    /// Tools shown to the model (chat).
+    pub tools: Vec<crate::tools::Tool>,
+    /// Read the answer for tool calls written in this format (chat with tools).
+    pub tool_format: Option<crate::tools::ToolFormat>,
 }
 
 fn out_of_range(name: &str, value: impl std::fmt::Display, range: &str) -> ApiError {
@@ -467,6 +500,9 @@ impl CommonFields {
             echo: false,
             prompt_only: false,
             constraint: None,
+            constraint_param: "response_format",
+            tools: Vec::new(),
+            tool_format: None,
         })
     }
 
@@ -510,7 +546,6 @@ impl CommonFields {
 impl ChatCompletionRequest {
     /// The conversation as chat messages, checked.
     pub fn conversation(&self) -> Result<Vec<ChatMessage>, ApiError> {
-        refuse_unsupported("tools", &self.tools, &[Value::Array(Vec::new())])?;
         if self.messages.is_empty() {
             return Err(ApiError::invalid(
                 "`messages` must not be empty",
@@ -525,11 +560,12 @@ impl ChatCompletionRequest {
                     "system" | "developer" => "system",
                     "user" => "user",
                     "assistant" => "assistant",
+                    "tool" => "tool",
                     other => {
                         return Err(ApiError::invalid(
                             format!(
                                 "`messages[{i}].role` = `{other}` is not supported (system, \
-                                 developer, user or assistant)"
+                                 developer, user, assistant or tool)"
                             ),
                             Some(&format!("messages[{i}].role")),
                         ));
@@ -550,7 +586,24 @@ impl ChatCompletionRequest {
                         ));
                     }
                 };
-                Ok(ChatMessage::new(role, content))
+                let mut message = ChatMessage::new(role, content);
+                if let Some(calls) = &m.tool_calls {
+                    if role != "assistant" {
+                        return Err(ApiError::invalid(
+                            format!("`messages[{i}].tool_calls` is for assistant messages"),
+                            Some(&format!("messages[{i}].tool_calls")),
+                        ));
+                    }
+                    message.tool_calls = calls
+                        .iter()
+                        .enumerate()
+                        .map(|(j, call)| tool_call(i, j, call))
+                        .collect::<Result<_, _>>()?;
+                }
+                if role == "tool" {
+                    message.tool_call_id = m.tool_call_id.clone();
+                }
+                Ok(message)
             })
             .collect()
     }
@@ -559,6 +612,27 @@ impl ChatCompletionRequest {
     pub fn max_tokens(&self) -> Option<u64> {
         self.max_completion_tokens.or(self.common.max_tokens)
     }
+}
+
+/// Call `j` of message `i`'s `tool_calls`, checked.
+fn tool_call(i: usize, j: usize, call: &RequestToolCall) -> Result<ToolCall, ApiError> {
+    let param = format!("messages[{i}].tool_calls[{j}]");
+    if call.kind.as_deref().is_some_and(|k| k != "function") {
+        return Err(ApiError::invalid(
+            format!("`{param}.type` must be `function`"),
+            Some(&format!("{param}.type")),
+        ));
+    }
+    let arguments = match &call.function.arguments {
+        Value::String(text) => text.clone(),
+        Value::Null => "{}".to_string(),
+        other => other.to_string(),
+    };
+    Ok(ToolCall {
+        id: call.id.clone().unwrap_or_else(crate::tools::new_call_id),
+        name: call.function.name.clone(),
+        arguments,
+    })
 }
 
 impl CompletionRequest {
@@ -785,6 +859,71 @@ impl Endpoint {
     }
 }
 
+/// A chat choice of a whole response whose answer holds tool calls: `content` null
+/// unless there is text besides them.
+pub fn chat_tool_choice(
+    index: usize,
+    content: &str,
+    calls: &[ToolCall],
+    finish_reason: &str,
+    logprobs: Value,
+) -> Value {
+    let calls: Vec<Value> = calls
+        .iter()
+        .map(|c| {
+            serde_json::json!({
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            })
+        })
+        .collect();
+    let content = match content.trim().is_empty() {
+        true => Value::Null,
+        false => content.into(),
+    };
+    serde_json::json!({
+        "index": index,
+        "message": {"role": "assistant", "content": content, "tool_calls": calls},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    })
+}
+
+/// The chat delta of one [`ToolCallEvent`]: text as `content`; a call's start as its
+/// index, id, type and name (with empty arguments); then argument fragments, as OpenAI
+/// streams `tool_calls`.
+pub fn tool_delta(event: &ToolCallEvent) -> Value {
+    match event {
+        ToolCallEvent::Content(text) => serde_json::json!({"content": text}),
+        ToolCallEvent::Start { index, id, name } => serde_json::json!({"tool_calls": [{
+            "index": index,
+            "id": id,
+            "type": "function",
+            "function": {"name": name, "arguments": ""},
+        }]}),
+        ToolCallEvent::Arguments { index, fragment } => serde_json::json!({"tool_calls": [{
+            "index": index,
+            "function": {"arguments": fragment},
+        }]}),
+    }
+}
+
+/// A chat chunk's choice with this `delta`.
+pub fn chat_delta_choice(
+    index: usize,
+    delta: Value,
+    finish_reason: Option<&str>,
+    logprobs: Value,
+) -> Value {
+    serde_json::json!({
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -863,9 +1002,9 @@ mod tests {
         }
         for json in [
             r#"{"messages":[]}"#,
-            r#"{"messages":[{"role":"tool","content":"x"}]}"#,
+            r#"{"messages":[{"role":"robot","content":"x"}]}"#,
             r#"{"messages":[{"role":"user","content":null}]}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#,
+            r#"{"messages":[{"role":"user","content":"x","tool_calls":[]}]}"#,
         ] {
             assert!(chat(json).unwrap().conversation().is_err(), "{json}");
         }

@@ -25,11 +25,15 @@ use super::generation::{ChoiceSpec, Generation, Update};
 use super::limits::{check_counts, check_depth};
 use super::openai::{
     ChatCompletionRequest, CompletionRequest, Endpoint, OpenAiRequest, PromptInput, Sampling,
-    Usage, parse_request,
+    Usage, chat_delta_choice, chat_tool_choice, parse_request, tool_delta,
 };
 use super::structured;
+use super::tools;
 use crate::inference::{GenerateRequest, Scope};
 use crate::sampling::TokenLogprobs;
+use crate::tools::ToolChoice;
+use crate::tools::grammar::tool_constraint;
+use crate::tools::parse::{ToolCallEvent, ToolCallParser, collect};
 
 type AppState = State<Arc<Shared>>;
 
@@ -278,6 +282,7 @@ async fn chat_completions(
     let body = read_body(&shared, body).await?;
     let (request, extras): (ChatCompletionRequest, _) = parse_body(&shared, Endpoint::Chat, &body)?;
     let constraint = structured::constraint(&body, shared.config.max_constraint_bytes)?;
+    let tool_request = tools::read(&body, shared.config.max_constraint_bytes)?;
     drop(body);
     check_model(&shared, request.common.model.as_deref())?;
     let messages = request.conversation()?;
@@ -286,6 +291,9 @@ async fn chat_completions(
             .common
             .sampling(Endpoint::Chat, request.max_tokens(), shared.config.max_n)?;
     sampling.constraint = constraint;
+    if let Some(tool_request) = tool_request {
+        with_tools(&shared, &mut sampling, tool_request)?;
+    }
     let default_max = shared.config.default_max_tokens;
     run(
         shared,
@@ -297,6 +305,34 @@ async fn chat_completions(
         TenantOf::new(tenant, extras),
     )
     .await
+}
+
+/// Shows the tools to the model (unless `tool_choice` is `none`), reads its answer for
+/// calls, and constrains decoding when a call is forced.
+fn with_tools(
+    shared: &Shared,
+    sampling: &mut Sampling,
+    request: tools::ToolRequest,
+) -> Result<(), ApiError> {
+    if request.choice == ToolChoice::None {
+        return Ok(());
+    }
+    let format = shared.engine()?.tool_format();
+    if request.choice.is_forced() {
+        if sampling.constraint.is_some() {
+            return Err(ApiError::invalid(
+                "a forced `tool_choice` cannot be combined with `response_format` or \
+                 `structured_outputs`",
+                Some("tool_choice"),
+            ));
+        }
+        sampling.constraint =
+            tool_constraint(&request.tools, &request.choice, request.parallel, format);
+        sampling.constraint_param = "tools";
+    }
+    sampling.tools = request.tools;
+    sampling.tool_format = Some(format);
+    Ok(())
 }
 
 async fn completions(
@@ -428,7 +464,10 @@ fn prompt_requests(
         let mut request = base.clone();
         request.prompt_ids = None;
         match prompt {
-            PromptInput::Chat(messages) => request.messages = Some(messages),
+            PromptInput::Chat(messages) => {
+                request.messages = Some(messages);
+                request.tools = sampling.tools.clone();
+            }
             PromptInput::Text(text) => {
                 if sampling.echo {
                     plan.echo = Some(text.clone());
@@ -483,6 +522,8 @@ struct Envelope {
     seed: u64,
     /// Whether the choices carry log-probabilities.
     logprobs: bool,
+    /// Read the answers for tool calls in this format.
+    tool_format: Option<crate::tools::ToolFormat>,
 }
 
 impl Envelope {
@@ -561,14 +602,21 @@ async fn run(
         model: shared.config.served_model_name.clone(),
         seed,
         logprobs: sampling.logprobs.is_some(),
+        tool_format: sampling.tool_format,
     };
     // The client's id, or else the response's own: the replica's log line carries it,
     // and so does the response.
     let request_id = request_id.unwrap_or_else(|| envelope.id.clone());
     let header_value = HeaderValue::from_str(&request_id).ok();
     let keep_alive = shared.config.sse_keep_alive;
-    let generation =
-        Generation::start(shared, endpoint, specs, request_id, tenant.scope, slot).await?;
+    let generation = Generation::start(shared, endpoint, specs, request_id, tenant.scope, slot)
+        .await
+        .map_err(|mut e| {
+            if e.code == Some("invalid_constraint") {
+                e.param = Some(sampling.constraint_param.to_string());
+            }
+            e
+        })?;
     let mut response = if sampling.stream {
         let events = sse_events(generation, envelope, sampling.include_usage);
         Sse::new(events)
@@ -624,7 +672,20 @@ async fn whole_response(
     }
     let endpoint = envelope.endpoint;
     let choices: Vec<Value> = (0..n)
-        .map(|i| endpoint.choice(i, &texts[i], reasons[i], envelope.logprobs(&logprobs[i])))
+        .map(|i| {
+            let logprobs = envelope.logprobs(&logprobs[i]);
+            if let Some(format) = envelope.tool_format {
+                let mut parser = ToolCallParser::new(format);
+                let mut events = parser.push(&texts[i]);
+                events.extend(parser.finish());
+                let (content, calls) = collect(events);
+                if !calls.is_empty() {
+                    let reason = tool_finish_reason(reasons[i]);
+                    return chat_tool_choice(i, &content, &calls, reason, logprobs);
+                }
+            }
+            endpoint.choice(i, &texts[i], reasons[i], logprobs)
+        })
         .collect();
     Ok(Json(json!({
         "id": envelope.id,
@@ -639,12 +700,22 @@ async fn whole_response(
     .into_response())
 }
 
+/// `tool_calls` for an answer with calls that ended by itself (`length` stays).
+fn tool_finish_reason(reason: &'static str) -> &'static str {
+    match reason {
+        "stop" => "tool_calls",
+        other => other,
+    }
+}
+
 struct StreamState {
     generation: Generation,
     envelope: Envelope,
     include_usage: bool,
     queue: VecDeque<Event>,
     done: bool,
+    /// Each choice's tool-call reader (chat with tools).
+    parsers: Vec<ToolCallParser>,
 }
 
 impl StreamState {
@@ -656,6 +727,29 @@ impl StreamState {
     fn usage_field(&self) -> Option<Option<Usage>> {
         self.include_usage.then_some(None)
     }
+
+    /// One chunk per tool-call event of choice `index` (the log-probabilities on the
+    /// first; a chunk with an empty delta carries them when the text was held back), and
+    /// the finishing chunk when `finish` is given.
+    fn push_tool_events(
+        &mut self,
+        index: usize,
+        events: Vec<ToolCallEvent>,
+        mut logprobs: Value,
+        finish: Option<&str>,
+    ) {
+        for event in &events {
+            let lp = std::mem::take(&mut logprobs);
+            let choice = chat_delta_choice(index, tool_delta(event), None, lp);
+            let chunk = self.envelope.chunk(vec![choice], self.usage_field());
+            self.push(&chunk);
+        }
+        if finish.is_some() || !logprobs.is_null() {
+            let choice = chat_delta_choice(index, json!({}), finish, logprobs);
+            let chunk = self.envelope.chunk(vec![choice], self.usage_field());
+            self.push(&chunk);
+        }
+    }
 }
 
 /// The answer as server-sent events: `data: {chunk}` lines, then `data: [DONE]`. Text
@@ -666,12 +760,19 @@ fn sse_events(
     envelope: Envelope,
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
+    let parsers = match envelope.tool_format {
+        Some(format) => (0..generation.len())
+            .map(|_| ToolCallParser::new(format))
+            .collect(),
+        None => Vec::new(),
+    };
     let mut state = StreamState {
         generation,
         envelope,
         include_usage,
         queue: VecDeque::new(),
         done: false,
+        parsers,
     };
     if state.envelope.endpoint == Endpoint::Chat {
         // The first chunk of each choice names the role, as OpenAI's do.
@@ -691,6 +792,42 @@ fn sse_events(
             }
             let endpoint = state.envelope.endpoint;
             match state.generation.next().await {
+                Some(Update::Text {
+                    index,
+                    text,
+                    logprobs,
+                }) if !state.parsers.is_empty() => {
+                    let logprobs = state.envelope.logprobs(&logprobs);
+                    let events = match state.parsers.get_mut(index) {
+                        Some(parser) => parser.push(&text),
+                        None => Vec::new(),
+                    };
+                    state.push_tool_events(index, events, logprobs, None);
+                }
+                Some(Update::Finished {
+                    index,
+                    text,
+                    reason,
+                    logprobs,
+                }) if !state.parsers.is_empty() => {
+                    let logprobs = match logprobs.is_empty() {
+                        true => Value::Null,
+                        false => state.envelope.logprobs(&logprobs),
+                    };
+                    let (events, calls) = match state.parsers.get_mut(index) {
+                        Some(parser) => {
+                            let mut events = parser.push(&text);
+                            events.extend(parser.finish());
+                            (events, parser.calls())
+                        }
+                        None => (Vec::new(), 0),
+                    };
+                    let reason = match calls {
+                        0 => reason,
+                        _ => tool_finish_reason(reason),
+                    };
+                    state.push_tool_events(index, events, logprobs, Some(reason));
+                }
                 Some(Update::Text {
                     index,
                     text,

@@ -8,7 +8,9 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-use super::{ChatFormat, Tokenizer, collect_stop_ids, decode_with_table, wrap_bos_eos};
+use super::{
+    ChatFormat, ChatTemplate, Tokenizer, collect_stop_ids, decode_with_table, wrap_bos_eos,
+};
 use crate::error::{LlamaError, Result};
 use crate::loader::gguf::GgufFile;
 
@@ -218,6 +220,9 @@ pub struct GgufBpeTokenizer {
     add_eos: bool,
     stop_ids: Vec<u32>,
     chat_template: Option<String>,
+    /// `chat_template` compiled (absent when it does not compile: the built-in
+    /// [`ChatFormat`] is used then).
+    template: Option<ChatTemplate>,
     chat_format: Option<ChatFormat>,
 }
 
@@ -365,6 +370,10 @@ impl GgufBpeTokenizer {
             add_bos: data.add_bos,
             add_eos: data.add_eos,
             stop_ids,
+            template: data
+                .chat_template
+                .as_deref()
+                .and_then(|source| ChatTemplate::new(source).ok()),
             chat_template: data.chat_template,
             chat_format,
         })
@@ -478,6 +487,10 @@ impl Tokenizer for GgufBpeTokenizer {
 
     fn chat_format(&self) -> Option<ChatFormat> {
         self.chat_format
+    }
+
+    fn jinja_template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
     }
 }
 

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::tools::ToolCall;
+
 /// The system prompt SmolLM2-Instruct's ChatML template inserts when a conversation does
 /// not start with a system message.
 pub const SMOLLM_DEFAULT_SYSTEM_PROMPT: &str =
@@ -15,6 +17,12 @@ pub struct ChatMessage {
     pub role: String,
     /// What is said.
     pub content: String,
+    /// An assistant message's tool calls (OpenAI's `tool_calls`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message's call id (the call whose result it is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -23,6 +31,8 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
         }
     }
 
@@ -157,13 +167,17 @@ impl ChatFormat {
     }
 }
 
-/// One piece of a formatted conversation (see [`ChatFormat::pieces`]).
+/// One piece of a formatted conversation (see [`ChatFormat::pieces`] and
+/// [`ChatTemplate::render`](super::ChatTemplate::render)).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum ChatPiece {
     /// A control token the template writes, such as `"<|im_start|>"`.
     Special(&'static str),
     /// Text to encode as plain text: role names, separators, message content.
     Text(String),
+    /// Text a Jinja chat template wrote itself (never message content): encoded with
+    /// its control tokens read as such.
+    Markup(String),
 }
 
 impl ChatPiece {
@@ -171,7 +185,7 @@ impl ChatPiece {
     pub fn text(&self) -> &str {
         match self {
             ChatPiece::Special(token) => token,
-            ChatPiece::Text(text) => text,
+            ChatPiece::Text(text) | ChatPiece::Markup(text) => text,
         }
     }
 }

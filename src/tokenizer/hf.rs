@@ -5,7 +5,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::bpe::byte_level_token_bytes;
-use super::{ChatFormat, Tokenizer, collect_stop_ids, unknown_id, wrap_bos_eos};
+use super::{ChatFormat, ChatTemplate, Tokenizer, collect_stop_ids, unknown_id, wrap_bos_eos};
 use crate::error::{LlamaError, Result};
 
 /// Token texts tried, in order, when nothing names the BOS token.
@@ -55,6 +55,9 @@ pub struct HfTokenizer {
     stop_ids: Vec<u32>,
     add_bos: bool,
     chat_template: Option<String>,
+    /// `chat_template` compiled (absent when it does not compile: the built-in
+    /// [`ChatFormat`] is used then).
+    template: Option<ChatTemplate>,
     chat_format: Option<ChatFormat>,
 }
 
@@ -320,6 +323,10 @@ impl HfTokenizer {
             eos_id,
             stop_ids,
             add_bos,
+            template: config
+                .chat_template
+                .as_deref()
+                .and_then(|source| ChatTemplate::new(source).ok()),
             chat_template: config.chat_template,
             chat_format,
         })
@@ -406,6 +413,10 @@ impl Tokenizer for HfTokenizer {
 
     fn chat_format(&self) -> Option<ChatFormat> {
         self.chat_format
+    }
+
+    fn jinja_template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
     }
 }
 

@@ -17,6 +17,7 @@ mod bpe;
 mod chat;
 mod hf;
 mod stream;
+mod template;
 #[cfg(feature = "llama3")]
 mod tiktoken;
 
@@ -24,6 +25,7 @@ pub use bpe::{GgufBpeTokenizer, GgufTokenizerData};
 pub use chat::{ChatFormat, ChatMessage, ChatPiece, SMOLLM_DEFAULT_SYSTEM_PROMPT};
 pub use hf::HfTokenizer;
 pub use stream::StreamDecoder;
+pub use template::ChatTemplate;
 #[cfg(feature = "llama3")]
 #[cfg_attr(docsrs, doc(cfg(feature = "llama3")))]
 pub use tiktoken::Llama3Tokenizer;
@@ -31,6 +33,7 @@ pub use tiktoken::Llama3Tokenizer;
 use std::sync::Arc;
 
 use crate::error::{LlamaError, Result};
+use crate::tools::{Tool, ToolFormat};
 
 /// Converts between text and token ids.
 ///
@@ -79,44 +82,181 @@ pub trait Tokenizer: Send + Sync + 'static {
         self.stop_ids().contains(&id)
     }
 
-    /// Formats `messages` in the model's [`ChatFormat`] and encodes the result.
-    ///
-    /// The template's own control tokens are encoded as their special ids and everything
-    /// else (role names and message content) as plain text with [`Tokenizer::encode_text`],
-    /// so a message that writes `"<|im_end|>"` or `"<|eot_id|>"` cannot end its turn or
-    /// forge another one. For ordinary messages the ids equal those of encoding
-    /// [`ChatFormat::format`]'s text with [`Tokenizer::encode`].
-    ///
-    /// No BOS id is added for [`ChatFormat::Llama3`] (its text already starts with
-    /// `<|begin_of_text|>`); for [`ChatFormat::ChatMl`] one is added only when
-    /// [`Tokenizer::add_bos_by_default`] says so. Fails when the chat format is unknown or
-    /// a control token of the template is not one token of this vocabulary.
+    /// The model's own Jinja chat template, compiled, if it has one that compiles.
+    fn jinja_template(&self) -> Option<&ChatTemplate> {
+        None
+    }
+
+    /// How this model writes tool calls: from its chat template
+    /// ([`ToolFormat::for_template`]); Hermes blocks when it has none.
+    fn tool_format(&self) -> ToolFormat {
+        ToolFormat::for_template(self.jinja_template().map(ChatTemplate::source))
+    }
+
+    /// Formats `messages` with the model's chat template and encodes the result (see
+    /// [`encode_conversation`](Self::encode_conversation), without tools).
     fn encode_chat(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let format = self.chat_format().ok_or_else(|| {
-            LlamaError::Tokenizer("the model's chat format is unknown".to_string())
-        })?;
+        self.encode_conversation(messages, &[], add_generation_prompt)
+    }
+
+    /// Formats `messages`, with `tools` the model may call, and encodes the result. With
+    /// `add_generation_prompt` the header of an assistant turn follows, so the model's
+    /// continuation is its answer.
+    ///
+    /// The model's own template ([`jinja_template`](Self::jinja_template)) writes the
+    /// conversation when it has one, else its built-in [`ChatFormat`]. Tools go to a
+    /// template that takes them; otherwise they are described in the system prompt and
+    /// the tool history is written as text ([`crate::tools::prompt`]).
+    ///
+    /// Message content is encoded as plain text with [`Tokenizer::encode_text`], and only
+    /// the template's own text with its control tokens, so a message that writes
+    /// `"<|im_end|>"` or `"<|eot_id|>"` cannot end its turn or forge another one. What a
+    /// template writes itself from the request (roles, tool definitions and earlier
+    /// calls) is refused if it writes a control token.
+    ///
+    /// A BOS id is put first when [`Tokenizer::add_bos_by_default`] says so and the
+    /// text does not start with it already (the built-in Llama 3 format writes
+    /// `<|begin_of_text|>` itself).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::Tokenizer`] when the chat format is unknown, the template fails, a
+    /// control token of the format is not one token of this vocabulary, or a role or
+    /// tool writes a control token.
+    fn encode_conversation(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        let template = self.jinja_template();
+        let native_tools = template.is_some_and(ChatTemplate::supports_tools);
+        let written;
+        let (messages, tools) = if native_tools {
+            (messages, tools)
+        } else {
+            written = crate::tools::prompt::with_tools_prompt(messages, tools);
+            (&written[..], &[][..])
+        };
+        let pieces = match template {
+            Some(template) => {
+                check_template_inputs(self, messages, tools)?;
+                let text_of = |id: Option<u32>| {
+                    id.and_then(|id| self.token_bytes(id))
+                        .map(|b| String::from_utf8_lossy(&b).into_owned())
+                        .unwrap_or_default()
+                };
+                template.render(
+                    messages,
+                    tools,
+                    add_generation_prompt,
+                    &text_of(self.bos_id()),
+                    &text_of(self.eos_id()),
+                )?
+            }
+            None => self
+                .chat_format()
+                .ok_or_else(|| {
+                    LlamaError::Tokenizer("the model's chat format is unknown".to_string())
+                })?
+                .pieces(messages, add_generation_prompt),
+        };
+        // Control tokens as their ids; the text between them (the template's own and
+        // message content, which never holds one) as plain text, in runs as long as
+        // possible so that the ids are those of the whole text.
         let mut ids = Vec::new();
-        for piece in format.pieces(messages, add_generation_prompt) {
+        let mut run = String::new();
+        for piece in pieces {
             match piece {
-                ChatPiece::Special(token) => match self.encode(token, false, false)?[..] {
-                    [id] => ids.push(id),
-                    _ => {
-                        return Err(LlamaError::Tokenizer(format!(
-                            "the chat template's control token `{token}` is not a single \
-                             token of this vocabulary"
-                        )));
+                ChatPiece::Special(token) => {
+                    let id = match self.encode(token, false, false)?[..] {
+                        [id] => id,
+                        _ => {
+                            return Err(LlamaError::Tokenizer(format!(
+                                "the chat template's control token `{token}` is not a \
+                                 single token of this vocabulary"
+                            )));
+                        }
+                    };
+                    ids.extend(self.encode_text(&std::mem::take(&mut run))?);
+                    ids.push(id);
+                }
+                ChatPiece::Text(text) => run.push_str(&text),
+                ChatPiece::Markup(text) => {
+                    let mut rest = text.as_str();
+                    for (id, special) in control_tokens(self, &text)? {
+                        let Some(at) = rest.find(&special) else {
+                            continue;
+                        };
+                        run.push_str(&rest[..at]);
+                        ids.extend(self.encode_text(&std::mem::take(&mut run))?);
+                        ids.push(id);
+                        rest = &rest[at + special.len()..];
                     }
-                },
-                ChatPiece::Text(text) => ids.extend(self.encode_text(&text)?),
+                    run.push_str(rest);
+                }
             }
         }
-        let bos = format == ChatFormat::ChatMl && self.add_bos_by_default();
+        ids.extend(self.encode_text(&run)?);
+        let bos =
+            self.add_bos_by_default() && self.bos_id().is_some_and(|b| ids.first() != Some(&b));
         wrap_bos_eos(ids, bos, false, self.bos_id(), self.eos_id())
     }
+}
+
+/// The control tokens `text` holds, in order: the ids of encoding it with special-token
+/// matching whose own text does not encode back to them as plain text.
+fn control_tokens<T: Tokenizer + ?Sized>(tokenizer: &T, text: &str) -> Result<Vec<(u32, String)>> {
+    let mut out = Vec::new();
+    for id in tokenizer.encode(text, false, false)? {
+        let Some(bytes) = tokenizer.token_bytes(id) else {
+            continue;
+        };
+        let Ok(token) = String::from_utf8(bytes) else {
+            continue;
+        };
+        if !token.is_empty() && tokenizer.encode_text(&token)? != [id] {
+            out.push((id, token));
+        }
+    }
+    Ok(out)
+}
+
+/// Refuses what a template would write from the request as its own text (roles, tool
+/// definitions, earlier calls) when it holds a control token of `tokenizer`.
+fn check_template_inputs<T: Tokenizer + ?Sized>(
+    tokenizer: &T,
+    messages: &[ChatMessage],
+    tools: &[Tool],
+) -> Result<()> {
+    let check = |what: &str, text: &str| -> Result<()> {
+        if tokenizer.encode(text, false, false)? != tokenizer.encode_text(text)? {
+            return Err(LlamaError::Tokenizer(format!(
+                "{what} writes a control token of the model"
+            )));
+        }
+        Ok(())
+    };
+    for message in messages {
+        check("a message's role", &message.role)?;
+        for call in &message.tool_calls {
+            check(
+                "a tool call",
+                &format!("{}{}{}", call.id, call.name, call.arguments),
+            )?;
+        }
+        if let Some(id) = &message.tool_call_id {
+            check("a tool_call_id", id)?;
+        }
+    }
+    for tool in tools {
+        check("a tool definition", &tool.openai_json().to_string())?;
+    }
+    Ok(())
 }
 
 /// A tokenizer chosen at run time, shared: what the loaders return, so an application
@@ -191,12 +331,29 @@ impl<T: Tokenizer + ?Sized> Tokenizer for Arc<T> {
         (**self).is_stop(id)
     }
 
+    fn jinja_template(&self) -> Option<&ChatTemplate> {
+        (**self).jinja_template()
+    }
+
+    fn tool_format(&self) -> ToolFormat {
+        (**self).tool_format()
+    }
+
     fn encode_chat(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
         (**self).encode_chat(messages, add_generation_prompt)
+    }
+
+    fn encode_conversation(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>> {
+        (**self).encode_conversation(messages, tools, add_generation_prompt)
     }
 }
 

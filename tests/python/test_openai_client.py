@@ -249,6 +249,72 @@ class OpenAIClientTest(unittest.TestCase):
                     "name": "bad", "schema": {"type": "nonsense"}}})
         self.assertEqual(e.exception.param, "response_format")
 
+    def test_86_tools_round_trip(self):
+        from typing import Literal
+        import pydantic
+
+        class GetWeather(pydantic.BaseModel):
+            city: str = pydantic.Field(max_length=20)
+            unit: Literal["celsius", "fahrenheit"]
+
+        tools = [openai.pydantic_function_tool(GetWeather, name="get_weather",
+                                               description="The weather in a city")]
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        # tool_choice="required": tool_calls whose arguments validate, no content (one
+        # call: with parallel calls this small model calls again and again).
+        out = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=48, temperature=0, tools=tools,
+            tool_choice="required", parallel_tool_calls=False)
+        choice = out.choices[0]
+        self.assertEqual(choice.finish_reason, "tool_calls")
+        self.assertIsNone(choice.message.content)
+        call = choice.message.tool_calls[0]
+        self.assertEqual(call.function.name, "get_weather")
+        GetWeather.model_validate_json(call.function.arguments)
+        # A named function, through parse(): the client parses the arguments itself.
+        parsed = self.client.chat.completions.parse(
+            model=MODEL, messages=messages, max_tokens=48, temperature=0, tools=tools,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        named = parsed.choices[0].message.tool_calls[0]
+        self.assertIsInstance(named.function.parsed_arguments, GetWeather)
+        # The same streamed: the client reassembles the deltas into the same call.
+        with self.client.chat.completions.stream(
+                model=MODEL, messages=messages, max_tokens=48, temperature=0, tools=tools,
+                tool_choice="required", parallel_tool_calls=False) as stream:
+            final = stream.get_final_completion()
+        streamed = final.choices[0].message.tool_calls[0]
+        self.assertEqual(final.choices[0].finish_reason, "tool_calls")
+        self.assertEqual(streamed.function.name, "get_weather")
+        self.assertEqual(json.loads(streamed.function.arguments),
+                         json.loads(call.function.arguments))
+        # The result goes back as a tool message; the next answer is text.
+        history = messages + [
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": call.id, "type": "function",
+                "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id,
+             "content": json.dumps({"temperature": 21, "sky": "sunny"})},
+        ]
+        answer = self.client.chat.completions.create(
+            model=MODEL, messages=history, max_tokens=24, temperature=0, tools=tools,
+            tool_choice="none")
+        self.assertTrue(answer.choices[0].message.content)
+        self.assertFalse(answer.choices[0].message.tool_calls)
+        pieces = []
+        for chunk in self.client.chat.completions.create(
+                model=MODEL, messages=history, max_tokens=24, temperature=0, tools=tools,
+                tool_choice="none", stream=True):
+            for c in chunk.choices:
+                self.assertFalse(c.delta.tool_calls)
+                pieces.append(c.delta.content or "")
+        self.assertEqual("".join(pieces), answer.choices[0].message.content)
+        # A named function that is not among the tools: a 400 naming tool_choice.
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=4, tools=tools,
+                tool_choice={"type": "function", "function": {"name": "nope"}})
+        self.assertEqual(e.exception.param, "tool_choice")
+
     def test_8_penalties_logit_bias_and_vllm_extensions(self):
         messages = [{"role": "user", "content": "List five fruits, one per line."}]
         greedy = self.client.chat.completions.create(

@@ -497,6 +497,7 @@ impl<T: Tokenizer> Frontend<T> {
             self.check_prompt(&ids, request.max_tokens)?;
             request.prompt = String::new();
             request.messages = None;
+            request.tools = Vec::new();
             let fault = self.fault(&ids);
             Ok((ids, fault))
         })
@@ -775,6 +776,15 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
     /// ```
     pub fn encode(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
         self.client()?.frontend.encode(request)
+    }
+
+    /// How the model writes tool calls ([`Tokenizer::tool_format`]; Hermes blocks once
+    /// the engine has stopped).
+    pub fn tool_format(&self) -> crate::tools::ToolFormat {
+        self.client()
+            .ok()
+            .and_then(|c| c.frontend.tokenizer().ok())
+            .map_or(crate::tools::ToolFormat::Hermes, |t| t.tool_format())
     }
 
     /// Queues a request. It is validated and, unless it gives
