@@ -18,6 +18,7 @@ pub mod sampling;
 #[cfg(feature = "server")]
 #[cfg_attr(docsrs, doc(cfg(feature = "server")))]
 pub mod server;
+pub mod speculative;
 
 pub mod tokenizer;
 
