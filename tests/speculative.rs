@@ -195,3 +195,65 @@ fn the_demo_model_drafting_for_itself_gives_the_plain_tokens_and_is_always_right
     );
     assert_eq!(spec.tokens, plain.tokens);
 }
+
+/// The continuous engine with 8 speculating rows (prompt lookup; greedy and sampled)
+/// beside 8 plain ones in the same steps, on a small pool of small blocks (so
+/// proposals take blocks and rejected ones give them back): every row's tokens equal
+/// its solo run without speculation, and every block comes back.
+#[test]
+fn engine_rows_that_speculate_beside_rows_that_do_not_equal_their_solo_runs() {
+    use common::rest;
+    use llama_burn::inference::{ContinuousConfig, ContinuousEngine, GenerateRequest};
+    let mut solo = demo(1024);
+    let copy = copy_prompt(&solo);
+    let texts = prompts();
+    let mut cases: Vec<(Vec<u32>, bool, f64, u64)> = Vec::new();
+    for i in 0..16u64 {
+        let speculate = i % 2 == 0;
+        let ids = if i % 4 < 2 {
+            copy.clone()
+        } else {
+            solo.encode_prompt(&texts[(i as usize / 4) % texts.len()])
+                .unwrap()
+        };
+        let temperature = if i % 8 >= 6 { 0.7 } else { 0.0 };
+        cases.push((ids, speculate, temperature, 100 + i));
+    }
+    let n = 40;
+    let expected: Vec<Vec<u32>> = cases
+        .iter()
+        .map(|(ids, _, t, seed)| run(&mut solo, ids, n, None, *t, *seed).tokens)
+        .collect();
+    let mut config = ContinuousConfig::default().with_kv_budget_tokens(16 * 260);
+    config.block_size = 4;
+    let engine = ContinuousEngine::start(demo(1024), config).unwrap();
+    let jobs: Vec<_> = cases
+        .iter()
+        .map(|(ids, speculate, t, seed)| {
+            let mut r = GenerateRequest::from_ids(ids.clone())
+                .with_max_tokens(n)
+                .with_ignore_eos(true)
+                .with_temperature(*t)
+                .with_top_p(0.9)
+                .with_seed(*seed);
+            if *speculate {
+                r = r.with_speculation(SpeculationConfig::ngram(6).with_ngram_range(1, 3));
+            }
+            engine.submit(r).unwrap()
+        })
+        .collect();
+    for (i, job) in jobs.into_iter().enumerate() {
+        let (tokens, result) = rest(job);
+        result.unwrap();
+        assert_eq!(tokens, expected[i], "row {i} (speculating: {})", cases[i].1);
+    }
+    let m = engine.metrics();
+    assert_eq!(m.kv_blocks_used, 0);
+    assert!(m.spec_decode_num_draft_tokens > 0);
+    assert!(
+        m.spec_decode_num_accepted_tokens > 40,
+        "{} of {} accepted",
+        m.spec_decode_num_accepted_tokens,
+        m.spec_decode_num_draft_tokens
+    );
+}
