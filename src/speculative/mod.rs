@@ -200,7 +200,8 @@ impl SpeculationStats {
 }
 
 /// How many tokens to propose next: grows while proposals are accepted (doubling, up to
-/// the maximum), falls to one past the accepted ones on a partial miss, and after
+/// the maximum), falls to one past the accepted ones (at most by half) on a partial
+/// miss, and after
 /// proposals that were wholly rejected, pauses (1, 2, 4 then 8 steps without proposing)
 /// before trying one token again, so a request whose proposals miss decodes at nearly
 /// its plain speed.
@@ -228,7 +229,7 @@ impl DraftLength {
     }
 
     /// Tokens to propose at this step (0: pausing); counts the step.
-    pub fn next(&mut self) -> usize {
+    pub fn take(&mut self) -> usize {
         if self.wait > 0 {
             self.wait -= 1;
             0
@@ -250,8 +251,10 @@ impl DraftLength {
             self.wait = (1u32 << self.misses.min(3)).min(MAX_WAIT);
             self.misses += 1;
         } else {
+            // A miss inside a run of accepted tokens (an edit in a copy) rarely ends the
+            // run: halve at most.
             self.misses = 0;
-            self.k = (accepted + 1).min(self.max);
+            self.k = (accepted + 1).max(self.k / 2).min(self.max);
         }
     }
 }
@@ -297,7 +300,7 @@ impl Speculator {
     ///
     /// As the proposer's.
     pub fn propose(&mut self, prompt: &[u32], output: &[u32], limit: usize) -> Result<Vec<u32>> {
-        let k = self.length.next().min(limit);
+        let k = self.length.take().min(limit);
         let mut out = Vec::with_capacity(k);
         if k == 0 {
             return Ok(out);
@@ -381,18 +384,18 @@ mod tests {
     #[test]
     fn draft_length_grows_falls_and_pauses() {
         let mut d = DraftLength::new(8);
-        assert_eq!(d.next(), 8);
+        assert_eq!(d.take(), 8);
         d.observe(8, 3);
-        assert_eq!(d.next(), 4);
+        assert_eq!(d.take(), 4);
         d.observe(4, 4);
-        assert_eq!(d.next(), 8);
+        assert_eq!(d.take(), 8);
         d.observe(8, 0);
         // One step paused, then one token.
-        assert_eq!((d.next(), d.next()), (0, 1));
+        assert_eq!((d.take(), d.take()), (0, 1));
         d.observe(1, 0);
-        assert_eq!((d.next(), d.next(), d.next()), (0, 0, 1));
+        assert_eq!((d.take(), d.take(), d.take()), (0, 0, 1));
         d.observe(1, 1);
-        assert_eq!(d.next(), 2);
+        assert_eq!(d.take(), 2);
     }
 
     #[test]
