@@ -636,8 +636,33 @@ impl LlamaBackend for burn::backend::Flex {
 #[cfg(feature = "cuda")]
 impl LlamaBackend for burn::backend::Cuda {}
 
+/// LibTorch: the portable path, but for the attention mask. burn-tch 0.21 hands Burn's
+/// mask (`true` hides a key) to PyTorch's `scaled_dot_product_attention` as it is, where a
+/// boolean `true` means the opposite (the key takes part), so every masked attention came
+/// out wrong (the reference test's first greedy token differed). The mask is inverted
+/// here, so the fused kernel sees PyTorch's meaning.
 #[cfg(any(feature = "tch-gpu", feature = "tch-cpu"))]
-impl LlamaBackend for burn::backend::LibTorch {}
+impl LlamaBackend for burn::backend::LibTorch {
+    fn masked_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: Option<Tensor<Self, 4, Bool>>,
+    ) -> Result<Tensor<Self, 4>> {
+        Ok(attention(
+            q,
+            k,
+            v,
+            mask.map(Tensor::bool_not),
+            None,
+            AttentionModuleOptions {
+                scale: None,
+                softcap: None,
+                is_causal: false,
+            },
+        ))
+    }
+}
 
 #[cfg(feature = "wgpu")]
 impl LlamaBackend for burn::backend::Wgpu {}

@@ -10,7 +10,23 @@ use llama_burn::Precision;
 use llama_burn::cache::PagedKvCache;
 use llama_burn::model::{Logits, PagedRow};
 
-const PRECISIONS: [Precision; 2] = [Precision::Exact, Precision::Fast];
+/// Both precisions, or those `LLAMA_BURN_TEST_PRECISIONS` names (`exact,fast`): CI's
+/// portable-path step runs `exact` only, because there `fast`'s integer kernels are plain
+/// Rust loops that the kernel tests of the same step already check against the scalar
+/// reference, and the whole model in them takes minutes.
+fn precisions() -> Vec<Precision> {
+    match std::env::var("LLAMA_BURN_TEST_PRECISIONS") {
+        Ok(names) => names
+            .split(',')
+            .map(|n| match n.trim() {
+                "exact" => Precision::Exact,
+                "fast" => Precision::Fast,
+                other => panic!("LLAMA_BURN_TEST_PRECISIONS: unknown precision {other:?}"),
+            })
+            .collect(),
+        Err(_) => vec![Precision::Exact, Precision::Fast],
+    }
+}
 
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
@@ -45,7 +61,7 @@ fn batch_logits(llama: &Demo, rows: &[Vec<u32>], next: &[u32]) -> (Vec<Vec<f32>>
 #[test]
 fn logits_are_bitwise_equal_alone_in_a_batch_of_seven_and_chunked() {
     let mut llama = demo(1024);
-    for precision in PRECISIONS {
+    for precision in precisions() {
         llama.set_precision(precision);
         alone_batched_and_chunked(&llama);
     }
@@ -108,7 +124,7 @@ fn a_row_is_the_same_in_batches_of_2_to_32_and_on_one_thread() {
         })
         .collect();
     let next: Vec<u32> = (0..32).map(|i| 300 + i).collect();
-    for precision in PRECISIONS {
+    for precision in precisions() {
         llama.set_precision(precision);
         let one_thread = rayon::ThreadPoolBuilder::new()
             .num_threads(1)
@@ -170,7 +186,7 @@ fn paged_step(
 #[test]
 fn paged_steps_give_the_contiguous_bits() {
     let mut llama = demo(1024);
-    for precision in PRECISIONS {
+    for precision in precisions() {
         llama.set_precision(precision);
         paged_like_contiguous(&llama);
     }

@@ -567,6 +567,17 @@ trait Isa {
         x: std::arch::x86_64::__m256i,
     ) -> std::arch::x86_64::__m256i;
 
+    /// `(a & mask) | b`, bit by bit: a field of `a` merged with bits already in place.
+    ///
+    /// # Safety
+    ///
+    /// As [`transpose4`](Self::transpose4).
+    unsafe fn and_or(
+        a: std::arch::x86_64::__m256i,
+        mask: std::arch::x86_64::__m256i,
+        b: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i;
+
     /// Whether [`dot4`](Self::dot4) takes only bytes below 64, so Q8_0's values are
     /// multiplied signed (`|q| * sign(x, q)`) rather than offset by 128.
     const SMALL_BYTES: bool;
@@ -619,6 +630,16 @@ impl Isa for Vnni {
     ) -> std::arch::x86_64::__m256i {
         // SAFETY: the caller's contract (AVX-512 VL, VNNI).
         unsafe { std::arch::x86_64::_mm256_dpbusd_epi32(acc, w, x) }
+    }
+
+    #[inline(always)]
+    unsafe fn and_or(
+        a: std::arch::x86_64::__m256i,
+        mask: std::arch::x86_64::__m256i,
+        b: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        // SAFETY: the caller's contract (AVX-512 F/VL). 0xEA: (a & mask) | b.
+        unsafe { std::arch::x86_64::_mm256_ternarylogic_epi32::<0xEA>(a, mask, b) }
     }
 
     const SMALL_BYTES: bool = false;
@@ -675,6 +696,17 @@ impl Isa for Avx2 {
             let pairs = _mm256_maddubs_epi16(w, x);
             _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
         }
+    }
+
+    #[inline(always)]
+    unsafe fn and_or(
+        a: std::arch::x86_64::__m256i,
+        mask: std::arch::x86_64::__m256i,
+        b: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX2).
+        unsafe { _mm256_or_si256(_mm256_and_si256(a, mask), b) }
     }
 
     const SMALL_BYTES: bool = true;
@@ -1269,7 +1301,7 @@ unsafe fn decode_step_k4<I: Isa>(
         } else {
             [_mm256_setzero_si256(); 8]
         };
-        let (nibble, bit) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(1));
+        let (nibble, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
         let mut w = [_mm256_setzero_si256(); 8];
         for chunk in 0..4 {
             let t = transpose8::<I>(|i| row(i).wrapping_add(qs + 32 * chunk));
@@ -1281,14 +1313,18 @@ unsafe fn decode_step_k4<I: Isa>(
                     } else {
                         _mm256_srli_epi16::<4>(t[k])
                     };
-                    *v = _mm256_and_si256(q, nibble);
-                    if five {
-                        let h = _mm256_and_si256(
-                            _mm256_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32)),
-                            bit,
-                        );
-                        *v = _mm256_or_si256(*v, _mm256_slli_epi16::<4>(h));
-                    }
+                    *v = if five {
+                        // Bit `s` of each `qh` byte moved to bit 4 (shifts in 16-bit
+                        // lanes: the mask drops what crosses a byte).
+                        let moved = if s <= 4 {
+                            _mm256_sll_epi16(high[k], _mm_cvtsi32_si128(4 - s as i32))
+                        } else {
+                            _mm256_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32 - 4))
+                        };
+                        I::and_or(q, nibble, _mm256_and_si256(moved, fifth))
+                    } else {
+                        _mm256_and_si256(q, nibble)
+                    };
                 }
                 let scales = SubScales {
                     sc0: sc[s],
@@ -1349,20 +1385,26 @@ unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
             *v = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32::<4>(high)), bias);
         }
         let hmask = transpose8::<I>(row);
-        let (pair, one) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
+        let (pair, third) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
         let mut w = [_mm256_setzero_si256(); 8];
         for half in 0..2 {
             let qs = transpose8::<I>(|i| row(i).wrapping_add(32 + 32 * half));
             for pass in 0..4 {
                 let s = 4 * half + pass;
-                let (low_shift, bit) = (
-                    _mm_cvtsi32_si128(2 * pass as i32),
-                    _mm_cvtsi32_si128(s as i32),
-                );
+                let low_shift = _mm_cvtsi32_si128(2 * pass as i32);
                 for (k, v) in w.iter_mut().enumerate() {
-                    let low = _mm256_and_si256(_mm256_srl_epi16(qs[k], low_shift), pair);
-                    let high = _mm256_and_si256(_mm256_srl_epi16(hmask[k], bit), one);
-                    *v = _mm256_or_si256(low, _mm256_slli_epi16::<2>(high));
+                    // Bit `s` of each `hmask` byte moved to bit 2 (shifts in 16-bit
+                    // lanes: the mask drops what crosses a byte).
+                    let moved = if s <= 2 {
+                        _mm256_sll_epi16(hmask[k], _mm_cvtsi32_si128(2 - s as i32))
+                    } else {
+                        _mm256_srl_epi16(hmask[k], _mm_cvtsi32_si128(s as i32 - 2))
+                    };
+                    *v = I::and_or(
+                        _mm256_srl_epi16(qs[k], low_shift),
+                        pair,
+                        _mm256_and_si256(moved, third),
+                    );
                 }
                 let scales = SubScales {
                     sc0: scale[2 * s],
@@ -1401,7 +1443,7 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
             );
             *v = _mm256_srai_epi32::<24>(up);
         }
-        let (nibble, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
+        let (nibble, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
         let mut w = [_mm256_setzero_si256(); 8];
         for half in 0..2 {
             let a = transpose8::<I>(|i| row(i).wrapping_add(64 * half));
@@ -1410,15 +1452,21 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
             for j in 0..4 {
                 let s = 4 * half + j;
                 let src = if j % 2 == 0 { &a } else { &b };
-                let shift = _mm_cvtsi32_si128(2 * j as i32);
                 for (k, v) in w.iter_mut().enumerate() {
                     let low = if j < 2 {
                         src[k]
                     } else {
                         _mm256_srli_epi16::<4>(src[k])
                     };
-                    let hi = _mm256_and_si256(_mm256_srl_epi16(h[k], shift), two);
-                    *v = _mm256_or_si256(_mm256_and_si256(low, nibble), _mm256_slli_epi16::<4>(hi));
+                    // Bits 2j, 2j + 1 of each `qh` byte moved to bits 4, 5 (shifts in
+                    // 16-bit lanes: the mask drops what crosses a byte).
+                    let moved = match j {
+                        0 => _mm256_slli_epi16::<4>(h[k]),
+                        1 => _mm256_slli_epi16::<2>(h[k]),
+                        2 => h[k],
+                        _ => _mm256_srli_epi16::<2>(h[k]),
+                    };
+                    *v = I::and_or(low, nibble, _mm256_and_si256(moved, top));
                 }
                 let scales = SubScales {
                     sc0: scale[2 * s],
