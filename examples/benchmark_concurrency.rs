@@ -97,6 +97,17 @@ struct Args {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+    /// Speculative decoding for every request (sequential and continuous strategies):
+    /// `ngram` (prompt lookup) or `draft` (needs --draft-model). Outputs are unchanged.
+    #[arg(long)]
+    speculative: Option<llama_burn::speculative::SpeculationMethod>,
+    /// The draft model of `--speculative draft` (a .gguf file or Hugging Face
+    /// directory sharing the model's tokenizer, or `demo`).
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Most tokens proposed per step with --speculative.
+    #[arg(long, default_value_t = 8)]
+    draft_tokens: usize,
 }
 
 /// The fixed, varied prompt set (the same in every run); requests cycle through it.
@@ -138,14 +149,21 @@ fn request(i: usize, args: &Args, prefix: &str) -> GenerateRequest {
     } else {
         (args.max_tokens, !args.stop_at_eos)
     };
-    GenerateRequest::new(format!("{prefix}{}", PROMPTS[i % PROMPTS.len()]))
+    let request = GenerateRequest::new(format!("{prefix}{}", PROMPTS[i % PROMPTS.len()]))
         .with_max_tokens(max_tokens)
         .with_temperature(args.temperature)
         .with_top_p(args.top_p)
         .with_top_k(args.top_k)
         .with_min_p(args.min_p)
         .with_seed(1000 + i as u64)
-        .with_ignore_eos(ignore_eos)
+        .with_ignore_eos(ignore_eos);
+    match args.speculative {
+        Some(method) => request.with_speculation(llama_burn::speculative::SpeculationConfig {
+            method,
+            ..llama_burn::speculative::SpeculationConfig::ngram(args.draft_tokens)
+        }),
+        None => request,
+    }
 }
 
 /// Token arrival times of one request, relative to the start of the run.
@@ -197,6 +215,9 @@ struct Memory {
     peak_kv_bytes: usize,
     preemptions: u64,
     prefix_hit_tokens: u64,
+    /// Proposed and accepted tokens (speculative decoding).
+    draft_tokens: u64,
+    accepted_draft_tokens: u64,
 }
 
 fn summarise(
@@ -230,6 +251,8 @@ fn summarise(
         "peak_rss_bytes": peak_rss_bytes(),
         "preemptions": memory.preemptions,
         "prefix_hit_tokens": memory.prefix_hit_tokens,
+        "draft_tokens": memory.draft_tokens,
+        "accepted_draft_tokens": memory.accepted_draft_tokens,
         "outputs": traces.iter().map(|t| t.ids.clone()).collect::<Vec<_>>(),
     })
 }
@@ -248,16 +271,24 @@ fn sequential(
         if r.ignore_eos {
             state = state.ignore_stop_tokens();
         }
+        if let Some(config) = &r.speculation {
+            state = llama.with_speculation(state, config)?;
+        }
         let mut s = request_sampler(r);
         let mut trace = Trace {
             arrival,
             ..Trace::default()
         };
         while !state.is_done() {
-            let (id, _, _) = llama.generate_single_token(&mut state, r.temperature, &mut s)?;
+            for (id, _, _) in llama.generate_tokens(&mut state, r.temperature, &mut s)? {
+                trace.ids.push(id);
+                trace.at.push(t0.elapsed());
+            }
             memory.peak_kv_bytes = memory.peak_kv_bytes.max(state.cache_bytes());
-            trace.ids.push(id);
-            trace.at.push(t0.elapsed());
+        }
+        if let Some(stats) = state.speculation_stats() {
+            memory.draft_tokens += stats.draft_tokens;
+            memory.accepted_draft_tokens += stats.accepted_draft_tokens;
         }
         traces.push(trace);
     }
@@ -364,6 +395,11 @@ fn through_service<M: llama_burn::inference::ModelDevice + Send + 'static>(
 
 /// What the example does with the loaded model.
 fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
+    if let Some(path) = &args.draft_model {
+        let path = (path.as_os_str() != "demo").then_some(path.as_path());
+        let n = llama.config().max_seq_len;
+        llama.set_draft_model(load_model(path, n, &args.options)?)?;
+    }
     let prefix = shared_prefix(&llama, args.shared_prefix_tokens)?;
     let reqs: Vec<GenerateRequest> = (0..args.requests)
         .map(|i| request(i, args, &prefix))
@@ -456,6 +492,8 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
             peak_kv_bytes: m.peak_kv_bytes_used,
             preemptions: m.preemptions,
             prefix_hit_tokens: m.prefix_hit_tokens,
+            draft_tokens: m.spec_decode_num_draft_tokens,
+            accepted_draft_tokens: m.spec_decode_num_accepted_tokens,
         };
         report("continuous", (wall, traces, memory));
         let engine = service.into_model()?;

@@ -3,6 +3,10 @@
 //! ```sh
 //! cargo run --release --example generate -- --prompt "The capital of France is" --max-tokens 32
 //! cargo run --release --example generate -- --chat --prompt "What is Rust?" --json
+//! # speculative decoding (the same tokens, fewer forward passes): prompt lookup, or a draft
+//! # model sharing the tokenizer (here the demo model drafting for itself)
+//! cargo run --release --example generate -- --chat --prompt-file paragraph.txt --speculative ngram --draft-tokens 8 --json
+//! cargo run --release --example generate -- --speculative draft --draft-model demo --json
 //! ```
 
 mod common;
@@ -10,9 +14,10 @@ mod common;
 use std::path::PathBuf;
 
 use clap::Parser;
-use common::{B, model_name, run_on_model};
+use common::{B, load_model, model_name, run_on_model};
 use llama_burn::llama::Llama;
 use llama_burn::sampling::{Sampler, TopP};
+use llama_burn::speculative::{SpeculationConfig, SpeculationMethod};
 use llama_burn::tokenizer::{ChatMessage, Tokenizer};
 
 #[derive(Parser, Debug)]
@@ -24,6 +29,9 @@ struct Args {
     /// The prompt; without --chat it is fed as it is (special tokens in it are honoured).
     #[arg(long, default_value = "The capital of France is")]
     prompt: String,
+    /// Read the prompt from this file instead of --prompt.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
     /// Largest number of tokens to generate.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
@@ -47,20 +55,55 @@ struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Speculative decoding: `ngram` (prompt lookup) or `draft` (needs --draft-model).
+    #[arg(long)]
+    speculative: Option<SpeculationMethod>,
+    /// The draft model of `--speculative draft`: a .gguf file or Hugging Face directory
+    /// sharing the model's tokenizer, or `demo` for the demo model.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Most tokens proposed per step (the step's count adapts below it).
+    #[arg(long, default_value_t = 8)]
+    draft_tokens: usize,
+    /// Keep generating past stop tokens, up to --max-tokens.
+    #[arg(long)]
+    ignore_eos: bool,
 }
 
 /// What the example does with the loaded model.
 fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
+    let text = match &args.prompt_file {
+        Some(path) => {
+            std::fs::read_to_string(path).map_err(|e| llama_burn::LlamaError::io(path, e))?
+        }
+        None => args.prompt.clone(),
+    };
+    if let Some(path) = &args.draft_model {
+        let path = (path.as_os_str() != "demo").then_some(path.as_path());
+        llama.set_draft_model(load_model(path, args.max_seq_len, &args.options)?)?;
+    }
     let prompt = if args.chat {
         let format = llama.tokenizer.chat_format().ok_or_else(|| {
             llama_burn::LlamaError::Tokenizer("this model has no known chat format".into())
         })?;
-        format.format(&[ChatMessage::user(&args.prompt)], true)
+        format.format(&[ChatMessage::user(&text)], true)
     } else {
-        args.prompt.clone()
+        text
     };
     let mut sampler = Sampler::TopP(TopP::new(args.top_p, args.seed));
-    let out = llama.generate(&prompt, args.max_tokens, args.temperature, &mut sampler)?;
+    let mut state = llama.create_generation_state(&prompt, args.max_tokens)?;
+    if args.ignore_eos {
+        state = state.ignore_stop_tokens();
+    }
+    if let Some(method) = args.speculative {
+        let config = SpeculationConfig {
+            method,
+            ..SpeculationConfig::ngram(args.draft_tokens)
+        };
+        state = llama.with_speculation(state, &config)?;
+    }
+    let out = llama.run_to_end(&mut state, args.temperature, &mut sampler)?;
+    let spec = out.speculation.unwrap_or_default();
     if args.json {
         let json = serde_json::json!({
             "model": model_name(args.model.as_deref()),
@@ -74,10 +117,13 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
             "prompt_ms": out.prompt_time.as_secs_f64() * 1e3,
             "decode_ms": out.decode_time.as_secs_f64() * 1e3,
             "decode_tokens_per_s": out.decode_tokens_per_s(),
+            "speculative": args.speculative.map(|m| m.to_string()),
+            "draft_tokens": spec.draft_tokens,
+            "accepted_draft_tokens": spec.accepted_draft_tokens,
         });
         println!("{json}");
     } else {
-        println!("{}{}", args.prompt, out.text);
+        println!("{prompt}{}", out.text);
         eprintln!(
             "\n[{} prompt tokens in {:.0} ms; {} tokens at {:.1} tokens/s; stopped: {:?}]",
             out.prompt_tokens.len(),
@@ -86,6 +132,14 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
             out.decode_tokens_per_s(),
             out.stop_reason
         );
+        if args.speculative.is_some() {
+            eprintln!(
+                "[speculation: {} of {} proposed tokens accepted ({:.0}%)]",
+                spec.accepted_draft_tokens,
+                spec.draft_tokens,
+                100.0 * spec.acceptance_rate()
+            );
+        }
     }
     Ok(())
 }

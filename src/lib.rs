@@ -24,6 +24,7 @@ pub mod sampling;
 #[cfg(feature = "server")]
 #[cfg_attr(docsrs, doc(cfg(feature = "server")))]
 pub mod server;
+pub mod speculative;
 
 pub mod tokenizer;
 pub mod tools;

@@ -19,6 +19,9 @@ use crate::inference::GenerateRequest;
 use crate::inference::request::check_request_size;
 use crate::model::{Logits, Transformer};
 use crate::sampling::{History, Sampler, TokenLogprobs, token_logprobs, validate_temperature};
+use crate::speculative::{
+    DraftModel, Proposer, SpeculationConfig, SpeculationStats, Speculator, speculator, verify,
+};
 use crate::tokenizer::{DynTokenizer, StreamDecoder, Tokenizer};
 
 /// Most bytes of text one token covers, in any tokenizer this crate reads (the longest
@@ -136,6 +139,8 @@ pub struct GenerationOutput {
     pub decode_time: Duration,
     /// Why generation ended.
     pub stop_reason: StopReason,
+    /// Proposed and accepted tokens, when the request decoded with speculation.
+    pub speculation: Option<SpeculationStats>,
 }
 
 impl GenerationOutput {
@@ -185,6 +190,8 @@ pub struct GenerationState<B: LlamaBackend> {
     started: Option<Instant>,
     first_token_at: Option<Instant>,
     finished_at: Option<Instant>,
+    /// Speculative decoding's proposer and counts ([`Llama::with_speculation`]).
+    speculation: Option<Speculator>,
 }
 
 impl<B: LlamaBackend> GenerationState<B> {
@@ -323,6 +330,25 @@ impl<B: LlamaBackend> GenerationState<B> {
         Ok(token)
     }
 
+    /// Proposed and accepted tokens so far, when the request decodes with speculation.
+    pub fn speculation_stats(&self) -> Option<SpeculationStats> {
+        self.speculation.as_ref().map(Speculator::stats)
+    }
+
+    /// The speculation of this request, if any.
+    pub(crate) fn speculator_mut(&mut self) -> Option<&mut Speculator> {
+        self.speculation.as_mut()
+    }
+
+    /// How many tokens one verification step may propose now: it emits at most one
+    /// more than it proposes, within `max_tokens` and the context window.
+    pub(crate) fn draft_room(&self, max_seq_len: usize) -> usize {
+        let total = self.prompt_tokens.len() + self.tokens.len();
+        (self.max_tokens.saturating_sub(self.tokens.len()))
+            .saturating_sub(1)
+            .min(max_seq_len.saturating_sub(total))
+    }
+
     /// Time from the first step's start to the first token, once known.
     pub fn time_to_first_token(&self) -> Option<Duration> {
         Some(self.first_token_at? - self.started?)
@@ -347,6 +373,8 @@ pub struct Llama<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
     /// The constraint engine's view of the vocabulary, built on first use
     /// (`crate::constraints::model`).
     pub(crate) constraint_vocab: std::sync::OnceLock<Arc<crate::constraints::ConstraintVocab>>,
+    /// The draft model of draft-model speculation ([`Llama::set_draft_model`]).
+    draft: Option<Transformer<B>>,
 }
 
 impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
@@ -373,6 +401,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             device,
             kv_ledger,
             constraint_vocab: std::sync::OnceLock::new(),
+            draft: None,
         })
     }
 
@@ -498,6 +527,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             kv_ledger: self.kv_ledger,
             // The same vocabulary: `f` wraps the tokenizer, it does not change it.
             constraint_vocab: self.constraint_vocab,
+            draft: self.draft,
         }
     }
 
@@ -571,6 +601,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             started: None,
             first_token_at: None,
             finished_at: None,
+            speculation: None,
         })
     }
 
@@ -690,7 +721,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         sampler: &mut Sampler,
     ) -> Result<GenerationOutput> {
         while !state.is_done() {
-            self.generate_single_token(state, temperature, sampler)?;
+            self.generate_tokens(state, temperature, sampler)?;
         }
         Ok(GenerationOutput {
             text: state.text.clone(),
@@ -699,7 +730,160 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             prompt_time: state.time_to_first_token().unwrap_or_default(),
             decode_time: state.decode_time().unwrap_or_default(),
             stop_reason: state.stop_reason.unwrap_or(StopReason::MaxTokens),
+            speculation: state.speculation_stats(),
         })
+    }
+
+    /// Sets the draft model of [`SpeculationMethod::DraftModel`] speculation: any model
+    /// on the same backend whose tokenizer is this model's (same vocabulary, same
+    /// bytes for every token). A smaller model of the family drafts fastest; the tokens
+    /// are the target's whatever the draft.
+    ///
+    /// [`SpeculationMethod::DraftModel`]: crate::speculative::SpeculationMethod::DraftModel
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::TokenizerMismatch`] when the vocabularies differ.
+    pub fn set_draft_model<U: Tokenizer>(&mut self, draft: Llama<B, U>) -> Result<()> {
+        let (ours, theirs) = (self.config().vocab_size, draft.config().vocab_size);
+        let same = ours == theirs
+            && self.tokenizer.vocab_size() == draft.tokenizer.vocab_size()
+            && (0..self.tokenizer.vocab_size() as u32)
+                .all(|id| self.tokenizer.token_bytes(id) == draft.tokenizer.token_bytes(id));
+        if !same {
+            return Err(LlamaError::TokenizerMismatch {
+                tokenizer_vocab: draft.tokenizer.vocab_size(),
+                model_vocab: ours,
+            });
+        }
+        self.draft = Some(draft.model);
+        Ok(())
+    }
+
+    /// A proposer running the draft model, if one is set.
+    pub(crate) fn draft_proposer(&self) -> Option<Box<dyn Proposer>> {
+        self.draft
+            .clone()
+            .map(|m| Box::new(DraftModel::new(m)) as Box<dyn Proposer>)
+    }
+
+    /// Makes `state` decode with speculation as `config` says (see
+    /// [`crate::speculative`]): its tokens stay exactly those without speculation.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] for invalid settings, or draft-model
+    /// speculation without a draft model ([`set_draft_model`](Self::set_draft_model)).
+    pub fn with_speculation(
+        &self,
+        mut state: GenerationState<B>,
+        config: &SpeculationConfig,
+    ) -> Result<GenerationState<B>> {
+        let proposer = match config.method {
+            crate::speculative::SpeculationMethod::DraftModel => self.draft_proposer(),
+            crate::speculative::SpeculationMethod::NGram => None,
+        };
+        state.speculation = Some(speculator(config, proposer)?);
+        Ok(state)
+    }
+
+    /// Like [`generate`](Self::generate), decoding with speculation (`config`): the
+    /// same tokens, in fewer forward passes when proposals are accepted.
+    ///
+    /// ```no_run
+    /// # fn main() -> llama_burn::Result<()> {
+    /// use llama_burn::{backend::{DefaultBackend, default_device}, llama::LlamaConfig};
+    /// use llama_burn::sampling::Sampler;
+    /// use llama_burn::speculative::SpeculationConfig;
+    ///
+    /// let path = llama_burn::demo::demo_model_path()?;
+    /// let mut llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 2048, &default_device())?;
+    /// let prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog.";
+    /// let out = llama.generate_speculative(prompt, 40, 0.0, &mut Sampler::Argmax, &SpeculationConfig::ngram(8))?;
+    /// let stats = out.speculation.unwrap_or_default();
+    /// println!("{} ({} of {} proposals accepted)", out.text, stats.accepted_draft_tokens, stats.draft_tokens);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`generate`](Self::generate) and [`with_speculation`](Self::with_speculation).
+    pub fn generate_speculative(
+        &mut self,
+        prompt: &str,
+        max_tokens: usize,
+        temperature: f64,
+        sampler: &mut Sampler,
+        config: &SpeculationConfig,
+    ) -> Result<GenerationOutput> {
+        validate_temperature(temperature)?;
+        sampler.validate()?;
+        let state = self.create_generation_state(prompt, max_tokens)?;
+        let mut state = self.with_speculation(state, config)?;
+        self.run_to_end(&mut state, temperature, sampler)
+    }
+
+    /// Generates the next tokens of `state`: one, as
+    /// [`generate_single_token`](Self::generate_single_token) does, or with speculation
+    /// ([`with_speculation`](Self::with_speculation)) up to `k + 1` from one forward pass
+    /// over the last token and `k` proposed ones, exactly the tokens one-token steps
+    /// would give. Returns each token as `generate_single_token` does; the rejected
+    /// positions' keys and values are rolled back. [`GenerationState::take_logprobs`]
+    /// then holds the last token's log-probabilities.
+    ///
+    /// # Errors
+    ///
+    /// As [`generate_single_token`](Self::generate_single_token), and as the proposer.
+    pub fn generate_tokens(
+        &mut self,
+        state: &mut GenerationState<B>,
+        temperature: f64,
+        sampler: &mut Sampler,
+    ) -> Result<Vec<(u32, String, bool)>> {
+        let room = state.draft_room(self.config().max_seq_len);
+        let drafts = match (&mut state.speculation, state.tokens.is_empty()) {
+            (Some(spec), false) if state.stop_reason.is_none() => {
+                spec.propose(&state.prompt_tokens, &state.tokens, room)?
+            }
+            _ => Vec::new(),
+        };
+        let Some(&last) = state.tokens.last().filter(|_| !drafts.is_empty()) else {
+            return Ok(vec![self.generate_single_token(
+                state,
+                temperature,
+                sampler,
+            )?]);
+        };
+        validate_temperature(temperature)?;
+        sampler.validate()?;
+        self.config().check_token_ids(&drafts)?;
+        let mut input = Vec::with_capacity(drafts.len() + 1);
+        input.push(last);
+        input.extend_from_slice(&drafts);
+        let cache = state
+            .cache
+            .as_mut()
+            .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
+        let before = cache.len();
+        let logits = logits_to_vec(self.model.forward(&input, cache, Logits::All)?)?;
+        let vocab = self.config().vocab_size;
+        let stop_ids = self.tokenizer.stop_ids();
+        let mut out = Vec::with_capacity(input.len());
+        let accepted = verify(&drafts, logits.chunks(vocab), |row| {
+            let token = state.sample_next(row, temperature, sampler, stop_ids)?;
+            let emitted = self.accept_token(state, token);
+            let done = emitted.2;
+            out.push(emitted);
+            Ok((token, done))
+        })?;
+        if let Some(cache) = state.cache.as_mut() {
+            cache.truncate(before + 1 + accepted);
+        }
+        if let Some(spec) = state.speculation.as_mut() {
+            spec.observe(drafts.len(), accepted);
+        }
+        Ok(out)
     }
 
     /// Logits of every position of `tokens` (a fresh, single-row forward pass):

@@ -164,6 +164,7 @@ fn paged_step(
             start: *start,
             blocks,
             logits: true,
+            all_logits: false,
         })
         .collect();
     let logits: Vec<f32> = llama

@@ -145,6 +145,13 @@ struct Args {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 2 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Speculative decoding for every request: `ngram` (prompt lookup). The tokens are
+    /// the same; copy-heavy requests run faster.
+    #[arg(long)]
+    speculative: Option<llama_burn::speculative::SpeculationMethod>,
+    /// Most tokens proposed per step with --speculative.
+    #[arg(long, default_value_t = 8)]
+    draft_tokens: usize,
 }
 
 type B = DefaultBackend;
@@ -176,6 +183,12 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
         max_waiting: args.max_waiting,
         panic_marker: args.test_panic_marker.clone(),
         exit_marker: args.test_exit_marker.clone(),
+        speculation: args
+            .speculative
+            .map(|method| llama_burn::speculative::SpeculationConfig {
+                method,
+                ..llama_burn::speculative::SpeculationConfig::ngram(args.draft_tokens)
+            }),
         ..ContinuousConfig::default()
     }
     .with_kv_budget_tokens(args.kv_budget_tokens);

@@ -175,6 +175,13 @@ impl<B: Backend> KvCache<B> {
         )
     }
 
+    /// Forgets the columns from `len` on (speculative decoding's rejected positions):
+    /// they are written again by the next forward pass. A cache shorter than `len` is
+    /// left as it is.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// Marks `seq` more columns as written.
     pub(crate) fn advance(&mut self, seq: usize) {
         self.len += seq;

@@ -3,6 +3,7 @@
 use crate::constraints::Constraint;
 use crate::error::{LlamaError, Result};
 use crate::sampling::{MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs};
+use crate::speculative::SpeculationConfig;
 use crate::tokenizer::ChatMessage;
 
 /// Most extra stop token ids a request may give.
@@ -87,6 +88,9 @@ pub struct GenerateRequest {
     /// What the output must be (a JSON Schema, a regex, a Lark grammar, a choice), or
     /// `None` (the default) for free text. See [`crate::constraints`].
     pub constraint: Option<Constraint>,
+    /// Speculative decoding ([`crate::speculative`]), or `None` (the default). The
+    /// tokens are the same with it and without it; it only changes the speed.
+    pub speculation: Option<SpeculationConfig>,
 }
 
 impl GenerateRequest {
@@ -132,6 +136,7 @@ impl GenerateRequest {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            speculation: None,
         }
     }
 
@@ -292,6 +297,22 @@ impl GenerateRequest {
         self
     }
 
+    /// Decodes with speculation: proposals checked by the model in one forward pass
+    /// per step (see [`crate::speculative`]; same tokens, greedy or sampled).
+    ///
+    /// ```
+    /// use llama_burn::inference::GenerateRequest;
+    /// use llama_burn::speculative::SpeculationConfig;
+    ///
+    /// let request = GenerateRequest::new("Repeat: a b c").with_speculation(SpeculationConfig::ngram(8));
+    /// assert!(request.validate(2048).is_ok());
+    /// ```
+    #[must_use]
+    pub fn with_speculation(mut self, config: SpeculationConfig) -> Self {
+        self.speculation = Some(config);
+        self
+    }
+
     /// The request's sampling controls.
     pub fn sampling_params(&self) -> SamplingParams {
         SamplingParams {
@@ -387,6 +408,9 @@ impl GenerateRequest {
         }
         if let Some(constraint) = &self.constraint {
             constraint.validate()?;
+        }
+        if let Some(speculation) = &self.speculation {
+            speculation.validate()?;
         }
         Ok(())
     }
@@ -512,6 +536,7 @@ mod tests {
                 logprobs: None,
                 prompt_logprobs: None,
                 constraint: None,
+                speculation: None,
             }
         );
         assert!(!r.is_greedy());

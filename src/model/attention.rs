@@ -44,6 +44,9 @@ pub struct PagedRow<'a> {
     pub blocks: &'a [BlockId],
     /// Whether to return the logits of the row's last token.
     pub logits: bool,
+    /// With `logits`, return the logits of every token of the row instead (speculative
+    /// decoding's verification).
+    pub all_logits: bool,
 }
 
 /// Rows whose attention runs as one padded batch: rows of similar length share a group,
@@ -388,7 +391,10 @@ impl<'a, B: Backend> PagedPlan<'a, B> {
                 positions.push(p);
                 slots.push((row.blocks[p / bs], p % bs));
             }
-            if row.logits {
+            if row.logits && row.all_logits {
+                let first = positions.len() - row.tokens.len();
+                logit_rows.extend((first..positions.len()).map(|i| i as i64));
+            } else if row.logits {
                 logit_rows.push((positions.len() - 1) as i64);
             }
             seqs.push(PagedSeq {

@@ -35,6 +35,10 @@ pub const E2E_REQUEST_LATENCY_SECONDS: &str = "llama_burn:e2e_request_latency_se
 pub const REQUEST_QUEUE_TIME_SECONDS: &str = "llama_burn:request_queue_time_seconds";
 /// Preemptions (a request gave its KV blocks back, to be recomputed later).
 pub const NUM_PREEMPTIONS_TOTAL: &str = "llama_burn:num_preemptions_total";
+/// Proposed tokens verified by speculative decoding (vLLM's name).
+pub const SPEC_DECODE_NUM_DRAFT_TOKENS: &str = "llama_burn:spec_decode_num_draft_tokens";
+/// Proposed tokens accepted by speculative decoding (vLLM's name).
+pub const SPEC_DECODE_NUM_ACCEPTED_TOKENS: &str = "llama_burn:spec_decode_num_accepted_tokens";
 /// Prompt tokens looked up in the prefix cache.
 pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "llama_burn:prefix_cache_queries_total";
 /// Prompt tokens served from the prefix cache.
@@ -132,6 +136,14 @@ impl ServerMetrics {
             );
             metrics::describe_counter!(NUM_PREEMPTIONS_TOTAL, "Preemptions.");
             metrics::describe_counter!(
+                SPEC_DECODE_NUM_DRAFT_TOKENS,
+                "Proposed tokens verified by speculative decoding."
+            );
+            metrics::describe_counter!(
+                SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+                "Proposed tokens accepted by speculative decoding."
+            );
+            metrics::describe_counter!(
                 PREFIX_CACHE_QUERIES_TOTAL,
                 "Prompt tokens looked up in the prefix cache."
             );
@@ -223,6 +235,10 @@ impl ServerMetrics {
                 metrics::counter!(NUM_PREEMPTIONS_TOTAL).absolute(m.preemptions);
                 metrics::counter!(PREFIX_CACHE_HITS_TOTAL).absolute(m.prefix_hit_tokens);
                 metrics::counter!(REQUESTS_REJECTED_TOTAL).absolute(m.rejected);
+                metrics::counter!(SPEC_DECODE_NUM_DRAFT_TOKENS)
+                    .absolute(m.spec_decode_num_draft_tokens);
+                metrics::counter!(SPEC_DECODE_NUM_ACCEPTED_TOKENS)
+                    .absolute(m.spec_decode_num_accepted_tokens);
             });
         }
         let handle = self.recorder.handle();

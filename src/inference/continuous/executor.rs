@@ -19,6 +19,7 @@ use crate::inference::runtime::CancelToken;
 use crate::llama::{GenerationState, Llama, StopReason, logits_to_vec};
 use crate::model::PagedRow;
 use crate::sampling::Sampler;
+use crate::speculative::SpeculationStats;
 use crate::tokenizer::Tokenizer;
 
 /// How long an idle engine waits for a submission before looking at its flags again.
@@ -73,6 +74,10 @@ pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     queue: Receiver<Submission>,
     shared: Arc<Shared>,
     steps: u64,
+    /// The engine's default speculation ([`ContinuousConfig::speculation`]).
+    speculation: Option<crate::speculative::SpeculationConfig>,
+    /// Proposed and accepted tokens, all requests together.
+    spec_stats: SpeculationStats,
 }
 
 /// Marks the engine gone when dropped, however its thread ends: submissions are refused
@@ -143,6 +148,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             queue,
             shared,
             steps: 0,
+            speculation: config.speculation,
+            spec_stats: SpeculationStats::default(),
         };
         worker.publish();
         Ok(worker)
@@ -164,6 +171,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 break;
             }
             self.drop_cancelled();
+            self.propose();
             let plan = self.scheduler.schedule();
             self.note_admissions(&plan);
             if !plan.rows.is_empty() {
@@ -258,10 +266,13 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
     fn prepare(&self, sub: &Submission) -> Result<(GenerationState<B>, Sampler)> {
         let request = &sub.request;
         let ids = &sub.prompt;
-        let state = self
+        let mut state = self
             .llama
             .unreserved_state(ids.clone(), request.max_tokens)?
             .with_request(request);
+        if let Some(config) = request.speculation.or(self.speculation) {
+            state = self.llama.with_speculation(state, &config)?;
+        }
         if !self.scheduler.fits(ids.len() + request.max_tokens) {
             return Err(LlamaError::invalid(
                 "max_tokens",
@@ -277,6 +288,36 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         // generated tokens the state has accepted).
         let sampler = constrained_sampler(&self.llama, request)?;
         Ok((state, sampler))
+    }
+
+    /// Asks every decoding request that speculates for its proposals, and hands them to
+    /// the scheduler (which plans them as more tokens of the request's row).
+    fn propose(&mut self) {
+        let max_seq_len = self.llama.config().max_seq_len;
+        let mut failed = Vec::new();
+        for (&id, active) in &mut self.requests {
+            let decoding = self
+                .scheduler
+                .running(id)
+                .is_some_and(|seq| seq.computed + 1 == seq.tokens.len());
+            if !decoding || active.state.is_done() {
+                continue;
+            }
+            let room = active.state.draft_room(max_seq_len);
+            let state = &mut active.state;
+            let (prompt, tokens) = (state.prompt_tokens().to_vec(), state.tokens().to_vec());
+            let Some(spec) = state.speculator_mut() else {
+                continue;
+            };
+            match spec.propose(&prompt, &tokens, room) {
+                Ok(drafts) if !drafts.is_empty() => self.scheduler.propose(id, drafts),
+                Ok(_) => {}
+                Err(e) => failed.push((id, e)),
+            }
+        }
+        for (id, e) in failed {
+            self.end(id, Err(e));
+        }
     }
 
     /// Ends every cancelled request, freeing its blocks at once.
@@ -346,17 +387,35 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         {
             panic!("fault injected into an engine step (panic_marker)");
         }
+        // Speculating rows run their pending token then their proposals.
+        let mut drafts: HashMap<RequestId, Vec<u32>> = HashMap::new();
+        let mut inputs: HashMap<RequestId, Vec<u32>> = HashMap::new();
+        for row in plan.rows.iter().filter(|r| r.drafts > 0) {
+            let Some(seq) = self.scheduler.running(row.id) else {
+                continue;
+            };
+            let proposed = self.scheduler.drafts(row.id)[..row.drafts].to_vec();
+            let mut input = seq.tokens[row.start..].to_vec();
+            input.extend_from_slice(&proposed);
+            inputs.insert(row.id, input);
+            drafts.insert(row.id, proposed);
+        }
         let logits = {
             let mut rows = Vec::with_capacity(plan.rows.len());
             for row in &plan.rows {
                 let Some(seq) = self.scheduler.running(row.id) else {
                     continue;
                 };
+                let tokens = match inputs.get(&row.id) {
+                    Some(input) => input.as_slice(),
+                    None => &seq.tokens[row.start..row.start + row.len],
+                };
                 rows.push(PagedRow {
-                    tokens: &seq.tokens[row.start..row.start + row.len],
+                    tokens,
                     start: row.start,
                     blocks: &seq.blocks,
                     logits: row.sample,
+                    all_logits: row.drafts > 0,
                 });
             }
             self.llama
@@ -378,20 +437,26 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         };
         self.scheduler.complete(plan);
         let vocab = self.llama.config().vocab_size;
-        // Which slice of the logits each sampled row reads.
-        let slots: HashMap<RequestId, usize> = plan
-            .rows
-            .iter()
-            .filter(|r| r.sample)
-            .enumerate()
-            .map(|(i, row)| (row.id, i))
-            .collect();
+        // Which rows of the logits each sampled row reads (its first, and with
+        // proposals one per position).
+        let mut slots: HashMap<RequestId, usize> = HashMap::new();
+        let mut next = 0;
+        for row in plan.rows.iter().filter(|r| r.sample) {
+            slots.insert(row.id, next);
+            next += 1 + if drafts.contains_key(&row.id) {
+                row.drafts
+            } else {
+                0
+            };
+        }
         // Sample every row of the step in parallel: each from its own logits, history and
         // random generator, so the tokens are those of a serial loop.
-        let stop_ids = self.llama.tokenizer.stop_ids();
+        let stop_ids = self.llama.tokenizer.stop_ids().to_vec();
+        let stop_ids = stop_ids.as_slice();
         let mut jobs: Vec<(RequestId, &mut Active<B>, &[f32])> = self
             .requests
             .iter_mut()
+            .filter(|(id, _)| !drafts.contains_key(id))
             .filter_map(|(id, active)| {
                 let i = *slots.get(id)?;
                 Some((*id, active, &logits[i * vocab..(i + 1) * vocab]))
@@ -410,6 +475,13 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             jobs.iter().map(|(id, _, _)| *id).zip(tokens).collect();
         drop(jobs);
         for row in plan.rows.iter().filter(|r| r.sample) {
+            if let Some(proposed) = drafts.get(&row.id) {
+                let first = slots.get(&row.id).copied().unwrap_or(0);
+                let rows =
+                    logits[first * vocab..(first + 1 + proposed.len()) * vocab].chunks(vocab);
+                self.verify_row(row.id, proposed, rows, stop_ids);
+                continue;
+            }
             let token = sampled.remove(&row.id).unwrap_or_else(|| {
                 Err(LlamaError::Runtime(
                     "a scheduled request has no state".into(),
@@ -420,6 +492,60 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 Ok(None) => self.end(row.id, Ok(())),
                 Err(e) => self.end(row.id, Err(e)),
             }
+        }
+    }
+
+    /// Verification of request `id`'s proposals against its logits `rows` (one per
+    /// position): each token drawn with the request's sampler and sent as it would be
+    /// without speculation, until a draw differs from its proposal; then the accepted
+    /// positions stay in the request's blocks and the rest are rolled back.
+    fn verify_row<'a>(
+        &mut self,
+        id: RequestId,
+        proposed: &[u32],
+        rows: impl Iterator<Item = &'a [f32]>,
+        stop_ids: &[u32],
+    ) {
+        let mut ended: Option<Result<()>> = None;
+        let verified = crate::speculative::verify(proposed, rows, |row| {
+            let active = self
+                .requests
+                .get_mut(&id)
+                .ok_or_else(|| LlamaError::Runtime("a scheduled request has no state".into()))?;
+            let Active {
+                state,
+                sampler,
+                temperature,
+                ..
+            } = active;
+            let token = state.sample_next(row, *temperature, sampler, stop_ids)?;
+            match self.emit(id, token)? {
+                Some(token) => {
+                    self.scheduler.append(id, token);
+                    Ok((token, false))
+                }
+                None => {
+                    ended = Some(Ok(()));
+                    Ok((token, true))
+                }
+            }
+        });
+        match verified {
+            Ok(accepted) => {
+                self.spec_stats.record(proposed.len(), accepted);
+                if let Some(spec) = self
+                    .requests
+                    .get_mut(&id)
+                    .and_then(|a| a.state.speculator_mut())
+                {
+                    spec.observe(proposed.len(), accepted);
+                }
+                match ended {
+                    Some(result) => self.end(id, result),
+                    None => self.scheduler.accept_drafts(id, accepted),
+                }
+            }
+            Err(e) => self.end(id, Err(e)),
         }
     }
 
@@ -521,6 +647,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             m.steps = self.steps;
             m.preemptions = self.scheduler.preemptions();
             m.prefix_hit_tokens = blocks.hit_tokens();
+            m.spec_decode_num_draft_tokens = self.spec_stats.draft_tokens;
+            m.spec_decode_num_accepted_tokens = self.spec_stats.accepted_draft_tokens;
         }
     }
 }

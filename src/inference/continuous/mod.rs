@@ -89,6 +89,10 @@ pub struct ContinuousConfig {
     /// Reuse the KV blocks of prefixes computed before (shared system prompts,
     /// documents). On by default; results are identical either way.
     pub prefix_caching: bool,
+    /// Speculative decoding for requests that do not set their own
+    /// ([`GenerateRequest::with_speculation`]); `None` (the default): only those that
+    /// ask speculate. Tokens are the same either way.
+    pub speculation: Option<crate::speculative::SpeculationConfig>,
     /// Fault injection, for tests of fault isolation only: a step that runs a request
     /// whose prompt contains this marker panics inside the step. `None` (the default) in
     /// any real deployment.
@@ -111,6 +115,7 @@ impl Default for ContinuousConfig {
             step_tokens: 256,
             min_prefill_chunk: 32,
             prefix_caching: true,
+            speculation: None,
             panic_marker: None,
             exit_marker: None,
         }
@@ -150,6 +155,9 @@ impl ContinuousConfig {
             if value == 0 {
                 return Err(LlamaError::invalid(name, 0, "must be at least 1"));
             }
+        }
+        if let Some(speculation) = &self.speculation {
+            speculation.validate()?;
         }
         Ok(())
     }
@@ -236,6 +244,11 @@ pub struct EngineMetrics {
     pub preemptions: u64,
     /// Prompt tokens served from the prefix cache.
     pub prefix_hit_tokens: u64,
+    /// Proposed tokens verified by speculative decoding (vLLM's
+    /// `spec_decode_num_draft_tokens`).
+    pub spec_decode_num_draft_tokens: u64,
+    /// Proposed tokens accepted (vLLM's `spec_decode_num_accepted_tokens`).
+    pub spec_decode_num_accepted_tokens: u64,
     /// The most recent finished requests (up to 1024), oldest first.
     pub recent: Vec<RequestMetrics>,
 }

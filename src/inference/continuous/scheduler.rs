@@ -16,6 +16,11 @@
 //!   gives all of its blocks back and returns to the head of the queue; it is recomputed
 //!   later from its tokens so far (its sampled tokens are kept, so its output is exactly
 //!   what it would have been).
+//! - **Speculation**: a decoding request may carry proposed tokens
+//!   ([`Scheduler::propose`]); its row then runs its last token and the proposals (one
+//!   more chunk of the running row), with blocks for them taken only from free ones (a
+//!   proposal never preempts anyone). After verification, [`Scheduler::accept_drafts`]
+//!   keeps the accepted positions and gives back the blocks only rejected ones used.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -54,6 +59,8 @@ pub struct Sequence {
     tenant: u64,
     /// Preempted (it goes back in before anyone else).
     preempted: bool,
+    /// Proposed tokens to verify after the pending one in the next step.
+    drafts: Vec<u32>,
 }
 
 impl Sequence {
@@ -74,6 +81,9 @@ pub struct ScheduledRow {
     pub len: usize,
     /// Whether the step completes the sequence, so a token is sampled from its logits.
     pub sample: bool,
+    /// Proposed tokens run after the sequence's pending token (`len` counts them): the
+    /// logits of each of the row's positions are wanted, for verification.
+    pub drafts: usize,
 }
 
 /// What the scheduler decided for one step.
@@ -200,6 +210,7 @@ impl Scheduler {
             salt,
             tenant,
             preempted: false,
+            drafts: Vec::new(),
         });
     }
 
@@ -245,7 +256,10 @@ impl Scheduler {
     /// Decides the next step.
     pub fn schedule(&mut self) -> StepPlan {
         let mut plan = StepPlan::default();
-        // 1. Decoding requests, oldest first: one token each, a new block at a boundary.
+        // Proposals may use the step's tokens left after one per running request.
+        let mut draft_budget = self.limits.step_tokens.saturating_sub(self.running.len());
+        // 1. Decoding requests, oldest first: one token each (and their proposals), a new
+        //    block at a boundary.
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].pending() != 1 {
@@ -256,16 +270,19 @@ impl Scheduler {
                 // It preempted itself: it was the newest.
                 continue;
             }
+            let drafts = self.grow_for_drafts(i, draft_budget);
+            draft_budget -= drafts;
             let seq = &self.running[i];
             plan.rows.push(ScheduledRow {
                 id: seq.id,
                 start: seq.computed,
-                len: 1,
+                len: 1 + drafts,
                 sample: true,
+                drafts,
             });
             i += 1;
         }
-        let decoding = plan.rows.len();
+        let decoding = plan.tokens();
         let mut budget = self
             .limits
             .step_tokens
@@ -287,6 +304,7 @@ impl Scheduler {
                 start: seq.computed,
                 len,
                 sample: len == pending,
+                drafts: 0,
             });
         }
         // 3. Admissions, tenants in turn, while the step has budget.
@@ -321,6 +339,7 @@ impl Scheduler {
                 start: seq.computed,
                 len,
                 sample: len == pending,
+                drafts: 0,
             });
             self.running.push(seq);
         }
@@ -348,9 +367,72 @@ impl Scheduler {
         }
     }
 
+    /// Keeps as many of running request `i`'s proposals (at most `budget`) as free
+    /// blocks can hold after its pending token, taking those blocks; drops the rest.
+    /// Returns how many it keeps.
+    fn grow_for_drafts(&mut self, i: usize, budget: usize) -> usize {
+        let bs = self.blocks.block_size();
+        let seq = &mut self.running[i];
+        seq.drafts.truncate(budget);
+        while !seq.drafts.is_empty() {
+            let end = seq.computed + 1 + seq.drafts.len();
+            let missing = end.div_ceil(bs).saturating_sub(seq.blocks.len());
+            if missing == 0 {
+                break;
+            }
+            if let Some(blocks) = self.blocks.allocate(missing) {
+                seq.blocks.extend(blocks);
+                break;
+            }
+            // Not enough free blocks: fewer proposals.
+            let fit = (seq.blocks.len() * bs).saturating_sub(seq.computed + 1);
+            seq.drafts.truncate(fit.min(seq.drafts.len() - 1));
+        }
+        seq.drafts.len()
+    }
+
+    /// Sets running request `id`'s proposals for the next step: kept only while it is
+    /// decoding (one pending token).
+    pub fn propose(&mut self, id: RequestId, drafts: Vec<u32>) {
+        if let Some(seq) = self.running.iter_mut().find(|s| s.id == id)
+            && seq.pending() == 1
+        {
+            seq.drafts = drafts;
+        }
+    }
+
+    /// The proposals of running request `id` in the step being run.
+    pub fn drafts(&self, id: RequestId) -> &[u32] {
+        self.running
+            .iter()
+            .find(|s| s.id == id)
+            .map_or(&[], |s| s.drafts.as_slice())
+    }
+
+    /// Records that `accepted` of running request `id`'s proposals were accepted (its
+    /// sampled tokens appended already): their keys and values stay computed, and the
+    /// blocks only rejected positions used go back to the pool.
+    pub fn accept_drafts(&mut self, id: RequestId, accepted: usize) {
+        let bs = self.blocks.block_size();
+        let Some(seq) = self.running.iter_mut().find(|s| s.id == id) else {
+            return;
+        };
+        seq.computed = (seq.computed + accepted).min(seq.tokens.len());
+        let keep = seq.tokens.len().div_ceil(bs);
+        if seq.blocks.len() > keep {
+            let freed = seq.blocks.split_off(keep);
+            self.blocks.free(&freed);
+        }
+        let (from, parent) = seq.registered;
+        seq.registered =
+            self.blocks
+                .register_full_blocks(&seq.tokens, &seq.blocks, seq.computed, from, parent);
+    }
+
     /// Frees request `i`'s blocks and puts it back at the head of the queue.
     fn preempt(&mut self, i: usize, plan: &mut StepPlan) {
         let mut seq = self.running.remove(i);
+        seq.drafts.clear();
         self.blocks.free(&seq.blocks);
         seq.blocks.clear();
         seq.computed = 0;
@@ -369,7 +451,9 @@ impl Scheduler {
             let Some(seq) = self.running.iter_mut().find(|s| s.id == row.id) else {
                 continue;
             };
+            // Proposals are not the sequence's tokens: verification decides.
             seq.computed = (row.start + row.len).min(seq.tokens.len());
+            seq.drafts.clear();
             let (from, parent) = seq.registered;
             seq.registered = self.blocks.register_full_blocks(
                 &seq.tokens,
@@ -451,13 +535,15 @@ mod tests {
                     id: 1,
                     start: 0,
                     len: 6,
-                    sample: true
+                    sample: true,
+                    drafts: 0
                 },
                 ScheduledRow {
                     id: 2,
                     start: 0,
                     len: 4,
-                    sample: false
+                    sample: false,
+                    drafts: 0
                 },
             ]
         );
@@ -471,13 +557,15 @@ mod tests {
                     id: 1,
                     start: 6,
                     len: 1,
-                    sample: true
+                    sample: true,
+                    drafts: 0
                 },
                 ScheduledRow {
                     id: 2,
                     start: 4,
                     len: 9,
-                    sample: false
+                    sample: false,
+                    drafts: 0
                 },
             ]
         );
@@ -489,7 +577,8 @@ mod tests {
                 id: 2,
                 start: 13,
                 len: 9,
-                sample: false
+                sample: false,
+                drafts: 0
             }
         );
         run(&mut s, &plan);
@@ -500,7 +589,8 @@ mod tests {
                 id: 2,
                 start: 22,
                 len: 3,
-                sample: true
+                sample: true,
+                drafts: 0
             }
         );
         run(&mut s, &plan);
@@ -565,7 +655,8 @@ mod tests {
                 id: 2,
                 start: 0,
                 len: 9,
-                sample: true
+                sample: true,
+                drafts: 0
             }]
         );
         assert_eq!(s.running(2).unwrap().tokens.len(), 9);
