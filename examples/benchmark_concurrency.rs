@@ -108,6 +108,14 @@ struct Args {
     /// Most tokens proposed per step with --speculative.
     #[arg(long, default_value_t = 8)]
     draft_tokens: usize,
+    /// Constrain every request to this JSON Schema (a file; structured outputs). A
+    /// constrained request ends where its value does or at its token limit; it is never
+    /// continued past the grammar's end, so `--stop-at-eos` is implied for it.
+    #[arg(long)]
+    json_schema: Option<PathBuf>,
+    /// The schema read from `--json-schema`.
+    #[arg(skip)]
+    schema: Option<serde_json::Value>,
 }
 
 /// The fixed, varied prompt set (the same in every run); requests cycle through it.
@@ -157,6 +165,14 @@ fn request(i: usize, args: &Args, prefix: &str) -> GenerateRequest {
         .with_min_p(args.min_p)
         .with_seed(1000 + i as u64)
         .with_ignore_eos(ignore_eos);
+    let request = match &args.schema {
+        Some(schema) => request
+            .with_constraint(llama_burn::constraints::Constraint::JsonSchema(
+                schema.clone(),
+            ))
+            .with_ignore_eos(false),
+        None => request,
+    };
     match args.speculative {
         Some(method) => request.with_speculation(llama_burn::speculative::SpeculationConfig {
             method,
@@ -400,6 +416,16 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
         let n = llama.config().max_seq_len;
         llama.set_draft_model(load_model(path, n, &args.options)?)?;
     }
+    if args.schema.is_some() {
+        // The constraint vocabulary is built once per model (the server builds it at
+        // start), so it stays out of the requests' times.
+        let start = Instant::now();
+        llama.constraint_vocab()?;
+        eprintln!(
+            "constraint vocabulary built in {:.0} ms",
+            start.elapsed().as_secs_f64() * 1e3
+        );
+    }
     let prefix = shared_prefix(&llama, args.shared_prefix_tokens)?;
     let reqs: Vec<GenerateRequest> = (0..args.requests)
         .map(|i| request(i, args, &prefix))
@@ -549,8 +575,22 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
     Ok(())
 }
 
+/// Reads and parses the `--json-schema` file.
+fn read_schema(path: &std::path::Path) -> llama_burn::Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| llama_burn::LlamaError::Runtime(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text)
+        .map_err(|e| llama_burn::LlamaError::Runtime(format!("{}: {e}", path.display())))
+}
+
 fn main() {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if let Some(path) = args.json_schema.clone() {
+        match read_schema(&path) {
+            Ok(schema) => args.schema = Some(schema),
+            Err(e) => return exit_on_error(Err(e)),
+        }
+    }
     let max_seq_len = match args.max_seq_len {
         Some(n) => Ok(n),
         None => context_length(args.model.as_deref()),
