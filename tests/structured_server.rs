@@ -5,38 +5,9 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::demo;
+use common::server::start_constrained_server;
 use futures_util::StreamExt;
-use llama_burn::inference::{ContinuousConfig, ContinuousEngine};
-use llama_burn::server::{Engine, Server, ServerConfig};
 use serde_json::{Value, json};
-
-/// Serves the demo model on an ephemeral port; returns its base URL and the runtime.
-fn start() -> (String, tokio::runtime::Runtime, Server) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let config = ContinuousConfig::default().with_kv_budget_tokens(4096);
-    let engine: Arc<dyn Engine> =
-        Arc::new(ContinuousEngine::start(demo(512), config).expect("engine"));
-    let mut server_config = ServerConfig::new("smol");
-    server_config.max_constraint_bytes = 4096;
-    let server = Server::new(server_config).expect("server");
-    server.set_engine(engine).expect("engine");
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.set_nonblocking(true).expect("nonblocking");
-    let addr = listener.local_addr().expect("addr");
-    let app = server.router();
-    rt.spawn(async move {
-        let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-        axum::serve(listener, app).await.expect("serve");
-    });
-    (format!("http://{addr}"), rt, server)
-}
 
 fn schema() -> Value {
     json!({
@@ -70,7 +41,7 @@ async fn post(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) 
 
 #[test]
 fn response_format_and_structured_outputs_over_http() {
-    let (base, rt, _server) = start();
+    let (base, rt, _server) = start_constrained_server();
     let chat = format!("{base}/v1/chat/completions");
     let completions = format!("{base}/v1/completions");
     let messages = json!([{"role": "user", "content": "Describe a city as JSON."}]);
@@ -216,7 +187,7 @@ fn response_format_and_structured_outputs_over_http() {
 /// no timing is asserted), and the server keeps serving.
 #[test]
 fn hostile_constraints_are_refused_and_the_server_keeps_serving() {
-    let (base, rt, _server) = start();
+    let (base, rt, _server) = start_constrained_server();
     let chat = format!("{base}/v1/chat/completions");
     let messages = json!([{"role": "user", "content": "Answer."}]);
     // Nested `oneOf`s of arrays, within the body's nesting limit.

@@ -1,6 +1,9 @@
 //! Shared helpers for the integration tests: the real demo model on the CPU backend.
 #![allow(dead_code)]
 
+#[cfg(feature = "server")]
+pub mod server;
+
 use llama_burn::backend::{DefaultBackend, default_device};
 use llama_burn::llama::{Llama, LlamaConfig};
 use llama_burn::tokenizer::DynTokenizer;
