@@ -273,19 +273,30 @@ pub trait LlamaBackend: Backend {
         v: Tensor<Self, 4>,
         mask: Option<Tensor<Self, 4, Bool>>,
     ) -> Result<Tensor<Self, 4>> {
-        Ok(attention(
-            q,
-            k,
-            v,
-            mask,
-            None,
-            AttentionModuleOptions {
-                scale: None,
-                softcap: None,
-                is_causal: false,
-            },
-        ))
+        Ok(fused_attention(q, k, v, mask))
     }
+}
+
+/// Burn's fused attention with the default scale, no soft cap and no causal mask of its
+/// own: `true` in `mask` hides a key.
+fn fused_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+) -> Tensor<B, 4> {
+    attention(
+        q,
+        k,
+        v,
+        mask,
+        None,
+        AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: false,
+        },
+    )
 }
 
 /// Row-major `[rows, cols]` host data as a tensor on `device`, uploaded whole, or in blocks
@@ -648,18 +659,7 @@ impl LlamaBackend for burn::backend::LibTorch {
         v: Tensor<Self, 4>,
         mask: Option<Tensor<Self, 4, Bool>>,
     ) -> Result<Tensor<Self, 4>> {
-        Ok(attention(
-            q,
-            k,
-            v,
-            mask.map(Tensor::bool_not),
-            None,
-            AttentionModuleOptions {
-                scale: None,
-                softcap: None,
-                is_causal: false,
-            },
-        ))
+        Ok(fused_attention(q, k, v, mask.map(Tensor::bool_not)))
     }
 }
 
