@@ -201,10 +201,11 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
     use llama_burn::kernels::{QuantFormat, QuantMatrix};
 
     let device = Default::default();
-    // Every kept format: Q8_0, Q4_0 and Q4_1 through the fused kernel, the others through
-    // their dense copy on the device. An odd number of outputs, one row and several.
+    // Every kept format: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and Q5_K through the fused kernel,
+    // the others through their dense copy on the device. An odd number of outputs and of
+    // blocks per row, one row and several.
     for format in QuantFormat::ALL {
-        let (n_out, cols) = (37, 2 * format.block_values());
+        let (n_out, cols) = (37, 3 * format.block_values());
         let w =
             QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 4)).expect("quantize");
         let dense = w.dequantize().expect("dequantize");

@@ -115,10 +115,48 @@ fn half_to_f32(bits: u32) -> f32 {
     value
 }
 
-/// `x @ W^T` with `W` `[n_out, cols]` in ggml's Q8_0 (`format` 0), Q4_0 (`format` 1) or
-/// Q4_1 (`format` 2) blocks, row by row, as words: one unit per output value, which walks its weight row
-/// block by block (scale times the block's integer-weighted sum of `x`, in f32). Every
-/// output is its own sum in a fixed order: no value depends on another row of `x`.
+/// The whole little-endian word `i` (four bytes of ggml's blocks).
+#[cube]
+fn word_at<I: Numeric>(words: &Tensor<I>, i: usize) -> u32 {
+    u32::cast_from(words[i])
+}
+
+/// Sub-scale `j` (0..8, 6 bits) of a Q4_K/Q5_K block whose 12 packed scale bytes start at
+/// byte `p`.
+#[cube]
+fn k_scale<I: Numeric>(words: &Tensor<I>, p: usize, j: usize) -> u32 {
+    let mut v = byte_at::<I>(words, p + j) & 63;
+    if j >= 4 {
+        v = (byte_at::<I>(words, p + j + 4) & 15) | ((byte_at::<I>(words, p + j - 4) >> 6) << 4);
+    }
+    v
+}
+
+/// Sub-minimum `j` (0..8, 6 bits) of a Q4_K/Q5_K block, as [`k_scale`].
+#[cube]
+fn k_min<I: Numeric>(words: &Tensor<I>, p: usize, j: usize) -> u32 {
+    let mut v = byte_at::<I>(words, p + j + 4) & 63;
+    if j >= 4 {
+        v = (byte_at::<I>(words, p + j + 4) >> 4) | ((byte_at::<I>(words, p + j) >> 6) << 4);
+    }
+    v
+}
+
+/// A signed byte's value.
+#[cube]
+fn signed_byte(b: u32) -> f32 {
+    let mut v = f32::cast_from(b);
+    if b >= 128 {
+        v = f32::cast_from(b) - f32::new(256.0);
+    }
+    v
+}
+
+/// `x @ W^T` with `W` `[n_out, cols]` in ggml's blocks, row by row, as words: Q8_0
+/// (`format` 0), Q4_0 (1), Q4_1 (2), Q4_K (3), Q6_K (4) or Q5_K (5). One unit per output
+/// value, which walks its weight row block by block (each scale times its sub-block's
+/// integer-weighted sum of `x`, a minimum times the sub-block's sum of `x`, in f32).
+/// Every output is its own sum in a fixed order: no value depends on another row of `x`.
 #[cube(launch)]
 pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     x: &Tensor<F>,
@@ -139,50 +177,166 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     let block_bytes = comptime!(match format {
         0 => 34usize,
         1 => 18usize,
-        _ => 20usize,
+        2 => 20usize,
+        3 => 144usize,
+        4 => 210usize,
+        _ => 176usize,
     });
-    let blocks = cols / 32;
+    let block_values = comptime!(if format >= 3 { 256usize } else { 32usize });
+    let blocks = cols / block_values;
     let row_at = o * blocks * block_bytes;
     let x_at = r * cols;
     let mut acc = f32::new(0.0);
     for b in 0..blocks {
         let at = row_at + b * block_bytes;
-        let scale = half_to_f32(byte_at::<I>(words, at) | (byte_at::<I>(words, at + 1) << 8));
-        let mut sum = f32::new(0.0);
-        let xb = x_at + b * 32;
-        if comptime!(format == 0) {
-            for i in 0..32usize {
-                let q = byte_at::<I>(words, at + 2 + i);
-                let mut v = f32::cast_from(q);
-                if q >= 128 {
-                    v = f32::cast_from(q) - f32::new(256.0);
-                }
-                sum += v * f32::cast_from(x[xb + i]);
-            }
-            acc += scale * sum;
-        } else if comptime!(format == 1) {
-            for i in 0..16usize {
-                let q = byte_at::<I>(words, at + 2 + i);
-                let lo = f32::cast_from(q & 15) - f32::new(8.0);
-                let hi = f32::cast_from(q >> 4) - f32::new(8.0);
-                sum += lo * f32::cast_from(x[xb + i]);
-                sum += hi * f32::cast_from(x[xb + 16 + i]);
-            }
-            acc += scale * sum;
+        let xb = x_at + b * block_values;
+        if comptime!(format >= 3) {
+            acc += k_block::<F, I>(x, words, at, xb, format);
         } else {
-            // Q4_1: d * q + m per value.
-            let min = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
-            let mut xs = f32::new(0.0);
-            for i in 0..16usize {
-                let q = byte_at::<I>(words, at + 4 + i);
-                let a = f32::cast_from(x[xb + i]);
-                let b = f32::cast_from(x[xb + 16 + i]);
-                sum += f32::cast_from(q & 15) * a;
-                sum += f32::cast_from(q >> 4) * b;
-                xs += a + b;
-            }
-            acc += scale * sum + min * xs;
+            acc += small_block::<F, I>(x, words, at, xb, format);
         }
     }
     out[r * n_out + o] = F::cast_from(acc);
+}
+
+/// One 32-value block of Q8_0, Q4_0 or Q4_1 at byte `at` times `x[xb..xb + 32]`.
+#[cube]
+fn small_block<F: Float, I: Numeric>(
+    x: &Tensor<F>,
+    words: &Tensor<I>,
+    at: usize,
+    xb: usize,
+    #[comptime] format: u32,
+) -> f32 {
+    let mut acc = f32::new(0.0);
+    let scale = half_to_f32(byte_at::<I>(words, at) | (byte_at::<I>(words, at + 1) << 8));
+    let mut sum = f32::new(0.0);
+    if comptime!(format == 0) {
+        for i in 0..32usize {
+            let q = byte_at::<I>(words, at + 2 + i);
+            let mut v = f32::cast_from(q);
+            if q >= 128 {
+                v = f32::cast_from(q) - f32::new(256.0);
+            }
+            sum += v * f32::cast_from(x[xb + i]);
+        }
+        acc += scale * sum;
+    } else if comptime!(format == 1) {
+        for i in 0..16usize {
+            let q = byte_at::<I>(words, at + 2 + i);
+            let lo = f32::cast_from(q & 15) - f32::new(8.0);
+            let hi = f32::cast_from(q >> 4) - f32::new(8.0);
+            sum += lo * f32::cast_from(x[xb + i]);
+            sum += hi * f32::cast_from(x[xb + 16 + i]);
+        }
+        acc += scale * sum;
+    } else {
+        // Q4_1: d * q + m per value.
+        let min = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
+        let mut xs = f32::new(0.0);
+        for i in 0..16usize {
+            let q = byte_at::<I>(words, at + 4 + i);
+            let a = f32::cast_from(x[xb + i]);
+            let b = f32::cast_from(x[xb + 16 + i]);
+            sum += f32::cast_from(q & 15) * a;
+            sum += f32::cast_from(q >> 4) * b;
+            xs += a + b;
+        }
+        acc += scale * sum + min * xs;
+    }
+    acc
+}
+
+/// One 256-value block of Q4_K (`format` 3), Q6_K (4) or Q5_K (5) at byte `at` times
+/// `x[xb..xb + 256]`.
+#[cube]
+fn k_block<F: Float, I: Numeric>(
+    x: &Tensor<F>,
+    words: &Tensor<I>,
+    at: usize,
+    xb: usize,
+    #[comptime] format: u32,
+) -> f32 {
+    let mut acc = f32::new(0.0);
+    if comptime!(format == 4) {
+        // Q6_K: ql [128], qh [64], sixteen signed scales, d; values 6 bits offset by 32,
+        // one scale per 16 values.
+        let d = half_to_f32(byte_at::<I>(words, at + 208) | (byte_at::<I>(words, at + 209) << 8));
+        for half in 0..2usize {
+            let ql = at + 64 * half;
+            let qh = at + 128 + 32 * half;
+            let sc = at + 192 + 8 * half;
+            let xh = xb + 128 * half;
+            for is in 0..2usize {
+                let mut s1 = f32::new(0.0);
+                let mut s2 = f32::new(0.0);
+                let mut s3 = f32::new(0.0);
+                let mut s4 = f32::new(0.0);
+                for k in 0..16usize {
+                    let l = is * 16 + k;
+                    let h = byte_at::<I>(words, qh + l);
+                    let a = byte_at::<I>(words, ql + l);
+                    let c = byte_at::<I>(words, ql + l + 32);
+                    let q1 = f32::cast_from((a & 15) | ((h & 3) << 4)) - f32::new(32.0);
+                    let q2 = f32::cast_from((c & 15) | (((h >> 2) & 3) << 4)) - f32::new(32.0);
+                    let q3 = f32::cast_from((a >> 4) | (((h >> 4) & 3) << 4)) - f32::new(32.0);
+                    let q4 = f32::cast_from((c >> 4) | (((h >> 6) & 3) << 4)) - f32::new(32.0);
+                    s1 += q1 * f32::cast_from(x[xh + l]);
+                    s2 += q2 * f32::cast_from(x[xh + l + 32]);
+                    s3 += q3 * f32::cast_from(x[xh + l + 64]);
+                    s4 += q4 * f32::cast_from(x[xh + l + 96]);
+                }
+                let sum = signed_byte(byte_at::<I>(words, sc + is)) * s1
+                    + signed_byte(byte_at::<I>(words, sc + is + 2)) * s2
+                    + signed_byte(byte_at::<I>(words, sc + is + 4)) * s3
+                    + signed_byte(byte_at::<I>(words, sc + is + 6)) * s4;
+                acc += d * sum;
+            }
+        }
+    } else {
+        // Q4_K / Q5_K: d, dmin, twelve bytes of 6-bit sub-scales and minimums, (Q5_K:
+        // 32 bytes of fifth bits,) 128 bytes of nibbles: four chunks of 32 bytes, each two
+        // 32-value groups (low nibbles, then high nibbles). Blocks are whole words (144
+        // and 176 bytes), so the nibbles are read a word at a time.
+        let d = half_to_f32(byte_at::<I>(words, at) | (byte_at::<I>(words, at + 1) << 8));
+        let dmin = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
+        let qs = comptime!(if format == 5 { 48usize } else { 16usize });
+        for chunk in 0..4usize {
+            let mut s_lo = f32::new(0.0);
+            let mut s_hi = f32::new(0.0);
+            let mut x_lo = f32::new(0.0);
+            let mut x_hi = f32::new(0.0);
+            let xc = xb + 64 * chunk;
+            for w in 0..8usize {
+                let q = word_at::<I>(words, (at + qs + 32 * chunk) / 4 + w);
+                let mut hb = 0u32;
+                if comptime!(format == 5) {
+                    hb = word_at::<I>(words, (at + 16) / 4 + w);
+                }
+                for k in 0..4usize {
+                    let byte = (q >> ((k * 8) as u32)) & 255;
+                    let mut lo = byte & 15;
+                    let mut hi = byte >> 4;
+                    if comptime!(format == 5) {
+                        let h = (hb >> ((k * 8) as u32)) >> ((2 * chunk) as u32);
+                        lo += (h & 1) << 4;
+                        hi += ((h >> 1) & 1) << 4;
+                    }
+                    let a = f32::cast_from(x[xc + 4 * w + k]);
+                    let c = f32::cast_from(x[xc + 32 + 4 * w + k]);
+                    s_lo += f32::cast_from(lo) * a;
+                    s_hi += f32::cast_from(hi) * c;
+                    x_lo += a;
+                    x_hi += c;
+                }
+            }
+            let p = at + 4;
+            let j = 2 * chunk;
+            acc += d * f32::cast_from(k_scale::<I>(words, p, j)) * s_lo
+                - dmin * f32::cast_from(k_min::<I>(words, p, j)) * x_lo;
+            acc += d * f32::cast_from(k_scale::<I>(words, p, j + 1)) * s_hi
+                - dmin * f32::cast_from(k_min::<I>(words, p, j + 1)) * x_hi;
+        }
+    }
+    acc
 }

@@ -13,9 +13,10 @@
 //!   gathered copy of the pool, no padding, no mask.
 //! - [`quantized_matmul`](LlamaBackend::quantized_matmul): weights stay in their GGUF
 //!   blocks on the device ([`keeps_quantized_weights`](LlamaBackend::keeps_quantized_weights)),
-//!   uploaded once on first use; Q8_0, Q4_0 and Q4_1 are multiplied by a fused
-//!   dequantize-and-multiply kernel, the other kept formats are dequantized once to an
-//!   f32 copy on the device (the portable path's memory) and multiplied by Burn's matmul.
+//!   uploaded once on first use; Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and Q5_K are multiplied by
+//!   a fused dequantize-and-multiply kernel, the other kept formats (Q5_0, Q5_1, Q3_K) are
+//!   dequantized once to an f32 copy on the device (the portable path's memory) and
+//!   multiplied by Burn's matmul.
 
 mod kernels;
 
@@ -52,9 +53,9 @@ pub struct QuantShape {
     pub rows: usize,
     /// Outputs (rows of the weight).
     pub n_out: usize,
-    /// Inputs (columns of `x` and of the weight, a whole number of 32-value blocks).
+    /// Inputs (columns of `x` and of the weight, a whole number of blocks).
     pub cols: usize,
-    /// The block format: 0 Q8_0, 1 Q4_0, 2 Q4_1.
+    /// The block format: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_K.
     pub format: u32,
 }
 
@@ -376,6 +377,9 @@ fn kernel_format(format: QuantFormat) -> Option<u32> {
         QuantFormat::Q8_0 => Some(0),
         QuantFormat::Q4_0 => Some(1),
         QuantFormat::Q4_1 => Some(2),
+        QuantFormat::Q4_K => Some(3),
+        QuantFormat::Q6_K => Some(4),
+        QuantFormat::Q5_K => Some(5),
         _ => None,
     }
 }
