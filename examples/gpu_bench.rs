@@ -1,0 +1,357 @@
+//! The GPU benchmark: decode tokens/s at several batch sizes and prefill tokens/s on the
+//! engine's path (the paged KV cache, `Transformer::forward_paged`, greedy tokens), on
+//! the demo model and on `--model PATH` (e.g. a 1B-shaped GGUF), with the memory used.
+//! One command on a machine with an NVIDIA GPU:
+//!
+//! ```sh
+//! cargo run --release --features llama3,cuda --example gpu_bench -- --model 1b.Q4_K_M.gguf --json
+//! ```
+//!
+//! Any backend runs it (the one the cargo features choose): `--features wgpu` on Mesa's
+//! software Vulkan driver, in CI with tiny settings (`--rows 1,3 --context 5 --steps 2
+//! --prefill 24 --reps 1`), and the CPU backend without GPU features.
+//!
+//! Decode at `R` rows: `R` sequences of the same `--context` prompt tokens (each in its
+//! own blocks) are prefilled, then `--warmup` untimed steps and `--steps` timed steps of
+//! one token per row run, each step's greedy tokens read back to the host (as the
+//! continuous engine's step does). tokens/s = `R * steps / time`. Every row must produce
+//! the same tokens at every batch size (a row's result never depends on the batch); the
+//! run fails if one does not. Prefill: one sequence of `--prefill` tokens in chunks of
+//! at most 512 (the engine's largest), tokens/s = `prefill / time`. The best of `--reps`
+//! repetitions is reported.
+//!
+//! Memory: on CUDA, the device memory this process holds as `nvidia-smi` reports it
+//! (else the whole GPU's used memory, said as such); on other backends the process's
+//! peak resident memory (on a software driver the device memory is host memory).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use clap::Parser;
+use common::{B, ModelOptions, exit_on_error, load_model, model_name, peak_rss_bytes};
+use llama_burn::backend::BACKEND_NAME;
+use llama_burn::cache::{BlockId, PagedKvCache};
+use llama_burn::llama::Llama;
+use llama_burn::model::PagedRow;
+use llama_burn::{LlamaError, Result};
+use serde_json::{Value, json};
+
+#[derive(Parser, Debug)]
+#[command(about = "Decode and prefill tokens/s on the chosen backend (a GPU's, usually)")]
+struct Args {
+    /// A second model to measure after the demo model (a .gguf file or a Hugging Face
+    /// directory), e.g. a 1B-shaped GGUF from `examples/random_gguf.rs`.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Skip the demo model (measure `--model` only).
+    #[arg(long)]
+    no_demo: bool,
+    /// Batch sizes (rows decoding together), comma-separated.
+    #[arg(long, default_value = "1,8,32,128", value_delimiter = ',')]
+    rows: Vec<usize>,
+    /// Prompt tokens of each decoding row.
+    #[arg(long, default_value_t = 64)]
+    context: usize,
+    /// Timed decode steps.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Untimed decode steps before them (kernel compilation, autotuning).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Tokens of the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prefill: usize,
+    /// Repetitions of each measurement (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Positions per KV block (the engine's default).
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[command(flatten)]
+    options: ModelOptions,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The largest prompt chunk the engine runs in one step.
+const CHUNK: usize = 512;
+
+fn main() {
+    let args = Args::parse();
+    exit_on_error(run(&args));
+}
+
+fn run(args: &Args) -> Result<()> {
+    if args.rows.is_empty() || args.rows.contains(&0) || args.steps == 0 || args.reps == 0 {
+        return Err(LlamaError::invalid(
+            "--rows/--steps/--reps",
+            format!("{:?}/{}/{}", args.rows, args.steps, args.reps),
+            "need at least one row, step and repetition",
+        ));
+    }
+    if args.context == 0 || args.prefill == 0 || args.block_size == 0 {
+        return Err(LlamaError::invalid(
+            "--context/--prefill/--block-size",
+            format!("{}/{}/{}", args.context, args.prefill, args.block_size),
+            "must be at least 1",
+        ));
+    }
+    let mut models: Vec<Option<&Path>> = Vec::new();
+    if !args.no_demo {
+        models.push(None);
+    }
+    if let Some(path) = &args.model {
+        models.push(Some(path));
+    }
+    let mut reports = Vec::new();
+    for model in models {
+        reports.push(bench_model(args, model)?);
+    }
+    let report = json!({
+        "backend": BACKEND_NAME,
+        "settings": {
+            "context": args.context,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "prefill": args.prefill,
+            "reps": args.reps,
+            "block_size": args.block_size,
+        },
+        "models": reports,
+    });
+    if args.json {
+        println!("{report:#}");
+    }
+    Ok(())
+}
+
+fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
+    let name = model_name(model);
+    let longest = (args.context + args.warmup + args.steps).max(args.prefill);
+    let llama = load_model(model, longest, &args.options)?;
+    let device = llama.device().clone();
+    let c = llama.config().clone();
+    let text = "The quick brown fox jumps over the lazy dog, and then it runs far away. ";
+    let seed = llama.encode_prompt(text)?;
+    let tokens = |n: usize| -> Vec<u32> { seed.iter().copied().cycle().take(n).collect() };
+
+    // Prefill: one sequence in chunks.
+    let prompt = tokens(args.prefill);
+    let blocks_per_seq = |len: usize| len.div_ceil(args.block_size);
+    let mut prefill_best = f64::INFINITY;
+    for _ in 0..args.reps {
+        let n_blocks = blocks_per_seq(prompt.len());
+        let mut cache = PagedKvCache::<B>::new(
+            c.n_layers,
+            n_blocks,
+            args.block_size,
+            c.n_kv_heads,
+            c.head_dim,
+            &device,
+        )?;
+        let table: Vec<BlockId> = (0..n_blocks as BlockId).collect();
+        let start = Instant::now();
+        let mut last = 0;
+        for (i, chunk) in prompt.chunks(CHUNK).enumerate() {
+            let row = PagedRow {
+                tokens: chunk,
+                start: i * CHUNK,
+                blocks: &table,
+                logits: true,
+                all_logits: false,
+            };
+            last = greedy(&llama, &[row], &mut cache)?[0];
+        }
+        prefill_best = prefill_best.min(start.elapsed().as_secs_f64());
+        std::hint::black_box(last);
+    }
+    let prefill_tps = args.prefill as f64 / prefill_best;
+    if !args.json {
+        println!("{name} on {BACKEND_NAME}: prefill {prefill_tps:.1} tokens/s");
+    }
+
+    // Decode at each batch size.
+    let context = tokens(args.context);
+    let mut decode = Vec::new();
+    let mut reference: Option<Vec<u32>> = None;
+    for &rows in &args.rows {
+        let per_seq = blocks_per_seq(args.context + args.warmup + args.steps);
+        let mut best = f64::INFINITY;
+        let mut kv_bytes = 0;
+        for _ in 0..args.reps {
+            let mut cache = PagedKvCache::<B>::new(
+                c.n_layers,
+                rows * per_seq,
+                args.block_size,
+                c.n_kv_heads,
+                c.head_dim,
+                &device,
+            )?;
+            kv_bytes = cache.allocated_bytes();
+            let tables: Vec<Vec<BlockId>> = (0..rows)
+                .map(|r| ((r * per_seq) as BlockId..((r + 1) * per_seq) as BlockId).collect())
+                .collect();
+            // Prefill the rows, a few at a time (at most one chunk's tokens per step).
+            let per_step = (CHUNK / args.context).max(1);
+            let mut next = Vec::with_capacity(rows);
+            for group in tables.chunks(per_step) {
+                let step: Vec<PagedRow> = group
+                    .iter()
+                    .map(|table| PagedRow {
+                        tokens: &context,
+                        start: 0,
+                        blocks: table,
+                        logits: true,
+                        all_logits: false,
+                    })
+                    .collect();
+                next.extend(greedy(&llama, &step, &mut cache)?);
+            }
+            let mut generated: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+            let mut start = Instant::now();
+            for step in 0..args.warmup + args.steps {
+                if step == args.warmup {
+                    start = Instant::now();
+                }
+                let inputs: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+                let step_rows: Vec<PagedRow> = inputs
+                    .iter()
+                    .zip(&tables)
+                    .map(|(token, table)| PagedRow {
+                        tokens: token,
+                        start: args.context + step,
+                        blocks: table,
+                        logits: true,
+                        all_logits: false,
+                    })
+                    .collect();
+                next = greedy(&llama, &step_rows, &mut cache)?;
+                for (g, &t) in generated.iter_mut().zip(&next) {
+                    g.push(t);
+                }
+            }
+            best = best.min(start.elapsed().as_secs_f64());
+            // Every row, at every batch size, decodes the same tokens.
+            for row in &generated {
+                match &reference {
+                    None => reference = Some(row.clone()),
+                    Some(want) if want == row => {}
+                    Some(want) => {
+                        return Err(LlamaError::Runtime(format!(
+                            "{name}: a row of a {rows}-row batch decoded {row:?}, the first \
+                             row measured {want:?}"
+                        )));
+                    }
+                }
+            }
+        }
+        let tps = (rows * args.steps) as f64 / best;
+        if !args.json {
+            println!(
+                "{name} on {BACKEND_NAME}: decode at {rows} rows {tps:.1} tokens/s \
+                 ({:.2} ms a step)",
+                best * 1e3 / args.steps as f64
+            );
+        }
+        decode.push(json!({
+            "rows": rows,
+            "tokens_per_s": tps,
+            "ms_per_step": best * 1e3 / args.steps as f64,
+            "kv_pool_bytes": kv_bytes,
+        }));
+    }
+    B::sync(&device).map_err(|e| LlamaError::Runtime(format!("sync: {e:?}")))?;
+    let (memory_bytes, memory_source) = memory_used();
+    if !args.json {
+        match memory_bytes {
+            Some(bytes) => println!("{name}: memory {:.1} MiB ({memory_source})", mib(bytes)),
+            None => println!("{name}: memory not available"),
+        }
+    }
+    Ok(json!({
+        "model": name,
+        "layers": c.n_layers,
+        "d_model": c.d_model,
+        "vocab": c.vocab_size,
+        "weight_bytes": llama.model.weight_bytes(),
+        "prefill": { "tokens": args.prefill, "tokens_per_s": prefill_tps },
+        "decode": decode,
+        "memory_bytes": memory_bytes,
+        "memory_source": memory_source,
+    }))
+}
+
+/// One step of `rows` on the engine's path: the greedy token of each row, read back.
+fn greedy(
+    llama: &Llama<B>,
+    rows: &[PagedRow<'_>],
+    cache: &mut PagedKvCache<B>,
+) -> Result<Vec<u32>> {
+    let logits = llama.model.forward_paged(rows, cache)?;
+    let [n, vocab] = logits.dims();
+    let values = logits
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|e| LlamaError::Runtime(format!("reading logits: {e:?}")))?;
+    Ok((0..n)
+        .map(|r| llama_burn::sampling::argmax(&values[r * vocab..(r + 1) * vocab]))
+        .collect())
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// The memory this run holds, and where the figure comes from.
+fn memory_used() -> (Option<u64>, &'static str) {
+    if BACKEND_NAME == "cuda" {
+        if let Some(bytes) = nvidia_smi_process_bytes() {
+            return (Some(bytes), "device memory of this process (nvidia-smi)");
+        }
+        if let Some(bytes) = nvidia_smi_gpu_bytes() {
+            return (
+                Some(bytes),
+                "device memory used on the whole GPU (nvidia-smi; this process not listed)",
+            );
+        }
+    }
+    (
+        peak_rss_bytes(),
+        "peak resident memory of the process (no device memory figure on this backend)",
+    )
+}
+
+fn nvidia_smi(args: &[&str]) -> Option<String> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args(args)
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// This process's line of `nvidia-smi --query-compute-apps`, in bytes.
+fn nvidia_smi_process_bytes() -> Option<u64> {
+    let pid = std::process::id().to_string();
+    let text = nvidia_smi(&[
+        "--query-compute-apps=pid,used_memory",
+        "--format=csv,noheader,nounits",
+    ])?;
+    text.lines().find_map(|line| {
+        let (p, mib) = line.split_once(',')?;
+        (p.trim() == pid).then(|| mib.trim().parse::<u64>().ok().map(|m| m << 20))?
+    })
+}
+
+/// The first GPU's used memory, in bytes.
+fn nvidia_smi_gpu_bytes() -> Option<u64> {
+    let text = nvidia_smi(&["--query-gpu=memory.used", "--format=csv,noheader,nounits"])?;
+    let mib: u64 = text.lines().next()?.trim().parse().ok()?;
+    Some(mib << 20)
+}
