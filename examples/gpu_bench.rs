@@ -13,8 +13,9 @@
 //!
 //! Decode at `R` rows: `R` sequences of the same `--context` prompt tokens (each in its
 //! own blocks) are prefilled, then `--warmup` untimed steps and `--steps` timed steps of
-//! one token per row run, each step's greedy tokens read back to the host (as the
-//! continuous engine's step does). tokens/s = `R * steps / time`. Every row must produce
+//! one token per row run, each step's greedy tokens read back to the host as the
+//! continuous engine's step does (on the CubeCL backends the argmax runs on the device
+//! and only the ids are read back). tokens/s = `R * steps / time`. Every row must produce
 //! the same tokens at every batch size (a row's result never depends on the batch); the
 //! run fails if one does not. Prefill: one sequence of `--prefill` tokens in chunks of
 //! at most 512 (the engine's largest), tokens/s = `prefill / time`. The best of `--reps`
@@ -285,13 +286,20 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
     }))
 }
 
-/// One step of `rows` on the engine's path: the greedy token of each row, read back.
+/// One step of `rows` on the engine's path: the greedy token of each row, read back (as
+/// ids where the backend computes the argmax on the device, as the engine does).
 fn greedy(
     llama: &Llama<B>,
     rows: &[PagedRow<'_>],
     cache: &mut PagedKvCache<B>,
 ) -> Result<Vec<u32>> {
+    use llama_burn::backend::LlamaBackend;
     let logits = llama.model.forward_paged(rows, cache)?;
+    if let Some(ids) = B::greedy_tokens(&logits)?
+        && let Some(ids) = ids.into_iter().collect::<Option<Vec<u32>>>()
+    {
+        return Ok(ids);
+    }
     let [n, vocab] = logits.dims();
     let values = logits
         .into_data()

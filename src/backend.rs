@@ -260,6 +260,20 @@ pub trait LlamaBackend: Backend {
         batch.attention_by_gathering(q, keys, values)
     }
 
+    /// The greedy token of each row of `logits` `[rows, vocab]`, computed where the
+    /// logits are so that only the ids are read back: the first index of the row's
+    /// largest value, as [`crate::sampling::argmax`] picks it, or `None` for a row
+    /// holding a NaN or nothing above minus infinity (which the host path reports as an
+    /// error). `Ok(None)`, the default, where the backend has no such kernel: the caller
+    /// reads the logits back and samples on the host.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::Runtime`] if the ids cannot be read back.
+    fn greedy_tokens(_logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
+        Ok(None)
+    }
+
     /// `softmax(q k^T / sqrt(dim)) v` with `true` in `mask` hiding a key: `q`
     /// `[batch, heads, queries, dim]`, `k`/`v` `[batch, heads, keys, dim]`, `mask`
     /// `[batch, 1, queries, keys]`. The default is Burn's fused attention.

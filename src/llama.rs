@@ -301,6 +301,23 @@ impl<B: LlamaBackend> GenerationState<B> {
         }
     }
 
+    /// Whether this request's next draw with `sampler` at `temperature` is the plain
+    /// greedy token of its logits (no ban, penalty, log-probabilities or constraint), so
+    /// that [`record_greedy`](Self::record_greedy) of a device-computed argmax equals
+    /// [`sample_next`](Self::sample_next).
+    pub(crate) fn draws_plain_greedy(&self, sampler: &Sampler, temperature: f64) -> bool {
+        self.logprobs.is_none()
+            && self.tokens.len() >= self.min_tokens
+            && sampler.is_plain_greedy(temperature, self.repetition_penalty)
+    }
+
+    /// What [`sample_next`](Self::sample_next) records for a plain greedy draw (see
+    /// [`draws_plain_greedy`](Self::draws_plain_greedy)), the token having been picked
+    /// elsewhere.
+    pub(crate) fn record_greedy(&mut self) {
+        self.last_logprobs = None;
+    }
+
     /// Picks the next token from this request's logits (`stop_ids`: the tokenizer's),
     /// with its history for the penalties, its stop tokens banned before `min_tokens`,
     /// and its log-probabilities kept when asked for. Depends on nothing but the row.

@@ -236,3 +236,50 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
     }
     assert!(<Wgpu as LlamaBackend>::keeps_quantized_weights());
 }
+
+#[test]
+fn device_argmax_gives_the_host_greedy_token() {
+    use burn::tensor::{Tensor, TensorData};
+
+    // An odd vocabulary (not a multiple of the kernel's 256 units), rows with ties (the
+    // first index wins), minus and plus infinity, signed zeros, a NaN and a row of minus
+    // infinity (no token: the host path's error).
+    let vocab = 1037;
+    let mut rows: Vec<Vec<f32>> = (0..4).map(|r| values(vocab, 40 + r)).collect();
+    rows[1][700] = 5.0;
+    rows[1][300] = 5.0;
+    rows[1][1036] = 5.0;
+    rows[2][10] = f32::NEG_INFINITY;
+    rows[2][900] = f32::INFINITY;
+    rows[2][901] = f32::INFINITY;
+    rows[3].iter_mut().for_each(|v| *v = -v.abs() - 1e-3);
+    rows[3][513] = -0.0;
+    rows[3][257] = 0.0;
+    let mut nan = values(vocab, 50);
+    nan[600] = f32::NAN;
+    rows.push(nan);
+    rows.push(vec![f32::NEG_INFINITY; vocab]);
+    rows.push(vec![-1.0; vocab]);
+    let want: Vec<Option<u32>> = rows
+        .iter()
+        .map(|r| {
+            llama_burn::sampling::check_logits(r)
+                .ok()
+                .map(|()| llama_burn::sampling::argmax(r))
+        })
+        .collect();
+    assert_eq!(want[1], Some(300));
+    assert_eq!(want[2], Some(900));
+    assert_eq!(want[3], Some(257));
+    assert_eq!(want[6], Some(0));
+    assert_eq!((want[4], want[5]), (None, None));
+
+    let n = rows.len();
+    let flat: Vec<f32> = rows.into_iter().flatten().collect();
+    let logits =
+        Tensor::<Wgpu, 2>::from_data(TensorData::new(flat, [n, vocab]), &Default::default());
+    let got = Wgpu::greedy_tokens(&logits)
+        .expect("wgpu argmax")
+        .expect("the CubeCL backends have a device argmax");
+    assert_eq!(got, want);
+}

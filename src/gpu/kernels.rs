@@ -340,3 +340,87 @@ fn k_block<F: Float, I: Numeric>(
     }
     acc
 }
+
+/// Units per row of [`argmax_kernel`].
+pub(crate) const ARGMAX_WIDTH: usize = 256;
+
+/// The greedy token of each row of `logits` `[rows, vocab]`: the first index of the
+/// largest value, as [`crate::sampling::argmax`] picks it, or `vocab` (no token) where the
+/// row holds a NaN or nothing above minus infinity (which the host path reports as an
+/// error). One cube per row, `width` units: each scans its strided share in index order,
+/// then the units' bests are combined in shared memory (the larger value; on a tie the
+/// smaller index), so the result is the same whatever the order of the combination.
+#[cube(launch)]
+pub(crate) fn argmax_kernel<F: Float, I: Numeric>(
+    logits: &Tensor<F>,
+    out: &mut Tensor<I>,
+    vocab: u32,
+    #[comptime] width: usize,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let row = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let none = vocab;
+    let vocab = vocab as usize;
+    let mut values = SharedMemory::<f32>::new(width);
+    let mut indices = SharedMemory::<u32>::new(width);
+    let mut nans = SharedMemory::<u32>::new(width);
+
+    let mut best = f32::new(0.0);
+    let mut best_at = none;
+    let mut nan = 0u32;
+    let mut i = u;
+    while i < vocab {
+        let v = f32::cast_from(logits[row * vocab + i]);
+        if v.is_nan() {
+            nan = 1;
+        } else if best_at == none {
+            best = v;
+            best_at = i as u32;
+        } else if v > best {
+            best = v;
+            best_at = i as u32;
+        }
+        i += width;
+    }
+    values[u] = best;
+    indices[u] = best_at;
+    nans[u] = nan;
+    sync_cube();
+
+    // The cube's width as a runtime value (a comptime one cannot be halved in a loop).
+    let mut half = CUBE_DIM_X / 2;
+    while half > 0 {
+        let stride = half as usize;
+        if u < stride {
+            let other_at = indices[u + stride];
+            let other = values[u + stride];
+            if other_at != none {
+                let mine_at = indices[u];
+                let mine = values[u];
+                let mut take = mine_at == none;
+                if other > mine {
+                    take = true;
+                }
+                if other == mine && other_at < mine_at {
+                    take = true;
+                }
+                if take {
+                    values[u] = other;
+                    indices[u] = other_at;
+                }
+            }
+            nans[u] = nans[u] | nans[u + stride];
+        }
+        sync_cube();
+        half /= 2;
+    }
+    if u == 0 {
+        let mut token = indices[0];
+        // Below the least finite f32: minus infinity (the best of a row of -inf).
+        if nans[0] != 0 || values[0] < f32::new(-3.402_823_5e38) {
+            token = none;
+        }
+        out[row] = I::cast_from(token);
+    }
+}

@@ -17,6 +17,8 @@
 //!   a fused dequantize-and-multiply kernel, the other kept formats (Q5_0, Q5_1, Q3_K) are
 //!   dequantized once to an f32 copy on the device (the portable path's memory) and
 //!   multiplied by Burn's matmul.
+//! - [`greedy_tokens`](LlamaBackend::greedy_tokens): each row's argmax on the device, so a
+//!   step whose rows all decode greedily reads back token ids, not logits.
 
 mod kernels;
 
@@ -84,6 +86,11 @@ pub trait CubeKernels: Backend {
         words: IntTensor<Self>,
         shape: QuantShape,
     ) -> FloatTensor<Self>;
+
+    /// The greedy token of each row of `logits` `[rows, vocab]` (the first index of the
+    /// largest value), `vocab` for a row holding a NaN or nothing above minus infinity:
+    /// `[rows]` integers. The caller has checked the shape.
+    fn argmax_primitive(logits: FloatTensor<Self>, rows: usize, vocab: usize) -> IntTensor<Self>;
 }
 
 impl<R, F, I, BT> CubeKernels for CubeBackend<R, F, I, BT>
@@ -173,6 +180,35 @@ where
             shape.n_out as u32,
             shape.cols as u32,
             shape.format,
+            [f_dtype.into(), i_dtype.into()],
+        );
+        out
+    }
+
+    fn argmax_primitive(logits: FloatTensor<Self>, rows: usize, vocab: usize) -> IntTensor<Self> {
+        use burn_cubecl::kernel::into_contiguous;
+        use burn_cubecl::tensor::CubeTensor;
+        use cubecl::{CubeCount, CubeDim};
+
+        let logits = into_contiguous(logits);
+        let i_dtype = I::dtype();
+        let out = CubeTensor::new_contiguous(
+            logits.client.clone(),
+            logits.device.clone(),
+            burn::tensor::Shape::new([rows]),
+            logits.client.empty(rows * i_dtype.size()),
+            i_dtype,
+        );
+        let f_dtype = logits.dtype;
+        let client = logits.client.clone();
+        kernels::argmax_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(rows as u32, 1, 1),
+            CubeDim::new_1d(kernels::ARGMAX_WIDTH as u32),
+            logits.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            vocab as u32,
+            kernels::ARGMAX_WIDTH,
             [f_dtype.into(), i_dtype.into()],
         );
         out
@@ -301,6 +337,79 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
             )
             .output()
     }
+
+    fn argmax_primitive(logits: FloatTensor<Self>, rows: usize, vocab: usize) -> IntTensor<Self> {
+        use burn::tensor::Element;
+        use burn_fusion::stream::{Operation, OperationStreams};
+        use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+        /// The kernel as an operation of the fusion stream.
+        #[derive(Debug)]
+        struct ArgmaxOp<B> {
+            desc: CustomOpIr,
+            rows: usize,
+            vocab: usize,
+            _backend: core::marker::PhantomData<B>,
+        }
+
+        impl<B: FusionBackend + CubeKernels> Operation<B::FusionRuntime> for ArgmaxOp<B> {
+            fn execute(
+                &self,
+                handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+            ) {
+                let ([logits], [out]) = self.desc.as_fixed();
+                let result = B::argmax_primitive(
+                    handles.get_float_tensor::<B>(logits),
+                    self.rows,
+                    self.vocab,
+                );
+                handles.register_int_tensor::<B>(&out.id, result);
+            }
+        }
+
+        let client = logits.client.clone();
+        let streams = OperationStreams::with_inputs([&logits]);
+        let out = TensorIr::uninit(
+            client.create_empty_handle(),
+            burn::tensor::Shape::new([rows]),
+            <B::IntElem as Element>::dtype(),
+        );
+        let desc = CustomOpIr::new("llama_burn_argmax", &[logits.into_ir()], &[out]);
+        client
+            .register(
+                streams,
+                OperationIr::Custom(desc.clone()),
+                ArgmaxOp::<B> {
+                    desc,
+                    rows,
+                    vocab,
+                    _backend: core::marker::PhantomData,
+                },
+            )
+            .output()
+    }
+}
+
+/// [`LlamaBackend::greedy_tokens`] through [`CubeKernels::argmax_primitive`]: only the
+/// `rows` token ids are read back.
+fn greedy_tokens<B: LlamaBackend + CubeKernels>(
+    logits: &Tensor<B, 2>,
+) -> Result<Option<Vec<Option<u32>>>> {
+    let [rows, vocab] = logits.dims();
+    if rows == 0 || vocab == 0 || u32::try_from(vocab).is_err() {
+        return Ok(None);
+    }
+    let ids = B::argmax_primitive(logits.clone().into_primitive().tensor(), rows, vocab);
+    let ids = Tensor::<B, 1, Int>::from_primitive(ids)
+        .into_data()
+        .convert::<i64>()
+        .to_vec::<i64>()
+        .map_err(|e| LlamaError::Runtime(format!("reading greedy tokens: {e:?}")))?;
+    Ok(Some(
+        ids.into_iter()
+            .map(|id| u32::try_from(id).ok().filter(|&id| (id as usize) < vocab))
+            .collect(),
+    ))
 }
 
 /// [`LlamaBackend::paged_attention`] through [`CubeKernels::paged_attention_primitive`],
@@ -479,6 +588,10 @@ where
     ) -> Result<Tensor<Self, 2>> {
         quantized_matmul(x, w)
     }
+
+    fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
+        greedy_tokens(logits)
+    }
 }
 
 /// Burn's CubeCL backends with fusion (`burn::backend::{Cuda, Wgpu, Vulkan}`): our
@@ -503,5 +616,9 @@ impl<B: FusionBackend + CubeKernels> LlamaBackend for Fusion<B> {
         _precision: Precision,
     ) -> Result<Tensor<Self, 2>> {
         quantized_matmul(x, w)
+    }
+
+    fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
+        greedy_tokens(logits)
     }
 }

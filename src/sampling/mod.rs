@@ -98,6 +98,22 @@ impl Sampler {
         }
     }
 
+    /// Whether [`sample_with`](Self::sample_with) at `temperature` with
+    /// `repetition_penalty` and nothing banned is exactly [`argmax`] of the logits (once
+    /// they pass [`check_logits`]): valid parameters, greedy, no bias, penalty or
+    /// constraint. Such a draw can run on the device
+    /// ([`LlamaBackend::greedy_tokens`](crate::backend::LlamaBackend::greedy_tokens)).
+    pub(crate) fn is_plain_greedy(&self, temperature: f64, repetition_penalty: f32) -> bool {
+        if validate_temperature(temperature).is_err() || self.validate().is_err() {
+            return false;
+        }
+        match self {
+            Sampler::Argmax => repetition_penalty == 1.0,
+            Sampler::TopP(_) | Sampler::TopK(_) => temperature == 0.0 && repetition_penalty == 1.0,
+            Sampler::Pipeline(p) => p.is_plain_greedy(),
+        }
+    }
+
     /// Picks a token from `logits` at `temperature` (0 = greedy).
     pub fn sample(&mut self, logits: &[f32], temperature: f64) -> Result<u32> {
         self.sample_with(logits, temperature, History::default(), 1.0)

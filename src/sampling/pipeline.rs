@@ -292,6 +292,12 @@ impl Pipeline {
         &self.params
     }
 
+    /// Whether its draw is the plain greedy token of the logits: temperature 0, no bias,
+    /// penalty or constraint (its random generator is then never read).
+    pub(crate) fn is_plain_greedy(&self) -> bool {
+        self.constraint.is_none() && self.params.temperature == 0.0 && !self.params.modifies()
+    }
+
     /// Picks the next token from `logits`.
     ///
     /// # Errors

@@ -25,6 +25,13 @@ use crate::tokenizer::Tokenizer;
 /// How long an idle engine waits for a submission before looking at its flags again.
 const IDLE_WAIT: Duration = Duration::from_millis(50);
 
+/// What a step reads back: every sampled row's logits, or (greedy rows, argmax on the
+/// device) their tokens.
+enum StepOutput {
+    Logits(Vec<f32>),
+    Tokens(Vec<u32>),
+}
+
 /// One request inside the engine: its generation state (tokens, decoder, stop rules),
 /// its sampler, where its results go, and its timings. Its KV blocks are the
 /// scheduler's business.
@@ -400,7 +407,16 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             inputs.insert(row.id, input);
             drafts.insert(row.id, proposed);
         }
-        let logits = {
+        // A step whose sampled rows all draw the plain greedy token reads back only token
+        // ids where the backend computes the argmax on the device.
+        let sampled = plan.rows.iter().filter(|r| r.sample).count();
+        let device_greedy = drafts.is_empty()
+            && plan.rows.iter().filter(|r| r.sample).all(|r| {
+                self.requests
+                    .get(&r.id)
+                    .is_some_and(|a| a.state.draws_plain_greedy(&a.sampler, a.temperature))
+            });
+        let output = {
             let mut rows = Vec::with_capacity(plan.rows.len());
             for row in &plan.rows {
                 let Some(seq) = self.scheduler.running(row.id) else {
@@ -421,11 +437,35 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             self.llama
                 .model
                 .forward_paged(&rows, &mut self.cache)
-                .and_then(logits_to_vec)
+                .and_then(|logits| {
+                    if device_greedy
+                        && let Some(ids) = B::greedy_tokens(&logits)?
+                        && let Some(ids) = ids.into_iter().collect::<Option<Vec<u32>>>()
+                        && ids.len() == sampled
+                    {
+                        return Ok(StepOutput::Tokens(ids));
+                    }
+                    // A row with a NaN or no finite logit: the host path reports it.
+                    logits_to_vec(logits).map(StepOutput::Logits)
+                })
         };
         self.steps += 1;
-        let logits = match logits {
-            Ok(logits) => logits,
+        let logits = match output {
+            Ok(StepOutput::Logits(logits)) => logits,
+            Ok(StepOutput::Tokens(ids)) => {
+                self.scheduler.complete(plan);
+                for (row, token) in plan.rows.iter().filter(|r| r.sample).zip(ids) {
+                    if let Some(active) = self.requests.get_mut(&row.id) {
+                        active.state.record_greedy();
+                    }
+                    match self.emit(row.id, token) {
+                        Ok(Some(token)) => self.scheduler.append(row.id, token),
+                        Ok(None) => self.end(row.id, Ok(())),
+                        Err(e) => self.end(row.id, Err(e)),
+                    }
+                }
+                return;
+            }
             Err(e) => {
                 // The step failed: the requests it concerns fail and free their blocks.
                 let message = e.to_string();
