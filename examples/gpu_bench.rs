@@ -134,7 +134,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
     let name = model_name(model);
     let longest = (args.context + args.warmup + args.steps).max(args.prefill);
     let llama = load_model(model, longest, &args.options)?;
-    let device = llama.device().clone();
+    let device = llama.device();
     let c = llama.config().clone();
     let text = "The quick brown fox jumps over the lazy dog, and then it runs far away. ";
     let seed = llama.encode_prompt(text)?;
@@ -152,7 +152,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
             args.block_size,
             c.n_kv_heads,
             c.head_dim,
-            &device,
+            device,
         )?;
         let table: Vec<BlockId> = (0..n_blocks as BlockId).collect();
         let start = Instant::now();
@@ -190,7 +190,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
                 args.block_size,
                 c.n_kv_heads,
                 c.head_dim,
-                &device,
+                device,
             )?;
             kv_bytes = cache.allocated_bytes();
             let tables: Vec<Vec<BlockId>> = (0..rows)
@@ -265,7 +265,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
             "kv_pool_bytes": kv_bytes,
         }));
     }
-    B::sync(&device).map_err(|e| LlamaError::Runtime(format!("sync: {e:?}")))?;
+    B::sync(device).map_err(|e| LlamaError::Runtime(format!("sync: {e:?}")))?;
     let (memory_bytes, memory_source) = memory_used();
     if !args.json {
         match memory_bytes {

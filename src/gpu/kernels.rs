@@ -374,12 +374,15 @@ pub(crate) fn argmax_kernel<F: Float, I: Numeric>(
         let v = f32::cast_from(logits[row * vocab + i]);
         if v.is_nan() {
             nan = 1;
-        } else if best_at == none {
-            best = v;
-            best_at = i as u32;
-        } else if v > best {
-            best = v;
-            best_at = i as u32;
+        } else {
+            let mut take = best_at == none;
+            if v > best {
+                take = true;
+            }
+            if take {
+                best = v;
+                best_at = i as u32;
+            }
         }
         i += width;
     }
