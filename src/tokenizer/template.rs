@@ -15,6 +15,13 @@
 //! Tool definitions and earlier calls are rendered by the template itself (often as
 //! JSON); [`Tokenizer::encode_conversation`](super::Tokenizer::encode_conversation)
 //! refuses those that write a control token.
+//!
+//! # Bounded work
+//!
+//! A render runs on fuel ([`minijinja`]'s instruction count): [`TEMPLATE_FUEL_BASE`]
+//! plus [`TEMPLATE_FUEL_PER_ITEM`] for each message and tool, so a template whose loops
+//! run away (or a request that makes them) stops with [`LlamaError::Tokenizer`] saying
+//! so, in bounded time, instead of holding a thread.
 
 use minijinja::value::{Kwargs, Value as JinjaValue};
 use minijinja::{Environment, ErrorKind};
@@ -23,6 +30,13 @@ use serde_json::{Value, json};
 use super::{ChatMessage, ChatPiece};
 use crate::error::{LlamaError, Result};
 use crate::tools::Tool;
+
+/// Instructions a render may run whatever its input (templates run a few hundred per
+/// message).
+pub const TEMPLATE_FUEL_BASE: u64 = 200_000;
+/// Instructions a render may run for each message and each tool, on top of
+/// [`TEMPLATE_FUEL_BASE`].
+pub const TEMPLATE_FUEL_PER_ITEM: u64 = 20_000;
 
 /// The padding around a placeholder (an em space: trimmed by `trim`, rare in templates).
 const PAD: char = '\u{2003}';
@@ -149,8 +163,14 @@ impl ChatTemplate {
             .collect();
         let tools: Option<Vec<Value>> =
             (!tools.is_empty()).then(|| tools.iter().map(Tool::openai_json).collect());
-        let template = self
-            .env
+        // The environment shares its compiled template (an `Arc`): cloning it is cheap,
+        // and gives this render its own fuel.
+        let mut env = self.env.clone();
+        let items =
+            (messages.len() as u64).saturating_add(tools.as_ref().map_or(0, |t| t.len() as u64));
+        let fuel = TEMPLATE_FUEL_BASE.saturating_add(TEMPLATE_FUEL_PER_ITEM.saturating_mul(items));
+        env.set_fuel(Some(fuel));
+        let template = env
             .get_template("chat")
             .map_err(|e| LlamaError::Tokenizer(format!("the chat template: {e}")))?;
         let text = template
@@ -161,7 +181,13 @@ impl ChatTemplate {
                 bos_token => bos_token,
                 eos_token => eos_token,
             })
-            .map_err(|e| LlamaError::Tokenizer(format!("the chat template failed: {e}")))?;
+            .map_err(|e| match e.kind() {
+                ErrorKind::OutOfFuel => LlamaError::Tokenizer(format!(
+                    "the chat template ran past its limit of {fuel} instructions for {items} \
+                     messages and tools"
+                )),
+                _ => LlamaError::Tokenizer(format!("the chat template failed: {e}")),
+            })?;
         Ok(split(&text, nonce, messages))
     }
 }
@@ -345,6 +371,40 @@ mod tests {
             py.render(&[ChatMessage::user(" a ")], &[], false, "", "")
                 .unwrap(),
             vec![ChatPiece::Text("a".into())]
+        );
+    }
+
+    #[test]
+    fn runaway_loops_run_out_of_fuel() {
+        // 10^10 iterations: stopped after the fuel, with an error that says so.
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.content }}{% endfor %}\
+             {% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        )
+        .unwrap();
+        let e = t
+            .render(&[ChatMessage::user("hi")], &[], true, "", "")
+            .unwrap_err();
+        assert!(matches!(e, LlamaError::Tokenizer(_)), "{e:?}");
+        let limit = TEMPLATE_FUEL_BASE + TEMPLATE_FUEL_PER_ITEM;
+        assert!(
+            e.to_string()
+                .contains(&format!("limit of {limit} instructions")),
+            "{e}"
+        );
+        // The same loop, short, renders; and the fuel grows with the conversation: a loop
+        // of 3,000 per message fits 100 messages.
+        let per_message = ChatTemplate::new(
+            "{% for m in messages %}{% for i in range(3000) %}{% endfor %}{{ m.content }}{% endfor %}",
+        )
+        .unwrap();
+        let many: Vec<ChatMessage> = (0..100)
+            .map(|i| ChatMessage::user(format!("m{i}")))
+            .collect();
+        let pieces = per_message.render(&many, &[], false, "", "").unwrap();
+        assert_eq!(
+            pieces,
+            vec![ChatPiece::Text((0..100).map(|i| format!("m{i}")).collect())]
         );
     }
 }
