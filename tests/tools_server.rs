@@ -205,10 +205,14 @@ fn auto_with_a_strict_tool() {
         assert_eq!(status, 200, "{body}");
         let choice = &body["choices"][0];
         assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
-        let calls = choice["message"]["tool_calls"].as_array().expect("tool_calls");
+        let calls = choice["message"]["tool_calls"]
+            .as_array()
+            .expect("tool_calls");
         assert_eq!(calls.len(), 1, "{body}");
         assert_eq!(calls[0]["function"]["name"], "get_weather", "{body}");
-        let arguments = calls[0]["function"]["arguments"].as_str().expect("arguments");
+        let arguments = calls[0]["function"]["arguments"]
+            .as_str()
+            .expect("arguments");
         let args = check_weather(arguments);
         println!("auto call: {}", choice["message"]);
 
@@ -222,7 +226,11 @@ fn auto_with_a_strict_tool() {
             if let Some(reason) = choice["finish_reason"].as_str() {
                 finish = Some(reason.to_string());
             }
-            for call in choice["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            for call in choice["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
                 assert_eq!(call["index"], 0, "{chunk}");
                 if let Some(name) = call["function"]["name"].as_str() {
                     names.push(name.to_string());
@@ -244,7 +252,10 @@ fn auto_with_a_strict_tool() {
         let mut loose = ask("Say hello.", false);
         loose["tools"][0] = weather_tool();
         let (_, unconstrained) = post(&client, &chat, loose).await;
-        assert_eq!(text, unconstrained["choices"][0]["message"]["content"], "{body}");
+        assert_eq!(
+            text, unconstrained["choices"][0]["message"]["content"],
+            "{body}"
+        );
         assert!(!text.trim().is_empty());
         println!("auto text: {text:?}");
     });

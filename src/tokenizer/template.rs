@@ -1,7 +1,8 @@
 //! A model's own Jinja chat template (GGUF `tokenizer.chat_template`, Hugging Face
 //! `chat_template`), rendered with [`minijinja`] as Hugging Face's `apply_chat_template`
 //! renders it (`trim_blocks`, `lstrip_blocks`, Python string methods, `tojson` as
-//! Python's `json.dumps` writes it, `raise_exception`), with `tools` when there are some.
+//! Python's `json.dumps` writes it, `raise_exception`, `strftime_now` on the UTC clock),
+//! with `tools` when there are some.
 //!
 //! # Message content never becomes a control token
 //!
@@ -90,6 +91,12 @@ impl ChatTemplate {
             "raise_exception",
             |message: String| -> std::result::Result<JinjaValue, minijinja::Error> {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_function(
+            "strftime_now",
+            |format: String| -> std::result::Result<JinjaValue, minijinja::Error> {
+                strftime(&format, time::OffsetDateTime::now_utc()).map(JinjaValue::from)
             },
         );
         env.add_template_owned("chat", source.to_string())
@@ -290,6 +297,65 @@ fn tojson(
     ))
 }
 
+/// `at` written with Python's `strftime` directives (`%d %b %Y`, `%Y-%m-%d`, `%H:%M:%S`,
+/// ...), as Hugging Face gives templates `strftime_now`; locale-dependent ones as in the
+/// C locale.
+fn strftime(
+    format: &str,
+    at: time::OffsetDateTime,
+) -> std::result::Result<String, minijinja::Error> {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(format.len() + 16);
+    let month = at.month().to_string();
+    let weekday = at.weekday().to_string();
+    let hour12 = match at.hour() % 12 {
+        0 => 12,
+        h => h,
+    };
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let directive = chars.next();
+        let written = match directive {
+            Some('d') => write!(out, "{:02}", at.day()),
+            Some('e') => write!(out, "{:2}", at.day()),
+            Some('m') => write!(out, "{:02}", u8::from(at.month())),
+            Some('Y') => write!(out, "{}", at.year()),
+            Some('y') => write!(out, "{:02}", at.year().rem_euclid(100)),
+            Some('b') => write!(out, "{}", &month[..3]),
+            Some('B') => write!(out, "{month}"),
+            Some('a') => write!(out, "{}", &weekday[..3]),
+            Some('A') => write!(out, "{weekday}"),
+            Some('H') => write!(out, "{:02}", at.hour()),
+            Some('I') => write!(out, "{hour12:02}"),
+            Some('M') => write!(out, "{:02}", at.minute()),
+            Some('S') => write!(out, "{:02}", at.second()),
+            Some('p') => write!(out, "{}", if at.hour() < 12 { "AM" } else { "PM" }),
+            Some('j') => write!(out, "{:03}", at.ordinal()),
+            Some('%') => write!(out, "%"),
+            other => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: unsupported directive %{}",
+                        other.map(String::from).unwrap_or_default()
+                    ),
+                ));
+            }
+        };
+        written.map_err(|_| {
+            minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "strftime_now: formatting failed",
+            )
+        })?;
+    }
+    Ok(out)
+}
+
 /// serde_json's compact output with Python's default separators.
 struct PythonFormatter;
 
@@ -405,6 +471,32 @@ mod tests {
         assert_eq!(
             pieces,
             vec![ChatPiece::Text((0..100).map(|i| format!("m{i}")).collect())]
+        );
+    }
+
+    #[test]
+    fn strftime_directives() {
+        let at = time::Date::from_calendar_date(2024, time::Month::July, 6)
+            .unwrap()
+            .with_hms(15, 4, 9)
+            .unwrap()
+            .assume_utc();
+        assert_eq!(strftime("%d %b %Y", at).unwrap(), "06 Jul 2024");
+        assert_eq!(
+            strftime("%A %B %e, %y %I:%M:%S %p (day %j) 100%%", at).unwrap(),
+            "Saturday July  6, 24 03:04:09 PM (day 188) 100%"
+        );
+        assert!(strftime("%Q", at).is_err());
+        assert!(strftime("50%", at).is_err());
+        // Through a template: today's date, as a model's template asks for it.
+        let t = ChatTemplate::new("{{ strftime_now('%Y-%m-%d') }}").unwrap();
+        let today = strftime("%Y-%m-%d", time::OffsetDateTime::now_utc()).unwrap();
+        let ChatPiece::Markup(text) = &t.render(&[], &[], false, "", "").unwrap()[0] else {
+            panic!("markup");
+        };
+        assert!(
+            text.len() == 10 && text[..4] == today[..4],
+            "{text} {today}"
         );
     }
 }
