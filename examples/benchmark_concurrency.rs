@@ -108,6 +108,11 @@ struct Args {
     /// Most tokens proposed per step with --speculative.
     #[arg(long, default_value_t = 8)]
     draft_tokens: usize,
+    /// A forward step's fixed cost in units of one more position: proposals are
+    /// verified only while they are expected to raise tokens per unit of cost (2 fits a
+    /// small model on a CPU; a GPU's decode step is larger, 16-64).
+    #[arg(long, default_value_t = llama_burn::speculative::DEFAULT_STEP_OVERHEAD)]
+    step_overhead: u32,
     /// Constrain every request to this JSON Schema (a file; structured outputs). A
     /// constrained request ends where its value does or at its token limit; it is never
     /// continued past the grammar's end, so `--stop-at-eos` is implied for it.
@@ -176,6 +181,7 @@ fn request(i: usize, args: &Args, prefix: &str) -> GenerateRequest {
     match args.speculative {
         Some(method) => request.with_speculation(llama_burn::speculative::SpeculationConfig {
             method,
+            step_overhead: args.step_overhead,
             ..llama_burn::speculative::SpeculationConfig::ngram(args.draft_tokens)
         }),
         None => request,

@@ -65,6 +65,11 @@ struct Args {
     /// Most tokens proposed per step (the step's count adapts below it).
     #[arg(long, default_value_t = 8)]
     draft_tokens: usize,
+    /// A forward step's fixed cost in units of one more position: proposals are
+    /// verified only while they are expected to raise tokens per unit of cost (2 fits a
+    /// small model on a CPU; a GPU's decode step is larger, 16-64).
+    #[arg(long, default_value_t = llama_burn::speculative::DEFAULT_STEP_OVERHEAD)]
+    step_overhead: u32,
     /// Keep generating past stop tokens, up to --max-tokens.
     #[arg(long)]
     ignore_eos: bool,
@@ -98,6 +103,7 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
     if let Some(method) = args.speculative {
         let config = SpeculationConfig {
             method,
+            step_overhead: args.step_overhead,
             ..SpeculationConfig::ngram(args.draft_tokens)
         };
         state = llama.with_speculation(state, &config)?;

@@ -335,9 +335,31 @@ impl<B: LlamaBackend> GenerationState<B> {
         self.speculation.as_ref().map(Speculator::stats)
     }
 
-    /// The speculation of this request, if any.
-    pub(crate) fn speculator_mut(&mut self) -> Option<&mut Speculator> {
-        self.speculation.as_mut()
+    /// Records a verification of `proposed` of this request's proposals, of which
+    /// `accepted` were accepted.
+    pub(crate) fn observe_drafts(&mut self, proposed: usize, accepted: usize) {
+        if let Some(spec) = self.speculation.as_mut() {
+            spec.observe(proposed, accepted);
+        }
+    }
+
+    /// Proposals of this request for its next step, at most `room`, with its acceptance
+    /// rate as [`allocate`](crate::speculative::allocate) weighs them in a batch; `None`
+    /// when it does not speculate.
+    ///
+    /// # Errors
+    ///
+    /// As the proposer.
+    pub(crate) fn propose_drafts(
+        &mut self,
+        room: usize,
+    ) -> Result<Option<(Vec<u32>, crate::speculative::Candidate)>> {
+        let Some(spec) = self.speculation.as_mut() else {
+            return Ok(None);
+        };
+        let drafts = spec.propose(&self.prompt_tokens, &self.tokens, room)?;
+        let candidate = spec.candidate(drafts.len());
+        Ok(Some((drafts, candidate)))
     }
 
     /// How many tokens one verification step may propose now: it emits at most one
@@ -842,11 +864,12 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         sampler: &mut Sampler,
     ) -> Result<Vec<(u32, String, bool)>> {
         let room = state.draft_room(self.config().max_seq_len);
-        let drafts = match (&mut state.speculation, state.tokens.is_empty()) {
-            (Some(spec), false) if state.stop_reason.is_none() => {
-                spec.propose(&state.prompt_tokens, &state.tokens, room)?
-            }
-            _ => Vec::new(),
+        let drafts = if state.tokens.is_empty() || state.stop_reason.is_some() {
+            Vec::new()
+        } else {
+            state
+                .propose_drafts(room)?
+                .map_or_else(Vec::new, |(drafts, _)| drafts)
         };
         let Some(&last) = state.tokens.last().filter(|_| !drafts.is_empty()) else {
             return Ok(vec![self.generate_single_token(
@@ -880,9 +903,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         if let Some(cache) = state.cache.as_mut() {
             cache.truncate(before + 1 + accepted);
         }
-        if let Some(spec) = state.speculation.as_mut() {
-            spec.observe(drafts.len(), accepted);
-        }
+        state.observe_drafts(drafts.len(), accepted);
         Ok(out)
     }
 

@@ -237,7 +237,12 @@ fn engine_rows_that_speculate_beside_rows_that_do_not_equal_their_solo_runs() {
                 .with_top_p(0.9)
                 .with_seed(*seed);
             if *speculate {
-                r = r.with_speculation(SpeculationConfig::ngram(6).with_ngram_range(1, 3));
+                // Every proposal verified (16 rows fill this CPU's step, so the
+                // default cost model would verify few): proposals take blocks.
+                r = r.with_speculation(SpeculationConfig {
+                    step_overhead: u32::MAX,
+                    ..SpeculationConfig::ngram(6).with_ngram_range(1, 3)
+                });
             }
             engine.submit(r).unwrap()
         })

@@ -145,13 +145,23 @@ struct Args {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 2 * 1024 * 1024)]
     max_body_bytes: usize,
-    /// Speculative decoding for every request: `ngram` (prompt lookup). The tokens are
-    /// the same; copy-heavy requests run faster.
+    /// Speculative decoding for every request: `ngram` (prompt lookup) or `draft` (a
+    /// smaller model of the family, --draft-model). The tokens are the same; copy-heavy
+    /// requests run faster.
     #[arg(long)]
     speculative: Option<llama_burn::speculative::SpeculationMethod>,
+    /// The draft model of `--speculative draft`: a .gguf file or a Hugging Face
+    /// directory with the model's tokenizer.
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
     /// Most tokens proposed per step with --speculative.
     #[arg(long, default_value_t = 8)]
     draft_tokens: usize,
+    /// A forward step's fixed cost in units of one more position: proposals are
+    /// verified only while they are expected to raise tokens per unit of cost (2 fits a
+    /// small model on a CPU; a GPU's decode step is larger, 16-64).
+    #[arg(long, default_value_t = llama_burn::speculative::DEFAULT_STEP_OVERHEAD)]
+    step_overhead: u32,
 }
 
 type B = DefaultBackend;
@@ -189,6 +199,26 @@ fn start_engine<T: Tokenizer>(
     Ok(Arc::new(ContinuousEngine::start(llama, config)?))
 }
 
+/// Loads `--draft-model` (if given) as `llama`'s draft model.
+fn attach_draft<T: Tokenizer>(llama: &mut Llama<B, T>, args: &Args) -> llama_burn::Result<()> {
+    let Some(path) = &args.draft_model else {
+        return Ok(());
+    };
+    let device = default_device();
+    tracing::info!(model = %path.display(), "loading the draft model");
+    if path.is_dir() {
+        llama.set_draft_model(
+            LlamaConfig::load_hf_dir::<B>(path, args.max_seq_len, &device)?
+                .with_precision(args.precision),
+        )
+    } else {
+        llama.set_draft_model(
+            LlamaConfig::load_gguf::<B>(path, args.max_seq_len, &device)?
+                .with_precision(args.precision),
+        )
+    }
+}
+
 /// Loads the model, logging progress, and starts the engine.
 fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
     let config = ContinuousConfig {
@@ -200,6 +230,7 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
             .speculative
             .map(|method| llama_burn::speculative::SpeculationConfig {
                 method,
+                step_overhead: args.step_overhead,
                 ..llama_burn::speculative::SpeculationConfig::ngram(args.draft_tokens)
             }),
         ..ContinuousConfig::default()
@@ -214,6 +245,15 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
             args.max_seq_len
         );
     }
+    if args.speculative == Some(llama_burn::speculative::SpeculationMethod::DraftModel)
+        && args.draft_model.is_none()
+    {
+        return Err(llama_burn::LlamaError::invalid(
+            "--speculative",
+            "draft",
+            "needs --draft-model",
+        ));
+    }
     let device = default_device();
     let start = Instant::now();
     tracing::info!(model = %path.display(), "loading the model");
@@ -224,7 +264,9 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
             }
             None => LlamaConfig::load_hf_dir::<B>(path, args.max_seq_len, &device)?,
         };
-        start_engine(llama.with_precision(args.precision), config)?
+        let mut llama = llama.with_precision(args.precision);
+        attach_draft(&mut llama, args)?;
+        start_engine(llama, config)?
     } else {
         if args.quantize.is_some() {
             return Err(llama_burn::LlamaError::invalid(
@@ -247,7 +289,9 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
             &device,
             &mut progress,
         )?;
-        start_engine(llama.with_precision(args.precision), config)?
+        let mut llama = llama.with_precision(args.precision);
+        attach_draft(&mut llama, args)?;
+        start_engine(llama, config)?
     };
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "model loaded");
     Ok(engine)

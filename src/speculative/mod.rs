@@ -24,16 +24,21 @@
 //!   in the request's prompt and output, propose what followed) and [`DraftModel`] (a
 //!   smaller model of the family, greedy).
 //! - [`DraftLength`]: `k` follows the acceptance rate, up to the configured maximum.
+//! - [`allocate`]: how many proposals a step verifies, by a cost model of the step and
+//!   each row's [`Acceptance`] rate (one row: those likely enough to pay; a full batch:
+//!   only near-certain ones).
 //! - [`verify`]: the acceptance loop, shared by the sequential path
 //!   ([`Llama::generate`](crate::Llama::generate) with
 //!   [`Llama::with_speculation`](crate::Llama::with_speculation))
 //!   and the continuous engine.
 
+mod budget;
 mod draft;
 mod ngram;
 
 use std::str::FromStr;
 
+pub use budget::{Acceptance, Candidate, DEFAULT_STEP_OVERHEAD, allocate};
 pub use draft::DraftModel;
 pub use ngram::NGramProposer;
 
@@ -114,6 +119,13 @@ pub struct SpeculationConfig {
     pub ngram_max: usize,
     /// Shortest n-gram matched ([`SpeculationMethod::NGram`]).
     pub ngram_min: usize,
+    /// The fixed cost of one forward step, in units of one more position in it (see
+    /// [`allocate`]): proposals are verified only while they are expected to raise the
+    /// step's tokens per unit of cost. [`DEFAULT_STEP_OVERHEAD`] (2) fits the demo model
+    /// on a CPU, where a step's cost grows fast with its positions; where a step is
+    /// bound by reading the weights (a GPU, a large model at few rows) it is larger
+    /// (16-64); `u32::MAX` verifies every proposal.
+    pub step_overhead: u32,
 }
 
 impl SpeculationConfig {
@@ -125,6 +137,7 @@ impl SpeculationConfig {
             max_draft_tokens,
             ngram_max: 3,
             ngram_min: 2,
+            step_overhead: DEFAULT_STEP_OVERHEAD,
         }
     }
 
@@ -266,6 +279,10 @@ pub struct Speculator {
     stats: SpeculationStats,
     /// The history handed to the proposer (prompt and output), reused between steps.
     history: Vec<u32>,
+    /// How often proposals are accepted lately.
+    acceptance: Acceptance,
+    /// [`SpeculationConfig::step_overhead`].
+    overhead: f64,
 }
 
 impl std::fmt::Debug for Speculator {
@@ -278,13 +295,26 @@ impl std::fmt::Debug for Speculator {
 }
 
 impl Speculator {
-    /// Speculation with `proposer`, proposing at most `max_draft_tokens` per step.
-    pub fn new(proposer: Box<dyn Proposer>, max_draft_tokens: usize) -> Self {
+    /// Speculation with `proposer`, proposing at most `max_draft_tokens` per step, as
+    /// many of them as pay at one row for a step of fixed cost `step_overhead`
+    /// ([`SpeculationConfig::step_overhead`]).
+    pub fn new(proposer: Box<dyn Proposer>, max_draft_tokens: usize, step_overhead: u32) -> Self {
         Self {
             proposer,
             length: DraftLength::new(max_draft_tokens.min(MAX_DRAFT_TOKENS)),
             stats: SpeculationStats::default(),
             history: Vec::new(),
+            acceptance: Acceptance::default(),
+            overhead: f64::from(step_overhead),
+        }
+    }
+
+    /// This request's `proposed` tokens as [`allocate`] weighs them in a batch.
+    pub fn candidate(&self, proposed: usize) -> Candidate {
+        Candidate {
+            proposed,
+            rate: self.acceptance.rate(),
+            overhead: self.overhead,
         }
     }
 
@@ -301,6 +331,8 @@ impl Speculator {
     /// As the proposer's.
     pub fn propose(&mut self, prompt: &[u32], output: &[u32], limit: usize) -> Result<Vec<u32>> {
         let k = self.length.take().min(limit);
+        // As many as pay when this row runs alone (a batch may verify fewer).
+        let k = allocate(&[self.candidate(k)], 1, k)[0];
         let mut out = Vec::with_capacity(k);
         if k == 0 {
             return Ok(out);
@@ -316,6 +348,7 @@ impl Speculator {
     /// Records a verification of `proposed` tokens of which `accepted` were accepted.
     pub fn observe(&mut self, proposed: usize, accepted: usize) {
         self.stats.record(proposed, accepted);
+        self.acceptance.observe(proposed, accepted);
         self.length.observe(proposed, accepted);
         self.proposer.observe(proposed, accepted);
     }
@@ -345,7 +378,11 @@ pub fn speculator(
             )
         })?,
     };
-    Ok(Speculator::new(proposer, config.max_draft_tokens))
+    Ok(Speculator::new(
+        proposer,
+        config.max_draft_tokens,
+        config.step_overhead,
+    ))
 }
 
 /// Verifies `drafts` against the target's logits `rows` (one per position: the last

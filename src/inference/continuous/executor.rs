@@ -304,13 +304,10 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 continue;
             }
             let room = active.state.draft_room(max_seq_len);
-            let state = &mut active.state;
-            let (prompt, tokens) = (state.prompt_tokens().to_vec(), state.tokens().to_vec());
-            let Some(spec) = state.speculator_mut() else {
-                continue;
-            };
-            match spec.propose(&prompt, &tokens, room) {
-                Ok(drafts) if !drafts.is_empty() => self.scheduler.propose(id, drafts),
+            match active.state.propose_drafts(room) {
+                Ok(Some((drafts, candidate))) if !drafts.is_empty() => {
+                    self.scheduler.propose(id, drafts, candidate);
+                }
                 Ok(_) => {}
                 Err(e) => failed.push((id, e)),
             }
@@ -533,12 +530,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         match verified {
             Ok(accepted) => {
                 self.spec_stats.record(proposed.len(), accepted);
-                if let Some(spec) = self
-                    .requests
-                    .get_mut(&id)
-                    .and_then(|a| a.state.speculator_mut())
-                {
-                    spec.observe(proposed.len(), accepted);
+                if let Some(active) = self.requests.get_mut(&id) {
+                    active.state.observe_drafts(proposed.len(), accepted);
                 }
                 match ended {
                     Some(result) => self.end(id, result),

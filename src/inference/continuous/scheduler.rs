@@ -19,12 +19,15 @@
 //! - **Speculation**: a decoding request may carry proposed tokens
 //!   ([`Scheduler::propose`]); its row then runs its last token and the proposals (one
 //!   more chunk of the running row), with blocks for them taken only from free ones (a
-//!   proposal never preempts anyone). After verification, [`Scheduler::accept_drafts`]
+//!   proposal never preempts anyone). How many of a step's proposals run is decided
+//!   for the whole step by [`allocate`]: each row's acceptance rate against a cost
+//!   model of the step, so a large batch verifies only near-certain proposals. After verification, [`Scheduler::accept_drafts`]
 //!   keeps the accepted positions and gives back the blocks only rejected ones used.
 
 use std::collections::{HashMap, VecDeque};
 
 use crate::cache::blocks::{BlockId, BlockManager, PrefixHash};
+use crate::speculative::{Candidate, allocate};
 
 /// An engine-assigned request id.
 pub type RequestId = u64;
@@ -61,6 +64,8 @@ pub struct Sequence {
     preempted: bool,
     /// Proposed tokens to verify after the pending one in the next step.
     drafts: Vec<u32>,
+    /// How [`allocate`] weighs them (the request's acceptance rate and step cost).
+    draft_weight: Candidate,
 }
 
 impl Sequence {
@@ -211,6 +216,11 @@ impl Scheduler {
             tenant,
             preempted: false,
             drafts: Vec::new(),
+            draft_weight: Candidate {
+                proposed: 0,
+                rate: 0.0,
+                overhead: 0.0,
+            },
         });
     }
 
@@ -256,10 +266,7 @@ impl Scheduler {
     /// Decides the next step.
     pub fn schedule(&mut self) -> StepPlan {
         let mut plan = StepPlan::default();
-        // Proposals may use the step's tokens left after one per running request.
-        let mut draft_budget = self.limits.step_tokens.saturating_sub(self.running.len());
-        // 1. Decoding requests, oldest first: one token each (and their proposals), a new
-        //    block at a boundary.
+        // 1. Decoding requests, oldest first: one token each, a new block at a boundary.
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].pending() != 1 {
@@ -270,25 +277,26 @@ impl Scheduler {
                 // It preempted itself: it was the newest.
                 continue;
             }
-            let drafts = self.grow_for_drafts(i, draft_budget);
-            draft_budget -= drafts;
             let seq = &self.running[i];
             plan.rows.push(ScheduledRow {
                 id: seq.id,
                 start: seq.computed,
-                len: 1 + drafts,
+                len: 1,
                 sample: true,
-                drafts,
+                drafts: 0,
             });
             i += 1;
         }
+        // 2. Their proposals: those worth verifying in this step, within the step's
+        //    tokens left after one per running request, and the free blocks.
+        self.plan_drafts(&mut plan);
         let decoding = plan.tokens();
         let mut budget = self
             .limits
             .step_tokens
             .saturating_sub(decoding)
             .max(self.limits.min_prefill_chunk);
-        // 2. Prompts already admitted (their blocks are reserved), oldest first.
+        // 3. Prompts already admitted (their blocks are reserved), oldest first.
         for seq in &self.running {
             if budget == 0 {
                 break;
@@ -367,6 +375,37 @@ impl Scheduler {
         }
     }
 
+    /// Sets the proposals of the plan's decoding rows: [`allocate`] picks how many of
+    /// each row's are worth verifying, then free blocks must hold them.
+    fn plan_drafts(&mut self, plan: &mut StepPlan) {
+        let budget = self.limits.step_tokens.saturating_sub(self.running.len());
+        let rows: Vec<(usize, usize)> = plan
+            .rows
+            .iter()
+            .enumerate()
+            .filter_map(|(r, row)| Some((r, self.running.iter().position(|s| s.id == row.id)?)))
+            .collect();
+        let candidates: Vec<Candidate> = rows
+            .iter()
+            .map(|&(_, i)| {
+                let seq = &self.running[i];
+                Candidate {
+                    proposed: seq.drafts.len(),
+                    ..seq.draft_weight
+                }
+            })
+            .collect();
+        if candidates.iter().all(|c| c.proposed == 0) {
+            return;
+        }
+        let counts = allocate(&candidates, plan.rows.len(), budget);
+        for (&(r, i), count) in rows.iter().zip(counts) {
+            let drafts = self.grow_for_drafts(i, count);
+            plan.rows[r].len = 1 + drafts;
+            plan.rows[r].drafts = drafts;
+        }
+    }
+
     /// Keeps as many of running request `i`'s proposals (at most `budget`) as free
     /// blocks can hold after its pending token, taking those blocks; drops the rest.
     /// Returns how many it keeps.
@@ -391,13 +430,15 @@ impl Scheduler {
         seq.drafts.len()
     }
 
-    /// Sets running request `id`'s proposals for the next step: kept only while it is
-    /// decoding (one pending token).
-    pub fn propose(&mut self, id: RequestId, drafts: Vec<u32>) {
+    /// Sets running request `id`'s proposals for the next step, weighed as `weight`
+    /// says (its `proposed` is ignored): kept only while it is decoding (one pending
+    /// token).
+    pub fn propose(&mut self, id: RequestId, drafts: Vec<u32>, weight: Candidate) {
         if let Some(seq) = self.running.iter_mut().find(|s| s.id == id)
             && seq.pending() == 1
         {
             seq.drafts = drafts;
+            seq.draft_weight = weight;
         }
     }
 
@@ -778,6 +819,66 @@ mod tests {
             "tenant 2's turn before tenant 1's next"
         );
         s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn proposals_run_as_the_step_cost_model_allows() {
+        let weight = |rate| Candidate {
+            proposed: 0,
+            rate,
+            overhead: 2.0,
+        };
+        // Sixteen decoding rows; proposals are planned only where they pay.
+        let mut s = Scheduler::new(limits(32, 256), BlockManager::new(256, 4, false));
+        for id in 0..16 {
+            s.add(id, prompt(3, 10 * id as u32));
+        }
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        for id in 0..16 {
+            s.propose(id, vec![1, 2, 3, 4, 5, 6, 7, 8], weight(0.5));
+        }
+        s.propose(3, vec![1, 2, 3, 4, 5, 6, 7, 8], weight(0.99));
+        let plan = s.schedule();
+        assert_eq!(plan.rows.len(), 16);
+        for row in &plan.rows {
+            assert_eq!(row.len, 1 + row.drafts);
+            if row.id == 3 {
+                assert!(row.drafts >= 4, "{row:?}");
+                assert_eq!(s.drafts(3).len(), row.drafts);
+            } else {
+                assert_eq!(row.drafts, 0, "{row:?}");
+            }
+        }
+        s.check_invariants().unwrap();
+        // The accepted proposals stay computed; the blocks of rejected ones go back.
+        s.complete(&plan);
+        for row in plan.rows.iter().filter(|r| r.id != 3) {
+            s.append(row.id, 7);
+        }
+        for t in [1, 2, 9] {
+            s.append(3, t);
+        }
+        s.accept_drafts(3, 2);
+        s.check_invariants().unwrap();
+        assert_eq!(
+            s.running(3).map(|q| (q.computed, q.tokens.len())),
+            Some((6, 7))
+        );
+
+        // One row alone: a coin-flip proposer gets one position, a copier several.
+        let mut s = Scheduler::new(limits(4, 64), BlockManager::new(64, 4, false));
+        s.add(1, prompt(3, 0));
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        s.propose(1, vec![5; 8], weight(0.5));
+        assert_eq!(s.schedule().rows[0].drafts, 1);
+        let mut s = Scheduler::new(limits(4, 64), BlockManager::new(64, 4, false));
+        s.add(1, prompt(3, 0));
+        let plan = s.schedule();
+        run(&mut s, &plan);
+        s.propose(1, vec![5; 8], weight(0.9));
+        assert_eq!(s.schedule().rows[0].drafts, 5);
     }
 
     #[test]
