@@ -108,6 +108,10 @@ struct Args {
     /// Most tokens proposed per step with --speculative.
     #[arg(long, default_value_t = 8)]
     draft_tokens: usize,
+    /// With --speculative: only the first N requests speculate (the rest decode
+    /// plainly beside them).
+    #[arg(long)]
+    speculative_requests: Option<usize>,
     /// A forward step's fixed cost in units of one more position: proposals are
     /// verified only while they are expected to raise tokens per unit of cost (2 fits a
     /// small model on a CPU; a GPU's decode step is larger, 16-64).
@@ -178,7 +182,8 @@ fn request(i: usize, args: &Args, prefix: &str) -> GenerateRequest {
             .with_ignore_eos(false),
         None => request,
     };
-    match args.speculative {
+    let speculates = args.speculative_requests.is_none_or(|n| i < n);
+    match args.speculative.filter(|_| speculates) {
         Some(method) => request.with_speculation(llama_burn::speculative::SpeculationConfig {
             method,
             step_overhead: args.step_overhead,

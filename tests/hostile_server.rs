@@ -10,8 +10,8 @@
 //! `/health` and new requests answer 503.
 #![cfg(feature = "server")]
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
+
+use common::process::ServerProcess;
 
 const KEY_A: &str = "key-of-tenant-a";
 const KEY_B: &str = "key-of-tenant-b";
@@ -31,97 +33,46 @@ const EXIT_MARKER: &str = "@@end-the-engine@@";
 /// `--max-body-bytes` each), event channels. Documented in the README.
 const RSS_MARGIN_BYTES: u64 = 384 * 1024 * 1024;
 
-/// The server process, killed when dropped.
-struct ServerProcess {
-    child: Child,
-    base: String,
-}
-
-impl Drop for ServerProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl ServerProcess {
-    fn start() -> Self {
-        let dir = std::env::temp_dir().join(format!("llama-burn-hostile-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let keys = dir.join("keys.txt");
-        std::fs::write(
-            &keys,
-            format!("# tenants\na:{KEY_A}\nb:{KEY_B}\nc:{KEY_C}\n"),
-        )
-        .expect("keys file");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_llama-burn-server"))
-            .args([
-                "--port",
-                "0",
-                "--max-seq-len",
-                "512",
-                "--kv-budget-tokens",
-                "8192",
-            ])
-            .args(["--max-running", "32", "--max-waiting", "256"])
-            .args(["--max-choices-per-tenant", "96"])
-            .args(["--header-timeout", "2", "--write-timeout", "5"])
-            .args(["--max-connections", "512"])
-            .args(["--metrics-key", METRICS_KEY])
-            .args(["--test-panic-marker", PANIC_MARKER])
-            .args(["--test-exit-marker", EXIT_MARKER])
-            .arg("--api-keys-file")
-            .arg(&keys)
-            .env("RUST_LOG", "info")
-            .env_remove("LLAMA_BURN_API_KEY")
-            // The log goes to stdout.
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("the server binary starts");
-        let log = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        // Drains the log for the whole run (a full pipe would block the server).
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in BufReader::new(log).lines().map_while(Result::ok) {
-                if let Some(at) = line.find("listening on http://") {
-                    let addr = line[at + "listening on http://".len()..]
-                        .split_whitespace()
-                        .next()
-                        .unwrap_or("")
-                        .to_string();
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(addr);
-                    }
-                }
-            }
-        });
-        let mut server = Self {
-            child,
-            base: String::new(),
-        };
-        // `server` kills the process if this fails.
-        let addr = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("the server says where it listens");
-        server.base = format!("http://{addr}");
-        server
-    }
-
-    fn alive(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    fn rss_bytes(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .unwrap_or_default();
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map_or(0, |kb| kb * 1024)
-    }
+/// Starts the binary with this test's limits, tenants and test-only markers.
+fn start_server() -> ServerProcess {
+    let dir = std::env::temp_dir().join(format!("llama-burn-hostile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let keys = dir.join("keys.txt");
+    std::fs::write(
+        &keys,
+        format!("# tenants\na:{KEY_A}\nb:{KEY_B}\nc:{KEY_C}\n"),
+    )
+    .expect("keys file");
+    let mut args: Vec<std::ffi::OsString> = [
+        "--max-seq-len",
+        "512",
+        "--kv-budget-tokens",
+        "8192",
+        "--max-running",
+        "32",
+        "--max-waiting",
+        "256",
+        "--max-choices-per-tenant",
+        "96",
+        "--header-timeout",
+        "2",
+        "--write-timeout",
+        "5",
+        "--max-connections",
+        "512",
+        "--metrics-key",
+        METRICS_KEY,
+        "--test-panic-marker",
+        PANIC_MARKER,
+        "--test-exit-marker",
+        EXIT_MARKER,
+        "--api-keys-file",
+    ]
+    .iter()
+    .map(Into::into)
+    .collect();
+    args.push(keys.into_os_string());
+    ServerProcess::start(env!("CARGO_BIN_EXE_llama-burn-server"), args)
 }
 
 /// Writes all of `bytes` (tokio's `io-util` is not among the dev features).
@@ -338,17 +289,11 @@ fn fan_out_bodies() -> Vec<(Vec<u8>, u16, Option<&'static str>, &'static str)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hostile_clients_cannot_bring_the_server_down() {
-    let mut server = ServerProcess::start();
+    let mut server = start_server();
     let base = server.base.clone();
     let http = client();
     assert!(
-        wait_until(Duration::from_secs(180), || async {
-            http.get(format!("{base}/health"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success())
-        })
-        .await,
+        server.ready(&http, Duration::from_secs(180)).await,
         "the server became ready"
     );
 

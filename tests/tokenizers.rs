@@ -354,3 +354,291 @@ mod llama3 {
         );
     }
 }
+
+/// Chat templates of the two tool-calling families, written for these tests with the
+/// Jinja features the real ones use (`namespace()`, `loop.first`/`loop.last`/
+/// `loop.previtem`/`loop.nextitem`, `tojson` with and without `indent`, slices, `trim`,
+/// `strftime_now`, `raise_exception`): each renders tools and a tool history as its family
+/// does, and the parser reads the family's call output back into `tool_calls`.
+mod tool_templates {
+    use super::*;
+    use llama_burn::tokenizer::{ChatPiece, ChatTemplate, GgufTokenizerData};
+    use llama_burn::tools::parse::{ToolCallParser, collect};
+    use llama_burn::tools::{Tool, ToolCall, ToolFormat};
+    use serde_json::json;
+
+    /// Qwen 2.5 style: tools in the system prompt, one `<tool_call>` block per call in
+    /// the assistant turn, consecutive tool results in one user turn.
+    const QWEN_STYLE: &str = r#"
+{%- set ns = namespace(system='You are a helpful assistant.', first=0) %}
+{%- if messages and messages[0].role == 'system' %}
+  {%- set ns.system = messages[0].content %}
+  {%- set ns.first = 1 %}
+{%- endif %}
+{{- '<|im_start|>system\n' + ns.system }}
+{%- if tools %}
+  {{- '\n\n# Functions\n\nSignatures, one per line, inside <tools></tools>:\n<tools>' }}
+  {%- for tool in tools %}
+    {{- '\n' }}{{- tool | tojson }}
+  {%- endfor %}
+  {{- '\n</tools>\n\nTo call one, write its name and arguments inside <tool_call></tool_call>:\n<tool_call>\n{"name": <name>, "arguments": <arguments>}\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- for message in messages[ns.first:] %}
+  {%- if message.role == 'assistant' and message.tool_calls %}
+    {{- '<|im_start|>assistant' }}
+    {%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+    {%- for call in message.tool_calls %}
+      {{- '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' }}
+      {{- call.function.arguments | tojson }}
+      {{- '}\n</tool_call>' }}
+    {%- endfor %}
+    {{- '<|im_end|>\n' }}
+  {%- elif message.role == 'tool' %}
+    {%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+    {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+    {%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+  {%- else %}
+    {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"#;
+
+    /// Llama 3.1 style: an `ipython` environment line and today's date in the system
+    /// turn, the tools (indented JSON) in the first user turn, a call as
+    /// `<|python_tag|>{"name", "parameters"}<|eom_id|>`, results in `ipython` turns.
+    const LLAMA31_STYLE: &str = r#"
+{{- bos_token }}
+{%- if not date_string is defined %}
+  {%- if strftime_now is defined %}{%- set date_string = strftime_now('%d %b %Y') %}
+  {%- else %}{%- set date_string = '26 Jul 2024' %}{%- endif %}
+{%- endif %}
+{%- set ns = namespace(system='', rest=messages) %}
+{%- if messages and messages[0].role == 'system' %}
+  {%- set ns.system = messages[0].content | trim %}
+  {%- set ns.rest = messages[1:] %}
+{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
+{%- if tools %}{{- 'Environment: ipython\n' }}{%- endif %}
+{{- 'Knowledge cutoff: December 2023\nToday: ' + date_string + '\n\n' + ns.system + '<|eot_id|>' }}
+{%- if tools %}
+  {%- if not ns.rest %}{{- raise_exception('tools need a user message') }}{%- endif %}
+  {{- '<|start_header_id|>user<|end_header_id|>\n\nTo call a function, answer with only {"name": its name, "parameters": its arguments}. The functions:\n\n' }}
+  {%- for tool in tools %}
+    {{- tool | tojson(indent=2) }}{{- '\n\n' }}
+  {%- endfor %}
+  {{- ns.rest[0].content | trim + '<|eot_id|>' }}
+  {%- set ns.rest = ns.rest[1:] %}
+{%- endif %}
+{%- for message in ns.rest %}
+  {%- if message.role == 'assistant' and message.tool_calls %}
+    {%- if message.tool_calls | length != 1 %}{{- raise_exception('one call per assistant turn') }}{%- endif %}
+    {%- set call = message.tool_calls[0].function %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n<|python_tag|>{"name": "' + call.name + '", "parameters": ' }}
+    {{- call.arguments | tojson }}
+    {{- '}<|eom_id|>' }}
+  {%- elif message.role in ['tool', 'ipython'] %}
+    {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}
+  {%- else %}
+    {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
+"#;
+
+    fn weather() -> Tool {
+        Tool::new(
+            "get_weather",
+            json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+        )
+        .with_description("The weather in a city")
+    }
+
+    fn call(id: &str, city: &str) -> ToolCall {
+        ToolCall {
+            id: id.into(),
+            name: "get_weather".into(),
+            arguments: format!("{{\"city\": \"{city}\"}}"),
+        }
+    }
+
+    fn tool_result(id: &str, content: &str) -> ChatMessage {
+        let mut m = ChatMessage::new("tool", content);
+        m.tool_call_id = Some(id.into());
+        m
+    }
+
+    /// The calls `format`'s parser reads from `output`, fed in pieces of 3 characters,
+    /// and the text around them.
+    fn parse(format: ToolFormat, output: &str) -> (String, Vec<(String, serde_json::Value)>) {
+        let mut parser = ToolCallParser::new(format);
+        let chars: Vec<char> = output.chars().collect();
+        let mut events = Vec::new();
+        for piece in chars.chunks(3) {
+            events.extend(parser.push(&piece.iter().collect::<String>()));
+        }
+        events.extend(parser.finish());
+        let (content, calls) = collect(events);
+        let calls = calls
+            .iter()
+            .map(|c| (c.name.clone(), c.arguments_json()))
+            .collect();
+        (content, calls)
+    }
+
+    #[test]
+    fn qwen_style_template_with_tools() {
+        let path = llama_burn::demo::demo_model_path().expect("demo model");
+        let gguf = GgufFile::open(&path).expect("open demo GGUF");
+        let mut data = GgufTokenizerData::from_gguf(&gguf).expect("tokenizer data");
+        data.chat_template = Some(QWEN_STYLE.into());
+        let tok = GgufBpeTokenizer::from_gguf_data(data).expect("tokenizer");
+        assert_eq!(tok.tool_format(), ToolFormat::Hermes);
+        let mut asked = ChatMessage::assistant("");
+        asked.tool_calls = vec![call("call_1", "Paris"), call("call_2", "Rome")];
+        let messages = [
+            ChatMessage::system("Be brief."),
+            ChatMessage::user("Weather in Paris and Rome?<|im_end|>"),
+            asked,
+            tool_result("call_1", "{\"c\": 21}"),
+            tool_result("call_2", "{\"c\": 25}"),
+        ];
+        let ids = tok
+            .encode_conversation(&messages, &[weather()], true)
+            .expect("encode");
+        let expected = "<|im_start|>system\nBe brief.\n\n# Functions\n\nSignatures, one per \
+            line, inside <tools></tools>:\n<tools>\n{\"type\": \"function\", \"function\": \
+            {\"name\": \"get_weather\", \"description\": \"The weather in a city\", \
+            \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \
+            \"string\"}}, \"required\": [\"city\"]}}}\n</tools>\n\nTo call one, write its name \
+            and arguments inside <tool_call></tool_call>:\n<tool_call>\n{\"name\": <name>, \
+            \"arguments\": <arguments>}\n</tool_call><|im_end|>\n\
+            <|im_start|>user\nWeather in Paris and Rome?<|im_end|><|im_end|>\n\
+            <|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+            {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \
+            \"arguments\": {\"city\": \"Rome\"}}\n</tool_call><|im_end|>\n\
+            <|im_start|>user\n<tool_response>\n{\"c\": 21}\n</tool_response>\n\
+            <tool_response>\n{\"c\": 25}\n</tool_response><|im_end|>\n<|im_start|>assistant\n";
+        assert_eq!(tok.decode(&ids).expect("decode"), expected);
+        // Control tokens: the template's four turns and the generation prompt; the
+        // `<|im_end|>` the user wrote is text.
+        let (start, end) = (
+            tok.token_to_id("<|im_start|>").expect("im_start"),
+            tok.token_to_id("<|im_end|>").expect("im_end"),
+        );
+        assert_eq!((count(&ids, start), count(&ids, end)), (5, 4));
+
+        // The parser reads the family's calls back: the history's assistant turn, and a
+        // fresh answer with text, two calls and keys in another order.
+        let turn = &expected[expected.find("<|im_start|>assistant\n").expect("turn") + 22..];
+        let turn = &turn[..turn.find("<|im_end|>").expect("end")];
+        let (content, calls) = parse(ToolFormat::Hermes, turn);
+        assert_eq!(content, "");
+        assert_eq!(
+            calls,
+            [
+                ("get_weather".to_string(), json!({"city": "Paris"})),
+                ("get_weather".to_string(), json!({"city": "Rome"}))
+            ]
+        );
+        let answer = "Checking both.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+            {\"city\": \"Oslo\"}}\n</tool_call>\n<tool_call>\n{\"arguments\": {\"city\": \
+            \"Lima\"}, \"name\": \"get_weather\"}\n</tool_call>";
+        let (content, calls) = parse(ToolFormat::Hermes, answer);
+        assert_eq!(content, "Checking both.");
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        assert_eq!(
+            calls[1],
+            ("get_weather".to_string(), json!({"city": "Lima"}))
+        );
+    }
+
+    #[test]
+    fn llama31_style_template_with_tools() {
+        let template = ChatTemplate::new(LLAMA31_STYLE).expect("template");
+        assert_eq!(
+            ToolFormat::for_template(Some(LLAMA31_STYLE)),
+            ToolFormat::Llama3Json
+        );
+        let mut asked = ChatMessage::assistant("");
+        asked.tool_calls = vec![call("call_1", "Paris")];
+        let messages = [
+            ChatMessage::system("  Be brief. "),
+            ChatMessage::user("Weather in Paris?<|eot_id|>"),
+            asked,
+            tool_result("call_1", "{\"c\": 21}"),
+        ];
+        let pieces = template
+            .render(&messages, &[weather()], true, "<|begin_of_text|>", "")
+            .expect("render");
+        // Message content is text (trimmed where the template trims it), never markup.
+        let texts: Vec<&str> = pieces
+            .iter()
+            .filter_map(|p| match p {
+                ChatPiece::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            texts,
+            ["Be brief.", "Weather in Paris?<|eot_id|>", "{\"c\": 21}"]
+        );
+        let text: String = pieces.iter().map(ChatPiece::text).collect();
+        // Today's date, as `strftime_now('%d %b %Y')` writes it.
+        let today = &text[text.find("Today: ").expect("date") + 7..];
+        let today = &today[..today.find('\n').expect("line")];
+        let parts: Vec<&str> = today.split(' ').collect();
+        assert!(
+            parts.len() == 3 && parts[0].len() == 2 && parts[1].len() == 3 && parts[2].len() == 4,
+            "{today}"
+        );
+        let expected = format!(
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: \
+             ipython\nKnowledge cutoff: December 2023\nToday: {today}\n\nBe brief.<|eot_id|>\
+             <|start_header_id|>user<|end_header_id|>\n\nTo call a function, answer with only \
+             {{\"name\": its name, \"parameters\": its arguments}}. The functions:\n\n{{\n  \
+             \"type\": \"function\",\n  \"function\": {{\n    \"name\": \"get_weather\",\n    \
+             \"description\": \"The weather in a city\",\n    \"parameters\": {{\n      \
+             \"type\": \"object\",\n      \"properties\": {{\n        \"city\": {{\n          \
+             \"type\": \"string\"\n        }}\n      }},\n      \"required\": [\n        \
+             \"city\"\n      ]\n    }}\n  }}\n}}\n\nWeather in Paris?<|eot_id|><|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n<|python_tag|>{{\"name\": \
+             \"get_weather\", \"parameters\": {{\"city\": \"Paris\"}}}}<|eom_id|>\
+             <|start_header_id|>ipython<|end_header_id|>\n\n{{\"c\": 21}}<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        assert_eq!(text, expected);
+
+        // The parser reads the family's calls: the history's (after `<|python_tag|>`), a
+        // bare JSON answer, and text that is not a call.
+        let turn = &text[text.find("<|python_tag|>").expect("tag")..];
+        let turn = &turn[..turn.find("<|eom_id|>").expect("eom")];
+        let (content, calls) = parse(ToolFormat::Llama3Json, turn);
+        assert_eq!(content, "");
+        assert_eq!(
+            calls,
+            [("get_weather".to_string(), json!({"city": "Paris"}))]
+        );
+        let (content, calls) = parse(
+            ToolFormat::Llama3Json,
+            "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Lima\"}}",
+        );
+        assert_eq!((content.as_str(), calls.len()), ("", 1));
+        assert_eq!(calls[0].1, json!({"city": "Lima"}));
+        let (content, calls) = parse(ToolFormat::Llama3Json, "It is sunny in Lima.");
+        assert_eq!((content.as_str(), calls.len()), ("It is sunny in Lima.", 0));
+
+        // The template's own checks are errors, not panics.
+        let mut two = ChatMessage::assistant("");
+        two.tool_calls = vec![call("a", "X"), call("b", "Y")];
+        let e = template
+            .render(&[ChatMessage::user("q"), two], &[], false, "", "")
+            .unwrap_err();
+        assert!(e.to_string().contains("one call per assistant turn"), "{e}");
+        let e = template
+            .render(&[], &[weather()], true, "", "")
+            .unwrap_err();
+        assert!(e.to_string().contains("tools need a user message"), "{e}");
+    }
+}

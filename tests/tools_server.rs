@@ -1,7 +1,8 @@
 //! Tool calling through the OpenAI-compatible server over real HTTP: `tool_choice`
 //! `required` and a named function give `tool_calls` whose arguments validate, streamed
 //! (id and name first, then argument fragments) and not; the tool's result goes back as
-//! a `tool` message and the next answer is text; bad tools are 400s naming the field.
+//! a `tool` message and the next answer is text; bad tools are 400s naming the field;
+//! `auto` with a `strict` tool gives text or calls whose arguments validate.
 #![cfg(feature = "server")]
 
 mod common;
@@ -177,5 +178,85 @@ fn tool_calls_over_http() {
         }
         let (status, _) = post(&client, &chat, json!({"messages": question, "max_tokens": 2})).await;
         assert_eq!(status, 200);
+    });
+}
+
+/// `auto` with a `strict` tool: the model chooses between text and calls; once it opens a
+/// `<tool_call>` decoding is constrained, so the call names a tool and its arguments
+/// validate. Text-only answers are untouched.
+#[test]
+fn auto_with_a_strict_tool() {
+    let (base, rt, _server) = start_constrained_server();
+    let chat = format!("{base}/v1/chat/completions");
+    let mut strict = weather_tool();
+    strict["function"]["strict"] = json!(true);
+    let ask = |q: &str, stream: bool| {
+        json!({
+            "messages": [{"role": "user", "content": q}], "max_tokens": 48, "temperature": 0,
+            "tools": [strict.clone(), time_tool()], "tool_choice": "auto",
+            "parallel_tool_calls": false, "stream": stream,
+        })
+    };
+    rt.block_on(async {
+        let client = reqwest::Client::new();
+        // The model calls: one valid call, and then the end.
+        let q = "Call get_weather for Paris in celsius.";
+        let (status, body) = post(&client, &chat, ask(q, false)).await;
+        assert_eq!(status, 200, "{body}");
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{body}");
+        let calls = choice["message"]["tool_calls"]
+            .as_array()
+            .expect("tool_calls");
+        assert_eq!(calls.len(), 1, "{body}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather", "{body}");
+        let arguments = calls[0]["function"]["arguments"]
+            .as_str()
+            .expect("arguments");
+        let args = check_weather(arguments);
+        println!("auto call: {}", choice["message"]);
+
+        // Streamed: the same call, reassembled from its deltas.
+        let streamed = chunks(&client, &chat, ask(q, true)).await;
+        let mut joined = String::new();
+        let mut names = Vec::new();
+        let mut finish = None;
+        for chunk in &streamed {
+            let choice = &chunk["choices"][0];
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                finish = Some(reason.to_string());
+            }
+            for call in choice["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                assert_eq!(call["index"], 0, "{chunk}");
+                if let Some(name) = call["function"]["name"].as_str() {
+                    names.push(name.to_string());
+                }
+                joined.push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+            }
+        }
+        assert_eq!(names, ["get_weather"]);
+        assert_eq!(finish.as_deref(), Some("tool_calls"));
+        assert_eq!(check_weather(&joined), args);
+
+        // The model answers in text: no call, the text as it is unconstrained.
+        let (status, body) = post(&client, &chat, ask("Say hello.", false)).await;
+        assert_eq!(status, 200, "{body}");
+        let choice = &body["choices"][0];
+        assert_eq!(choice["finish_reason"], "stop", "{body}");
+        assert!(choice["message"].get("tool_calls").is_none(), "{body}");
+        let text = choice["message"]["content"].as_str().expect("text");
+        let mut loose = ask("Say hello.", false);
+        loose["tools"][0] = weather_tool();
+        let (_, unconstrained) = post(&client, &chat, loose).await;
+        assert_eq!(
+            text, unconstrained["choices"][0]["message"]["content"],
+            "{body}"
+        );
+        assert!(!text.trim().is_empty());
+        println!("auto text: {text:?}");
     });
 }

@@ -245,15 +245,6 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
             args.max_seq_len
         );
     }
-    if args.speculative == Some(llama_burn::speculative::SpeculationMethod::DraftModel)
-        && args.draft_model.is_none()
-    {
-        return Err(llama_burn::LlamaError::invalid(
-            "--speculative",
-            "draft",
-            "needs --draft-model",
-        ));
-    }
     let device = default_device();
     let start = Instant::now();
     tracing::info!(model = %path.display(), "loading the model");
@@ -386,6 +377,11 @@ fn server_config(args: &Args, name: String) -> Result<ServerConfig, String> {
 }
 
 async fn serve(args: Args) -> Result<(), String> {
+    if args.speculative == Some(llama_burn::speculative::SpeculationMethod::DraftModel)
+        && args.draft_model.is_none()
+    {
+        return Err("--speculative draft needs --draft-model".into());
+    }
     let path = match &args.model {
         Some(p) => p.clone(),
         None => llama_burn::demo::demo_model_path().map_err(|e| e.to_string())?,

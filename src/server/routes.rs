@@ -308,7 +308,9 @@ async fn chat_completions(
 }
 
 /// Shows the tools to the model (unless `tool_choice` is `none`), reads its answer for
-/// calls, and constrains decoding when a call is forced.
+/// calls, and constrains decoding when a call is forced, and in `auto` when a tool is
+/// `strict` (free text or valid calls; a `response_format` takes precedence there, and
+/// the calls are then read unconstrained).
 fn with_tools(
     shared: &Shared,
     sampling: &mut Sampling,
@@ -318,17 +320,19 @@ fn with_tools(
         return Ok(());
     }
     let format = shared.engine()?.tool_format();
-    if request.choice.is_forced() {
-        if sampling.constraint.is_some() {
-            return Err(ApiError::invalid(
-                "a forced `tool_choice` cannot be combined with `response_format` or \
-                 `structured_outputs`",
-                Some("tool_choice"),
-            ));
-        }
+    if request.choice.is_forced() && sampling.constraint.is_some() {
+        return Err(ApiError::invalid(
+            "a forced `tool_choice` cannot be combined with `response_format` or \
+             `structured_outputs`",
+            Some("tool_choice"),
+        ));
+    }
+    if sampling.constraint.is_none() {
         sampling.constraint =
             tool_constraint(&request.tools, &request.choice, request.parallel, format);
-        sampling.constraint_param = "tools";
+        if sampling.constraint.is_some() {
+            sampling.constraint_param = "tools";
+        }
     }
     sampling.tools = request.tools;
     sampling.tool_format = Some(format);

@@ -7,7 +7,8 @@
 //!   `--max-constraint-bytes` (they become a grammar);
 //! - `tool_choice`: `none`, `auto` (the default with tools), `required`, or
 //!   `{"type": "function", "function": {"name"}}` naming one of the tools;
-//! - `parallel_tool_calls`: whether `required` may give several calls (default true).
+//! - `parallel_tool_calls`: whether `required` (and `auto` with a `strict` tool) may give
+//!   several calls (default true).
 //!
 //! Each problem is a 400 naming its field.
 

@@ -25,7 +25,7 @@ pub use bpe::{GgufBpeTokenizer, GgufTokenizerData};
 pub use chat::{ChatFormat, ChatMessage, ChatPiece, SMOLLM_DEFAULT_SYSTEM_PROMPT};
 pub use hf::HfTokenizer;
 pub use stream::StreamDecoder;
-pub use template::ChatTemplate;
+pub use template::{ChatTemplate, TEMPLATE_FUEL_BASE, TEMPLATE_FUEL_PER_ITEM};
 #[cfg(feature = "llama3")]
 #[cfg_attr(docsrs, doc(cfg(feature = "llama3")))]
 pub use tiktoken::Llama3Tokenizer;

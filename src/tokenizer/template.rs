@@ -1,7 +1,8 @@
 //! A model's own Jinja chat template (GGUF `tokenizer.chat_template`, Hugging Face
 //! `chat_template`), rendered with [`minijinja`] as Hugging Face's `apply_chat_template`
 //! renders it (`trim_blocks`, `lstrip_blocks`, Python string methods, `tojson` as
-//! Python's `json.dumps` writes it, `raise_exception`), with `tools` when there are some.
+//! Python's `json.dumps` writes it, `raise_exception`, `strftime_now` on the UTC clock),
+//! with `tools` when there are some.
 //!
 //! # Message content never becomes a control token
 //!
@@ -15,6 +16,13 @@
 //! Tool definitions and earlier calls are rendered by the template itself (often as
 //! JSON); [`Tokenizer::encode_conversation`](super::Tokenizer::encode_conversation)
 //! refuses those that write a control token.
+//!
+//! # Bounded work
+//!
+//! A render runs on fuel ([`minijinja`]'s instruction count): [`TEMPLATE_FUEL_BASE`]
+//! plus [`TEMPLATE_FUEL_PER_ITEM`] for each message and tool, so a template whose loops
+//! run away (or a request that makes them) stops with [`LlamaError::Tokenizer`] saying
+//! so, in bounded time, instead of holding a thread.
 
 use minijinja::value::{Kwargs, Value as JinjaValue};
 use minijinja::{Environment, ErrorKind};
@@ -23,6 +31,13 @@ use serde_json::{Value, json};
 use super::{ChatMessage, ChatPiece};
 use crate::error::{LlamaError, Result};
 use crate::tools::Tool;
+
+/// Instructions a render may run whatever its input (templates run a few hundred per
+/// message).
+pub const TEMPLATE_FUEL_BASE: u64 = 200_000;
+/// Instructions a render may run for each message and each tool, on top of
+/// [`TEMPLATE_FUEL_BASE`].
+pub const TEMPLATE_FUEL_PER_ITEM: u64 = 20_000;
 
 /// The padding around a placeholder (an em space: trimmed by `trim`, rare in templates).
 const PAD: char = '\u{2003}';
@@ -76,6 +91,12 @@ impl ChatTemplate {
             "raise_exception",
             |message: String| -> std::result::Result<JinjaValue, minijinja::Error> {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_function(
+            "strftime_now",
+            |format: String| -> std::result::Result<JinjaValue, minijinja::Error> {
+                strftime(&format, time::OffsetDateTime::now_utc()).map(JinjaValue::from)
             },
         );
         env.add_template_owned("chat", source.to_string())
@@ -149,8 +170,14 @@ impl ChatTemplate {
             .collect();
         let tools: Option<Vec<Value>> =
             (!tools.is_empty()).then(|| tools.iter().map(Tool::openai_json).collect());
-        let template = self
-            .env
+        // The environment shares its compiled template (an `Arc`): cloning it is cheap,
+        // and gives this render its own fuel.
+        let mut env = self.env.clone();
+        let items =
+            (messages.len() as u64).saturating_add(tools.as_ref().map_or(0, |t| t.len() as u64));
+        let fuel = TEMPLATE_FUEL_BASE.saturating_add(TEMPLATE_FUEL_PER_ITEM.saturating_mul(items));
+        env.set_fuel(Some(fuel));
+        let template = env
             .get_template("chat")
             .map_err(|e| LlamaError::Tokenizer(format!("the chat template: {e}")))?;
         let text = template
@@ -161,7 +188,13 @@ impl ChatTemplate {
                 bos_token => bos_token,
                 eos_token => eos_token,
             })
-            .map_err(|e| LlamaError::Tokenizer(format!("the chat template failed: {e}")))?;
+            .map_err(|e| match e.kind() {
+                ErrorKind::OutOfFuel => LlamaError::Tokenizer(format!(
+                    "the chat template ran past its limit of {fuel} instructions for {items} \
+                     messages and tools"
+                )),
+                _ => LlamaError::Tokenizer(format!("the chat template failed: {e}")),
+            })?;
         Ok(split(&text, nonce, messages))
     }
 }
@@ -264,6 +297,65 @@ fn tojson(
     ))
 }
 
+/// `at` written with Python's `strftime` directives (`%d %b %Y`, `%Y-%m-%d`, `%H:%M:%S`,
+/// ...), as Hugging Face gives templates `strftime_now`; locale-dependent ones as in the
+/// C locale.
+fn strftime(
+    format: &str,
+    at: time::OffsetDateTime,
+) -> std::result::Result<String, minijinja::Error> {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(format.len() + 16);
+    let month = at.month().to_string();
+    let weekday = at.weekday().to_string();
+    let hour12 = match at.hour() % 12 {
+        0 => 12,
+        h => h,
+    };
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let directive = chars.next();
+        let written = match directive {
+            Some('d') => write!(out, "{:02}", at.day()),
+            Some('e') => write!(out, "{:2}", at.day()),
+            Some('m') => write!(out, "{:02}", u8::from(at.month())),
+            Some('Y') => write!(out, "{}", at.year()),
+            Some('y') => write!(out, "{:02}", at.year().rem_euclid(100)),
+            Some('b') => write!(out, "{}", &month[..3]),
+            Some('B') => write!(out, "{month}"),
+            Some('a') => write!(out, "{}", &weekday[..3]),
+            Some('A') => write!(out, "{weekday}"),
+            Some('H') => write!(out, "{:02}", at.hour()),
+            Some('I') => write!(out, "{hour12:02}"),
+            Some('M') => write!(out, "{:02}", at.minute()),
+            Some('S') => write!(out, "{:02}", at.second()),
+            Some('p') => write!(out, "{}", if at.hour() < 12 { "AM" } else { "PM" }),
+            Some('j') => write!(out, "{:03}", at.ordinal()),
+            Some('%') => write!(out, "%"),
+            other => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: unsupported directive %{}",
+                        other.map(String::from).unwrap_or_default()
+                    ),
+                ));
+            }
+        };
+        written.map_err(|_| {
+            minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "strftime_now: formatting failed",
+            )
+        })?;
+    }
+    Ok(out)
+}
+
 /// serde_json's compact output with Python's default separators.
 struct PythonFormatter;
 
@@ -345,6 +437,66 @@ mod tests {
             py.render(&[ChatMessage::user(" a ")], &[], false, "", "")
                 .unwrap(),
             vec![ChatPiece::Text("a".into())]
+        );
+    }
+
+    #[test]
+    fn runaway_loops_run_out_of_fuel() {
+        // 10^10 iterations: stopped after the fuel, with an error that says so.
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.content }}{% endfor %}\
+             {% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        )
+        .unwrap();
+        let e = t
+            .render(&[ChatMessage::user("hi")], &[], true, "", "")
+            .unwrap_err();
+        assert!(matches!(e, LlamaError::Tokenizer(_)), "{e:?}");
+        let limit = TEMPLATE_FUEL_BASE + TEMPLATE_FUEL_PER_ITEM;
+        assert!(
+            e.to_string()
+                .contains(&format!("limit of {limit} instructions")),
+            "{e}"
+        );
+        // The same loop, short, renders; and the fuel grows with the conversation: a loop
+        // of 3,000 per message fits 100 messages.
+        let per_message = ChatTemplate::new(
+            "{% for m in messages %}{% for i in range(3000) %}{% endfor %}{{ m.content }}{% endfor %}",
+        )
+        .unwrap();
+        let many: Vec<ChatMessage> = (0..100)
+            .map(|i| ChatMessage::user(format!("m{i}")))
+            .collect();
+        let pieces = per_message.render(&many, &[], false, "", "").unwrap();
+        assert_eq!(
+            pieces,
+            vec![ChatPiece::Text((0..100).map(|i| format!("m{i}")).collect())]
+        );
+    }
+
+    #[test]
+    fn strftime_directives() {
+        let at = time::Date::from_calendar_date(2024, time::Month::July, 6)
+            .unwrap()
+            .with_hms(15, 4, 9)
+            .unwrap()
+            .assume_utc();
+        assert_eq!(strftime("%d %b %Y", at).unwrap(), "06 Jul 2024");
+        assert_eq!(
+            strftime("%A %B %e, %y %I:%M:%S %p (day %j) 100%%", at).unwrap(),
+            "Saturday July  6, 24 03:04:09 PM (day 188) 100%"
+        );
+        assert!(strftime("%Q", at).is_err());
+        assert!(strftime("50%", at).is_err());
+        // Through a template: today's date, as a model's template asks for it.
+        let t = ChatTemplate::new("{{ strftime_now('%Y-%m-%d') }}").unwrap();
+        let today = strftime("%Y-%m-%d", time::OffsetDateTime::now_utc()).unwrap();
+        let ChatPiece::Markup(text) = &t.render(&[], &[], false, "", "").unwrap()[0] else {
+            panic!("markup");
+        };
+        assert!(
+            text.len() == 10 && text[..4] == today[..4],
+            "{text} {today}"
         );
     }
 }

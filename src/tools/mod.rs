@@ -43,8 +43,8 @@ pub struct Tool {
     /// The JSON Schema of its arguments (an object schema).
     pub parameters: Value,
     /// OpenAI's `strict`: the arguments must validate against `parameters`. Calls are
-    /// constrained whenever a call is forced; in `auto` mode see
-    /// [`grammar::tool_constraint`].
+    /// constrained whenever a call is forced, and in `auto` mode when a tool is strict
+    /// (see [`grammar::tool_constraint`]).
     pub strict: bool,
 }
 
@@ -82,7 +82,8 @@ impl Tool {
 pub enum ToolChoice {
     /// No call: the tools are not shown to the model.
     None,
-    /// The model decides (its output is read for calls, unconstrained).
+    /// The model decides: text or calls (its output is read for calls; constrained to
+    /// text or valid calls when a tool is `strict`).
     #[default]
     Auto,
     /// At least one call, of any tool (constrained).

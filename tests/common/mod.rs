@@ -2,6 +2,8 @@
 #![allow(dead_code)]
 
 #[cfg(feature = "server")]
+pub mod process;
+#[cfg(feature = "server")]
 pub mod server;
 
 use llama_burn::backend::{DefaultBackend, default_device};

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Speculative decoding in the continuous engine's batches, alternated with plain decoding:
+# 16 requests of 128 tokens, every one speculating or 8 of them beside 8 plain ones,
+# greedy and at temperature 1. Usage: bench/speculative_batch.sh [ROUNDS] (prints one
+# JSON line per run, then median throughput ratios and acceptance).
+set -euo pipefail
+ROUNDS=${1:-3}
+BIN=${BENCH:-${CARGO_TARGET_DIR:-target}/release/examples/benchmark_concurrency}
+OUT=$(mktemp)
+for round in $(seq "$ROUNDS"); do
+  for temp in 0 1; do
+    for mix in all half; do
+      for mode in plain ngram; do
+        extra=()
+        [ "$mode" = ngram ] && extra=(--speculative ngram --draft-tokens 8)
+        [ "$mode" = ngram ] && [ "$mix" = half ] && extra+=(--speculative-requests 8)
+        "$BIN" --requests 16 --max-tokens 128 --strategies continuous --temperature "$temp" \
+          --json "${extra[@]}" 2>/dev/null |
+          python3 -c "import json,sys; d=json.load(sys.stdin); r=d['results'][0]; print(json.dumps({'round':$round,'temp':$temp,'mix':'$mix','mode':'$mode','tps':r['tokens_per_s'],'draft':r['draft_tokens'],'accepted':r['accepted_draft_tokens'],'hash':hash(str(r['outputs']))}))"
+      done
+    done
+  done
+done | tee "$OUT"
+python3 - "$OUT" <<'PY'
+import json, statistics, sys
+runs = [json.loads(l) for l in open(sys.argv[1])]
+for temp in (0, 1):
+    for mix in ("all", "half"):
+        sel = [r for r in runs if r["temp"] == temp and r["mix"] == mix]
+        ratios, plain, spec, acc = [], [], [], []
+        for rnd in sorted({r["round"] for r in sel}):
+            p = next(r for r in sel if r["round"] == rnd and r["mode"] == "plain")
+            s = next(r for r in sel if r["round"] == rnd and r["mode"] == "ngram")
+            assert p["hash"] == s["hash"], "outputs differ"
+            ratios.append(s["tps"] / p["tps"]); plain.append(p["tps"]); spec.append(s["tps"])
+            acc.append(f"{s['accepted']}/{s['draft']}")
+        rows = "16 speculating" if mix == "all" else "8 speculating + 8 plain"
+        print(f"t={temp}, {rows}: {statistics.median(spec):.0f} vs {statistics.median(plain):.0f} tokens/s, "
+              f"median ratio {statistics.median(ratios):.2f} (rounds {', '.join(f'{x:.2f}' for x in ratios)}), "
+              f"accepted/proposed {', '.join(acc)}; identical outputs in every pair")
+PY
