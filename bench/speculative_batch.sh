@@ -10,13 +10,15 @@ OUT=$(mktemp)
 for round in $(seq "$ROUNDS"); do
   for temp in 0 1; do
     for mix in all half; do
-      for mode in plain ngram; do
+      # Alternate which mode goes first, so drift favours neither.
+      order="plain ngram"; [ $((round % 2)) = 0 ] && order="ngram plain"
+      for mode in $order; do
         extra=()
         [ "$mode" = ngram ] && extra=(--speculative ngram --draft-tokens 8)
         [ "$mode" = ngram ] && [ "$mix" = half ] && extra+=(--speculative-requests 8)
         "$BIN" --requests 16 --max-tokens 128 --strategies continuous --temperature "$temp" \
           --json "${extra[@]}" 2>/dev/null |
-          python3 -c "import json,sys; d=json.load(sys.stdin); r=d['results'][0]; print(json.dumps({'round':$round,'temp':$temp,'mix':'$mix','mode':'$mode','tps':r['tokens_per_s'],'draft':r['draft_tokens'],'accepted':r['accepted_draft_tokens'],'hash':hash(str(r['outputs']))}))"
+          python3 -c "import hashlib,json,sys; d=json.load(sys.stdin); r=d['results'][0]; print(json.dumps({'round':$round,'temp':$temp,'mix':'$mix','mode':'$mode','tps':r['tokens_per_s'],'draft':r['draft_tokens'],'accepted':r['accepted_draft_tokens'],'hash':hashlib.sha256(str(r['outputs']).encode()).hexdigest()[:16]}))"
       done
     done
   done
