@@ -104,7 +104,7 @@ use burn::tensor::{
 use crate::config::Precision;
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
-use crate::model::attention::PagedBatch;
+use crate::model::paged_batch::PagedBatch;
 
 /// What llama-burn asks of a backend beyond Burn's own operations: a backend extension
 /// in the manner of Burn's book (a trait on the backend whose default methods are the
@@ -257,7 +257,7 @@ pub trait LlamaBackend: Backend {
         values: &Tensor<Self, 4>,
         batch: &PagedBatch<'_, Self>,
     ) -> Result<Tensor<Self, 2>> {
-        batch.attention_by_gathering(q, keys, values)
+        batch.attention_by_gathering(q, keys, values, Self::masked_attention)
     }
 
     /// The greedy token of each row of `logits` `[rows, vocab]`, computed where the

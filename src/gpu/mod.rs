@@ -31,7 +31,7 @@ use crate::backend::LlamaBackend;
 use crate::config::Precision;
 use crate::error::{LlamaError, Result};
 use crate::kernels::{QuantFormat, QuantMatrix};
-use crate::model::attention::PagedBatch;
+use crate::model::paged_batch::PagedBatch;
 
 /// The shape of a paged attention call (see [`CubeKernels::paged_attention_primitive`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -425,7 +425,7 @@ fn paged_attention<B: LlamaBackend + CubeKernels>(
     let n_heads = batch.n_heads();
     let tokens: usize = batch.seqs().iter().map(|s| s.tokens).sum();
     if dim == 0 || dim > MAX_HEAD_DIM {
-        return batch.attention_by_gathering(q, keys, values);
+        return batch.attention_by_gathering(q, keys, values, B::masked_attention);
     }
     if kv_heads == 0 || !n_heads.is_multiple_of(kv_heads) || block_size != batch.block_size() {
         return Err(LlamaError::InvalidBatch(format!(

@@ -1,13 +1,13 @@
 //! Grouped-query self-attention over the contiguous KV cache and over the paged pool.
 
+pub use super::paged_batch::PagedBatch;
 pub use crate::kernels::attention::PagedSeq;
 
-use std::cell::OnceCell;
+use burn::tensor::{Int, Tensor, backend::Backend};
 
-use burn::tensor::{Bool, Int, Tensor, TensorData, backend::Backend};
-
+use super::paged_batch::int_tensor;
 use crate::backend::LlamaBackend;
-use crate::cache::paged::{Slot, gather_blocks};
+use crate::cache::paged::Slot;
 use crate::cache::{BlockId, KvCache, PagedKvCache};
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
@@ -49,283 +49,6 @@ pub struct PagedRow<'a> {
     pub all_logits: bool,
 }
 
-/// Rows whose attention runs as one padded batch: rows of similar length share a group,
-/// so padding never costs more than the rows' own work.
-#[derive(Debug)]
-struct AttentionGroup<B: Backend> {
-    rows: usize,
-    /// Longest chunk of the group (the padded query length).
-    queries: usize,
-    /// Flat token feeding each padded query slot, `[rows * queries]`.
-    query_index: Tensor<B, 1, Int>,
-    /// Block tables padded to the same length, `rows * blocks` ids.
-    tables: Vec<BlockId>,
-    /// `[rows, 1, groups * queries, blocks * block_size]`, true where a key is hidden.
-    mask: Tensor<B, 4, Bool>,
-}
-
-/// The gathering path's layout of a step: its groups, and for every flat token its row
-/// in the concatenated padded group outputs.
-#[derive(Debug)]
-struct Gathered<B: Backend> {
-    groups: Vec<AttentionGroup<B>>,
-    output_index: Tensor<B, 1, Int>,
-}
-
-/// The sequences of one paged attention step, as a backend's
-/// [`paged_attention`](LlamaBackend::paged_attention) receives them: each sequence's new
-/// tokens (one after another in the queries), how many tokens its blocks already hold
-/// and its block table. The same for every layer of a step.
-#[derive(Debug)]
-pub struct PagedBatch<'a, B: Backend> {
-    seqs: Vec<PagedSeq<'a>>,
-    n_heads: usize,
-    block_size: usize,
-    device: B::Device,
-    /// Built on first use, by backends that gather blocks.
-    gathered: OnceCell<Gathered<B>>,
-    /// Built on first use, by backends whose kernel reads the block tables on the device.
-    table: OnceCell<DeviceTable<B>>,
-}
-
-/// A step's block tables on the device (see [`PagedBatch::device_table`]).
-#[derive(Debug)]
-struct DeviceTable<B: Backend> {
-    values: Tensor<B, 1, Int>,
-    /// The largest block id named, checked against a layer's pool.
-    max_block: usize,
-}
-
-impl<'a, B: Backend> PagedBatch<'a, B> {
-    /// The sequences of a step over a pool of `blocks` blocks of `block_size`
-    /// positions, for `n_heads` query heads: what a paged forward pass builds once per
-    /// step, and what a test of a backend's
-    /// [`paged_attention`](LlamaBackend::paged_attention) builds by hand.
-    ///
-    /// # Errors
-    ///
-    /// [`LlamaError::InvalidBatch`] if there are no sequences, one has no tokens, or a
-    /// block table is too short for its tokens or names a block outside the pool.
-    pub fn new(
-        seqs: Vec<PagedSeq<'a>>,
-        n_heads: usize,
-        block_size: usize,
-        blocks: usize,
-        device: &B::Device,
-    ) -> Result<Self> {
-        if seqs.is_empty() || block_size == 0 || seqs.iter().any(|s| s.tokens == 0) {
-            return Err(LlamaError::InvalidBatch(
-                "a paged step needs sequences with at least one token each".into(),
-            ));
-        }
-        for seq in &seqs {
-            let end = seq.start + seq.tokens;
-            if seq.blocks.len().saturating_mul(block_size) < end
-                || seq.blocks.iter().any(|&b| b as usize >= blocks)
-            {
-                return Err(LlamaError::InvalidBatch(format!(
-                    "a block table of {} blocks in a pool of {blocks} cannot hold {end} tokens",
-                    seq.blocks.len()
-                )));
-            }
-        }
-        Ok(Self {
-            seqs,
-            n_heads,
-            block_size,
-            device: device.clone(),
-            gathered: OnceCell::new(),
-            table: OnceCell::new(),
-        })
-    }
-}
-
-impl<'a, B: LlamaBackend> PagedBatch<'a, B> {
-    /// The sequences, in query order.
-    pub fn seqs(&self) -> &[PagedSeq<'a>] {
-        &self.seqs
-    }
-
-    /// Query heads.
-    pub fn n_heads(&self) -> usize {
-        self.n_heads
-    }
-
-    /// Positions per block of the pool.
-    pub fn block_size(&self) -> usize {
-        self.block_size
-    }
-
-    /// The step's block tables as one integer tensor on the device, for kernels that
-    /// read them there, and the largest block id they name. For query token `t` (the
-    /// sequences' new tokens one after another), entry `2 t` is where its sequence's
-    /// block table starts in this tensor and entry `2 t + 1` its position; the tables
-    /// follow, each holding the blocks of its sequence's `start + tokens` positions. Built
-    /// on first use (one upload per step) and shared by every layer.
-    pub fn device_table(&self) -> (&Tensor<B, 1, Int>, usize) {
-        let table = self.table.get_or_init(|| {
-            let tokens: usize = self.seqs.iter().map(|s| s.tokens).sum();
-            let mut values = Vec::with_capacity(2 * tokens);
-            let mut tables = Vec::new();
-            for seq in &self.seqs {
-                let at = 2 * tokens + tables.len();
-                let used = (seq.start + seq.tokens).div_ceil(self.block_size.max(1));
-                tables.extend(
-                    seq.blocks[..used.min(seq.blocks.len())]
-                        .iter()
-                        .map(|&b| b as i64),
-                );
-                values.extend((0..seq.tokens).flat_map(|s| [at as i64, (seq.start + s) as i64]));
-            }
-            let max_block = tables.iter().copied().max().unwrap_or(0) as usize;
-            values.extend(tables);
-            DeviceTable {
-                values: int_tensor(values, &self.device),
-                max_block,
-            }
-        });
-        (&table.values, table.max_block)
-    }
-
-    /// Attention by gathering each group of similar sequences' blocks into a padded
-    /// batch and running [`LlamaBackend::masked_attention`] with a causal mask: the
-    /// portable path, for backends without a kernel that reads block tables. `q` is
-    /// `[tokens, n_heads * head_dim]`, `keys`/`values` a layer's pool
-    /// `[blocks, kv_heads, block_size, head_dim]`; returns the shape of `q`.
-    ///
-    /// # Errors
-    ///
-    /// As [`LlamaBackend::masked_attention`].
-    pub fn attention_by_gathering(
-        &self,
-        q: Tensor<B, 2>,
-        keys: &Tensor<B, 4>,
-        values: &Tensor<B, 4>,
-    ) -> Result<Tensor<B, 2>> {
-        let [_, kv, _, dim] = keys.dims();
-        let heads = self.n_heads;
-        let groups = heads / kv.max(1);
-        let gathered = self.gathered.get_or_init(|| self.gather_layout(groups));
-        let outputs: Vec<Tensor<B, 2>> = gathered
-            .groups
-            .iter()
-            .map(|g| {
-                let (keys, values) = (
-                    gather_blocks(keys, &g.tables, g.rows),
-                    gather_blocks(values, &g.tables, g.rows),
-                );
-                let query = q
-                    .clone()
-                    .select(0, g.query_index.clone())
-                    .reshape([g.rows, g.queries, heads, dim])
-                    .swap_dims(1, 2)
-                    .reshape([g.rows, kv, groups * g.queries, dim]);
-                Ok(
-                    B::masked_attention(query, keys, values, Some(g.mask.clone()))?
-                        .reshape([g.rows, heads, g.queries, dim])
-                        .swap_dims(1, 2)
-                        .reshape([g.rows * g.queries, heads * dim]),
-                )
-            })
-            .collect::<Result<_>>()?;
-        let all = if outputs.len() == 1 {
-            outputs.into_iter().next().unwrap_or_else(|| q.clone())
-        } else {
-            Tensor::cat(outputs, 0)
-        };
-        Ok(all.select(0, gathered.output_index.clone()))
-    }
-
-    /// Groups sequences of similar shape: sorted by (chunk, length), a sequence joins
-    /// the current group while the padded work stays within twice the real work.
-    fn gather_layout(&self, groups_per_kv: usize) -> Gathered<B> {
-        let (seqs, bs, device) = (&self.seqs, self.block_size, &self.device);
-        let mut first_token = Vec::with_capacity(seqs.len());
-        let mut total = 0;
-        for seq in seqs {
-            first_token.push(total);
-            total += seq.tokens;
-        }
-        let mut order: Vec<usize> = (0..seqs.len()).collect();
-        order.sort_by_key(|&i| (seqs[i].tokens, seqs[i].start + seqs[i].tokens));
-        let mut grouped: Vec<Vec<usize>> = Vec::new();
-        let (mut real, mut queries, mut keys) = (0usize, 0usize, 0usize);
-        for &i in &order {
-            let q = seqs[i].tokens;
-            let len = seqs[i].start + q;
-            let padded_keys = len.div_ceil(bs) * bs;
-            if let Some(group) = grouped.last_mut() {
-                let (nq, nk) = (queries.max(q), keys.max(padded_keys));
-                let padded = (group.len() + 1) * nq * nk;
-                if padded <= 2 * (real + q * len) {
-                    group.push(i);
-                    (real, queries, keys) = (real + q * len, nq, nk);
-                    continue;
-                }
-            }
-            grouped.push(vec![i]);
-            (real, queries, keys) = (q * len, q, padded_keys);
-        }
-
-        let mut output_index = vec![0i64; total];
-        let mut padded_offset = 0usize;
-        let mut groups = Vec::with_capacity(grouped.len());
-        for members in grouped {
-            let queries = members.iter().map(|&i| seqs[i].tokens).max().unwrap_or(1);
-            let blocks = members
-                .iter()
-                .map(|&i| (seqs[i].start + seqs[i].tokens).div_ceil(bs))
-                .max()
-                .unwrap_or(1);
-            let keys = blocks * bs;
-            let mut query_index = Vec::with_capacity(members.len() * queries);
-            let mut tables = Vec::with_capacity(members.len() * blocks);
-            let mut mask = Vec::with_capacity(members.len() * groups_per_kv * queries * keys);
-            for (slot, &i) in members.iter().enumerate() {
-                let seq = &seqs[i];
-                let q = seq.tokens;
-                let first = first_token[i];
-                for s in 0..queries {
-                    // Padding queries repeat the row's first token; their output is dropped.
-                    query_index.push((first + s.min(q - 1)) as i64);
-                }
-                for s in 0..q {
-                    output_index[first + s] = (padded_offset + slot * queries + s) as i64;
-                }
-                let used = (seq.start + q).div_ceil(bs);
-                tables.extend_from_slice(&seq.blocks[..used]);
-                tables.extend(std::iter::repeat_n(seq.blocks[0], blocks - used));
-                let mut per_query = Vec::with_capacity(queries * keys);
-                for s in 0..queries {
-                    // A real query sees the keys up to its own position; a padding query
-                    // sees key 0 only, so no softmax row is empty.
-                    let last = if s < q { seq.start + s } else { 0 };
-                    per_query.extend((0..keys).map(|k| k > last));
-                }
-                for _ in 0..groups_per_kv {
-                    mask.extend_from_slice(&per_query);
-                }
-            }
-            let n = members.len();
-            padded_offset += n * queries;
-            groups.push(AttentionGroup {
-                rows: n,
-                queries,
-                query_index: int_tensor(query_index, device),
-                tables,
-                mask: Tensor::from_data(
-                    TensorData::new(mask, [n, 1, groups_per_kv * queries, keys]),
-                    device,
-                ),
-            });
-        }
-        Gathered {
-            groups,
-            output_index: int_tensor(output_index, device),
-        }
-    }
-}
-
 /// Everything a paged forward pass needs that does not change from layer to layer:
 /// positions, the slots where new keys and values go, and the attention step. Built once
 /// per step.
@@ -337,11 +60,6 @@ pub(crate) struct PagedPlan<'a, B: Backend> {
     pub(crate) logit_rows: Option<Tensor<B, 1, Int>>,
     slots: Vec<Slot>,
     batch: PagedBatch<'a, B>,
-}
-
-fn int_tensor<B: Backend>(values: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
-    let n = values.len();
-    Tensor::from_data(TensorData::new(values, [n]), device)
 }
 
 impl<'a, B: Backend> PagedPlan<'a, B> {
@@ -409,14 +127,7 @@ impl<'a, B: Backend> PagedPlan<'a, B> {
             positions,
             logit_rows,
             slots,
-            batch: PagedBatch {
-                seqs,
-                n_heads: config.n_heads,
-                block_size: bs,
-                device: device.clone(),
-                gathered: OnceCell::new(),
-                table: OnceCell::new(),
-            },
+            batch: PagedBatch::from_checked(seqs, config.n_heads, bs, device),
         })
     }
 

@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod linear;
 pub mod norm;
+pub(crate) mod paged_batch;
 pub mod rope;
 pub mod weights;
 

@@ -14,7 +14,7 @@
 //! UTF-8 character, and [`ChatFormat`] writes conversations in the model's chat format.
 
 mod bpe;
-mod chat;
+pub(crate) mod chat;
 mod hf;
 mod stream;
 mod template;

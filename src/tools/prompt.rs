@@ -29,7 +29,7 @@
 //! encoded as plain text, never as control tokens.
 
 use super::Tool;
-use crate::tokenizer::ChatMessage;
+use crate::tokenizer::chat::ChatMessage;
 
 /// The system prompt describing `tools` (see the [module](self) documentation).
 pub fn tools_system_prompt(tools: &[Tool]) -> String {
