@@ -65,7 +65,7 @@ struct IntForm {
 }
 
 /// The integer form of each format.
-fn form(format: QuantFormat) -> IntForm {
+const fn form(format: QuantFormat) -> IntForm {
     use IntScales::{One, PerBlock, PerHalf};
     let (offset, scales, mins) = match format {
         QuantFormat::Q8_0 => (128, One, false),
@@ -83,6 +83,61 @@ fn form(format: QuantFormat) -> IntForm {
         scales,
         mins,
     }
+}
+
+/// The format whose id is `id` (its place in [`QuantFormat::ALL`], which is its
+/// declaration order): the in-register kernels take their format as a const parameter,
+/// so every branch on it is decided at compile time.
+#[cfg(target_arch = "x86_64")]
+const fn format_at(id: u8) -> QuantFormat {
+    QuantFormat::ALL[id as usize]
+}
+
+/// Evaluates `$call` with the constant `$f` equal to `$format`'s id ([`format_at`]).
+/// With the format a run-time value, the kernels branched on it (and on its
+/// [`IntForm`]) inside every sub-block.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_format {
+    ($format:expr, $f:ident => $call:expr) => {{
+        match $format {
+            QuantFormat::Q8_0 => {
+                const $f: u8 = QuantFormat::Q8_0 as u8;
+                $call
+            }
+            QuantFormat::Q4_0 => {
+                const $f: u8 = QuantFormat::Q4_0 as u8;
+                $call
+            }
+            QuantFormat::Q4_1 => {
+                const $f: u8 = QuantFormat::Q4_1 as u8;
+                $call
+            }
+            QuantFormat::Q4_K => {
+                const $f: u8 = QuantFormat::Q4_K as u8;
+                $call
+            }
+            QuantFormat::Q6_K => {
+                const $f: u8 = QuantFormat::Q6_K as u8;
+                $call
+            }
+            QuantFormat::Q5_0 => {
+                const $f: u8 = QuantFormat::Q5_0 as u8;
+                $call
+            }
+            QuantFormat::Q5_1 => {
+                const $f: u8 = QuantFormat::Q5_1 as u8;
+                $call
+            }
+            QuantFormat::Q3_K => {
+                const $f: u8 = QuantFormat::Q3_K as u8;
+                $call
+            }
+            QuantFormat::Q5_K => {
+                const $f: u8 = QuantFormat::Q5_K as u8;
+                $call
+            }
+        }
+    }};
 }
 
 /// One 32-value sub-block of weights in its integer form.
@@ -384,9 +439,9 @@ pub fn matmul_transposed_int8_on(
                             // `w.cols()` values) and `r + tile <= rows`.
                             unsafe {
                                 if in_registers {
-                                    group_tile_vnni(w.format(), group, f, &acts, r, tile, &mut res)
+                                    group_tile_vnni(w.format(), group, &acts, r, tile, &mut res)
                                 } else {
-                                    group_tile_avx2(w.format(), group, f, &acts, r, tile, &mut res)
+                                    group_tile_avx2(w.format(), group, &acts, r, tile, &mut res)
                                 }
                             };
                             for (i, row) in res.iter().take(tile).enumerate() {
@@ -725,10 +780,8 @@ impl Isa for Avx2 {
 /// rows of `acts.n_in` values; `r0 + T` rows exist, `T <= GROUP_TILE`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn group_tile<I: Isa, const T: usize>(
-    format: QuantFormat,
+unsafe fn group_tile<I: Isa, const T: usize, const F: u8>(
     group: &[u8],
-    f: IntForm,
     acts: &QuantizedRows,
     r0: usize,
     out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
@@ -736,14 +789,13 @@ unsafe fn group_tile<I: Isa, const T: usize>(
     use std::arch::x86_64::*;
     // SAFETY: forwarded from this function's contract; `o` holds 8 floats.
     unsafe {
-        let mut sink = Multiply::<I, T> {
-            f,
+        let mut sink = Multiply::<I, T, F> {
             acts,
             r0,
             acc: [_mm256_setzero_ps(); T],
             isa: std::marker::PhantomData,
         };
-        decode_group::<I>(format, group, acts.blocks(), &mut sink);
+        decode_group::<I, F>(group, acts.blocks(), &mut sink);
         for (o, a) in out.iter_mut().zip(sink.acc) {
             _mm256_storeu_ps(o.as_mut_ptr(), a);
         }
@@ -761,14 +813,15 @@ unsafe fn group_tile<I: Isa, const T: usize>(
 unsafe fn group_tile_vnni(
     format: QuantFormat,
     group: &[u8],
-    f: IntForm,
     acts: &QuantizedRows,
     r0: usize,
     tile: usize,
     out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
 ) {
     // SAFETY: forwarded.
-    unsafe { with_tile!(tile, T => group_tile::<Vnni, T>(format, group, f, acts, r0, out)) }
+    unsafe {
+        with_format!(format, F => with_tile!(tile, T => group_tile::<Vnni, T, F>(group, acts, r0, out)))
+    }
 }
 
 /// [`group_tile`] on AVX2.
@@ -782,14 +835,15 @@ unsafe fn group_tile_vnni(
 unsafe fn group_tile_avx2(
     format: QuantFormat,
     group: &[u8],
-    f: IntForm,
     acts: &QuantizedRows,
     r0: usize,
     tile: usize,
     out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
 ) {
     // SAFETY: forwarded.
-    unsafe { with_tile!(tile, T => group_tile::<Avx2, T>(format, group, f, acts, r0, out)) }
+    unsafe {
+        with_format!(format, F => with_tile!(tile, T => group_tile::<Avx2, T, F>(group, acts, r0, out)))
+    }
 }
 
 /// Decodes the `subs` sub-blocks of each row of a full group in registers, calling
@@ -801,12 +855,8 @@ unsafe fn group_tile_avx2(
 /// rows of `subs * 32` values.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn decode_group<I: Isa>(
-    format: QuantFormat,
-    group: &[u8],
-    subs: usize,
-    sink: &mut impl SubSink,
-) {
+unsafe fn decode_group<I: Isa, const F: u8>(group: &[u8], subs: usize, sink: &mut impl SubSink) {
+    let format = format_at(F);
     let bb = format.block_bytes();
     let per_block = format.block_values() / QK;
     debug_assert!(group.len() >= subs / per_block * GROUP_ROWS * bb);
@@ -864,7 +914,9 @@ impl Panel {
             };
             // SAFETY: the caller's contract; every store is inside the vectors sized
             // above (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`).
-            unsafe { decode_group::<Vnni>(w.format(), group, subs, &mut sink) };
+            unsafe {
+                with_format!(w.format(), F => decode_group::<Vnni, F>(group, subs, &mut sink))
+            };
         }
     }
 }
@@ -902,8 +954,7 @@ trait SubSink {
 
 /// Multiplies each sub-block with activation rows `r0 .. r0 + T` ([`multiply_sub`]).
 #[cfg(target_arch = "x86_64")]
-struct Multiply<'a, I, const T: usize> {
-    f: IntForm,
+struct Multiply<'a, I, const T: usize, const F: u8> {
     acts: &'a QuantizedRows,
     r0: usize,
     acc: [std::arch::x86_64::__m256; T],
@@ -911,11 +962,12 @@ struct Multiply<'a, I, const T: usize> {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl<I: Isa, const T: usize> SubSink for Multiply<'_, I, T> {
+impl<I: Isa, const T: usize, const F: u8> SubSink for Multiply<'_, I, T, F> {
     #[inline(always)]
     unsafe fn take(&mut self, w: &[std::arch::x86_64::__m256i; 8], sc: &SubScales, s: usize) {
+        let f = form(format_at(F));
         // SAFETY: forwarded; the tile's rows exist (`group_tile`'s contract).
-        unsafe { multiply_sub::<I, T>(w, sc, self.f, self.acts, s, self.r0, &mut self.acc) }
+        unsafe { multiply_sub::<I, T>(w, sc, f, self.acts, s, self.r0, &mut self.acc) }
     }
 }
 
@@ -1007,7 +1059,11 @@ unsafe fn multiply_sub<I: Isa, const T: usize>(
                     *x = _mm256_sign_epi8(*x, *q);
                 }
             }
-            let (lo, hi) = (acts.sum16[2 * b], acts.sum16[2 * b + 1]);
+            // Block `b` of the quantized rows exists (the caller's contract).
+            let (lo, hi) = (
+                *acts.sum16.get_unchecked(2 * b),
+                *acts.sum16.get_unchecked(2 * b + 1),
+            );
             let isum = if f.scales == IntScales::PerHalf {
                 let mut a = _mm256_set1_epi32(-offset * lo);
                 let mut c = _mm256_set1_epi32(-offset * hi);
@@ -1030,10 +1086,10 @@ unsafe fn multiply_sub<I: Isa, const T: usize>(
                     a
                 }
             };
-            let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(acts.d[b]));
+            let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(*acts.d.get_unchecked(b)));
             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
             if f.mins {
-                *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(acts.sx[b]), *acc);
+                *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(*acts.sx.get_unchecked(b)), *acc);
             }
         });
     }
