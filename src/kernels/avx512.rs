@@ -18,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use super::quant::{QuantFormat, QuantMatrix};
+use super::quant::{GROUP_ROWS, QuantFormat, QuantMatrix, ungroup_step};
 use super::tiling::MAX_TILE_ROWS;
 use crate::loader::dequant::k_scales_mins;
 
@@ -268,12 +268,20 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
     debug_assert!(count <= n);
     let per_scale = (hb / 2).max(1);
     let mut scales = [0f32; 16];
+    // The K-quants' full groups are word-interleaved (`QuantFormat::interleaves_words`).
+    let interleaved = (F == Q4_K || F == Q6_K) && n == GROUP_ROWS;
+    let mut whole = [0u8; GROUP_ROWS * 210];
     for blk in 0..w.blocks_per_row() {
         // SAFETY: step `blk` of the group holds `n` blocks: their scales, then their
-        // values; each row `c` writes its block's `bv` values at `c * cols + blk * bv`.
+        // values (put back together into `whole` if interleaved); each row `c` writes
+        // its block's `bv` values at `c * cols + blk * bv`.
         unsafe {
-            let step = group.as_ptr().add(blk * n * bb);
+            let mut step = group.as_ptr().add(blk * n * bb);
             super::tiling::prefetch_step(step);
+            if interleaved {
+                ungroup_step(&group[blk * n * bb..][..n * bb], bb, &mut whole);
+                step = whole.as_ptr();
+            }
             step_scales::<F>(step, n, &mut scales);
             for c in 0..count {
                 let dst = out.as_mut_ptr().add(c * cols + blk * bv);
@@ -355,12 +363,20 @@ unsafe fn fused<const F: u8, const R: usize, const C: usize>(
     let per_scale = (hb / 2).max(1);
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     let mut scales = [0f32; 16];
+    // The K-quants' full groups are word-interleaved (`QuantFormat::interleaves_words`).
+    let interleaved = (F == Q4_K || F == Q6_K) && n == GROUP_ROWS;
+    let mut whole = [0u8; GROUP_ROWS * 210];
     for blk in 0..blocks {
         // SAFETY: step `blk` of the group and its values in every activation row exist
-        // (the caller's contract); the prefetch address is only a hint.
+        // (the caller's contract; an interleaved step is put back together into
+        // `whole`); the prefetch address is only a hint.
         unsafe {
-            let step = group.add(blk * n * bb);
+            let mut step = group.add(blk * n * bb);
             super::tiling::prefetch_step(step);
+            if interleaved {
+                ungroup_step(std::slice::from_raw_parts(step, n * bb), bb, &mut whole);
+                step = whole.as_ptr();
+            }
             step_scales::<F>(step, n, &mut scales);
             let xb: [*const f32; R] = std::array::from_fn(|r| x[r].add(blk * bv));
             for c in 0..C {

@@ -1122,6 +1122,53 @@ unsafe fn transpose8<I: Isa>(at: impl Fn(usize) -> *const u8) -> [std::arch::x86
     }
 }
 
+/// Words `w .. w + 8` of the eight rows of a word-interleaved step (see
+/// `QuantMatrix`'s layout), one vector each (lanes = rows): what [`transpose8`] makes of
+/// the rows' bytes `4 w .. 4 w + 32`, loaded as stored.
+///
+/// # Safety
+///
+/// The CPU has AVX; the step holds at least `w + 8` interleaved words.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn words8(step: *const u8, w: usize) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut v = [_mm256_setzero_si256(); 8];
+        for (j, v) in v.iter_mut().enumerate() {
+            *v = _mm256_loadu_si256(step.add(32 * (w + j)).cast());
+        }
+        v
+    }
+}
+
+/// Word `w` of the eight rows of a word-interleaved step (lanes = rows).
+///
+/// # Safety
+///
+/// The CPU has AVX; the step holds at least `w + 1` interleaved words.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn word8(step: *const u8, w: usize) -> std::arch::x86_64::__m256i {
+    // SAFETY: the caller's contract.
+    unsafe { std::arch::x86_64::_mm256_loadu_si256(step.add(32 * w).cast()) }
+}
+
+/// The eight rows' f16 scales kept after a word-interleaved step's words (Q3_K's and
+/// Q6_K's last two bytes, at word `words`), as f32 lanes.
+///
+/// # Safety
+///
+/// The CPU has AVX and F16C; 16 bytes are readable at word `words` of the step.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tail_f16(step: *const u8, words: usize) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(step.add(32 * words).cast())) }
+}
+
 /// The f16 pair in each of eight rows' words (`heads`, lanes = rows: the low half, then
 /// the high half) as f32 lanes.
 ///
@@ -1295,15 +1342,15 @@ unsafe fn decode_step_q5<I: Isa>(
     }
 }
 
-/// One step of a Q4_K or Q5_K group (eight rows' super-block): calls `sub(w, scales, i)`
-/// for its eight sub-blocks in order. The scales and minimums are unpacked for the eight
-/// rows at once: the block's first 32 bytes (`d`, `dmin` and the 12 packed bytes) are
-/// transposed like the values, so word 0 holds `d | dmin << 16` of every row and words
-/// 1-3 the packed bytes, from which each 6-bit scale and minimum is shifts and masks.
+/// One step of a Q4_K or Q5_K group (eight rows' super-block, word-interleaved): calls
+/// `sub(w, scales, i)` for its eight sub-blocks in order. The scales and minimums are
+/// unpacked for the eight rows at once: word 0 holds `d | dmin << 16` of every row and
+/// words 1-3 the packed bytes, from which each 6-bit scale and minimum is shifts and
+/// masks.
 ///
 /// # Safety
 ///
-/// The CPU has `I`'s features; `step` holds eight whole blocks of the format.
+/// The CPU has `I`'s features; `step` holds eight blocks of the format, interleaved.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn decode_step_k4<I: Isa>(
@@ -1313,13 +1360,17 @@ unsafe fn decode_step_k4<I: Isa>(
     sink: &mut impl SubSink,
 ) {
     use std::arch::x86_64::*;
-    let bb = format.block_bytes();
     let five = format == QuantFormat::Q5_K;
-    let qs = if five { 48 } else { 16 };
-    let row = |i: usize| step.wrapping_add(i * bb);
-    // SAFETY (every read): row `i < 8`'s block is `bb >= 144` bytes at `row(i)`.
+    // The first word of the values (`qs`): bytes 48 (Q5_K) or 16 (Q4_K).
+    let qs = if five { 12 } else { 4 };
+    // SAFETY (every read): the step holds the blocks' 36 (Q4_K) or 44 (Q5_K) words.
     unsafe {
-        let head = transpose8::<I>(row);
+        let head = [
+            word8(step, 0),
+            word8(step, 1),
+            word8(step, 2),
+            word8(step, 3),
+        ];
         let [d, dmin] = f16_pair::<I>(head[0]);
         // ggml's packing of the eight 6-bit scales and minimums in 12 bytes `q`: for
         // j < 4, scale j = q[j] & 63 and minimum j = q[j + 4] & 63; for j >= 4, the low
@@ -1353,14 +1404,14 @@ unsafe fn decode_step_k4<I: Isa>(
             mn[j + 4] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m4)));
         }
         let high = if five {
-            transpose8::<I>(|i| row(i).wrapping_add(16))
+            words8(step, 4)
         } else {
             [_mm256_setzero_si256(); 8]
         };
         let (nibble, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
         let mut w = [_mm256_setzero_si256(); 8];
         for chunk in 0..4 {
-            let t = transpose8::<I>(|i| row(i).wrapping_add(qs + 32 * chunk));
+            let t = words8(step, qs + 8 * chunk);
             for half in 0..2 {
                 let s = 2 * chunk + half;
                 for (k, v) in w.iter_mut().enumerate() {
@@ -1394,29 +1445,23 @@ unsafe fn decode_step_k4<I: Isa>(
     }
 }
 
-/// One step of a Q3_K group (eight rows' super-block): calls `sink` for its eight
-/// sub-blocks in order. Values: two bits from `qs` plus a third from `hmask` (set: 4
-/// added); the sixteen 6-bit scales (less 32) of the eight rows are unpacked from three
-/// gathered words per row, `d` from a fourth.
+/// One step of a Q3_K group (eight rows' super-block, word-interleaved): calls `sink` for
+/// its eight sub-blocks in order. Values: two bits from `qs` plus a third from `hmask`
+/// (set: 4 added); the sixteen 6-bit scales (less 32) of the eight rows are unpacked
+/// from three words per row, `d` from the step's tail.
 ///
 /// # Safety
 ///
-/// The CPU has `I`'s features; `step` holds eight whole Q3_K blocks.
+/// The CPU has `I`'s features; `step` holds eight Q3_K blocks, interleaved.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl SubSink) {
     use std::arch::x86_64::*;
-    let row = |i: usize| step.wrapping_add(i * 110);
-    // SAFETY (every read): row `i < 8`'s block is 110 bytes at `row(i)`: `hmask` at 0,
-    // `qs` at 32, the packed scales at 96..108 and `d` at 108 (read as the high half of
-    // the word at 106).
+    // SAFETY (every read): the step holds the blocks' 27 words, `hmask` at words 0-7,
+    // `qs` at 8-23 and the packed scales at 24-26, then the eight `d`.
     unsafe {
-        let packed = [
-            row_words(step, 110, 96),
-            row_words(step, 110, 100),
-            row_words(step, 110, 104),
-        ];
-        let d = I::f16_low(_mm256_srli_epi32::<16>(row_words(step, 110, 106)));
+        let packed = [word8(step, 24), word8(step, 25), word8(step, 26)];
+        let d = tail_f16(step, 27);
         // ggml's packing of sixteen 6-bit scales in 12 bytes `q`: the low four bits of
         // scale i are q[i]'s low nibble (i < 8) or q[i - 8]'s high nibble; the top two are
         // bits 2(i / 4) of q[8 + i % 4].
@@ -1440,11 +1485,11 @@ unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
             );
             *v = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32::<4>(high)), bias);
         }
-        let hmask = transpose8::<I>(row);
+        let hmask = words8(step, 0);
         let (pair, third) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
         let mut w = [_mm256_setzero_si256(); 8];
         for half in 0..2 {
-            let qs = transpose8::<I>(|i| row(i).wrapping_add(32 + 32 * half));
+            let qs = words8(step, 8 + 8 * half);
             for pass in 0..4 {
                 let s = 4 * half + pass;
                 let low_shift = _mm_cvtsi32_si128(2 * pass as i32);
@@ -1474,37 +1519,38 @@ unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
     }
 }
 
-/// One step of a Q6_K group (eight rows' super-block): calls `sub(w, scales, i)` for its
-/// eight sub-blocks in order. The sixteen signed 8-bit scales of the eight rows come
-/// from one transpose of bytes 176-207 (words 4-7), each sign-extended with two shifts.
+/// One step of a Q6_K group (eight rows' super-block, word-interleaved): calls
+/// `sub(w, scales, i)` for its eight sub-blocks in order. The sixteen signed 8-bit scales
+/// of the eight rows are words 48-51, each sign-extended with two shifts.
 ///
 /// # Safety
 ///
-/// The CPU has `I`'s features; `step` holds eight whole Q6_K blocks.
+/// The CPU has `I`'s features; `step` holds eight Q6_K blocks, interleaved.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl SubSink) {
     use std::arch::x86_64::*;
-    let row = |i: usize| step.wrapping_add(i * 210);
-    // SAFETY (every read): row `i < 8`'s block is 210 bytes at `row(i)`; `d` is its last
-    // two bytes, read as the high half of the word at 206.
+    // SAFETY (every read): the step holds the blocks' 52 words (`ql` at 0-31, `qh` at
+    // 32-47, the scales at 48-51), then the eight `d`.
     unsafe {
-        let d = I::f16_low(_mm256_srli_epi32::<16>(row_words(step, 210, 206)));
-        let packed = transpose8::<I>(|i| row(i).wrapping_add(176));
+        let d = tail_f16(step, 52);
+        let packed = [
+            word8(step, 48),
+            word8(step, 49),
+            word8(step, 50),
+            word8(step, 51),
+        ];
         let mut scale = [_mm256_setzero_si256(); 16];
         for (k, v) in scale.iter_mut().enumerate() {
-            let up = _mm256_sll_epi32(
-                packed[4 + k / 4],
-                _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32),
-            );
+            let up = _mm256_sll_epi32(packed[k / 4], _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32));
             *v = _mm256_srai_epi32::<24>(up);
         }
         let (nibble, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
         let mut w = [_mm256_setzero_si256(); 8];
         for half in 0..2 {
-            let a = transpose8::<I>(|i| row(i).wrapping_add(64 * half));
-            let b = transpose8::<I>(|i| row(i).wrapping_add(64 * half + 32));
-            let h = transpose8::<I>(|i| row(i).wrapping_add(128 + 32 * half));
+            let a = words8(step, 16 * half);
+            let b = words8(step, 16 * half + 8);
+            let h = words8(step, 32 + 8 * half);
             for j in 0..4 {
                 let s = 4 * half + j;
                 let src = if j % 2 == 0 { &a } else { &b };
