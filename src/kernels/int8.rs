@@ -524,6 +524,20 @@ fn vnni_supported(path: SimdPath) -> bool {
     }
 }
 
+/// Runs `$body` once for each listed value, with `$i` a constant equal to it: written
+/// out, not looped, so that what depends on `$i` (which vector, which shift) is decided
+/// at compile time. LLVM kept the decoders' loops over a super-block's sub-blocks as
+/// loops, with a branch per choice and the scales in memory.
+macro_rules! unrolled {
+    ($i:ident in [$($n:literal)*] => $body:block) => {
+        $({
+            #[allow(non_upper_case_globals)]
+            const $i: usize = $n;
+            $body
+        })*
+    };
+}
+
 /// Activation rows per tile of [`group_tile`].
 const GROUP_TILE: usize = 8;
 
@@ -1384,7 +1398,7 @@ unsafe fn decode_step_k4<I: Isa>(
         );
         let mut sc = [_mm256_setzero_si256(); 8];
         let mut mn = [_mm256_setzero_ps(); 8];
-        for j in 0..4 {
+        unrolled!(j in [0 1 2 3] => {
             let k = _mm_cvtsi32_si128(8 * j as i32);
             let (k4, k6) = (
                 _mm_cvtsi32_si128(8 * j as i32 + 4),
@@ -1402,7 +1416,7 @@ unsafe fn decode_step_k4<I: Isa>(
             );
             mn[j] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
             mn[j + 4] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m4)));
-        }
+        });
         let high = if five {
             words8(step, 4)
         } else {
@@ -1410,9 +1424,9 @@ unsafe fn decode_step_k4<I: Isa>(
         };
         let (nibble, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
         let mut w = [_mm256_setzero_si256(); 8];
-        for chunk in 0..4 {
+        unrolled!(chunk in [0 1 2 3] => {
             let t = words8(step, qs + 8 * chunk);
-            for half in 0..2 {
+            unrolled!(half in [0 1] => {
                 let s = 2 * chunk + half;
                 for (k, v) in w.iter_mut().enumerate() {
                     let q = if half == 0 {
@@ -1440,8 +1454,8 @@ unsafe fn decode_step_k4<I: Isa>(
                     m: mn[s],
                 };
                 sink.take(&w, &scales, first + s);
-            }
-        }
+            });
+        });
     }
 }
 
@@ -1488,9 +1502,9 @@ unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
         let hmask = words8(step, 0);
         let (pair, third) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
         let mut w = [_mm256_setzero_si256(); 8];
-        for half in 0..2 {
+        unrolled!(half in [0 1] => {
             let qs = words8(step, 8 + 8 * half);
-            for pass in 0..4 {
+            unrolled!(pass in [0 1 2 3] => {
                 let s = 4 * half + pass;
                 let low_shift = _mm_cvtsi32_si128(2 * pass as i32);
                 for (k, v) in w.iter_mut().enumerate() {
@@ -1514,8 +1528,8 @@ unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
                     m: _mm256_setzero_ps(),
                 };
                 sink.take(&w, &scales, first + s);
-            }
-        }
+            });
+        });
     }
 }
 
@@ -1547,11 +1561,11 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
         }
         let (nibble, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
         let mut w = [_mm256_setzero_si256(); 8];
-        for half in 0..2 {
+        unrolled!(half in [0 1] => {
             let a = words8(step, 16 * half);
             let b = words8(step, 16 * half + 8);
             let h = words8(step, 32 + 8 * half);
-            for j in 0..4 {
+            unrolled!(j in [0 1 2 3] => {
                 let s = 4 * half + j;
                 let src = if j % 2 == 0 { &a } else { &b };
                 for (k, v) in w.iter_mut().enumerate() {
@@ -1577,8 +1591,8 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
                     m: _mm256_setzero_ps(),
                 };
                 sink.take(&w, &scales, first + s);
-            }
-        }
+            });
+        });
     }
 }
 
