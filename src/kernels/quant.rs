@@ -157,25 +157,6 @@ fn put_interleaved(step: &mut [u8], i: usize, block: &[u8]) {
     step[4 * GROUP_ROWS * words + i * tail.len()..][..tail.len()].copy_from_slice(tail);
 }
 
-/// The eight whole blocks (`bb` bytes each, ggml's, one after another) of a
-/// word-interleaved step, into `out` (`8 bb` bytes).
-pub(crate) fn ungroup_step(step: &[u8], bb: usize, out: &mut [u8]) {
-    let words = bb / 4;
-    for (w, eight) in step[..4 * GROUP_ROWS * words]
-        .chunks_exact(4 * GROUP_ROWS)
-        .enumerate()
-    {
-        for (i, word) in eight.chunks_exact(4).enumerate() {
-            out[i * bb + 4 * w..][..4].copy_from_slice(word);
-        }
-    }
-    let tail = bb - 4 * words;
-    for i in 0..GROUP_ROWS {
-        out[i * bb + 4 * words..][..tail]
-            .copy_from_slice(&step[4 * GROUP_ROWS * words + i * tail..][..tail]);
-    }
-}
-
 /// Row `i`'s block of a word-interleaved step ([`put_interleaved`]) into `out` (`bb`
 /// bytes).
 pub(crate) fn get_interleaved(step: &[u8], i: usize, out: &mut [u8]) {
