@@ -1567,7 +1567,7 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
             let h = words8(step, 32 + 8 * half);
             unrolled!(j in [0 1 2 3] => {
                 let s = 4 * half + j;
-                let src = if j % 2 == 0 { &a } else { &b };
+                let src = if j.is_multiple_of(2) { &a } else { &b };
                 for (k, v) in w.iter_mut().enumerate() {
                     let low = if j < 2 {
                         src[k]
