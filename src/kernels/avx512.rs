@@ -18,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use super::quant::{QuantFormat, QuantMatrix};
+use super::quant::{GROUP_ROWS, QuantFormat, QuantMatrix};
 use super::tiling::MAX_TILE_ROWS;
 use crate::loader::dequant::k_scales_mins;
 
@@ -210,6 +210,103 @@ unsafe fn step_scales<const F: u8>(heads: *const u8, n: usize, out: &mut [f32; 1
     }
 }
 
+/// The eight whole blocks (`bb` bytes each, one after another) of a word-interleaved
+/// K-quant step (`QuantMatrix`'s layout) into `out`: the step's words transposed back,
+/// eight (then four) words of the eight rows at a time, in registers.
+///
+/// # Safety
+///
+/// `step` holds a word-interleaved step of eight `bb`-byte blocks; `out` has room for
+/// `8 bb` bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn ungroup_step(step: *const u8, bb: usize, out: *mut u8) {
+    let words = bb / 4;
+    let word = |w: usize| step.wrapping_add(32 * w);
+    let mut w = 0;
+    // SAFETY (every access): words `w .. w + 8` (or `+ 4`) of the step exist and land in
+    // bytes `4 w ..` of each of the eight blocks of `out`; the tail follows the words.
+    unsafe {
+        while w + 8 <= words {
+            let mut v = [_mm256_setzero_si256(); 8];
+            for (j, v) in v.iter_mut().enumerate() {
+                *v = _mm256_loadu_si256(word(w + j).cast());
+            }
+            // Rows 2p, 2p + 1 of words 0-3 (then 4-7), as the 8 x 8 transpose needs them.
+            let mut first = [_mm256_setzero_si256(); 4];
+            let mut last = [_mm256_setzero_si256(); 4];
+            for p in 0..4 {
+                first[p] = _mm256_permute2x128_si256::<0x20>(v[2 * p], v[2 * p + 1]);
+                last[p] = _mm256_permute2x128_si256::<0x31>(v[2 * p], v[2 * p + 1]);
+            }
+            let (a, b) = (transpose4(first), transpose4(last));
+            for (i, r) in a.into_iter().chain(b).enumerate() {
+                _mm256_storeu_si256(out.add(i * bb + 4 * w).cast(), r);
+            }
+            w += 8;
+        }
+        if w + 4 <= words {
+            // Four words: per 128-bit half (rows i, i + 4), interleave, then pair up.
+            let mut v = [_mm256_setzero_si256(); 4];
+            for (j, v) in v.iter_mut().enumerate() {
+                *v = _mm256_loadu_si256(word(w + j).cast());
+            }
+            let lo01 = _mm256_unpacklo_epi32(v[0], v[1]);
+            let hi01 = _mm256_unpackhi_epi32(v[0], v[1]);
+            let lo23 = _mm256_unpacklo_epi32(v[2], v[3]);
+            let hi23 = _mm256_unpackhi_epi32(v[2], v[3]);
+            let rows = [
+                _mm256_unpacklo_epi64(lo01, lo23),
+                _mm256_unpackhi_epi64(lo01, lo23),
+                _mm256_unpacklo_epi64(hi01, hi23),
+                _mm256_unpackhi_epi64(hi01, hi23),
+            ];
+            for (i, r) in rows.into_iter().enumerate() {
+                _mm_storeu_si128(out.add(i * bb + 4 * w).cast(), _mm256_castsi256_si128(r));
+                _mm_storeu_si128(
+                    out.add((i + 4) * bb + 4 * w).cast(),
+                    _mm256_extracti128_si256::<1>(r),
+                );
+            }
+            w += 4;
+        }
+        for w in w..words {
+            for i in 0..GROUP_ROWS {
+                std::ptr::copy_nonoverlapping(word(w).add(4 * i), out.add(i * bb + 4 * w), 4);
+            }
+        }
+        let tail = bb - 4 * words;
+        for i in 0..GROUP_ROWS {
+            std::ptr::copy_nonoverlapping(
+                word(words).add(i * tail),
+                out.add(i * bb + 4 * words),
+                tail,
+            );
+        }
+    }
+}
+
+/// Four vectors of two rows' four u32 words each (rows `2p`, `2p + 1`) to four vectors of
+/// one word of eight rows each: half of an 8 x 8 transpose of 32-bit words.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn transpose4(a: [__m256i; 4]) -> [__m256i; 4] {
+    let pick_lo = _mm256_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13);
+    let pick_hi = _mm256_setr_epi32(2, 6, 10, 14, 3, 7, 11, 15);
+    let low_halves = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
+    let high_halves = _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15);
+    let p01 = _mm256_permutex2var_epi32(a[0], pick_lo, a[1]);
+    let p23 = _mm256_permutex2var_epi32(a[0], pick_hi, a[1]);
+    let q01 = _mm256_permutex2var_epi32(a[2], pick_lo, a[3]);
+    let q23 = _mm256_permutex2var_epi32(a[2], pick_hi, a[3]);
+    [
+        _mm256_permutex2var_epi32(p01, low_halves, q01),
+        _mm256_permutex2var_epi32(p01, high_halves, q01),
+        _mm256_permutex2var_epi32(p23, low_halves, q23),
+        _mm256_permutex2var_epi32(p23, high_halves, q23),
+    ]
+}
+
 #[cold]
 fn unreachable_format() {
     debug_assert!(false, "format ids are only those of `format_of`");
@@ -268,12 +365,23 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
     debug_assert!(count <= n);
     let per_scale = (hb / 2).max(1);
     let mut scales = [0f32; 16];
+    // The K-quants' full groups are word-interleaved (`QuantFormat::interleaves_words`).
+    let interleaved = (F == Q4_K || F == Q6_K) && n == GROUP_ROWS;
+    let mut whole = [0u8; GROUP_ROWS * 210];
     for blk in 0..w.blocks_per_row() {
         // SAFETY: step `blk` of the group holds `n` blocks: their scales, then their
-        // values; each row `c` writes its block's `bv` values at `c * cols + blk * bv`.
+        // values (put back together into `whole` if interleaved); each row `c` writes
+        // its block's `bv` values at `c * cols + blk * bv`.
         unsafe {
-            let step = group.as_ptr().add(blk * n * bb);
-            super::tiling::prefetch_step(step);
+            let mut step = group.as_ptr().add(blk * n * bb);
+            if interleaved {
+                // A whole step (1 to 2 KiB) is read at once: ask for all of the next.
+                super::tiling::prefetch_range(step, super::tiling::GROUP_PREFETCH_BYTES, n * bb);
+                ungroup_step(step, bb, whole.as_mut_ptr());
+                step = whole.as_ptr();
+            } else {
+                super::tiling::prefetch_step(step);
+            }
             step_scales::<F>(step, n, &mut scales);
             for c in 0..count {
                 let dst = out.as_mut_ptr().add(c * cols + blk * bv);
@@ -355,12 +463,23 @@ unsafe fn fused<const F: u8, const R: usize, const C: usize>(
     let per_scale = (hb / 2).max(1);
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     let mut scales = [0f32; 16];
+    // The K-quants' full groups are word-interleaved (`QuantFormat::interleaves_words`).
+    let interleaved = (F == Q4_K || F == Q6_K) && n == GROUP_ROWS;
+    let mut whole = [0u8; GROUP_ROWS * 210];
     for blk in 0..blocks {
         // SAFETY: step `blk` of the group and its values in every activation row exist
-        // (the caller's contract); the prefetch address is only a hint.
+        // (the caller's contract; an interleaved step is put back together into
+        // `whole`); the prefetch address is only a hint.
         unsafe {
-            let step = group.add(blk * n * bb);
-            super::tiling::prefetch_step(step);
+            let mut step = group.add(blk * n * bb);
+            if interleaved {
+                // A whole step (1 to 2 KiB) is read at once: ask for all of the next.
+                super::tiling::prefetch_range(step, super::tiling::GROUP_PREFETCH_BYTES, n * bb);
+                ungroup_step(step, bb, whole.as_mut_ptr());
+                step = whole.as_ptr();
+            } else {
+                super::tiling::prefetch_step(step);
+            }
             step_scales::<F>(step, n, &mut scales);
             let xb: [*const f32; R] = std::array::from_fn(|r| x[r].add(blk * bv));
             for c in 0..C {

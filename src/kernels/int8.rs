@@ -65,7 +65,7 @@ struct IntForm {
 }
 
 /// The integer form of each format.
-fn form(format: QuantFormat) -> IntForm {
+const fn form(format: QuantFormat) -> IntForm {
     use IntScales::{One, PerBlock, PerHalf};
     let (offset, scales, mins) = match format {
         QuantFormat::Q8_0 => (128, One, false),
@@ -83,6 +83,61 @@ fn form(format: QuantFormat) -> IntForm {
         scales,
         mins,
     }
+}
+
+/// The format whose id is `id` (its place in [`QuantFormat::ALL`], which is its
+/// declaration order): the in-register kernels take their format as a const parameter,
+/// so every branch on it is decided at compile time.
+#[cfg(target_arch = "x86_64")]
+const fn format_at(id: u8) -> QuantFormat {
+    QuantFormat::ALL[id as usize]
+}
+
+/// Evaluates `$call` with the constant `$f` equal to `$format`'s id ([`format_at`]).
+/// With the format a run-time value, the kernels branched on it (and on its
+/// [`IntForm`]) inside every sub-block.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_format {
+    ($format:expr, $f:ident => $call:expr) => {{
+        match $format {
+            QuantFormat::Q8_0 => {
+                const $f: u8 = QuantFormat::Q8_0 as u8;
+                $call
+            }
+            QuantFormat::Q4_0 => {
+                const $f: u8 = QuantFormat::Q4_0 as u8;
+                $call
+            }
+            QuantFormat::Q4_1 => {
+                const $f: u8 = QuantFormat::Q4_1 as u8;
+                $call
+            }
+            QuantFormat::Q4_K => {
+                const $f: u8 = QuantFormat::Q4_K as u8;
+                $call
+            }
+            QuantFormat::Q6_K => {
+                const $f: u8 = QuantFormat::Q6_K as u8;
+                $call
+            }
+            QuantFormat::Q5_0 => {
+                const $f: u8 = QuantFormat::Q5_0 as u8;
+                $call
+            }
+            QuantFormat::Q5_1 => {
+                const $f: u8 = QuantFormat::Q5_1 as u8;
+                $call
+            }
+            QuantFormat::Q3_K => {
+                const $f: u8 = QuantFormat::Q3_K as u8;
+                $call
+            }
+            QuantFormat::Q5_K => {
+                const $f: u8 = QuantFormat::Q5_K as u8;
+                $call
+            }
+        }
+    }};
 }
 
 /// One 32-value sub-block of weights in its integer form.
@@ -384,9 +439,9 @@ pub fn matmul_transposed_int8_on(
                             // `w.cols()` values) and `r + tile <= rows`.
                             unsafe {
                                 if in_registers {
-                                    group_tile_vnni(w.format(), group, f, &acts, r, tile, &mut res)
+                                    group_tile_vnni(w.format(), group, &acts, r, tile, &mut res)
                                 } else {
-                                    group_tile_avx2(w.format(), group, f, &acts, r, tile, &mut res)
+                                    group_tile_avx2(w.format(), group, &acts, r, tile, &mut res)
                                 }
                             };
                             for (i, row) in res.iter().take(tile).enumerate() {
@@ -467,6 +522,20 @@ fn vnni_supported(path: SimdPath) -> bool {
         let _ = path;
         false
     }
+}
+
+/// Runs `$body` once for each listed value, with `$i` a constant equal to it: written
+/// out, not looped, so that what depends on `$i` (which vector, which shift) is decided
+/// at compile time. LLVM kept the decoders' loops over a super-block's sub-blocks as
+/// loops, with a branch per choice and the scales in memory.
+macro_rules! unrolled {
+    ($i:ident in [$($n:literal)*] => $body:block) => {
+        $({
+            #[allow(non_upper_case_globals)]
+            const $i: usize = $n;
+            $body
+        })*
+    };
 }
 
 /// Activation rows per tile of [`group_tile`].
@@ -725,10 +794,8 @@ impl Isa for Avx2 {
 /// rows of `acts.n_in` values; `r0 + T` rows exist, `T <= GROUP_TILE`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn group_tile<I: Isa, const T: usize>(
-    format: QuantFormat,
+unsafe fn group_tile<I: Isa, const T: usize, const F: u8>(
     group: &[u8],
-    f: IntForm,
     acts: &QuantizedRows,
     r0: usize,
     out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
@@ -736,14 +803,13 @@ unsafe fn group_tile<I: Isa, const T: usize>(
     use std::arch::x86_64::*;
     // SAFETY: forwarded from this function's contract; `o` holds 8 floats.
     unsafe {
-        let mut sink = Multiply::<I, T> {
-            f,
+        let mut sink = Multiply::<I, T, F> {
             acts,
             r0,
             acc: [_mm256_setzero_ps(); T],
             isa: std::marker::PhantomData,
         };
-        decode_group::<I>(format, group, acts.blocks(), &mut sink);
+        decode_group::<I, F>(group, acts.blocks(), &mut sink);
         for (o, a) in out.iter_mut().zip(sink.acc) {
             _mm256_storeu_ps(o.as_mut_ptr(), a);
         }
@@ -761,14 +827,15 @@ unsafe fn group_tile<I: Isa, const T: usize>(
 unsafe fn group_tile_vnni(
     format: QuantFormat,
     group: &[u8],
-    f: IntForm,
     acts: &QuantizedRows,
     r0: usize,
     tile: usize,
     out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
 ) {
     // SAFETY: forwarded.
-    unsafe { with_tile!(tile, T => group_tile::<Vnni, T>(format, group, f, acts, r0, out)) }
+    unsafe {
+        with_format!(format, F => with_tile!(tile, T => group_tile::<Vnni, T, F>(group, acts, r0, out)))
+    }
 }
 
 /// [`group_tile`] on AVX2.
@@ -782,14 +849,15 @@ unsafe fn group_tile_vnni(
 unsafe fn group_tile_avx2(
     format: QuantFormat,
     group: &[u8],
-    f: IntForm,
     acts: &QuantizedRows,
     r0: usize,
     tile: usize,
     out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
 ) {
     // SAFETY: forwarded.
-    unsafe { with_tile!(tile, T => group_tile::<Avx2, T>(format, group, f, acts, r0, out)) }
+    unsafe {
+        with_format!(format, F => with_tile!(tile, T => group_tile::<Avx2, T, F>(group, acts, r0, out)))
+    }
 }
 
 /// Decodes the `subs` sub-blocks of each row of a full group in registers, calling
@@ -801,12 +869,8 @@ unsafe fn group_tile_avx2(
 /// rows of `subs * 32` values.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn decode_group<I: Isa>(
-    format: QuantFormat,
-    group: &[u8],
-    subs: usize,
-    sink: &mut impl SubSink,
-) {
+unsafe fn decode_group<I: Isa, const F: u8>(group: &[u8], subs: usize, sink: &mut impl SubSink) {
+    let format = format_at(F);
     let bb = format.block_bytes();
     let per_block = format.block_values() / QK;
     debug_assert!(group.len() >= subs / per_block * GROUP_ROWS * bb);
@@ -864,7 +928,9 @@ impl Panel {
             };
             // SAFETY: the caller's contract; every store is inside the vectors sized
             // above (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`).
-            unsafe { decode_group::<Vnni>(w.format(), group, subs, &mut sink) };
+            unsafe {
+                with_format!(w.format(), F => decode_group::<Vnni, F>(group, subs, &mut sink))
+            };
         }
     }
 }
@@ -902,8 +968,7 @@ trait SubSink {
 
 /// Multiplies each sub-block with activation rows `r0 .. r0 + T` ([`multiply_sub`]).
 #[cfg(target_arch = "x86_64")]
-struct Multiply<'a, I, const T: usize> {
-    f: IntForm,
+struct Multiply<'a, I, const T: usize, const F: u8> {
     acts: &'a QuantizedRows,
     r0: usize,
     acc: [std::arch::x86_64::__m256; T],
@@ -911,11 +976,12 @@ struct Multiply<'a, I, const T: usize> {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl<I: Isa, const T: usize> SubSink for Multiply<'_, I, T> {
+impl<I: Isa, const T: usize, const F: u8> SubSink for Multiply<'_, I, T, F> {
     #[inline(always)]
     unsafe fn take(&mut self, w: &[std::arch::x86_64::__m256i; 8], sc: &SubScales, s: usize) {
+        let f = form(format_at(F));
         // SAFETY: forwarded; the tile's rows exist (`group_tile`'s contract).
-        unsafe { multiply_sub::<I, T>(w, sc, self.f, self.acts, s, self.r0, &mut self.acc) }
+        unsafe { multiply_sub::<I, T>(w, sc, f, self.acts, s, self.r0, &mut self.acc) }
     }
 }
 
@@ -1007,7 +1073,11 @@ unsafe fn multiply_sub<I: Isa, const T: usize>(
                     *x = _mm256_sign_epi8(*x, *q);
                 }
             }
-            let (lo, hi) = (acts.sum16[2 * b], acts.sum16[2 * b + 1]);
+            // Block `b` of the quantized rows exists (the caller's contract).
+            let (lo, hi) = (
+                *acts.sum16.get_unchecked(2 * b),
+                *acts.sum16.get_unchecked(2 * b + 1),
+            );
             let isum = if f.scales == IntScales::PerHalf {
                 let mut a = _mm256_set1_epi32(-offset * lo);
                 let mut c = _mm256_set1_epi32(-offset * hi);
@@ -1030,10 +1100,10 @@ unsafe fn multiply_sub<I: Isa, const T: usize>(
                     a
                 }
             };
-            let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(acts.d[b]));
+            let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(*acts.d.get_unchecked(b)));
             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
             if f.mins {
-                *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(acts.sx[b]), *acc);
+                *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(*acts.sx.get_unchecked(b)), *acc);
             }
         });
     }
@@ -1064,6 +1134,53 @@ unsafe fn transpose8<I: Isa>(at: impl Fn(usize) -> *const u8) -> [std::arch::x86
         let (a, b) = (I::transpose4(first), I::transpose4(last));
         [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
     }
+}
+
+/// Words `w .. w + 8` of the eight rows of a word-interleaved step (see
+/// `QuantMatrix`'s layout), one vector each (lanes = rows): what [`transpose8`] makes of
+/// the rows' bytes `4 w .. 4 w + 32`, loaded as stored.
+///
+/// # Safety
+///
+/// The CPU has AVX; the step holds at least `w + 8` interleaved words.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn words8(step: *const u8, w: usize) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut v = [_mm256_setzero_si256(); 8];
+        for (j, v) in v.iter_mut().enumerate() {
+            *v = _mm256_loadu_si256(step.add(32 * (w + j)).cast());
+        }
+        v
+    }
+}
+
+/// Word `w` of the eight rows of a word-interleaved step (lanes = rows).
+///
+/// # Safety
+///
+/// The CPU has AVX; the step holds at least `w + 1` interleaved words.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn word8(step: *const u8, w: usize) -> std::arch::x86_64::__m256i {
+    // SAFETY: the caller's contract.
+    unsafe { std::arch::x86_64::_mm256_loadu_si256(step.add(32 * w).cast()) }
+}
+
+/// The eight rows' f16 scales kept after a word-interleaved step's words (Q3_K's and
+/// Q6_K's last two bytes, at word `words`), as f32 lanes.
+///
+/// # Safety
+///
+/// The CPU has AVX and F16C; 16 bytes are readable at word `words` of the step.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tail_f16(step: *const u8, words: usize) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(step.add(32 * words).cast())) }
 }
 
 /// The f16 pair in each of eight rows' words (`heads`, lanes = rows: the low half, then
@@ -1239,15 +1356,15 @@ unsafe fn decode_step_q5<I: Isa>(
     }
 }
 
-/// One step of a Q4_K or Q5_K group (eight rows' super-block): calls `sub(w, scales, i)`
-/// for its eight sub-blocks in order. The scales and minimums are unpacked for the eight
-/// rows at once: the block's first 32 bytes (`d`, `dmin` and the 12 packed bytes) are
-/// transposed like the values, so word 0 holds `d | dmin << 16` of every row and words
-/// 1-3 the packed bytes, from which each 6-bit scale and minimum is shifts and masks.
+/// One step of a Q4_K or Q5_K group (eight rows' super-block, word-interleaved): calls
+/// `sub(w, scales, i)` for its eight sub-blocks in order. The scales and minimums are
+/// unpacked for the eight rows at once: word 0 holds `d | dmin << 16` of every row and
+/// words 1-3 the packed bytes, from which each 6-bit scale and minimum is shifts and
+/// masks.
 ///
 /// # Safety
 ///
-/// The CPU has `I`'s features; `step` holds eight whole blocks of the format.
+/// The CPU has `I`'s features; `step` holds eight blocks of the format, interleaved.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn decode_step_k4<I: Isa>(
@@ -1257,13 +1374,17 @@ unsafe fn decode_step_k4<I: Isa>(
     sink: &mut impl SubSink,
 ) {
     use std::arch::x86_64::*;
-    let bb = format.block_bytes();
     let five = format == QuantFormat::Q5_K;
-    let qs = if five { 48 } else { 16 };
-    let row = |i: usize| step.wrapping_add(i * bb);
-    // SAFETY (every read): row `i < 8`'s block is `bb >= 144` bytes at `row(i)`.
+    // The first word of the values (`qs`): bytes 48 (Q5_K) or 16 (Q4_K).
+    let qs = if five { 12 } else { 4 };
+    // SAFETY (every read): the step holds the blocks' 36 (Q4_K) or 44 (Q5_K) words.
     unsafe {
-        let head = transpose8::<I>(row);
+        let head = [
+            word8(step, 0),
+            word8(step, 1),
+            word8(step, 2),
+            word8(step, 3),
+        ];
         let [d, dmin] = f16_pair::<I>(head[0]);
         // ggml's packing of the eight 6-bit scales and minimums in 12 bytes `q`: for
         // j < 4, scale j = q[j] & 63 and minimum j = q[j + 4] & 63; for j >= 4, the low
@@ -1277,7 +1398,7 @@ unsafe fn decode_step_k4<I: Isa>(
         );
         let mut sc = [_mm256_setzero_si256(); 8];
         let mut mn = [_mm256_setzero_ps(); 8];
-        for j in 0..4 {
+        unrolled!(j in [0 1 2 3] => {
             let k = _mm_cvtsi32_si128(8 * j as i32);
             let (k4, k6) = (
                 _mm_cvtsi32_si128(8 * j as i32 + 4),
@@ -1295,17 +1416,17 @@ unsafe fn decode_step_k4<I: Isa>(
             );
             mn[j] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
             mn[j + 4] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m4)));
-        }
+        });
         let high = if five {
-            transpose8::<I>(|i| row(i).wrapping_add(16))
+            words8(step, 4)
         } else {
             [_mm256_setzero_si256(); 8]
         };
         let (nibble, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
         let mut w = [_mm256_setzero_si256(); 8];
-        for chunk in 0..4 {
-            let t = transpose8::<I>(|i| row(i).wrapping_add(qs + 32 * chunk));
-            for half in 0..2 {
+        unrolled!(chunk in [0 1 2 3] => {
+            let t = words8(step, qs + 8 * chunk);
+            unrolled!(half in [0 1] => {
                 let s = 2 * chunk + half;
                 for (k, v) in w.iter_mut().enumerate() {
                     let q = if half == 0 {
@@ -1333,34 +1454,28 @@ unsafe fn decode_step_k4<I: Isa>(
                     m: mn[s],
                 };
                 sink.take(&w, &scales, first + s);
-            }
-        }
+            });
+        });
     }
 }
 
-/// One step of a Q3_K group (eight rows' super-block): calls `sink` for its eight
-/// sub-blocks in order. Values: two bits from `qs` plus a third from `hmask` (set: 4
-/// added); the sixteen 6-bit scales (less 32) of the eight rows are unpacked from three
-/// gathered words per row, `d` from a fourth.
+/// One step of a Q3_K group (eight rows' super-block, word-interleaved): calls `sink` for
+/// its eight sub-blocks in order. Values: two bits from `qs` plus a third from `hmask`
+/// (set: 4 added); the sixteen 6-bit scales (less 32) of the eight rows are unpacked
+/// from three words per row, `d` from the step's tail.
 ///
 /// # Safety
 ///
-/// The CPU has `I`'s features; `step` holds eight whole Q3_K blocks.
+/// The CPU has `I`'s features; `step` holds eight Q3_K blocks, interleaved.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl SubSink) {
     use std::arch::x86_64::*;
-    let row = |i: usize| step.wrapping_add(i * 110);
-    // SAFETY (every read): row `i < 8`'s block is 110 bytes at `row(i)`: `hmask` at 0,
-    // `qs` at 32, the packed scales at 96..108 and `d` at 108 (read as the high half of
-    // the word at 106).
+    // SAFETY (every read): the step holds the blocks' 27 words, `hmask` at words 0-7,
+    // `qs` at 8-23 and the packed scales at 24-26, then the eight `d`.
     unsafe {
-        let packed = [
-            row_words(step, 110, 96),
-            row_words(step, 110, 100),
-            row_words(step, 110, 104),
-        ];
-        let d = I::f16_low(_mm256_srli_epi32::<16>(row_words(step, 110, 106)));
+        let packed = [word8(step, 24), word8(step, 25), word8(step, 26)];
+        let d = tail_f16(step, 27);
         // ggml's packing of sixteen 6-bit scales in 12 bytes `q`: the low four bits of
         // scale i are q[i]'s low nibble (i < 8) or q[i - 8]'s high nibble; the top two are
         // bits 2(i / 4) of q[8 + i % 4].
@@ -1384,12 +1499,12 @@ unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
             );
             *v = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32::<4>(high)), bias);
         }
-        let hmask = transpose8::<I>(row);
+        let hmask = words8(step, 0);
         let (pair, third) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
         let mut w = [_mm256_setzero_si256(); 8];
-        for half in 0..2 {
-            let qs = transpose8::<I>(|i| row(i).wrapping_add(32 + 32 * half));
-            for pass in 0..4 {
+        unrolled!(half in [0 1] => {
+            let qs = words8(step, 8 + 8 * half);
+            unrolled!(pass in [0 1 2 3] => {
                 let s = 4 * half + pass;
                 let low_shift = _mm_cvtsi32_si128(2 * pass as i32);
                 for (k, v) in w.iter_mut().enumerate() {
@@ -1413,45 +1528,46 @@ unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
                     m: _mm256_setzero_ps(),
                 };
                 sink.take(&w, &scales, first + s);
-            }
-        }
+            });
+        });
     }
 }
 
-/// One step of a Q6_K group (eight rows' super-block): calls `sub(w, scales, i)` for its
-/// eight sub-blocks in order. The sixteen signed 8-bit scales of the eight rows come
-/// from one transpose of bytes 176-207 (words 4-7), each sign-extended with two shifts.
+/// One step of a Q6_K group (eight rows' super-block, word-interleaved): calls
+/// `sub(w, scales, i)` for its eight sub-blocks in order. The sixteen signed 8-bit scales
+/// of the eight rows are words 48-51, each sign-extended with two shifts.
 ///
 /// # Safety
 ///
-/// The CPU has `I`'s features; `step` holds eight whole Q6_K blocks.
+/// The CPU has `I`'s features; `step` holds eight Q6_K blocks, interleaved.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl SubSink) {
     use std::arch::x86_64::*;
-    let row = |i: usize| step.wrapping_add(i * 210);
-    // SAFETY (every read): row `i < 8`'s block is 210 bytes at `row(i)`; `d` is its last
-    // two bytes, read as the high half of the word at 206.
+    // SAFETY (every read): the step holds the blocks' 52 words (`ql` at 0-31, `qh` at
+    // 32-47, the scales at 48-51), then the eight `d`.
     unsafe {
-        let d = I::f16_low(_mm256_srli_epi32::<16>(row_words(step, 210, 206)));
-        let packed = transpose8::<I>(|i| row(i).wrapping_add(176));
+        let d = tail_f16(step, 52);
+        let packed = [
+            word8(step, 48),
+            word8(step, 49),
+            word8(step, 50),
+            word8(step, 51),
+        ];
         let mut scale = [_mm256_setzero_si256(); 16];
         for (k, v) in scale.iter_mut().enumerate() {
-            let up = _mm256_sll_epi32(
-                packed[4 + k / 4],
-                _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32),
-            );
+            let up = _mm256_sll_epi32(packed[k / 4], _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32));
             *v = _mm256_srai_epi32::<24>(up);
         }
         let (nibble, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
         let mut w = [_mm256_setzero_si256(); 8];
-        for half in 0..2 {
-            let a = transpose8::<I>(|i| row(i).wrapping_add(64 * half));
-            let b = transpose8::<I>(|i| row(i).wrapping_add(64 * half + 32));
-            let h = transpose8::<I>(|i| row(i).wrapping_add(128 + 32 * half));
-            for j in 0..4 {
+        unrolled!(half in [0 1] => {
+            let a = words8(step, 16 * half);
+            let b = words8(step, 16 * half + 8);
+            let h = words8(step, 32 + 8 * half);
+            unrolled!(j in [0 1 2 3] => {
                 let s = 4 * half + j;
-                let src = if j % 2 == 0 { &a } else { &b };
+                let src = if j.is_multiple_of(2) { &a } else { &b };
                 for (k, v) in w.iter_mut().enumerate() {
                     let low = if j < 2 {
                         src[k]
@@ -1475,8 +1591,8 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
                     m: _mm256_setzero_ps(),
                 };
                 sink.take(&w, &scales, first + s);
-            }
-        }
+            });
+        });
     }
 }
 

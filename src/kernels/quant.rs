@@ -136,6 +136,36 @@ impl QuantFormat {
             Self::Q4_K | Self::Q6_K | Self::Q5_0 | Self::Q5_1 | Self::Q3_K | Self::Q5_K => 0,
         }
     }
+
+    /// Whether a full group's steps hold their eight blocks word-interleaved (see
+    /// [`QuantMatrix`]'s layout): the K-quants, whose `fast` kernels multiply eight
+    /// rows' 32-bit words side by side.
+    pub(crate) fn interleaves_words(self) -> bool {
+        matches!(self, Self::Q3_K | Self::Q4_K | Self::Q5_K | Self::Q6_K)
+    }
+}
+
+/// Stores `block` (`bb` bytes, ggml's) as row `i` of a word-interleaved step of eight
+/// blocks: its 32-bit word `w` at word `8 w + i` of the step, and its last `bb % 4`
+/// bytes, if any, after every row's words, row by row.
+fn put_interleaved(step: &mut [u8], i: usize, block: &[u8]) {
+    let words = block.len() / 4;
+    for (w, word) in block.chunks_exact(4).enumerate() {
+        step[4 * (GROUP_ROWS * w + i)..][..4].copy_from_slice(word);
+    }
+    let tail = &block[4 * words..];
+    step[4 * GROUP_ROWS * words + i * tail.len()..][..tail.len()].copy_from_slice(tail);
+}
+
+/// Row `i`'s block of a word-interleaved step ([`put_interleaved`]) into `out` (`bb`
+/// bytes).
+pub(crate) fn get_interleaved(step: &[u8], i: usize, out: &mut [u8]) {
+    let words = out.len() / 4;
+    let (whole, tail) = out.split_at_mut(4 * words);
+    for (w, word) in whole.chunks_exact_mut(4).enumerate() {
+        word.copy_from_slice(&step[4 * (GROUP_ROWS * w + i)..][..4]);
+    }
+    tail.copy_from_slice(&step[4 * GROUP_ROWS * words + i * tail.len()..][..tail.len()]);
 }
 
 /// A `[rows, cols]` matrix in a block format, blocks running along each row. For a
@@ -148,7 +178,14 @@ impl QuantFormat {
 /// multiplies a group's eight outputs at once then reads one sequential stream, which
 /// the hardware prefetcher follows, and converts eight rows' scales with one
 /// instruction: 1-row decode went from 69 to 171 tokens/s with it (measured here, see
-/// CPU_KERNELS.md). The bytes held are exactly the ggml blocks', rearranged.
+/// CPU_KERNELS.md).
+///
+/// The K-quants ([`QuantFormat::interleaves_words`]) keep their blocks whole in a
+/// group of fewer than eight rows; in a full group each step interleaves its eight
+/// blocks by 32-bit words (word `w` of row `i` at word `8 w + i`, then the blocks' last
+/// `bb % 4` bytes row by row), so 32 bytes at word `8 w` are word `w` of the eight rows:
+/// the `fast` kernels load them as they multiply them, where they transposed each
+/// block's bytes before. The bytes held are exactly the ggml blocks', rearranged.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantMatrix {
     format: QuantFormat,
@@ -249,6 +286,11 @@ impl QuantMatrix {
         for r in 0..rows {
             for b in 0..m.blocks_per_row() {
                 let src = &data[r * row_bytes + b * bb..r * row_bytes + (b + 1) * bb];
+                if m.interleaved(r) {
+                    let step = m.step_offset(r, b);
+                    put_interleaved(&mut grouped[step..], r % GROUP_ROWS, src);
+                    continue;
+                }
                 let (head, payload) = m.block_offsets(r, b);
                 grouped[head..head + hb].copy_from_slice(&src[..hb]);
                 grouped[payload..payload + bb - hb].copy_from_slice(&src[hb..]);
@@ -349,11 +391,23 @@ impl QuantMatrix {
         GROUP_ROWS.min(self.rows - row / GROUP_ROWS * GROUP_ROWS)
     }
 
-    /// Where block `b` of row `r` keeps its scales and its quantized values.
+    /// Whether row `r`'s group is word-interleaved (a full group of a K-quant).
+    fn interleaved(&self, r: usize) -> bool {
+        self.format.interleaves_words() && self.group_len(r) == GROUP_ROWS
+    }
+
+    /// Where the step holding block `b` of row `r`'s group starts.
+    fn step_offset(&self, r: usize, b: usize) -> usize {
+        let n = self.group_len(r);
+        r / GROUP_ROWS * GROUP_ROWS * self.row_bytes() + b * n * self.format.block_bytes()
+    }
+
+    /// Where block `b` of row `r` keeps its scales and its quantized values (a group
+    /// that is not word-interleaved).
     fn block_offsets(&self, r: usize, b: usize) -> (usize, usize) {
         let (bb, hb) = (self.format.block_bytes(), self.format.head_bytes());
         let n = self.group_len(r);
-        let step = r / GROUP_ROWS * GROUP_ROWS * self.row_bytes() + b * n * bb;
+        let step = self.step_offset(r, b);
         let i = r % GROUP_ROWS;
         (step + i * hb, step + n * hb + i * (bb - hb))
     }
@@ -369,6 +423,11 @@ impl QuantMatrix {
     /// Copies block `b` of row `r`, in ggml's layout, into `out` (`block_bytes` long).
     pub(crate) fn block_into(&self, r: usize, b: usize, out: &mut [u8]) {
         let (bb, hb) = (self.format.block_bytes(), self.format.head_bytes());
+        if self.interleaved(r) {
+            let step = self.step_offset(r, b);
+            get_interleaved(&self.data[step..], r % GROUP_ROWS, &mut out[..bb]);
+            return;
+        }
         let (head, payload) = self.block_offsets(r, b);
         out[..hb].copy_from_slice(&self.data[head..head + hb]);
         out[hb..bb].copy_from_slice(&self.data[payload..payload + bb - hb]);
@@ -417,7 +476,8 @@ impl QuantMatrix {
     /// Visits rows `first .. first + count` of the group at `first` (a multiple of
     /// [`GROUP_ROWS`]) block by block, in memory order: `f(c, b, head, values)` for
     /// block `b` of row `first + c`, its scales ([`QuantFormat::head_bytes`], empty for
-    /// the K-quants) and the rest of the block.
+    /// the K-quants) and the rest of the block (a word-interleaved block put back
+    /// together).
     pub(crate) fn for_group_blocks(
         &self,
         first: usize,
@@ -426,7 +486,16 @@ impl QuantMatrix {
     ) {
         let (bb, hb) = (self.format.block_bytes(), self.format.head_bytes());
         let (group, n) = self.group(first);
+        let interleaved = self.interleaved(first);
+        let mut block = [0u8; 256];
         for (b, step) in group.chunks_exact(n * bb).enumerate() {
+            if interleaved {
+                for c in 0..count.min(n) {
+                    get_interleaved(step, c, &mut block[..bb]);
+                    f(c, b, &[], &block[..bb]);
+                }
+                continue;
+            }
             let (heads, values) = step.split_at(n * hb);
             for c in 0..count.min(n) {
                 f(
@@ -469,7 +538,7 @@ mod tests {
 
     #[test]
     fn the_grouped_layout_gives_back_the_ggml_bytes() {
-        for format in [QuantFormat::Q8_0, QuantFormat::Q4_1, QuantFormat::Q6_K] {
+        for format in QuantFormat::ALL {
             // 19 rows: two full groups and a partial one.
             let rows = 19;
             let cols = 2 * format.block_values();
