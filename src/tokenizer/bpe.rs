@@ -383,10 +383,16 @@ impl GgufBpeTokenizer {
     /// `<|endoftext|>` (id 256, the stop token) and no merges. It needs no model file,
     /// which makes it the tokenizer for randomly initialised models in examples and tests.
     pub fn bytes_only() -> Result<Self> {
+        Self::bytes_and_specials(&["<|endoftext|>"])
+    }
+
+    /// A byte-level tokenizer (ids 0-255, no merges) followed by the control tokens
+    /// `specials` (ids 256 on; the first is the stop token).
+    pub(crate) fn bytes_and_specials(specials: &[&str]) -> Result<Self> {
         let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_to_char(b).to_string()).collect();
-        tokens.push("<|endoftext|>".to_string());
+        tokens.extend(specials.iter().map(|s| s.to_string()));
         let mut token_types = vec![1; 256];
-        token_types.push(3);
+        token_types.extend(specials.iter().map(|_| 3));
         Self::from_gguf_data(GgufTokenizerData {
             model: "gpt2".into(),
             pre: Some("gpt2".into()),

@@ -181,38 +181,10 @@ mod tests {
     /// A byte-level vocabulary (ids 0-255), `<|endoftext|>` (256, the stop token) and
     /// `<|python_tag|>` (257, a control token).
     fn byte_vocab() -> std::sync::Arc<crate::constraints::ConstraintVocab> {
-        use crate::tokenizer::GgufTokenizerData;
-        // GPT-2's byte-to-character map: printable bytes are themselves, the others
-        // U+0100 onwards in order.
-        let mut next = 0x100;
-        let mut tokens: Vec<String> = (0..=255u8)
-            .map(|b| {
-                let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-                let c = if printable {
-                    char::from(b)
-                } else {
-                    next += 1;
-                    char::from_u32(next - 1).unwrap()
-                };
-                c.to_string()
-            })
-            .collect();
-        tokens.extend(["<|endoftext|>".to_string(), "<|python_tag|>".to_string()]);
-        let mut token_types = vec![1; 256];
-        token_types.extend([3, 3]);
-        let tokenizer = crate::tokenizer::GgufBpeTokenizer::from_gguf_data(GgufTokenizerData {
-            model: "gpt2".into(),
-            pre: Some("gpt2".into()),
-            tokens,
-            token_types,
-            merges: Vec::new(),
-            bos_id: None,
-            eos_id: Some(256),
-            eot_id: None,
-            add_bos: false,
-            add_eos: false,
-            chat_template: None,
-        })
+        let tokenizer = crate::tokenizer::GgufBpeTokenizer::bytes_and_specials(&[
+            "<|endoftext|>",
+            "<|python_tag|>",
+        ])
         .unwrap();
         std::sync::Arc::new(
             crate::constraints::ConstraintVocab::new(&tokenizer, 258, Default::default()).unwrap(),
