@@ -360,7 +360,8 @@ impl<B: LlamaBackend> GenerationState<B> {
         }
     }
 
-    /// Proposals of this request for its next step, at most `room`, with its acceptance
+    /// Proposals of this request for its next step of `rows` decoding rows, at most
+    /// `room`, with its acceptance
     /// rate as [`allocate`](crate::speculative::allocate) weighs them in a batch; `None`
     /// when it does not speculate.
     ///
@@ -370,11 +371,12 @@ impl<B: LlamaBackend> GenerationState<B> {
     pub(crate) fn propose_drafts(
         &mut self,
         room: usize,
+        rows: usize,
     ) -> Result<Option<(Vec<u32>, crate::speculative::Candidate)>> {
         let Some(spec) = self.speculation.as_mut() else {
             return Ok(None);
         };
-        let drafts = spec.propose(&self.prompt_tokens, &self.tokens, room)?;
+        let drafts = spec.propose(&self.prompt_tokens, &self.tokens, room, rows)?;
         let candidate = spec.candidate(drafts.len());
         Ok(Some((drafts, candidate)))
     }
@@ -885,7 +887,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             Vec::new()
         } else {
             state
-                .propose_drafts(room)?
+                .propose_drafts(room, 1)?
                 .map_or_else(Vec::new, |(drafts, _)| drafts)
         };
         let Some(&last) = state.tokens.last().filter(|_| !drafts.is_empty()) else {

@@ -323,16 +323,24 @@ impl Speculator {
         self.stats
     }
 
-    /// Proposes at most `limit` tokens after `prompt` then `output` (none while the
+    /// Proposes at most `limit` tokens after `prompt` then `output`, for a step of
+    /// `rows` decoding rows: no more than [`allocate`] could verify there (none while the
     /// draft length pauses, or when the proposer has no guess).
     ///
     /// # Errors
     ///
     /// As the proposer's.
-    pub fn propose(&mut self, prompt: &[u32], output: &[u32], limit: usize) -> Result<Vec<u32>> {
+    pub fn propose(
+        &mut self,
+        prompt: &[u32],
+        output: &[u32],
+        limit: usize,
+        rows: usize,
+    ) -> Result<Vec<u32>> {
         let k = self.length.take().min(limit);
-        // As many as pay when this row runs alone (a batch may verify fewer).
-        let k = allocate(&[self.candidate(k)], 1, k)[0];
+        // As many as could pay in a step of `rows` decoding rows (the batch's plan may
+        // verify fewer), so a proposer (a draft model) does no work a step would drop.
+        let k = allocate(&[self.candidate(k)], rows.max(1), k)[0];
         let mut out = Vec::with_capacity(k);
         if k == 0 {
             return Ok(out);

@@ -302,16 +302,23 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
     fn propose(&mut self) {
         let max_seq_len = self.llama.config().max_seq_len;
         let mut failed = Vec::new();
-        for (&id, active) in &mut self.requests {
-            let decoding = self
-                .scheduler
+        let decoding = |scheduler: &Scheduler, id| {
+            scheduler
                 .running(id)
-                .is_some_and(|seq| seq.computed + 1 == seq.tokens.len());
-            if !decoding || active.state.is_done() {
+                .is_some_and(|seq| seq.computed + 1 == seq.tokens.len())
+        };
+        // The step's decoding rows bound what any row's proposals could be worth.
+        let rows = self
+            .requests
+            .keys()
+            .filter(|&&id| decoding(&self.scheduler, id))
+            .count();
+        for (&id, active) in &mut self.requests {
+            if !decoding(&self.scheduler, id) || active.state.is_done() {
                 continue;
             }
             let room = active.state.draft_room(max_seq_len);
-            match active.state.propose_drafts(room) {
+            match active.state.propose_drafts(room, rows) {
                 Ok(Some((drafts, candidate))) if !drafts.is_empty() => {
                     self.scheduler.propose(id, drafts, candidate);
                 }
