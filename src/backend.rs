@@ -105,6 +105,7 @@ use crate::config::Precision;
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
 use crate::model::paged_batch::PagedBatch;
+use crate::sampling::{DeviceDraw, DeviceToken};
 
 /// What llama-burn asks of a backend beyond Burn's own operations: a backend extension
 /// in the manner of Burn's book (a trait on the backend whose default methods are the
@@ -271,6 +272,25 @@ pub trait LlamaBackend: Backend {
     ///
     /// [`LlamaError::Runtime`] if the ids cannot be read back.
     fn greedy_tokens(_logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
+        Ok(None)
+    }
+
+    /// Each row of `logits` `[rows, vocab]` drawn where the logits are, as `draws` (one
+    /// per row) says: the host pipeline's temperature, top-k, top-p, min-p and draw with
+    /// the row's uniform (see [`crate::sampling::device`]), so that only the tokens and
+    /// their raw log-probabilities are read back. `None` for a row the device cannot draw
+    /// (a NaN, a `+inf` or nothing above minus infinity: the host path handles it).
+    /// `Ok(None)`, the default, where the backend has no such kernel: the caller reads
+    /// the logits back and samples on the host.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::Runtime`] if the results cannot be read back;
+    /// [`LlamaError::ShapeMismatch`] if `draws` does not have one draw per row.
+    fn sample_tokens(
+        _logits: &Tensor<Self, 2>,
+        _draws: &[DeviceDraw],
+    ) -> Result<Option<Vec<Option<DeviceToken>>>> {
         Ok(None)
     }
 

@@ -18,7 +18,10 @@ use crate::error::{LlamaError, Result};
 use crate::inference::GenerateRequest;
 use crate::inference::request::check_request_size;
 use crate::model::{Logits, Transformer};
-use crate::sampling::{History, Sampler, TokenLogprobs, token_logprobs, validate_temperature};
+use crate::sampling::{
+    DeviceDraw, DeviceToken, History, Sampler, TokenLogprob, TokenLogprobs, token_logprobs,
+    validate_temperature,
+};
 use crate::speculative::{
     DraftModel, Proposer, SpeculationConfig, SpeculationStats, Speculator, speculator, verify,
 };
@@ -316,6 +319,40 @@ impl<B: LlamaBackend> GenerationState<B> {
     /// elsewhere.
     pub(crate) fn record_greedy(&mut self) {
         self.last_logprobs = None;
+    }
+
+    /// The device draw of this request's next token with `sampler` at `temperature`, or
+    /// `None` where it must be sampled on the host (the rule is
+    /// [`crate::sampling::device`]'s; this passes the request's penalty, bans and
+    /// `logprobs`).
+    pub(crate) fn device_draw(&self, sampler: &Sampler, temperature: f64) -> Option<DeviceDraw> {
+        crate::sampling::device::device_draw(
+            sampler,
+            temperature,
+            self.repetition_penalty,
+            self.tokens.len() < self.min_tokens,
+            self.logprobs,
+        )
+    }
+
+    /// What [`sample_next`](Self::sample_next) records for a token drawn on the device as
+    /// `draw` said: `sampler`'s generator moved on, the chosen token's log-probability
+    /// kept when asked for.
+    pub(crate) fn record_device_token(
+        &mut self,
+        sampler: &mut Sampler,
+        draw: &DeviceDraw,
+        token: DeviceToken,
+    ) {
+        crate::sampling::device::commit(sampler, draw);
+        self.last_logprobs = self.logprobs.map(|_| TokenLogprobs {
+            chosen: TokenLogprob {
+                token_id: token.token,
+                logprob: token.logprob,
+                bytes: Vec::new(),
+            },
+            top: Vec::new(),
+        });
     }
 
     /// Picks the next token from this request's logits (`stop_ids`: the tokenizer's),

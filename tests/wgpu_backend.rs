@@ -86,6 +86,57 @@ fn wgpu_gives_the_cpu_backend_tokens_and_logits() {
     assert!(matches!(cancelled.collect(), Err(LlamaError::Cancelled)));
     let m = engine.metrics();
     assert_eq!((m.cancelled, m.completed, m.kv_blocks_used), (1, 2, 0));
+
+    // Sampling on the device (the OpenAI default, temperature 1; the cuts; a greedy row
+    // in the same steps) draws the tokens the CPU backend's engine draws on the host
+    // from the same seeds, and log-probabilities within the logits' difference.
+    let on_gpu = run_sampled(&engine);
+    let cpu_engine = ContinuousEngine::start(cpu, ContinuousConfig::default()).expect("engine");
+    let on_cpu = run_sampled(&cpu_engine);
+    for (gpu_row, cpu_row) in on_gpu.iter().zip(&on_cpu) {
+        let ids = |row: &[(u32, Option<f32>)]| row.iter().map(|t| t.0).collect::<Vec<_>>();
+        assert_eq!(ids(gpu_row), ids(cpu_row));
+        for (g, c) in gpu_row.iter().zip(cpu_row) {
+            assert_eq!(g.1.is_some(), c.1.is_some());
+            if let (Some(g), Some(c)) = (g.1, c.1) {
+                assert!((g - c).abs() <= 2e-3, "logprob {g} on wgpu, {c} on the CPU");
+            }
+        }
+    }
+    eprintln!("device sampling: {on_gpu:?}");
+}
+
+/// Sampled requests (the OpenAI default, temperature 1; the cuts; a greedy one in the
+/// same steps) through `engine`: per request its tokens and chosen log-probabilities.
+fn run_sampled<B: LlamaBackend>(engine: &ContinuousEngine<B>) -> Vec<Vec<(u32, Option<f32>)>> {
+    let base = |p: &str, seed| {
+        GenerateRequest::new(p)
+            .with_max_tokens(TOKENS)
+            .with_seed(seed)
+    };
+    let requests = vec![
+        base(PROMPTS[0], 7).with_temperature(1.0).with_logprobs(0),
+        base(PROMPTS[1], 8)
+            .with_temperature(0.8)
+            .with_top_k(20)
+            .with_top_p(0.9)
+            .with_min_p(0.05),
+        base(PROMPTS[2], 9).with_temperature(1.0),
+        base(PROMPTS[0], 10).with_logprobs(0),
+    ];
+    let jobs: Vec<_> = requests
+        .into_iter()
+        .map(|r| engine.submit(r).expect("submit"))
+        .collect();
+    jobs.into_iter()
+        .map(|job| {
+            let (tokens, _) = job.collect().expect("sampled request");
+            tokens
+                .iter()
+                .map(|t| (t.token_id, t.logprobs.as_ref().map(|l| l.chosen.logprob)))
+                .collect()
+        })
+        .collect()
 }
 
 /// Deterministic values in [-1, 1).
@@ -282,4 +333,213 @@ fn device_argmax_gives_the_host_greedy_token() {
         .expect("wgpu argmax")
         .expect("the CubeCL backends have a device argmax");
     assert_eq!(got, want);
+}
+
+#[test]
+fn device_sampling_draws_the_host_pipelines_tokens() {
+    use burn::tensor::{Tensor, TensorData};
+    use llama_burn::sampling::{DeviceDraw, History, Pipeline, SamplingParams, token_logprobs};
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    // The distribution the host pipeline samples from, in f64 (its definition: softmax at
+    // temperature, top-k with ties, top-p over what top-k keeps, min-p).
+    fn exact(params: &SamplingParams, logits: &[f32]) -> Vec<f64> {
+        let z: Vec<f64> = logits
+            .iter()
+            .map(|&l| f64::from(l) / params.temperature)
+            .collect();
+        let mut order: Vec<usize> = (0..z.len()).collect();
+        order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
+        let mut keep = vec![true; z.len()];
+        if params.top_k > 0 && params.top_k < z.len() {
+            let kth = z[order[params.top_k - 1]];
+            keep.iter_mut().zip(&z).for_each(|(k, &v)| *k &= v >= kth);
+        }
+        let max = z[order[0]];
+        let softmax = |keep: &[bool]| -> Vec<f64> {
+            let w: Vec<f64> = z
+                .iter()
+                .zip(keep)
+                .map(|(&v, &k)| if k { (v - max).exp() } else { 0.0 })
+                .collect();
+            let total: f64 = w.iter().sum();
+            w.iter().map(|w| w / total).collect()
+        };
+        if params.top_p < 1.0 {
+            let p = softmax(&keep);
+            let (mut mass, mut cut) = (0.0, 0.0);
+            for &i in order.iter().filter(|&&i| keep[i]) {
+                mass += p[i];
+                cut = p[i];
+                if mass >= params.top_p {
+                    break;
+                }
+            }
+            keep.iter_mut().zip(&p).for_each(|(k, &v)| *k &= v >= cut);
+        }
+        if params.min_p > 0.0 {
+            let p = softmax(&keep);
+            let top = p.iter().copied().fold(0.0, f64::max);
+            keep.iter_mut()
+                .zip(&p)
+                .for_each(|(k, &v)| *k &= v >= params.min_p * top);
+        }
+        softmax(&keep)
+    }
+
+    // An odd vocabulary (several of the host's blocks of 512, not a multiple of the
+    // kernel's 256 units); spread logits, and coarse ones (ties at the top-k cut).
+    let vocab = 1500;
+    let base = SamplingParams::default;
+    let cases = [
+        base(),
+        SamplingParams {
+            temperature: 0.7,
+            ..base()
+        },
+        SamplingParams {
+            temperature: 1.3,
+            top_k: 40,
+            ..base()
+        },
+        SamplingParams {
+            top_p: 0.9,
+            ..base()
+        },
+        SamplingParams {
+            min_p: 0.05,
+            ..base()
+        },
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 50,
+            top_p: 0.8,
+            min_p: 0.02,
+            ..base()
+        },
+        SamplingParams::greedy(),
+        // These keep the largest logit only.
+        SamplingParams { top_k: 1, ..base() },
+        SamplingParams {
+            top_p: 1e-6,
+            ..base()
+        },
+        SamplingParams {
+            min_p: 1.0,
+            ..base()
+        },
+    ];
+    let mut rows: Vec<(Vec<f32>, SamplingParams, u64)> = Vec::new();
+    for (c, params) in cases.iter().enumerate() {
+        for r in 0..6u64 {
+            let seed = 100 * c as u64 + r;
+            let mut logits: Vec<f32> = values(vocab, seed).iter().map(|v| v * 6.0).collect();
+            if r % 3 == 2 {
+                logits
+                    .iter_mut()
+                    .for_each(|v| *v = (*v * 2.0).round() / 2.0);
+            }
+            rows.push((logits, params.clone(), seed));
+        }
+    }
+    let draw = |params: &SamplingParams, seed: u64| DeviceDraw {
+        temperature: params.temperature,
+        top_k: params.top_k,
+        top_p: params.top_p,
+        min_p: params.min_p,
+        uniform: StdRng::seed_from_u64(seed).random(),
+    };
+    let device = Default::default();
+    let run = |rows: &[&(Vec<f32>, SamplingParams, u64)]| {
+        let flat: Vec<f32> = rows.iter().flat_map(|r| r.0.clone()).collect();
+        let logits =
+            Tensor::<Wgpu, 2>::from_data(TensorData::new(flat, [rows.len(), vocab]), &device);
+        let draws: Vec<DeviceDraw> = rows.iter().map(|r| draw(&r.1, r.2)).collect();
+        Wgpu::sample_tokens(&logits, &draws)
+            .expect("wgpu sampling")
+            .expect("the CubeCL backends sample on the device")
+    };
+    let all: Vec<_> = rows.iter().collect();
+    let got = run(&all);
+    let mut differ = 0;
+    for ((logits, params, seed), got) in rows.iter().zip(&got) {
+        let got = got.expect("a finite row is drawn on the device");
+        let want = Pipeline::new(params.clone(), *seed)
+            .expect("params")
+            .sample(logits, History::default())
+            .expect("host draw");
+        // The host's log-probability of the device's token.
+        let host = token_logprobs(logits, got.token, 0).expect("logprobs");
+        assert!(
+            (got.logprob - host.chosen.logprob).abs() <= 1e-4,
+            "{} vs {}",
+            got.logprob,
+            host.chosen.logprob
+        );
+        // Greedy: the first largest logit. Top-k 1, a tiny top-p, min-p 1: the largest
+        // logit (or one tied with it).
+        let top = llama_burn::sampling::argmax(logits);
+        if params.temperature == 0.0 {
+            assert_eq!(got.token, top);
+        }
+        if params.top_k == 1 || params.top_p < 1e-3 || params.min_p == 1.0 {
+            assert_eq!(
+                logits[got.token as usize], logits[top as usize],
+                "{params:?}"
+            );
+        }
+        if params.temperature == 0.0 {
+            assert_eq!(got.token, want);
+            continue;
+        }
+        let p = exact(params, logits);
+        assert!(
+            p[got.token as usize] > 0.0,
+            "token {} outside the kept set ({params:?})",
+            got.token
+        );
+        if got.token != want {
+            // Only a uniform within rounding of a boundary of the host's intervals (its
+            // cumulative mass in id order) may fall on another token.
+            let u: f64 = StdRng::seed_from_u64(*seed).random();
+            let mut mass = 0.0;
+            let near = p.iter().any(|&q| {
+                mass += q;
+                q > 0.0 && (mass - u).abs() < 1e-5
+            });
+            assert!(
+                near,
+                "device {} vs host {want} at u = {u} ({params:?})",
+                got.token
+            );
+            differ += 1;
+        }
+    }
+    eprintln!(
+        "device sampling: {differ} of {} rows differ from the host (at a boundary)",
+        rows.len()
+    );
+    assert!(differ <= 2);
+
+    // A row's token is the same alone and anywhere in a batch of other rows.
+    let reversed: Vec<_> = rows.iter().rev().collect();
+    let mut back = run(&reversed);
+    back.reverse();
+    assert_eq!(back, got);
+    for i in (0..rows.len()).step_by(11) {
+        assert_eq!(run(&[&rows[i]]), vec![got[i]]);
+    }
+
+    // Rows the device cannot draw are left to the host: a NaN, +inf, nothing finite.
+    let mut nan = values(vocab, 1);
+    nan[77] = f32::NAN;
+    let mut inf = values(vocab, 2);
+    inf[5] = f32::INFINITY;
+    let bad = [
+        (nan, base(), 1),
+        (inf, base(), 2),
+        (vec![f32::NEG_INFINITY; vocab], base(), 3),
+    ];
+    let bad: Vec<_> = bad.iter().collect();
+    assert_eq!(run(&bad), vec![None, None, None]);
 }

@@ -427,3 +427,351 @@ pub(crate) fn argmax_kernel<F: Float, I: Numeric>(
         out[row] = I::cast_from(token);
     }
 }
+
+/// Units per row of [`sample_kernel`].
+pub(crate) const SAMPLE_WIDTH: usize = 256;
+
+/// Words per row of [`sample_kernel`]'s output: the token, then its log-probability's
+/// `f32` bits in two halves of 16 bits (exact in any integer type).
+pub(crate) const SAMPLE_OUT: usize = 3;
+
+/// The least finite f32: a logit below it is minus infinity (WGSL rejects an infinite
+/// literal).
+#[cube]
+fn lowest() -> f32 {
+    f32::new(-3.402_823_5e38)
+}
+
+/// The sum of every unit's `value` in a fixed tree order (unit `u + half` into unit
+/// `u`), through `scratch` (a value per unit); every unit gets it. The order depends on
+/// the cube's width only.
+#[cube]
+fn cube_sum(value: f32, scratch: &mut SharedMemory<f32>) -> f32 {
+    let u = UNIT_POS_X as usize;
+    scratch[u] = value;
+    sync_cube();
+    let mut half = CUBE_DIM_X / 2;
+    while half > 0 {
+        let stride = half as usize;
+        if u < stride {
+            scratch[u] = scratch[u] + scratch[u + stride];
+        }
+        sync_cube();
+        half /= 2;
+    }
+    let total = scratch[0];
+    sync_cube();
+    total
+}
+
+/// [`cube_sum`] of counts.
+#[cube]
+fn cube_count(value: u32, scratch: &mut SharedMemory<u32>) -> u32 {
+    let u = UNIT_POS_X as usize;
+    scratch[u] = value;
+    sync_cube();
+    let mut half = CUBE_DIM_X / 2;
+    while half > 0 {
+        let stride = half as usize;
+        if u < stride {
+            scratch[u] = scratch[u] + scratch[u + stride];
+        }
+        sync_cube();
+        half /= 2;
+    }
+    let total = scratch[0];
+    sync_cube();
+    total
+}
+
+/// A float's place in the total order of floats as an unsigned integer (larger float,
+/// larger key; `-0` just below `+0`).
+#[cube]
+fn order_key(v: f32) -> u32 {
+    let bits = v.to_bits();
+    let mut key = bits | 0x8000_0000u32;
+    if (bits >> 31) == 1 {
+        key = 0xffff_ffffu32 ^ bits;
+    }
+    key
+}
+
+/// The float of an [`order_key`].
+#[cube]
+fn key_value(key: u32) -> f32 {
+    let mut bits = 0xffff_ffffu32 ^ key;
+    if (key >> 31) == 1 {
+        bits = key & 0x7fff_ffffu32;
+    }
+    f32::from_bits(bits)
+}
+
+/// The host pipeline's weight of a logit: `e^((l - max) / t)` for logits at or above
+/// `threshold` (top-k), 0 for the others and for minus infinity.
+#[cube]
+fn sample_weight(l: f32, max: f32, inv_t: f32, threshold: f32) -> f32 {
+    let mut w = f32::new(0.0);
+    if l >= threshold {
+        if l >= lowest() {
+            w = ((l - max) * inv_t).exp();
+        }
+    }
+    w
+}
+
+/// One token per row of `logits` `[rows, vocab]`, drawn as the host pipeline draws it
+/// ([`crate::sampling::pipeline`]: temperature, top-k, top-p, min-p, then the row's
+/// uniform over the kept weights in id order), with its raw log-probability (the
+/// model's log-softmax). `draws` holds [`DeviceDraw::words`](crate::sampling::DeviceDraw::words)
+/// per row; `out` [`SAMPLE_OUT`] words per row, the token `vocab` where the row holds a
+/// NaN, a `+inf` or no finite logit (the host path's business).
+///
+/// One cube per row, `width` units; every sum is over the units' strided (or, for the
+/// draw, contiguous) shares in id order, then combined in a fixed tree, so a row's
+/// token depends on the row alone, whatever the batch. The passes:
+///
+/// 1. the largest logit and its first index (the greedy token), and NaN;
+/// 2. `sum(e^(l - max))`, the log-probability's normalizer;
+/// 3. top-k: the `k`-th largest logit, by a search over the bits of its [`order_key`]
+///    (32 counting passes): the largest key with at least `k` logits at or above it;
+/// 4. top-p: the largest weight `c` such that the weights at or above `c` reach `top_p`
+///    of the total, by a search over the bits of `c` (31 summing passes); min-p: the
+///    larger of that and `min_p` (the largest weight is `e^0 = 1`);
+/// 5. the draw: each unit sums the kept weights of its contiguous share of ids, unit 0
+///    finds the share where `uniform * total` falls and walks it id by id.
+#[cube(launch)]
+pub(crate) fn sample_kernel<F: Float, I: Numeric>(
+    logits: &Tensor<F>,
+    draws: &Tensor<I>,
+    out: &mut Tensor<I>,
+    vocab: u32,
+    #[comptime] width: usize,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let row = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let none = vocab;
+    let n = vocab as usize;
+    let base = row * n;
+    let p = row * 6;
+    let greedy = u32::cast_from(draws[p]);
+    let uniform = f32::from_bits(u32::cast_from(draws[p + 1]));
+    let inv_t = f32::from_bits(u32::cast_from(draws[p + 2]));
+    let top_k = u32::cast_from(draws[p + 3]);
+    let top_p = f32::from_bits(u32::cast_from(draws[p + 4]));
+    let min_p = f32::from_bits(u32::cast_from(draws[p + 5]));
+
+    let mut sums = SharedMemory::<f32>::new(width);
+    let mut counts = SharedMemory::<u32>::new(width);
+    let mut indices = SharedMemory::<u32>::new(width);
+
+    // 1. The largest logit, its first index and NaN (as `argmax_kernel`).
+    let mut best = f32::new(0.0);
+    let mut best_at = none;
+    let mut nan = 0u32;
+    let mut i = u;
+    while i < n {
+        let v = f32::cast_from(logits[base + i]);
+        if v.is_nan() {
+            nan = 1;
+        } else {
+            let mut take = best_at == none;
+            if v > best {
+                take = true;
+            }
+            if take {
+                best = v;
+                best_at = i as u32;
+            }
+        }
+        i += width;
+    }
+    sums[u] = best;
+    indices[u] = best_at;
+    counts[u] = nan;
+    sync_cube();
+    let mut half = CUBE_DIM_X / 2;
+    while half > 0 {
+        let stride = half as usize;
+        if u < stride {
+            let other_at = indices[u + stride];
+            let other = sums[u + stride];
+            if other_at != none {
+                let mine_at = indices[u];
+                let mine = sums[u];
+                let mut take = mine_at == none;
+                if other > mine {
+                    take = true;
+                }
+                if other == mine && other_at < mine_at {
+                    take = true;
+                }
+                if take {
+                    sums[u] = other;
+                    indices[u] = other_at;
+                }
+            }
+            counts[u] = counts[u] | counts[u + stride];
+        }
+        sync_cube();
+        half /= 2;
+    }
+    let max = sums[0];
+    let argmax = indices[0];
+    let mut bad = counts[0] != 0 || argmax == none;
+    if max < lowest() || max > f32::new(3.402_823_5e38) {
+        bad = true;
+    }
+    sync_cube();
+
+    // 2. The normalizer of the log-probabilities.
+    let mut s = f32::new(0.0);
+    i = u;
+    while i < n {
+        let l = f32::cast_from(logits[base + i]);
+        if l >= lowest() {
+            s += (l - max).exp();
+        }
+        i += width;
+    }
+    let z = cube_sum(s, &mut sums);
+
+    // 3. Top-k: the k-th largest logit.
+    let mut threshold = lowest();
+    if top_k > 0 {
+        let mut t = 0u32;
+        for bit in 0..32u32 {
+            let candidate = t | (1u32 << (31 - bit));
+            let mut c = 0u32;
+            i = u;
+            while i < n {
+                if order_key(f32::cast_from(logits[base + i])) >= candidate {
+                    c += 1;
+                }
+                i += width;
+            }
+            if cube_count(c, &mut counts) >= top_k {
+                t = candidate;
+            }
+        }
+        threshold = key_value(t);
+    }
+
+    // 4. Top-p and min-p: the smallest weight kept.
+    let mut cut = f32::new(0.0);
+    if top_p < f32::new(1.0) {
+        let mut s = f32::new(0.0);
+        i = u;
+        while i < n {
+            s += sample_weight(f32::cast_from(logits[base + i]), max, inv_t, threshold);
+            i += width;
+        }
+        let target = top_p * cube_sum(s, &mut sums);
+        let mut t = 0u32;
+        for bit in 0..31u32 {
+            let candidate = t | (1u32 << (30 - bit));
+            let c = f32::from_bits(candidate);
+            let mut s = f32::new(0.0);
+            i = u;
+            while i < n {
+                let w = sample_weight(f32::cast_from(logits[base + i]), max, inv_t, threshold);
+                if w >= c {
+                    s += w;
+                }
+                i += width;
+            }
+            if cube_sum(s, &mut sums) >= target {
+                t = candidate;
+            }
+        }
+        cut = f32::from_bits(t);
+    }
+    if min_p > cut {
+        cut = min_p;
+    }
+
+    // 5. The draw: the kept weights of each unit's contiguous share of ids.
+    let units = CUBE_DIM_X as usize;
+    let chunk = (n + units - 1) / units;
+    let start = u * chunk;
+    let mut end = start + chunk;
+    if end > n {
+        end = n;
+    }
+    let mut s = f32::new(0.0);
+    let mut last = none;
+    i = start;
+    while i < end {
+        let w = sample_weight(f32::cast_from(logits[base + i]), max, inv_t, threshold);
+        if w > f32::new(0.0) && w >= cut {
+            s += w;
+            last = i as u32;
+        }
+        i += 1;
+    }
+    sums[u] = s;
+    indices[u] = last;
+    sync_cube();
+    if u == 0 {
+        let mut total = f32::new(0.0);
+        for c in 0..units {
+            total += sums[c];
+        }
+        let mut r = uniform * total;
+        let mut found = units;
+        let mut row_last = none;
+        for c in 0..units {
+            if found == units {
+                if r < sums[c] {
+                    found = c;
+                } else {
+                    r -= sums[c];
+                }
+            }
+            if indices[c] != none {
+                row_last = indices[c];
+            }
+        }
+        let mut token = row_last;
+        if found < units {
+            // Rounding can leave `r` past the share's own walk: its last kept token.
+            token = indices[found];
+            let mut done = false;
+            i = found * chunk;
+            let mut end = i + chunk;
+            if end > n {
+                end = n;
+            }
+            while i < end {
+                let w = sample_weight(f32::cast_from(logits[base + i]), max, inv_t, threshold);
+                if !done && w > f32::new(0.0) && w >= cut {
+                    if r < w {
+                        token = i as u32;
+                        done = true;
+                    } else {
+                        r -= w;
+                    }
+                }
+                i += 1;
+            }
+        }
+        if greedy == 1 {
+            token = argmax;
+        }
+        if bad {
+            token = none;
+        }
+        let mut logprob = f32::new(0.0);
+        if token != none {
+            let l = f32::cast_from(logits[base + token as usize]);
+            logprob = (l - max) - z.ln();
+            if logprob > f32::new(0.0) {
+                logprob = f32::new(0.0);
+            }
+        }
+        let bits = logprob.to_bits();
+        out[row * 3] = I::cast_from(token);
+        out[row * 3 + 1] = I::cast_from(bits >> 16);
+        out[row * 3 + 2] = I::cast_from(bits & 0xffffu32);
+    }
+}

@@ -32,6 +32,7 @@ use crate::config::Precision;
 use crate::error::{LlamaError, Result};
 use crate::kernels::{QuantFormat, QuantMatrix};
 use crate::model::paged_batch::PagedBatch;
+use crate::sampling::{DeviceDraw, DeviceToken};
 
 /// The shape of a paged attention call (see [`CubeKernels::paged_attention_primitive`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,6 +92,17 @@ pub trait CubeKernels: Backend {
     /// largest value), `vocab` for a row holding a NaN or nothing above minus infinity:
     /// `[rows]` integers. The caller has checked the shape.
     fn argmax_primitive(logits: FloatTensor<Self>, rows: usize, vocab: usize) -> IntTensor<Self>;
+
+    /// Each row of `logits` `[rows, vocab]` drawn as `draws` `[rows * DeviceDraw::WORDS]`
+    /// ([`DeviceDraw::words`] per row) says: `[rows * 3]` integers, per row the token
+    /// (`vocab` where the row cannot be drawn) and its log-probability's `f32` bits, high
+    /// then low 16 bits. The caller has checked the shapes.
+    fn sample_primitive(
+        logits: FloatTensor<Self>,
+        draws: IntTensor<Self>,
+        rows: usize,
+        vocab: usize,
+    ) -> IntTensor<Self>;
 }
 
 impl<R, F, I, BT> CubeKernels for CubeBackend<R, F, I, BT>
@@ -209,6 +221,43 @@ where
             out.clone().into_tensor_arg(),
             vocab as u32,
             kernels::ARGMAX_WIDTH,
+            [f_dtype.into(), i_dtype.into()],
+        );
+        out
+    }
+
+    fn sample_primitive(
+        logits: FloatTensor<Self>,
+        draws: IntTensor<Self>,
+        rows: usize,
+        vocab: usize,
+    ) -> IntTensor<Self> {
+        use burn_cubecl::kernel::into_contiguous;
+        use burn_cubecl::tensor::CubeTensor;
+        use cubecl::{CubeCount, CubeDim};
+
+        let logits = into_contiguous(logits);
+        let draws = into_contiguous(draws);
+        let i_dtype = draws.dtype;
+        let n = rows * kernels::SAMPLE_OUT;
+        let out = CubeTensor::new_contiguous(
+            logits.client.clone(),
+            logits.device.clone(),
+            burn::tensor::Shape::new([n]),
+            logits.client.empty(n * i_dtype.size()),
+            i_dtype,
+        );
+        let f_dtype = logits.dtype;
+        let client = logits.client.clone();
+        kernels::sample_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(rows as u32, 1, 1),
+            CubeDim::new_1d(kernels::SAMPLE_WIDTH as u32),
+            logits.into_tensor_arg(),
+            draws.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            vocab as u32,
+            kernels::SAMPLE_WIDTH,
             [f_dtype.into(), i_dtype.into()],
         );
         out
@@ -388,6 +437,66 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
             )
             .output()
     }
+
+    fn sample_primitive(
+        logits: FloatTensor<Self>,
+        draws: IntTensor<Self>,
+        rows: usize,
+        vocab: usize,
+    ) -> IntTensor<Self> {
+        use burn_fusion::stream::{Operation, OperationStreams};
+        use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+        /// The kernel as an operation of the fusion stream.
+        #[derive(Debug)]
+        struct SampleOp<B> {
+            desc: CustomOpIr,
+            rows: usize,
+            vocab: usize,
+            _backend: core::marker::PhantomData<B>,
+        }
+
+        impl<B: FusionBackend + CubeKernels> Operation<B::FusionRuntime> for SampleOp<B> {
+            fn execute(
+                &self,
+                handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+            ) {
+                let ([logits, draws], [out]) = self.desc.as_fixed();
+                let result = B::sample_primitive(
+                    handles.get_float_tensor::<B>(logits),
+                    handles.get_int_tensor::<B>(draws),
+                    self.rows,
+                    self.vocab,
+                );
+                handles.register_int_tensor::<B>(&out.id, result);
+            }
+        }
+
+        let client = logits.client.clone();
+        let streams = OperationStreams::with_inputs([&logits, &draws]);
+        let out = TensorIr::uninit(
+            client.create_empty_handle(),
+            burn::tensor::Shape::new([rows * kernels::SAMPLE_OUT]),
+            draws.dtype,
+        );
+        let desc = CustomOpIr::new(
+            "llama_burn_sample",
+            &[logits.into_ir(), draws.into_ir()],
+            &[out],
+        );
+        client
+            .register(
+                streams,
+                OperationIr::Custom(desc.clone()),
+                SampleOp::<B> {
+                    desc,
+                    rows,
+                    vocab,
+                    _backend: core::marker::PhantomData,
+                },
+            )
+            .output()
+    }
 }
 
 /// [`LlamaBackend::greedy_tokens`] through [`CubeKernels::argmax_primitive`]: only the
@@ -408,6 +517,53 @@ fn greedy_tokens<B: LlamaBackend + CubeKernels>(
     Ok(Some(
         ids.into_iter()
             .map(|id| u32::try_from(id).ok().filter(|&id| (id as usize) < vocab))
+            .collect(),
+    ))
+}
+
+/// [`LlamaBackend::sample_tokens`] through [`CubeKernels::sample_primitive`]: the draws
+/// go up as words, three integers per row come back.
+fn sample_tokens<B: LlamaBackend + CubeKernels>(
+    logits: &Tensor<B, 2>,
+    draws: &[DeviceDraw],
+) -> Result<Option<Vec<Option<DeviceToken>>>> {
+    let [rows, vocab] = logits.dims();
+    if draws.len() != rows {
+        return Err(LlamaError::ShapeMismatch {
+            name: "device draws".into(),
+            expected: vec![rows],
+            actual: vec![draws.len()],
+        });
+    }
+    if rows == 0 || vocab == 0 || u32::try_from(vocab).is_err() {
+        return Ok(None);
+    }
+    let words: Vec<i32> = draws.iter().flat_map(|d| d.words(vocab)).collect();
+    let n = words.len();
+    let device = logits.device();
+    let words = Tensor::<B, 1, Int>::from_data(TensorData::new(words, [n]), &device);
+    let out = B::sample_primitive(
+        logits.clone().into_primitive().tensor(),
+        words.into_primitive(),
+        rows,
+        vocab,
+    );
+    let out = Tensor::<B, 1, Int>::from_primitive(out)
+        .into_data()
+        .convert::<i64>()
+        .to_vec::<i64>()
+        .map_err(|e| LlamaError::Runtime(format!("reading sampled tokens: {e:?}")))?;
+    Ok(Some(
+        out.chunks_exact(kernels::SAMPLE_OUT)
+            .map(|w| {
+                let token = u32::try_from(w[0]).ok().filter(|&t| (t as usize) < vocab)?;
+                let half = |v: i64| u32::try_from(v).ok().filter(|&h| h <= 0xffff);
+                let bits = (half(w[1])? << 16) | half(w[2])?;
+                Some(DeviceToken {
+                    token,
+                    logprob: f32::from_bits(bits),
+                })
+            })
             .collect(),
     ))
 }
@@ -592,6 +748,13 @@ where
     fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
         greedy_tokens(logits)
     }
+
+    fn sample_tokens(
+        logits: &Tensor<Self, 2>,
+        draws: &[DeviceDraw],
+    ) -> Result<Option<Vec<Option<DeviceToken>>>> {
+        sample_tokens(logits, draws)
+    }
 }
 
 /// Burn's CubeCL backends with fusion (`burn::backend::{Cuda, Wgpu, Vulkan}`): our
@@ -620,5 +783,12 @@ impl<B: FusionBackend + CubeKernels> LlamaBackend for Fusion<B> {
 
     fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
         greedy_tokens(logits)
+    }
+
+    fn sample_tokens(
+        logits: &Tensor<Self, 2>,
+        draws: &[DeviceDraw],
+    ) -> Result<Option<Vec<Option<DeviceToken>>>> {
+        sample_tokens(logits, draws)
     }
 }

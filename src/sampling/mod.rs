@@ -9,11 +9,13 @@
 //! Every sampler owns its random generator, seeded per request, so results reproduce and
 //! never depend on other requests.
 
+pub mod device;
 pub mod logprobs;
 pub mod pipeline;
 
 use rand::{SeedableRng, rngs::StdRng};
 
+pub use device::{DeviceDraw, DeviceToken, MAX_DEVICE_TOP_LOGPROBS};
 pub use logprobs::{MAX_TOP_LOGPROBS, TokenLogprob, TokenLogprobs, token_logprobs};
 pub use pipeline::{History, Pipeline, SamplingParams};
 

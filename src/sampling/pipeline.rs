@@ -169,7 +169,7 @@ impl SamplingParams {
     }
 
     /// Whether the logits are modified before temperature (bias or penalties).
-    fn modifies(&self) -> bool {
+    pub(crate) fn modifies(&self) -> bool {
         !self.logit_bias.is_empty()
             || self.repetition_penalty != 1.0
             || self.frequency_penalty != 0.0
@@ -290,6 +290,16 @@ impl Pipeline {
     /// Its controls.
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+
+    /// Its random generator (read by [`super::device`] for a draw on the device).
+    pub(crate) fn rng(&self) -> &StdRng {
+        &self.rng
+    }
+
+    /// Its random generator, mutably (moved on by [`super::device::commit`]).
+    pub(crate) fn rng_mut(&mut self) -> &mut StdRng {
+        &mut self.rng
     }
 
     /// Whether its draw is the plain greedy token of the logits: temperature 0, no bias,

@@ -18,18 +18,74 @@ use crate::inference::handlers::constrained_sampler;
 use crate::inference::runtime::CancelToken;
 use crate::llama::{GenerationState, Llama, StopReason, logits_to_vec};
 use crate::model::PagedRow;
-use crate::sampling::Sampler;
+use crate::sampling::{DeviceDraw, DeviceToken, Sampler};
 use crate::speculative::SpeculationStats;
 use crate::tokenizer::Tokenizer;
+use burn::tensor::{Int, Tensor, TensorData};
 
 /// How long an idle engine waits for a submission before looking at its flags again.
 const IDLE_WAIT: Duration = Duration::from_millis(50);
 
-/// What a step reads back: every sampled row's logits, or (greedy rows, argmax on the
-/// device) their tokens.
+/// What a step reads back: (greedy rows, argmax on the device) every sampled row's
+/// token, or the tokens of the rows drawn on the device and the logits of the others.
 enum StepOutput {
-    Logits(Vec<f32>),
     Tokens(Vec<u32>),
+    Rows {
+        /// The rows drawn on the device: their draw and token.
+        device: HashMap<RequestId, (DeviceDraw, DeviceToken)>,
+        /// The logits of the other rows, one after another.
+        logits: Vec<f32>,
+        /// Which rows of the step's logits those are, in order.
+        rows: Vec<usize>,
+    },
+}
+
+/// A step's `logits` read back: `device_rows` (request, row of the logits, draw) drawn on
+/// the device where the backend can ([`LlamaBackend::sample_tokens`]), then the logits of
+/// every row not drawn there.
+fn read_rows<B: LlamaBackend>(
+    logits: Tensor<B, 2>,
+    device_rows: &[(RequestId, usize, DeviceDraw)],
+) -> Result<StepOutput> {
+    let total = logits.dims()[0];
+    let mut device = HashMap::new();
+    if !device_rows.is_empty() {
+        let draws: Vec<DeviceDraw> = device_rows.iter().map(|&(_, _, d)| d).collect();
+        let drawn = if device_rows.len() == total {
+            B::sample_tokens(&logits, &draws)?
+        } else {
+            let at: Vec<i64> = device_rows.iter().map(|&(_, i, _)| i as i64).collect();
+            let n = at.len();
+            let at = Tensor::<B, 1, Int>::from_data(TensorData::new(at, [n]), &logits.device());
+            B::sample_tokens(&logits.clone().select(0, at), &draws)?
+        };
+        for (&(id, _, draw), token) in device_rows.iter().zip(drawn.unwrap_or_default()) {
+            if let Some(token) = token {
+                device.insert(id, (draw, token));
+            }
+        }
+    }
+    let drawn: Vec<usize> = device_rows
+        .iter()
+        .filter(|(id, _, _)| device.contains_key(id))
+        .map(|&(_, i, _)| i)
+        .collect();
+    let rows: Vec<usize> = (0..total).filter(|i| !drawn.contains(i)).collect();
+    let logits = if rows.is_empty() {
+        Vec::new()
+    } else if rows.len() == total {
+        logits_to_vec(logits)?
+    } else {
+        let at: Vec<i64> = rows.iter().map(|&i| i as i64).collect();
+        let n = at.len();
+        let at = Tensor::<B, 1, Int>::from_data(TensorData::new(at, [n]), &logits.device());
+        logits_to_vec(logits.select(0, at))?
+    };
+    Ok(StepOutput::Rows {
+        device,
+        logits,
+        rows,
+    })
 }
 
 /// One request inside the engine: its generation state (tokens, decoder, stop rules),
@@ -411,6 +467,14 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             inputs.insert(row.id, input);
             drafts.insert(row.id, proposed);
         }
+        // Which rows of the logits each sampled row reads (its first, and with
+        // proposals one per position).
+        let mut slots: HashMap<RequestId, usize> = HashMap::new();
+        let mut next = 0;
+        for row in plan.rows.iter().filter(|r| r.sample) {
+            slots.insert(row.id, next);
+            next += 1 + drafts.get(&row.id).map_or(0, Vec::len);
+        }
         // A step whose sampled rows all draw the plain greedy token reads back only token
         // ids where the backend computes the argmax on the device.
         let sampled = plan.rows.iter().filter(|r| r.sample).count();
@@ -420,6 +484,21 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     .get(&r.id)
                     .is_some_and(|a| a.state.draws_plain_greedy(&a.sampler, a.temperature))
             });
+        // Otherwise each row the device may draw (the rule of `sampling::device`, the
+        // row's own whatever the rest of the step) is drawn there, where the backend can.
+        let device_rows: Vec<(RequestId, usize, DeviceDraw)> = if device_greedy {
+            Vec::new()
+        } else {
+            plan.rows
+                .iter()
+                .filter(|r| r.sample && !drafts.contains_key(&r.id))
+                .filter_map(|r| {
+                    let a = self.requests.get(&r.id)?;
+                    let draw = a.state.device_draw(&a.sampler, a.temperature)?;
+                    Some((r.id, *slots.get(&r.id)?, draw))
+                })
+                .collect()
+        };
         let output = {
             let mut rows = Vec::with_capacity(plan.rows.len());
             for row in &plan.rows {
@@ -450,12 +529,16 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         return Ok(StepOutput::Tokens(ids));
                     }
                     // A row with a NaN or no finite logit: the host path reports it.
-                    logits_to_vec(logits).map(StepOutput::Logits)
+                    read_rows::<B>(logits, &device_rows)
                 })
         };
         self.steps += 1;
-        let logits = match output {
-            Ok(StepOutput::Logits(logits)) => logits,
+        let (device, logits, host_rows) = match output {
+            Ok(StepOutput::Rows {
+                device,
+                logits,
+                rows,
+            }) => (device, logits, rows),
             Ok(StepOutput::Tokens(ids)) => {
                 self.scheduler.complete(plan);
                 for (row, token) in plan.rows.iter().filter(|r| r.sample).zip(ids) {
@@ -481,29 +564,22 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         };
         self.scheduler.complete(plan);
         let vocab = self.llama.config().vocab_size;
-        // Which rows of the logits each sampled row reads (its first, and with
-        // proposals one per position).
-        let mut slots: HashMap<RequestId, usize> = HashMap::new();
-        let mut next = 0;
-        for row in plan.rows.iter().filter(|r| r.sample) {
-            slots.insert(row.id, next);
-            next += 1 + if drafts.contains_key(&row.id) {
-                row.drafts
-            } else {
-                0
-            };
-        }
-        // Sample every row of the step in parallel: each from its own logits, history and
-        // random generator, so the tokens are those of a serial loop.
+        // The host rows' places in the logits read back.
+        let slots: HashMap<RequestId, usize> = slots
+            .into_iter()
+            .filter_map(|(id, slot)| Some((id, host_rows.binary_search(&slot).ok()?)))
+            .collect();
+        // Sample every host row of the step in parallel: each from its own logits,
+        // history and random generator, so the tokens are those of a serial loop.
         let stop_ids = self.llama.tokenizer.stop_ids().to_vec();
         let stop_ids = stop_ids.as_slice();
         let mut jobs: Vec<(RequestId, &mut Active<B>, &[f32])> = self
             .requests
             .iter_mut()
-            .filter(|(id, _)| !drafts.contains_key(id))
+            .filter(|(id, _)| !drafts.contains_key(id) && !device.contains_key(id))
             .filter_map(|(id, active)| {
                 let i = *slots.get(id)?;
-                Some((*id, active, &logits[i * vocab..(i + 1) * vocab]))
+                Some((*id, active, logits.get(i * vocab..(i + 1) * vocab)?))
             })
             .collect();
         let tokens = crate::sampling::for_each_row(&mut jobs, |(_, active, logits)| {
@@ -521,16 +597,30 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         for row in plan.rows.iter().filter(|r| r.sample) {
             if let Some(proposed) = drafts.get(&row.id) {
                 let first = slots.get(&row.id).copied().unwrap_or(0);
-                let rows =
-                    logits[first * vocab..(first + 1 + proposed.len()) * vocab].chunks(vocab);
+                let rows = logits
+                    .get(first * vocab..(first + 1 + proposed.len()) * vocab)
+                    .unwrap_or_default()
+                    .chunks(vocab);
                 self.verify_row(row.id, proposed, rows, stop_ids);
                 continue;
             }
-            let token = sampled.remove(&row.id).unwrap_or_else(|| {
-                Err(LlamaError::Runtime(
-                    "a scheduled request has no state".into(),
-                ))
-            });
+            let token = match device.get(&row.id) {
+                Some(&(draw, token)) => match self.requests.get_mut(&row.id) {
+                    Some(active) => {
+                        let Active { state, sampler, .. } = active;
+                        state.record_device_token(sampler, &draw, token);
+                        Ok(token.token)
+                    }
+                    None => Err(LlamaError::Runtime(
+                        "a scheduled request has no state".into(),
+                    )),
+                },
+                None => sampled.remove(&row.id).unwrap_or_else(|| {
+                    Err(LlamaError::Runtime(
+                        "a scheduled request has no state".into(),
+                    ))
+                }),
+            };
             match token.and_then(|token| self.emit(row.id, token)) {
                 Ok(Some(token)) => self.scheduler.append(row.id, token),
                 Ok(None) => self.end(row.id, Ok(())),
