@@ -511,10 +511,8 @@ fn key_value(key: u32) -> f32 {
 #[cube]
 fn sample_weight(l: f32, max: f32, inv_t: f32, threshold: f32) -> f32 {
     let mut w = f32::new(0.0);
-    if l >= threshold {
-        if l >= lowest() {
-            w = ((l - max) * inv_t).exp();
-        }
+    if l >= threshold && l >= lowest() {
+        w = ((l - max) * inv_t).exp();
     }
     w
 }
@@ -692,7 +690,10 @@ pub(crate) fn sample_kernel<F: Float, I: Numeric>(
 
     // 5. The draw: the kept weights of each unit's contiguous share of ids.
     let units = CUBE_DIM_X as usize;
-    let chunk = (n + units - 1) / units;
+    let mut chunk = n / units;
+    if chunk * units < n {
+        chunk += 1;
+    }
     let start = u * chunk;
     let mut end = start + chunk;
     if end > n {

@@ -19,6 +19,12 @@
 //!   multiplied by Burn's matmul.
 //! - [`greedy_tokens`](LlamaBackend::greedy_tokens): each row's argmax on the device, so a
 //!   step whose rows all decode greedily reads back token ids, not logits.
+//! - [`sample_tokens`](LlamaBackend::sample_tokens): a row drawn with temperature,
+//!   top-k, top-p and min-p (the rule of [`crate::sampling::device`]) on the device, with
+//!   the uniform its own generator gives on the host: one workgroup per row, every sum in
+//!   an order fixed by the row alone, top-k and top-p cuts found by a search over the
+//!   bits of the threshold (no sort), the draw a walk of the kept weights in id order, as
+//!   the host pipeline's; the token and its raw log-probability come back.
 
 mod kernels;
 

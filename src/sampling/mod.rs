@@ -4,7 +4,8 @@
 //! penalties, temperature, top-k, top-p, min-p) in one documented order (see
 //! [`pipeline`]), fast: no full-vocabulary sort anywhere, nothing at all for a control
 //! that is off. The spec's [`Sampler`] with [`TopP`] and [`TopK`] are front doors to the
-//! same code. [`logprobs`] computes the model's raw log-probabilities.
+//! same code. [`logprobs`] computes the model's raw log-probabilities. [`device`] says
+//! which rows a backend may draw where their logits are.
 //!
 //! Every sampler owns its random generator, seeded per request, so results reproduce and
 //! never depend on other requests.
