@@ -283,3 +283,211 @@ fn device_argmax_gives_the_host_greedy_token() {
         .expect("the CubeCL backends have a device argmax");
     assert_eq!(got, want);
 }
+
+/// `values` rounded to f16, as f32 (what an f16 tensor of them holds).
+fn rounded_to_f16(values: &[f32]) -> Vec<f32> {
+    values
+        .iter()
+        .map(|&v| burn::tensor::f16::from_f32(v).to_f32())
+        .collect()
+}
+
+#[test]
+fn kernels_in_f16_accumulate_in_f32() {
+    use burn::tensor::{DType, Tensor, TensorData};
+    use llama_burn::Precision;
+    use llama_burn::kernels::attention::{PagedPool, PagedSeq, paged_attention};
+    use llama_burn::kernels::{QuantFormat, QuantMatrix};
+    use llama_burn::model::attention::PagedBatch;
+
+    // f16 tensors on the f32 tests' device (an explicit type, not the device's default):
+    // the kernels read half values and accumulate in f32, so each output is the f32
+    // reference of the rounded inputs, rounded once to f16 (within an f16 ulp, 2^-11
+    // relative; sums kept in f16 would be off by several).
+    let device = Default::default();
+    let half = |data: Vec<f32>, dims: [usize; 2]| {
+        Tensor::<Wgpu, 2>::from_data(TensorData::new(data, dims), (&device, DType::F16))
+    };
+    let read = |t: Tensor<Wgpu, 2>| -> Vec<f32> {
+        assert_eq!(t.dtype(), DType::F16);
+        t.into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("f32")
+    };
+
+    // Paged attention: a long sequence (many tiles of keys), a prompt chunk, two heads
+    // per key/value head.
+    let (n_heads, kv_heads, block_size, dim, blocks) = (4, 2, 7, 32, 40);
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let seqs = vec![
+        PagedSeq {
+            tokens: 1,
+            start: 250,
+            blocks: &table,
+        },
+        PagedSeq {
+            tokens: 3,
+            start: 17,
+            blocks: &table[5..],
+        },
+    ];
+    let pool_len = blocks * kv_heads * block_size * dim;
+    let (keys, vals) = (
+        rounded_to_f16(&values(pool_len, 11)),
+        rounded_to_f16(&values(pool_len, 12)),
+    );
+    let q = rounded_to_f16(&values(4 * n_heads * dim, 13));
+    let pool = PagedPool {
+        keys: &keys,
+        values: &vals,
+        heads: kv_heads,
+        block_size,
+        dim,
+    };
+    let want = paged_attention(&q, n_heads, pool, &seqs).expect("cpu reference");
+    let pool_dims = [blocks, kv_heads, block_size, dim];
+    let k = Tensor::<Wgpu, 4>::from_data(TensorData::new(keys, pool_dims), (&device, DType::F16));
+    let v = Tensor::<Wgpu, 4>::from_data(TensorData::new(vals, pool_dims), (&device, DType::F16));
+    let batch = PagedBatch::<Wgpu>::new(seqs, n_heads, block_size, blocks, &device).expect("batch");
+    let got = read(
+        Wgpu::paged_attention(half(q, [4, n_heads * dim]), &k, &v, &batch).expect("attention"),
+    );
+    let worst = want
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs() / a.abs().max(1e-2))
+        .fold(0f32, f32::max);
+    eprintln!("f16 paged attention vs f32 reference: max relative diff {worst:e}");
+    assert_eq!(got.len(), want.len());
+    assert!(worst <= 1e-3, "{worst}");
+
+    // The fused quantized products, and a dense fallback (Q5_0) made in the input's type
+    // (its weights rounded to f16 too, and Burn's matmul: a looser bound).
+    for (format, bound) in [
+        (QuantFormat::Q8_0, 1e-3),
+        (QuantFormat::Q4_K, 1e-3),
+        (QuantFormat::Q6_K, 1e-3),
+        (QuantFormat::Q5_0, 5e-3),
+    ] {
+        let (rows, n_out, cols) = (3, 19, 4 * format.block_values());
+        let w = QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 14))
+            .expect("quantize");
+        let dense = w.dequantize().expect("dequantize");
+        let x = rounded_to_f16(&values(rows * cols, 15));
+        let want: Vec<f64> = (0..rows * n_out)
+            .map(|i| {
+                let (r, o) = (i / n_out, i % n_out);
+                (0..cols)
+                    .map(|c| f64::from(x[r * cols + c]) * f64::from(dense[o * cols + c]))
+                    .sum()
+            })
+            .collect();
+        let got = read(
+            Wgpu::quantized_matmul(half(x, [rows, cols]), &w, Precision::Exact).expect("matmul"),
+        );
+        let worst = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| ((a - f64::from(*b)).abs() / a.abs().max(1.0)) as f32)
+            .fold(0f32, f32::max);
+        eprintln!("f16 {format:?} product vs f64 reference: max relative diff {worst:e}");
+        assert!(worst <= bound, "{format:?}: {worst}");
+    }
+}
+
+#[test]
+fn the_demo_model_in_f16_on_wgpu() {
+    use burn::backend::wgpu::WgpuDevice;
+    use burn::tensor::{DType, f16};
+    use llama_burn::FloatType;
+    use llama_burn::backend::float_type;
+    use llama_burn::cache::PagedKvCache;
+    use llama_burn::model::PagedRow;
+
+    type Half = Wgpu<f16>;
+    // Burn 0.21 fixes a device's float type at its first tensor, per device and not per
+    // backend type: the other tests' f32 `Wgpu` on the default device would make this
+    // model's tensors f32 were it first there. So the half model takes Mesa's software
+    // driver by its other name, a device of its own.
+    let device = WgpuDevice::Cpu;
+    assert!(
+        <Half as burn::tensor::backend::Backend>::supports_dtype(&device, DType::F16),
+        "the adapter has no SHADER_F16"
+    );
+    let mut cpu = demo::<Flex>(&Default::default());
+    let gpu = demo::<Half>(&device);
+    assert_eq!(float_type::<Half>(&device), Some(FloatType::F16));
+
+    // The last logits of a prompt on the engine's path (paged cache, our kernels), read
+    // back as f32, within a half type's error of the CPU backend's f32 logits.
+    let ids = cpu.encode_prompt(PROMPTS[0]).expect("encode");
+    let want = cpu.logits(&ids).expect("cpu").pop().expect("a row");
+    let c = gpu.config().clone();
+    let mut cache = PagedKvCache::<Half>::new(c.n_layers, 2, 16, c.n_kv_heads, c.head_dim, &device)
+        .expect("pool");
+    let row = PagedRow {
+        tokens: &ids,
+        start: 0,
+        blocks: &[1, 0],
+        logits: true,
+        all_logits: false,
+    };
+    let logits = gpu
+        .model
+        .forward_paged(&[row], &mut cache)
+        .expect("forward");
+    assert_eq!(logits.dtype(), DType::F16);
+    let got = logits
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32");
+    let scale = want.iter().map(|x| x.abs()).fold(0f32, f32::max);
+    let diff = want
+        .iter()
+        .zip(&got)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    eprintln!("f16 vs cpu f32: max |logit diff| {diff:e} (largest |logit| {scale:e})");
+    assert_eq!(got.len(), want.len());
+    assert!(diff <= 0.5, "{diff}");
+
+    // Greedy tokens through the continuous engine (the device argmax), each prompt alone,
+    // against the CPU backend's f32 tokens: the common prefix of each continuation.
+    let config = ContinuousConfig::default().with_kv_budget_tokens(1024);
+    let engine = ContinuousEngine::start(gpu, config).expect("engine");
+    let run = |prompts: &[&str]| -> Vec<Vec<u32>> {
+        let jobs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                engine
+                    .submit(GenerateRequest::new(*p).with_max_tokens(TOKENS))
+                    .expect("submit")
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|job| {
+                let (tokens, _) = job.collect().expect("engine request");
+                tokens.iter().map(|t| t.token_id).collect()
+            })
+            .collect()
+    };
+    let alone: Vec<Vec<u32>> = PROMPTS.iter().flat_map(|p| run(&[p])).collect();
+    let mut agreed = 0;
+    for ((prompt, got), want) in PROMPTS
+        .iter()
+        .zip(&alone)
+        .zip(PROMPTS.map(|p| greedy(&mut cpu, p)))
+    {
+        let same = want.iter().zip(got).take_while(|(a, b)| a == b).count();
+        eprintln!("f16 vs cpu f32, {prompt:?}: the first {same} of {TOKENS} tokens agree");
+        assert!(same >= 1, "{prompt:?}: {got:?} vs {want:?}");
+        agreed += same;
+    }
+    assert!(agreed >= PROMPTS.len() * TOKENS * 2 / 3, "{agreed}");
+
+    // Batch invariance holds in half: the rows submitted together give the tokens of the
+    // same rows run one at a time.
+    assert_eq!(run(&PROMPTS), alone);
+}

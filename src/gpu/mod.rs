@@ -15,7 +15,7 @@
 //!   blocks on the device ([`keeps_quantized_weights`](LlamaBackend::keeps_quantized_weights)),
 //!   uploaded once on first use; Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and Q5_K are multiplied by
 //!   a fused dequantize-and-multiply kernel, the other kept formats (Q5_0, Q5_1, Q3_K) are
-//!   dequantized once to an f32 copy on the device (the portable path's memory) and
+//!   dequantized once to a dense copy on the device (the portable path's memory) and
 //!   multiplied by Burn's matmul.
 //! - [`greedy_tokens`](LlamaBackend::greedy_tokens): each row's argmax on the device, so a
 //!   step whose rows all decode greedily reads back token ids, not logits.
@@ -464,7 +464,7 @@ fn paged_attention<B: LlamaBackend + CubeKernels>(
 }
 
 /// A quantized matrix on a device: its blocks as words for the kernel's formats, else
-/// its dense f32 transpose `[in, out]`.
+/// its dense transpose `[in, out]` in the activations' float type.
 #[derive(Debug, Clone)]
 enum DeviceWeight<B: Backend> {
     Blocks(Tensor<B, 1, Int>, u32),
@@ -533,7 +533,7 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
                 None => DeviceWeight::Dense(
                     Tensor::<B, 2>::from_data(
                         TensorData::new(w.dequantize()?, [w.rows(), w.cols()]),
-                        &device,
+                        (&device, x.dtype()),
                     )
                     .transpose(),
                 ),
@@ -555,7 +555,12 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
             );
             Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
         }
-        DeviceWeight::Dense(t) => Ok(x.matmul(t)),
+        DeviceWeight::Dense(t) => {
+            // Made in the float type of the first activations; another type's get a cast.
+            let dtype = x.dtype();
+            let t = if t.dtype() == dtype { t } else { t.cast(dtype) };
+            Ok(x.matmul(t))
+        }
     }
 }
 

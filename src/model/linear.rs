@@ -93,7 +93,7 @@ impl<B: Backend> Projection<B> {
         self.parts
             .iter()
             .map(|p| match p {
-                Part::Dense(t) => t.shape().num_elements() * std::mem::size_of::<f32>(),
+                Part::Dense(t) => t.shape().num_elements() * t.dtype().size(),
                 Part::Quantized(m) => m.bytes(),
             })
             .sum()
