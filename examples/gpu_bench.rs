@@ -32,7 +32,6 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::tensor::backend::Backend;
 use clap::Parser;
 #[cfg(not(feature = "cuda"))]
 use common::B;
