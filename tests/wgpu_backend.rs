@@ -254,6 +254,73 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
 }
 
 #[test]
+fn dense_matmul_kernel_is_batch_invariant_and_gives_the_reference() {
+    use burn::tensor::{Tensor, TensorData};
+
+    // Dense weights (F32/F16/BF16 checkpoints) go through our kernel on the CubeCL
+    // backends: Burn's matmul gives a row different bits in different batches. Both
+    // layouts (`[in, out]` projections, the `[vocab, d]` output head), an odd shape, one
+    // row (a unit per row), 5 (tiles of 4) and 19 (tiles of 8).
+    let device = Default::default();
+    let (n_out, cols) = (37, 67);
+    let w = values(n_out * cols, 21);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for transposed in [false, true] {
+        let dims = if transposed {
+            [n_out, cols]
+        } else {
+            [cols, n_out]
+        };
+        let wt = Tensor::<Wgpu, 2>::from_data(TensorData::new(w.clone(), dims), &device);
+        let weight = |o: usize, c: usize| {
+            f64::from(if transposed {
+                w[o * cols + c]
+            } else {
+                w[c * n_out + o]
+            })
+        };
+        let multiply = |x: &[f32], rows: usize| -> Vec<f32> {
+            let xt =
+                Tensor::<Wgpu, 2>::from_data(TensorData::new(x.to_vec(), [rows, cols]), &device);
+            Wgpu::dense_matmul(xt, &wt, transposed)
+                .expect("wgpu dense matmul")
+                .into_data()
+                .into_vec::<f32>()
+                .expect("f32")
+        };
+        for rows in [1, 5, 19] {
+            let x = values(rows * cols, 30 + rows as u64);
+            let got = multiply(&x, rows);
+            assert_eq!(got.len(), rows * n_out);
+            for (i, g) in got.iter().enumerate() {
+                let (r, o) = (i / n_out, i % n_out);
+                let want: f64 = (0..cols)
+                    .map(|c| f64::from(x[r * cols + c]) * weight(o, c))
+                    .sum();
+                assert!(
+                    (f64::from(*g) - want).abs() <= 1e-4,
+                    "{transposed} {rows}: {g} {want}"
+                );
+            }
+            for r in [0, rows / 2, rows - 1] {
+                let alone = multiply(&x[r * cols..(r + 1) * cols], 1);
+                assert_eq!(
+                    bits(&alone),
+                    bits(&got[r * n_out..(r + 1) * n_out]),
+                    "transposed {transposed}: row {r} of {rows} differs from the row alone"
+                );
+            }
+        }
+        // A weight that does not take `x`'s columns is an error, not a panic.
+        let wrong = Tensor::<Wgpu, 2>::from_data(
+            TensorData::new(vec![0f32; 3 * cols + 3], [1, 3 * cols + 3]),
+            &device,
+        );
+        assert!(Wgpu::dense_matmul(wrong, &wt, transposed).is_err());
+    }
+}
+
+#[test]
 fn device_argmax_gives_the_host_greedy_token() {
     use burn::tensor::{Tensor, TensorData};
 

@@ -226,6 +226,61 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     }
 }
 
+/// `x @ W` for a dense `W` in the backend's float type: `[cols, n_out]` row-major, or
+/// with `transposed` `[n_out, cols]` (the output head's `[vocab, d_model]` table). One
+/// unit per output value and tile of `tile` rows of `x`, as in
+/// [`quantized_matmul_kernel`]: each weight is read once per tile and multiplied into
+/// every row's own f32 sum over `cols` in order, so a row's outputs are the same at every
+/// tile size and in any batch (Burn's matmul picks its tiling, and so its sums' order,
+/// by the batch's shape). Untransposed, the units of a cube read adjacent weights.
+#[cube(launch)]
+pub(crate) fn dense_matmul_kernel<F: Float>(
+    x: &Tensor<F>,
+    w: &Tensor<F>,
+    out: &mut Tensor<F>,
+    rows: u32,
+    n_out: u32,
+    cols: u32,
+    #[comptime] transposed: bool,
+    #[comptime] tile: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let o = ABSOLUTE_POS_X as usize;
+    let r0 = ABSOLUTE_POS_Y as usize * tile;
+    let (rows, n_out, cols) = (rows as usize, n_out as usize, cols as usize);
+    if o >= n_out || r0 >= rows {
+        terminate!();
+    }
+    let mut x_at = Array::<u32>::new(tile);
+    let mut acc = Array::<f32>::new(tile);
+    #[unroll]
+    for t in 0..tile {
+        let mut r = r0 + t;
+        if r >= rows {
+            r = rows - 1;
+        }
+        x_at[t] = (r * cols) as u32;
+        acc[t] = f32::new(0.0);
+    }
+    for c in 0..cols {
+        let mut at = c * n_out + o;
+        if comptime!(transposed) {
+            at = o * cols + c;
+        }
+        let v = f32::cast_from(w[at]);
+        #[unroll]
+        for t in 0..tile {
+            acc[t] += v * x_value::<F>(x, &x_at, t, c, 0);
+        }
+    }
+    #[unroll]
+    for t in 0..tile {
+        if r0 + t < rows {
+            out[(r0 + t) * n_out + o] = F::cast_from(acc[t]);
+        }
+    }
+}
+
 /// Value `i` of the tile's row `t`, from its block starting at `xb`, as f32.
 #[cube]
 fn x_value<F: Float>(x: &Tensor<F>, x_at: &Array<u32>, t: usize, xb: usize, i: usize) -> f32 {

@@ -17,6 +17,11 @@
 //!   Q4_K, Q5_K, Q6_K) is multiplied by a fused dequantize-and-multiply kernel. Decode takes one row per unit; prompts and batches of
 //!   4 rows or more take tiles of 4 or 8 rows per unit, each weight decoded once per tile
 //!   ([`quant_tile`]), with a row's arithmetic the same at every tile size.
+//! - [`dense_matmul`](LlamaBackend::dense_matmul): projections and the output head held
+//!   in the float type (F32/F16/BF16 checkpoints) through our own kernel, each output its
+//!   own sum in one order, so that they are batch-invariant too: Burn's matmul is not
+//!   (on wgpu every row of a 2- to 128-row product differed in some bits from the row
+//!   alone).
 //! - [`greedy_tokens`](LlamaBackend::greedy_tokens): each row's argmax on the device, so a
 //!   step whose rows all decode greedily reads back token ids, not logits.
 
@@ -62,6 +67,19 @@ pub struct QuantShape {
     pub format: u32,
 }
 
+/// The shape of a dense product (see [`CubeKernels::dense_matmul_primitive`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenseShape {
+    /// Rows of `x`.
+    pub rows: usize,
+    /// Outputs.
+    pub n_out: usize,
+    /// Inputs (columns of `x`).
+    pub cols: usize,
+    /// `W` is `[n_out, cols]` (else `[cols, n_out]`).
+    pub transposed: bool,
+}
+
 /// The largest head the paged attention kernel takes (one unit per value of a head).
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -86,6 +104,15 @@ pub trait CubeKernels: Backend {
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
         shape: QuantShape,
+    ) -> FloatTensor<Self>;
+
+    /// `x @ W` for `x` `[rows, cols]` and a dense `W` `[cols, n_out]`, or `x @ W^T` for
+    /// `W` `[n_out, cols]` when `shape.transposed`; returns `[rows, n_out]`, each output
+    /// its own sum in one order whatever the batch. The caller has checked the shapes.
+    fn dense_matmul_primitive(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        shape: DenseShape,
     ) -> FloatTensor<Self>;
 
     /// The greedy token of each row of `logits` `[rows, vocab]` (the first index of the
@@ -188,6 +215,51 @@ where
             shape.format,
             tile,
             [f_dtype.into(), i_dtype.into()],
+        );
+        out
+    }
+
+    fn dense_matmul_primitive(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        shape: DenseShape,
+    ) -> FloatTensor<Self> {
+        use burn_cubecl::kernel::into_contiguous;
+        use burn_cubecl::tensor::CubeTensor;
+        use cubecl::{CubeCount, CubeDim};
+
+        let x = into_contiguous(x);
+        let w = into_contiguous(w);
+        let out_shape = burn::tensor::Shape::new([shape.rows, shape.n_out]);
+        let bytes = out_shape.num_elements() * x.dtype.size();
+        let out = CubeTensor::new_contiguous(
+            x.client.clone(),
+            x.device.clone(),
+            out_shape,
+            x.client.empty(bytes),
+            x.dtype,
+        );
+        let f_dtype = x.dtype;
+        let client = x.client.clone();
+        let width = 64u32;
+        let tile = quant_tile(shape.rows);
+        kernels::dense_matmul_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(
+                (shape.n_out as u32).div_ceil(width),
+                shape.rows.div_ceil(tile) as u32,
+                1,
+            ),
+            CubeDim::new_1d(width),
+            x.into_tensor_arg(),
+            w.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            shape.rows as u32,
+            shape.n_out as u32,
+            shape.cols as u32,
+            shape.transposed,
+            tile,
+            f_dtype.into(),
         );
         out
     }
@@ -337,6 +409,62 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
                 streams,
                 OperationIr::Custom(desc.clone()),
                 QuantizedMatmulOp::<B> {
+                    desc,
+                    shape,
+                    _backend: core::marker::PhantomData,
+                },
+            )
+            .output()
+    }
+
+    fn dense_matmul_primitive(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        shape: DenseShape,
+    ) -> FloatTensor<Self> {
+        use burn_fusion::stream::{Operation, OperationStreams};
+        use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+        /// The kernel as an operation of the fusion stream.
+        #[derive(Debug)]
+        struct DenseMatmulOp<B> {
+            desc: CustomOpIr,
+            shape: DenseShape,
+            _backend: core::marker::PhantomData<B>,
+        }
+
+        impl<B: FusionBackend + CubeKernels> Operation<B::FusionRuntime> for DenseMatmulOp<B> {
+            fn execute(
+                &self,
+                handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+            ) {
+                let ([x, w], [out]) = self.desc.as_fixed();
+                let result = B::dense_matmul_primitive(
+                    handles.get_float_tensor::<B>(x),
+                    handles.get_float_tensor::<B>(w),
+                    self.shape,
+                );
+                handles.register_float_tensor::<B>(&out.id, result);
+            }
+        }
+
+        let client = x.client.clone();
+        let streams = OperationStreams::with_inputs([&x, &w]);
+        let out = TensorIr::uninit(
+            client.create_empty_handle(),
+            burn::tensor::Shape::new([shape.rows, shape.n_out]),
+            x.dtype,
+        );
+        let desc = CustomOpIr::new(
+            "llama_burn_dense_matmul",
+            &[x.into_ir(), w.into_ir()],
+            &[out],
+        );
+        client
+            .register(
+                streams,
+                OperationIr::Custom(desc.clone()),
+                DenseMatmulOp::<B> {
                     desc,
                     shape,
                     _backend: core::marker::PhantomData,
@@ -556,6 +684,36 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
 }
 
+/// [`LlamaBackend::dense_matmul`] on the device, through [`CubeKernels::dense_matmul_primitive`].
+fn dense_matmul<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    w: &Tensor<B, 2>,
+    transposed: bool,
+) -> Result<Tensor<B, 2>> {
+    let [rows, cols] = x.dims();
+    let [a, b] = w.dims();
+    let (w_cols, n_out) = if transposed { (b, a) } else { (a, b) };
+    if w_cols != cols {
+        return Err(LlamaError::ShapeMismatch {
+            name: "dense matmul input".into(),
+            expected: vec![w_cols],
+            actual: vec![cols],
+        });
+    }
+    let shape = DenseShape {
+        rows,
+        n_out,
+        cols,
+        transposed,
+    };
+    let out = B::dense_matmul_primitive(
+        x.into_primitive().tensor(),
+        w.clone().into_primitive().tensor(),
+        shape,
+    );
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
 /// Burn's CubeCL backends without fusion: our kernels where we have them, the portable
 /// defaults elsewhere.
 impl<R, F, I, BT> LlamaBackend for CubeBackend<R, F, I, BT>
@@ -586,6 +744,14 @@ where
         quantized_matmul(x, w)
     }
 
+    fn dense_matmul(
+        x: Tensor<Self, 2>,
+        w: &Tensor<Self, 2>,
+        transposed: bool,
+    ) -> Result<Tensor<Self, 2>> {
+        dense_matmul(x, w, transposed)
+    }
+
     fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
         greedy_tokens(logits)
     }
@@ -613,6 +779,14 @@ impl<B: FusionBackend + CubeKernels> LlamaBackend for Fusion<B> {
         _precision: Precision,
     ) -> Result<Tensor<Self, 2>> {
         quantized_matmul(x, w)
+    }
+
+    fn dense_matmul(
+        x: Tensor<Self, 2>,
+        w: &Tensor<Self, 2>,
+        transposed: bool,
+    ) -> Result<Tensor<Self, 2>> {
+        dense_matmul(x, w, transposed)
     }
 
     fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
