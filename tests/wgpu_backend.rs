@@ -201,15 +201,24 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
     use llama_burn::kernels::{QuantFormat, QuantMatrix};
 
     let device = Default::default();
-    // Every kept format: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and Q5_K through the fused kernel,
-    // the others through their dense copy on the device. An odd number of outputs and of
-    // blocks per row, one row and several.
+    // Every kept format, all through the fused kernel. An odd number of outputs and of
+    // blocks per row; one row (a unit per row), 5 rows (tiles of 4, the last one partial)
+    // and 19 (tiles of 8, the last one partial).
+    let multiply = |x: &[f32], rows: usize, w: &QuantMatrix| -> Vec<f32> {
+        let xt =
+            Tensor::<Wgpu, 2>::from_data(TensorData::new(x.to_vec(), [rows, w.cols()]), &device);
+        Wgpu::quantized_matmul(xt, w, Precision::Exact)
+            .expect("wgpu quantized matmul")
+            .into_data()
+            .into_vec::<f32>()
+            .expect("f32")
+    };
     for format in QuantFormat::ALL {
         let (n_out, cols) = (37, 3 * format.block_values());
         let w =
             QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 4)).expect("quantize");
         let dense = w.dequantize().expect("dequantize");
-        for rows in [1, 5] {
+        for rows in [1, 5, 19] {
             let x = values(rows * cols, 5 + rows as u64);
             let want: Vec<f32> = (0..rows * n_out)
                 .map(|i| {
@@ -219,12 +228,7 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
                         .sum::<f64>() as f32
                 })
                 .collect();
-            let xt = Tensor::<Wgpu, 2>::from_data(TensorData::new(x, [rows, cols]), &device);
-            let got = Wgpu::quantized_matmul(xt, &w, Precision::Exact)
-                .expect("wgpu quantized matmul")
-                .into_data()
-                .into_vec::<f32>()
-                .expect("f32");
+            let got = multiply(&x, rows, &w);
             let diff = want
                 .iter()
                 .zip(&got)
@@ -232,9 +236,88 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
                 .fold(0f32, f32::max);
             assert_eq!(got.len(), want.len());
             assert!(diff <= 1e-4, "{format:?}, {rows} rows: {diff}");
+            // Batch invariance: each row alone gives the same bits as in its tile.
+            if rows > 1 {
+                for r in [0, rows / 2, rows - 1] {
+                    let alone = multiply(&x[r * cols..(r + 1) * cols], 1, &w);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&alone),
+                        bits(&got[r * n_out..(r + 1) * n_out]),
+                        "{format:?}: row {r} of {rows} differs from the row alone"
+                    );
+                }
+            }
         }
     }
     assert!(<Wgpu as LlamaBackend>::keeps_quantized_weights());
+}
+
+#[test]
+fn dense_matmul_kernel_is_batch_invariant_and_gives_the_reference() {
+    use burn::tensor::{Tensor, TensorData};
+
+    // Dense weights (F32/F16/BF16 checkpoints) go through our kernel on the CubeCL
+    // backends: Burn's matmul gives a row different bits in different batches. Both
+    // layouts (`[in, out]` projections, the `[vocab, d]` output head), an odd shape, one
+    // row (a unit per row), 5 (tiles of 4) and 19 (tiles of 8).
+    let device = Default::default();
+    let (n_out, cols) = (37, 67);
+    let w = values(n_out * cols, 21);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for transposed in [false, true] {
+        let dims = if transposed {
+            [n_out, cols]
+        } else {
+            [cols, n_out]
+        };
+        let wt = Tensor::<Wgpu, 2>::from_data(TensorData::new(w.clone(), dims), &device);
+        let weight = |o: usize, c: usize| {
+            f64::from(if transposed {
+                w[o * cols + c]
+            } else {
+                w[c * n_out + o]
+            })
+        };
+        let multiply = |x: &[f32], rows: usize| -> Vec<f32> {
+            let xt =
+                Tensor::<Wgpu, 2>::from_data(TensorData::new(x.to_vec(), [rows, cols]), &device);
+            Wgpu::dense_matmul(xt, &wt, transposed)
+                .expect("wgpu dense matmul")
+                .into_data()
+                .into_vec::<f32>()
+                .expect("f32")
+        };
+        for rows in [1, 5, 19] {
+            let x = values(rows * cols, 30 + rows as u64);
+            let got = multiply(&x, rows);
+            assert_eq!(got.len(), rows * n_out);
+            for (i, g) in got.iter().enumerate() {
+                let (r, o) = (i / n_out, i % n_out);
+                let want: f64 = (0..cols)
+                    .map(|c| f64::from(x[r * cols + c]) * weight(o, c))
+                    .sum();
+                assert!(
+                    (f64::from(*g) - want).abs() <= 1e-4,
+                    "{transposed} {rows}: {g} {want}"
+                );
+            }
+            for r in [0, rows / 2, rows - 1] {
+                let alone = multiply(&x[r * cols..(r + 1) * cols], 1);
+                assert_eq!(
+                    bits(&alone),
+                    bits(&got[r * n_out..(r + 1) * n_out]),
+                    "transposed {transposed}: row {r} of {rows} differs from the row alone"
+                );
+            }
+        }
+        // A weight that does not take `x`'s columns is an error, not a panic.
+        let wrong = Tensor::<Wgpu, 2>::from_data(
+            TensorData::new(vec![0f32; 3 * cols + 3], [1, 3 * cols + 3]),
+            &device,
+        );
+        assert!(Wgpu::dense_matmul(wrong, &wt, transposed).is_err());
+    }
 }
 
 #[test]
@@ -362,15 +445,14 @@ fn kernels_in_f16_accumulate_in_f32() {
     assert_eq!(got.len(), want.len());
     assert!(worst <= 1e-3, "{worst}");
 
-    // The fused quantized products, and a dense fallback (Q5_0) made in the input's type
-    // (its weights rounded to f16 too, and Burn's matmul: a looser bound).
-    for (format, bound) in [
-        (QuantFormat::Q8_0, 1e-3),
-        (QuantFormat::Q4_K, 1e-3),
-        (QuantFormat::Q6_K, 1e-3),
-        (QuantFormat::Q5_0, 5e-3),
+    // The fused quantized products (one row per unit, and a tile of 4 rows).
+    for (format, rows) in [
+        (QuantFormat::Q8_0, 3),
+        (QuantFormat::Q4_K, 3),
+        (QuantFormat::Q6_K, 4),
+        (QuantFormat::Q5_0, 4),
     ] {
-        let (rows, n_out, cols) = (3, 19, 4 * format.block_values());
+        let (n_out, cols) = (19, 4 * format.block_values());
         let w = QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 14))
             .expect("quantize");
         let dense = w.dequantize().expect("dequantize");
@@ -392,7 +474,51 @@ fn kernels_in_f16_accumulate_in_f32() {
             .map(|(a, b)| ((a - f64::from(*b)).abs() / a.abs().max(1.0)) as f32)
             .fold(0f32, f32::max);
         eprintln!("f16 {format:?} product vs f64 reference: max relative diff {worst:e}");
-        assert!(worst <= bound, "{format:?}: {worst}");
+        assert!(worst <= 1e-3, "{format:?}: {worst}");
+    }
+
+    // The dense kernel (F16/BF16 checkpoints' projections), both layouts.
+    let (rows, n_in, n_out) = (5, 300, 23);
+    let x = rounded_to_f16(&values(rows * n_in, 16));
+    let w = rounded_to_f16(&values(n_in * n_out, 17));
+    for transposed in [false, true] {
+        let at = |i: usize, o: usize| {
+            if transposed {
+                o * n_in + i
+            } else {
+                i * n_out + o
+            }
+        };
+        let want: Vec<f64> = (0..rows * n_out)
+            .map(|k| {
+                let (r, o) = (k / n_out, k % n_out);
+                (0..n_in)
+                    .map(|i| f64::from(x[r * n_in + i]) * f64::from(w[at(i, o)]))
+                    .sum()
+            })
+            .collect();
+        let dims = if transposed {
+            [n_out, n_in]
+        } else {
+            [n_in, n_out]
+        };
+        let got = read(
+            Wgpu::dense_matmul(
+                half(x.clone(), [rows, n_in]),
+                &half(w.clone(), dims),
+                transposed,
+            )
+            .expect("dense"),
+        );
+        let worst = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| ((a - f64::from(*b)).abs() / a.abs().max(1.0)) as f32)
+            .fold(0f32, f32::max);
+        eprintln!(
+            "f16 dense product (transposed {transposed}) vs f64: max relative diff {worst:e}"
+        );
+        assert!(worst <= 1e-3, "{worst}");
     }
 }
 
