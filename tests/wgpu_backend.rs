@@ -201,15 +201,24 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
     use llama_burn::kernels::{QuantFormat, QuantMatrix};
 
     let device = Default::default();
-    // Every kept format: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and Q5_K through the fused kernel,
-    // the others through their dense copy on the device. An odd number of outputs and of
-    // blocks per row, one row and several.
+    // Every kept format, all through the fused kernel. An odd number of outputs and of
+    // blocks per row; one row (a unit per row), 5 rows (tiles of 4, the last one partial)
+    // and 19 (tiles of 8, the last one partial).
+    let multiply = |x: &[f32], rows: usize, w: &QuantMatrix| -> Vec<f32> {
+        let xt =
+            Tensor::<Wgpu, 2>::from_data(TensorData::new(x.to_vec(), [rows, w.cols()]), &device);
+        Wgpu::quantized_matmul(xt, w, Precision::Exact)
+            .expect("wgpu quantized matmul")
+            .into_data()
+            .into_vec::<f32>()
+            .expect("f32")
+    };
     for format in QuantFormat::ALL {
         let (n_out, cols) = (37, 3 * format.block_values());
         let w =
             QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 4)).expect("quantize");
         let dense = w.dequantize().expect("dequantize");
-        for rows in [1, 5] {
+        for rows in [1, 5, 19] {
             let x = values(rows * cols, 5 + rows as u64);
             let want: Vec<f32> = (0..rows * n_out)
                 .map(|i| {
@@ -219,12 +228,7 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
                         .sum::<f64>() as f32
                 })
                 .collect();
-            let xt = Tensor::<Wgpu, 2>::from_data(TensorData::new(x, [rows, cols]), &device);
-            let got = Wgpu::quantized_matmul(xt, &w, Precision::Exact)
-                .expect("wgpu quantized matmul")
-                .into_data()
-                .into_vec::<f32>()
-                .expect("f32");
+            let got = multiply(&x, rows, &w);
             let diff = want
                 .iter()
                 .zip(&got)
@@ -232,9 +236,88 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
                 .fold(0f32, f32::max);
             assert_eq!(got.len(), want.len());
             assert!(diff <= 1e-4, "{format:?}, {rows} rows: {diff}");
+            // Batch invariance: each row alone gives the same bits as in its tile.
+            if rows > 1 {
+                for r in [0, rows / 2, rows - 1] {
+                    let alone = multiply(&x[r * cols..(r + 1) * cols], 1, &w);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&alone),
+                        bits(&got[r * n_out..(r + 1) * n_out]),
+                        "{format:?}: row {r} of {rows} differs from the row alone"
+                    );
+                }
+            }
         }
     }
     assert!(<Wgpu as LlamaBackend>::keeps_quantized_weights());
+}
+
+#[test]
+fn dense_matmul_kernel_is_batch_invariant_and_gives_the_reference() {
+    use burn::tensor::{Tensor, TensorData};
+
+    // Dense weights (F32/F16/BF16 checkpoints) go through our kernel on the CubeCL
+    // backends: Burn's matmul gives a row different bits in different batches. Both
+    // layouts (`[in, out]` projections, the `[vocab, d]` output head), an odd shape, one
+    // row (a unit per row), 5 (tiles of 4) and 19 (tiles of 8).
+    let device = Default::default();
+    let (n_out, cols) = (37, 67);
+    let w = values(n_out * cols, 21);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for transposed in [false, true] {
+        let dims = if transposed {
+            [n_out, cols]
+        } else {
+            [cols, n_out]
+        };
+        let wt = Tensor::<Wgpu, 2>::from_data(TensorData::new(w.clone(), dims), &device);
+        let weight = |o: usize, c: usize| {
+            f64::from(if transposed {
+                w[o * cols + c]
+            } else {
+                w[c * n_out + o]
+            })
+        };
+        let multiply = |x: &[f32], rows: usize| -> Vec<f32> {
+            let xt =
+                Tensor::<Wgpu, 2>::from_data(TensorData::new(x.to_vec(), [rows, cols]), &device);
+            Wgpu::dense_matmul(xt, &wt, transposed)
+                .expect("wgpu dense matmul")
+                .into_data()
+                .into_vec::<f32>()
+                .expect("f32")
+        };
+        for rows in [1, 5, 19] {
+            let x = values(rows * cols, 30 + rows as u64);
+            let got = multiply(&x, rows);
+            assert_eq!(got.len(), rows * n_out);
+            for (i, g) in got.iter().enumerate() {
+                let (r, o) = (i / n_out, i % n_out);
+                let want: f64 = (0..cols)
+                    .map(|c| f64::from(x[r * cols + c]) * weight(o, c))
+                    .sum();
+                assert!(
+                    (f64::from(*g) - want).abs() <= 1e-4,
+                    "{transposed} {rows}: {g} {want}"
+                );
+            }
+            for r in [0, rows / 2, rows - 1] {
+                let alone = multiply(&x[r * cols..(r + 1) * cols], 1);
+                assert_eq!(
+                    bits(&alone),
+                    bits(&got[r * n_out..(r + 1) * n_out]),
+                    "transposed {transposed}: row {r} of {rows} differs from the row alone"
+                );
+            }
+        }
+        // A weight that does not take `x`'s columns is an error, not a panic.
+        let wrong = Tensor::<Wgpu, 2>::from_data(
+            TensorData::new(vec![0f32; 3 * cols + 3], [1, 3 * cols + 3]),
+            &device,
+        );
+        assert!(Wgpu::dense_matmul(wrong, &wt, transposed).is_err());
+    }
 }
 
 #[test]

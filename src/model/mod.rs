@@ -207,10 +207,8 @@ impl<B: LlamaBackend> VocabMatrix<B> {
     /// `precision`.
     fn project(&self, x: Tensor<B, 2>, precision: Precision) -> Result<Tensor<B, 2>> {
         match self {
-            // `(E x^T)^T`: with the head stored `[vocab, d_model]` this was the fastest
-            // form of the output projection at 8-32 rows on the CPU backend (and equal
-            // at 1).
-            VocabMatrix::Dense(table) => Ok(table.clone().matmul(x.transpose()).transpose()),
+            // The head is stored `[vocab, d_model]`: the backend's transposed product.
+            VocabMatrix::Dense(table) => B::dense_matmul(x, table, true),
             VocabMatrix::Quantized(m) => B::quantized_matmul(x, m, precision),
         }
     }
