@@ -115,6 +115,8 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
             "model": model_name(args.model.as_deref()),
             "backend": llama_burn::backend::BACKEND_NAME,
             "precision": llama.config().precision.name(),
+            "dtype": llama_burn::backend::float_type::<B>(llama.device())
+                .map_or("other", llama_burn::FloatType::name),
             "prompt": prompt,
             "prompt_tokens": out.prompt_tokens,
             "tokens": out.tokens,

@@ -5,6 +5,8 @@
 //!
 //! ```sh
 //! cargo run --release --features llama3,cuda --example gpu_bench -- --model 1b.Q4_K_M.gguf --json
+//! # activations, dense weights and KV cache in bf16 (`Cuda<bf16>`; also f16, f32 the default)
+//! cargo run --release --features llama3,cuda --example gpu_bench -- --model 1b.Q4_K_M.gguf --dtype bf16 --json
 //! ```
 //!
 //! Any backend runs it (the one the cargo features choose): `--features wgpu` on Mesa's
@@ -30,14 +32,15 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::tensor::backend::Backend;
 use clap::Parser;
-use common::{B, ModelOptions, exit_on_error, load_model, model_name, peak_rss_bytes};
-use llama_burn::backend::BACKEND_NAME;
+#[cfg(not(feature = "cuda"))]
+use common::B;
+use common::{ModelOptions, exit_on_error, load_model_as, model_name, peak_rss_bytes};
+use llama_burn::backend::{BACKEND_NAME, LlamaBackend, default_device, float_type};
 use llama_burn::cache::{BlockId, PagedKvCache};
 use llama_burn::llama::Llama;
 use llama_burn::model::PagedRow;
-use llama_burn::{LlamaError, Result};
+use llama_burn::{FloatType, LlamaError, Result};
 use serde_json::{Value, json};
 
 #[derive(Parser, Debug)]
@@ -86,7 +89,25 @@ fn main() {
     exit_on_error(run(&args));
 }
 
+/// `--dtype` picks the float element: on CUDA as the backend's type (`Cuda<bf16>`,
+/// `Cuda<f16>` or `Cuda`), elsewhere as the device's float type (`set_float_type`), which
+/// Burn's backends compute in alike.
 fn run(args: &Args) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        use burn::backend::Cuda;
+        use burn::tensor::{bf16, f16};
+        match args.options.dtype {
+            FloatType::F32 => run_on::<Cuda>(args, &default_device()),
+            FloatType::F16 => run_on::<Cuda<f16>>(args, &default_device()),
+            FloatType::Bf16 => run_on::<Cuda<bf16>>(args, &default_device()),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    run_on::<B>(args, &default_device())
+}
+
+fn run_on<C: LlamaBackend>(args: &Args, device: &C::Device) -> Result<()> {
     if args.rows.is_empty() || args.rows.contains(&0) || args.steps == 0 || args.reps == 0 {
         return Err(LlamaError::invalid(
             "--rows/--steps/--reps",
@@ -110,10 +131,12 @@ fn run(args: &Args) -> Result<()> {
     }
     let mut reports = Vec::new();
     for model in models {
-        reports.push(bench_model(args, model)?);
+        reports.push(bench_model::<C>(args, model, device)?);
     }
+    let dtype = float_type::<C>(device).map_or("other", FloatType::name);
     let report = json!({
         "backend": BACKEND_NAME,
+        "dtype": dtype,
         "settings": {
             "context": args.context,
             "steps": args.steps,
@@ -130,11 +153,15 @@ fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
-fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
+fn bench_model<C: LlamaBackend>(
+    args: &Args,
+    model: Option<&Path>,
+    device: &C::Device,
+) -> Result<Value> {
     let name = model_name(model);
     let longest = (args.context + args.warmup + args.steps).max(args.prefill);
-    let llama = load_model(model, longest, &args.options)?;
-    let device = llama.device();
+    let llama = load_model_as::<C>(model, longest, &args.options, device)?;
+    let dtype = float_type::<C>(device).map_or("other", FloatType::name);
     let c = llama.config().clone();
     let text = "The quick brown fox jumps over the lazy dog, and then it runs far away. ";
     let seed = llama.encode_prompt(text)?;
@@ -146,7 +173,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
     let mut prefill_best = f64::INFINITY;
     for _ in 0..args.reps {
         let n_blocks = blocks_per_seq(prompt.len());
-        let mut cache = PagedKvCache::<B>::new(
+        let mut cache = PagedKvCache::<C>::new(
             c.n_layers,
             n_blocks,
             args.block_size,
@@ -172,7 +199,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
     }
     let prefill_tps = args.prefill as f64 / prefill_best;
     if !args.json {
-        println!("{name} on {BACKEND_NAME}: prefill {prefill_tps:.1} tokens/s");
+        println!("{name} on {BACKEND_NAME} ({dtype}): prefill {prefill_tps:.1} tokens/s");
     }
 
     // Decode at each batch size.
@@ -184,7 +211,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
         let mut best = f64::INFINITY;
         let mut kv_bytes = 0;
         for _ in 0..args.reps {
-            let mut cache = PagedKvCache::<B>::new(
+            let mut cache = PagedKvCache::<C>::new(
                 c.n_layers,
                 rows * per_seq,
                 args.block_size,
@@ -253,7 +280,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
         let tps = (rows * args.steps) as f64 / best;
         if !args.json {
             println!(
-                "{name} on {BACKEND_NAME}: decode at {rows} rows {tps:.1} tokens/s \
+                "{name} on {BACKEND_NAME} ({dtype}): decode at {rows} rows {tps:.1} tokens/s \
                  ({:.2} ms a step)",
                 best * 1e3 / args.steps as f64
             );
@@ -265,7 +292,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
             "kv_pool_bytes": kv_bytes,
         }));
     }
-    B::sync(device).map_err(|e| LlamaError::Runtime(format!("sync: {e:?}")))?;
+    C::sync(device).map_err(|e| LlamaError::Runtime(format!("sync: {e:?}")))?;
     let (memory_bytes, memory_source) = memory_used();
     if !args.json {
         match memory_bytes {
@@ -275,6 +302,7 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
     }
     Ok(json!({
         "model": name,
+        "dtype": dtype,
         "layers": c.n_layers,
         "d_model": c.d_model,
         "vocab": c.vocab_size,
@@ -288,14 +316,13 @@ fn bench_model(args: &Args, model: Option<&Path>) -> Result<Value> {
 
 /// One step of `rows` on the engine's path: the greedy token of each row, read back (as
 /// ids where the backend computes the argmax on the device, as the engine does).
-fn greedy(
-    llama: &Llama<B>,
+fn greedy<C: LlamaBackend>(
+    llama: &Llama<C>,
     rows: &[PagedRow<'_>],
-    cache: &mut PagedKvCache<B>,
+    cache: &mut PagedKvCache<C>,
 ) -> Result<Vec<u32>> {
-    use llama_burn::backend::LlamaBackend;
     let logits = llama.model.forward_paged(rows, cache)?;
-    if let Some(ids) = B::greedy_tokens(&logits)?
+    if let Some(ids) = C::greedy_tokens(&logits)?
         && let Some(ids) = ids.into_iter().collect::<Option<Vec<u32>>>()
     {
         return Ok(ids);

@@ -98,10 +98,11 @@ mod chosen {
 pub use chosen::{BACKEND_NAME, DefaultBackend, default_device};
 
 use burn::tensor::{
-    Bool, Tensor, TensorData, backend::Backend, module::attention, ops::AttentionModuleOptions,
+    Bool, DType, FloatDType, Tensor, TensorData, backend::Backend, module::attention,
+    ops::AttentionModuleOptions,
 };
 
-use crate::config::Precision;
+use crate::config::{FloatType, Precision};
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
 use crate::model::paged_batch::PagedBatch;
@@ -155,9 +156,31 @@ pub trait LlamaBackend: Backend {
         }
         let dense = Tensor::<Self, 2>::from_data(
             TensorData::new(w.dequantize()?, [w.rows(), w.cols()]),
-            &x.device(),
+            (&x.device(), x.dtype()),
         );
         Ok(x.matmul(dense.transpose()))
+    }
+
+    /// `x @ W` for activations `x` `[rows, in]` and dense weights `W` `[in, out]`, or,
+    /// with `transposed`, `x @ W^T` for `W` `[out, in]` (the output head's
+    /// `[vocab, d_model]` table): `[rows, out]`. The default is Burn's matmul (the
+    /// transposed form as `(W x^T)^T`, which was the fastest form of the output head at
+    /// 8-32 rows on the CPU backend, and equal at 1); the CubeCL
+    /// backends use a kernel whose outputs do not depend on the batch.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] where a backend checks that `W` takes `x`'s columns.
+    fn dense_matmul(
+        x: Tensor<Self, 2>,
+        w: &Tensor<Self, 2>,
+        transposed: bool,
+    ) -> Result<Tensor<Self, 2>> {
+        Ok(if transposed {
+            w.clone().matmul(x.transpose()).transpose()
+        } else {
+            x.matmul(w.clone())
+        })
     }
 
     /// The feed-forward gate: `silu(gate) * up`, element by element. The default is
@@ -207,14 +230,21 @@ pub trait LlamaBackend: Backend {
     /// # Errors
     ///
     /// [`LlamaError::ShapeMismatch`] if `weight` does not have `d` values.
+    /// A half-precision `x` is normalized in f32 (its squares summed, scaled and
+    /// multiplied in f32) and the result rounded once to `x`'s type: an f16 square
+    /// overflows past 255 and a half sum of thousands of squares loses its low bits.
     fn rms_norm(x: Tensor<Self, 2>, weight: &Tensor<Self, 1>, eps: f64) -> Result<Tensor<Self, 2>> {
         check_norm(&x, weight)?;
-        let inv_rms = (x.clone() * x.clone())
-            .mean_dim(1)
-            .add_scalar(eps)
-            .sqrt()
-            .recip();
-        Ok(x * inv_rms * weight.clone().unsqueeze::<2>())
+        let dtype = x.dtype();
+        if let DType::F16 | DType::BF16 = dtype {
+            let out = rms_norm_f32(
+                x.cast(FloatDType::F32),
+                weight.clone().cast(FloatDType::F32),
+                eps,
+            );
+            return Ok(out.cast(dtype));
+        }
+        Ok(rms_norm_f32(x, weight.clone(), eps))
     }
 
     /// Rotary position embedding in the rotate-half layout: `x * cos + rotate_half(x) *
@@ -308,6 +338,63 @@ pub trait LlamaBackend: Backend {
         mask: Option<Tensor<Self, 4, Bool>>,
     ) -> Result<Tensor<Self, 4>> {
         Ok(fused_attention(q, k, v, mask))
+    }
+}
+
+/// `x / sqrt(mean(x^2) + eps) * weight` by Burn's operations, in the tensors' own type.
+fn rms_norm_f32<B: Backend>(x: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> Tensor<B, 2> {
+    let inv_rms = (x.clone() * x.clone())
+        .mean_dim(1)
+        .add_scalar(eps)
+        .sqrt()
+        .recip();
+    x * inv_rms * weight.unsqueeze::<2>()
+}
+
+/// The float type that tensors created on `device` take, as Burn's device settings say:
+/// `B::FloatElem`'s, unless [`set_float_type`] chose another before the device's first
+/// tensor. `None` for a type other than f32, f16 and bf16.
+///
+/// Burn 0.21 keys these settings by device (its type and index), not by backend type:
+/// `Wgpu<f16>` and `Wgpu` (f32) share `WgpuDevice::DefaultDevice`, and whichever creates a
+/// tensor on it first fixes its float type for the rest of the process (and Burn's CubeCL
+/// backends compute in the tensors' type, whatever their `F`). So `Llama<Cuda<bf16>>`
+/// computes in bf16 when it is the first on its device; after an f32 model there, it
+/// computes in f32. Check with this function, or choose with [`set_float_type`] first.
+pub fn float_type<B: Backend>(device: &B::Device) -> Option<FloatType> {
+    FloatType::from_dtype(burn::tensor::backend::get_device_settings::<B>(device).float_dtype)
+}
+
+/// Makes `ty` the float type of every tensor created on `device` from now on: a model
+/// loaded there keeps its dense weights, activations and KV cache in `ty` (quantized
+/// weights stay in their blocks; logits are read back as f32). Burn fixes a device's
+/// float type at its first tensor, so call this before anything else runs on `device`
+/// (see [`float_type`]). `B` need not have `ty` as its `FloatElem`: `set_float_type::<Cuda>(
+/// &device, FloatType::Bf16)` makes the f32-typed `Cuda` compute as `Cuda<bf16>` does.
+///
+/// # Errors
+///
+/// [`LlamaError::InvalidParameter`] if the device does not support `ty` (f16 on wgpu
+/// needs the adapter's `SHADER_F16`; bf16 is not in WGSL), or if the device's float type
+/// is already fixed to another.
+pub fn set_float_type<B: Backend>(device: &B::Device, ty: FloatType) -> Result<()> {
+    use burn::tensor::backend::{DeviceError, set_default_float_dtype};
+    match set_default_float_dtype::<B>(device, ty.dtype()) {
+        Ok(()) => Ok(()),
+        Err(DeviceError::AlreadyInitialized { .. }) if float_type::<B>(device) == Some(ty) => {
+            Ok(())
+        }
+        Err(DeviceError::AlreadyInitialized { .. }) => Err(LlamaError::invalid(
+            "dtype",
+            ty,
+            "the device's float type is already fixed to another (Burn fixes it at the \
+             device's first tensor)",
+        )),
+        Err(_) => Err(LlamaError::invalid(
+            "dtype",
+            ty,
+            "not supported by this backend's device",
+        )),
     }
 }
 

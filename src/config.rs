@@ -101,6 +101,83 @@ impl std::str::FromStr for Precision {
     }
 }
 
+/// The float type of a model's activations, dense weights and KV cache on a backend
+/// (see [`crate::backend::set_float_type`]): `f32`, the default and the reference, or a
+/// half type for the GPU backends, with our CubeCL kernels accumulating in f32 whatever
+/// the storage type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum FloatType {
+    /// 32-bit IEEE floats.
+    #[default]
+    F32,
+    /// 16-bit IEEE floats (`half::f16`): 10 bits of mantissa, values up to 65504.
+    F16,
+    /// bfloat16 (`half::bf16`): f32's range, 7 bits of mantissa.
+    Bf16,
+}
+
+impl FloatType {
+    /// The type's name, as `--dtype` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FloatType::F32 => "f32",
+            FloatType::F16 => "f16",
+            FloatType::Bf16 => "bf16",
+        }
+    }
+
+    /// Burn's float data type.
+    pub fn dtype(self) -> burn::tensor::FloatDType {
+        match self {
+            FloatType::F32 => burn::tensor::FloatDType::F32,
+            FloatType::F16 => burn::tensor::FloatDType::F16,
+            FloatType::Bf16 => burn::tensor::FloatDType::BF16,
+        }
+    }
+
+    /// The type of Burn's float data type, if it is one of these.
+    pub fn from_dtype(dtype: burn::tensor::FloatDType) -> Option<Self> {
+        match dtype {
+            burn::tensor::FloatDType::F32 => Some(FloatType::F32),
+            burn::tensor::FloatDType::F16 => Some(FloatType::F16),
+            burn::tensor::FloatDType::BF16 => Some(FloatType::Bf16),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one value.
+    pub fn size(self) -> usize {
+        match self {
+            FloatType::F32 => 4,
+            FloatType::F16 | FloatType::Bf16 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for FloatType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for FloatType {
+    type Err = LlamaError;
+
+    /// `f32`, `f16` or `bf16`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(FloatType::F32),
+            "f16" => Ok(FloatType::F16),
+            "bf16" => Ok(FloatType::Bf16),
+            _ => Err(LlamaError::invalid(
+                "dtype",
+                s,
+                "must be `f32`, `f16` or `bf16`",
+            )),
+        }
+    }
+}
+
 /// The hyper-parameters of a Llama-architecture transformer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
@@ -151,10 +228,12 @@ impl LlamaConfig {
         }
     }
 
-    /// Bytes one token's keys and values take across all layers (f32): the unit of every
-    /// KV budget. For the demo model (30 layers, 3 KV heads of 64) it is 46,080 bytes.
+    /// Bytes one token's keys and values take across all layers in f32: the unit of the
+    /// per-request KV budgets (a cache in a half type takes half of it, so a budget
+    /// counted this way bounds it too). For the demo model (30 layers, 3 KV heads of 64)
+    /// it is 46,080 bytes.
     pub fn kv_bytes_per_token(&self) -> usize {
-        crate::cache::paged::block_bytes(self.n_layers, self.n_kv_heads, self.head_dim, 1)
+        crate::cache::paged::block_bytes(self.n_layers, self.n_kv_heads, self.head_dim, 1, 4)
     }
 
     fn llama3_family(

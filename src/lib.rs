@@ -30,7 +30,7 @@ pub mod tokenizer;
 pub mod tools;
 
 pub use batched::BatchedGenerationState;
-pub use config::{LlamaConfig, Precision};
+pub use config::{FloatType, LlamaConfig, Precision};
 pub use error::{LlamaError, Result};
 pub use llama::{GenerationOutput, GenerationState, Llama, Score, StopReason};
 pub use sampling::{Sampler, TopK, TopP};

@@ -252,15 +252,24 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
     use llama_burn::kernels::{QuantFormat, QuantMatrix};
 
     let device = Default::default();
-    // Every kept format: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and Q5_K through the fused kernel,
-    // the others through their dense copy on the device. An odd number of outputs and of
-    // blocks per row, one row and several.
+    // Every kept format, all through the fused kernel. An odd number of outputs and of
+    // blocks per row; one row (a unit per row), 5 rows (tiles of 4, the last one partial)
+    // and 19 (tiles of 8, the last one partial).
+    let multiply = |x: &[f32], rows: usize, w: &QuantMatrix| -> Vec<f32> {
+        let xt =
+            Tensor::<Wgpu, 2>::from_data(TensorData::new(x.to_vec(), [rows, w.cols()]), &device);
+        Wgpu::quantized_matmul(xt, w, Precision::Exact)
+            .expect("wgpu quantized matmul")
+            .into_data()
+            .into_vec::<f32>()
+            .expect("f32")
+    };
     for format in QuantFormat::ALL {
         let (n_out, cols) = (37, 3 * format.block_values());
         let w =
             QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 4)).expect("quantize");
         let dense = w.dequantize().expect("dequantize");
-        for rows in [1, 5] {
+        for rows in [1, 5, 19] {
             let x = values(rows * cols, 5 + rows as u64);
             let want: Vec<f32> = (0..rows * n_out)
                 .map(|i| {
@@ -270,12 +279,7 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
                         .sum::<f64>() as f32
                 })
                 .collect();
-            let xt = Tensor::<Wgpu, 2>::from_data(TensorData::new(x, [rows, cols]), &device);
-            let got = Wgpu::quantized_matmul(xt, &w, Precision::Exact)
-                .expect("wgpu quantized matmul")
-                .into_data()
-                .into_vec::<f32>()
-                .expect("f32");
+            let got = multiply(&x, rows, &w);
             let diff = want
                 .iter()
                 .zip(&got)
@@ -283,9 +287,88 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
                 .fold(0f32, f32::max);
             assert_eq!(got.len(), want.len());
             assert!(diff <= 1e-4, "{format:?}, {rows} rows: {diff}");
+            // Batch invariance: each row alone gives the same bits as in its tile.
+            if rows > 1 {
+                for r in [0, rows / 2, rows - 1] {
+                    let alone = multiply(&x[r * cols..(r + 1) * cols], 1, &w);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&alone),
+                        bits(&got[r * n_out..(r + 1) * n_out]),
+                        "{format:?}: row {r} of {rows} differs from the row alone"
+                    );
+                }
+            }
         }
     }
     assert!(<Wgpu as LlamaBackend>::keeps_quantized_weights());
+}
+
+#[test]
+fn dense_matmul_kernel_is_batch_invariant_and_gives_the_reference() {
+    use burn::tensor::{Tensor, TensorData};
+
+    // Dense weights (F32/F16/BF16 checkpoints) go through our kernel on the CubeCL
+    // backends: Burn's matmul gives a row different bits in different batches. Both
+    // layouts (`[in, out]` projections, the `[vocab, d]` output head), an odd shape, one
+    // row (a unit per row), 5 (tiles of 4) and 19 (tiles of 8).
+    let device = Default::default();
+    let (n_out, cols) = (37, 67);
+    let w = values(n_out * cols, 21);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for transposed in [false, true] {
+        let dims = if transposed {
+            [n_out, cols]
+        } else {
+            [cols, n_out]
+        };
+        let wt = Tensor::<Wgpu, 2>::from_data(TensorData::new(w.clone(), dims), &device);
+        let weight = |o: usize, c: usize| {
+            f64::from(if transposed {
+                w[o * cols + c]
+            } else {
+                w[c * n_out + o]
+            })
+        };
+        let multiply = |x: &[f32], rows: usize| -> Vec<f32> {
+            let xt =
+                Tensor::<Wgpu, 2>::from_data(TensorData::new(x.to_vec(), [rows, cols]), &device);
+            Wgpu::dense_matmul(xt, &wt, transposed)
+                .expect("wgpu dense matmul")
+                .into_data()
+                .into_vec::<f32>()
+                .expect("f32")
+        };
+        for rows in [1, 5, 19] {
+            let x = values(rows * cols, 30 + rows as u64);
+            let got = multiply(&x, rows);
+            assert_eq!(got.len(), rows * n_out);
+            for (i, g) in got.iter().enumerate() {
+                let (r, o) = (i / n_out, i % n_out);
+                let want: f64 = (0..cols)
+                    .map(|c| f64::from(x[r * cols + c]) * weight(o, c))
+                    .sum();
+                assert!(
+                    (f64::from(*g) - want).abs() <= 1e-4,
+                    "{transposed} {rows}: {g} {want}"
+                );
+            }
+            for r in [0, rows / 2, rows - 1] {
+                let alone = multiply(&x[r * cols..(r + 1) * cols], 1);
+                assert_eq!(
+                    bits(&alone),
+                    bits(&got[r * n_out..(r + 1) * n_out]),
+                    "transposed {transposed}: row {r} of {rows} differs from the row alone"
+                );
+            }
+        }
+        // A weight that does not take `x`'s columns is an error, not a panic.
+        let wrong = Tensor::<Wgpu, 2>::from_data(
+            TensorData::new(vec![0f32; 3 * cols + 3], [1, 3 * cols + 3]),
+            &device,
+        );
+        assert!(Wgpu::dense_matmul(wrong, &wt, transposed).is_err());
+    }
 }
 
 #[test]
@@ -542,4 +625,255 @@ fn device_sampling_draws_the_host_pipelines_tokens() {
     ];
     let bad: Vec<_> = bad.iter().collect();
     assert_eq!(run(&bad), vec![None, None, None]);
+}
+
+/// `values` rounded to f16, as f32 (what an f16 tensor of them holds).
+fn rounded_to_f16(values: &[f32]) -> Vec<f32> {
+    values
+        .iter()
+        .map(|&v| burn::tensor::f16::from_f32(v).to_f32())
+        .collect()
+}
+
+#[test]
+fn kernels_in_f16_accumulate_in_f32() {
+    use burn::tensor::{DType, Tensor, TensorData};
+    use llama_burn::Precision;
+    use llama_burn::kernels::attention::{PagedPool, PagedSeq, paged_attention};
+    use llama_burn::kernels::{QuantFormat, QuantMatrix};
+    use llama_burn::model::attention::PagedBatch;
+
+    // f16 tensors on the f32 tests' device (an explicit type, not the device's default):
+    // the kernels read half values and accumulate in f32, so each output is the f32
+    // reference of the rounded inputs, rounded once to f16 (within an f16 ulp, 2^-11
+    // relative; sums kept in f16 would be off by several).
+    let device = Default::default();
+    let half = |data: Vec<f32>, dims: [usize; 2]| {
+        Tensor::<Wgpu, 2>::from_data(TensorData::new(data, dims), (&device, DType::F16))
+    };
+    let read = |t: Tensor<Wgpu, 2>| -> Vec<f32> {
+        assert_eq!(t.dtype(), DType::F16);
+        t.into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("f32")
+    };
+
+    // Paged attention: a long sequence (many tiles of keys), a prompt chunk, two heads
+    // per key/value head.
+    let (n_heads, kv_heads, block_size, dim, blocks) = (4, 2, 7, 32, 40);
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let seqs = vec![
+        PagedSeq {
+            tokens: 1,
+            start: 250,
+            blocks: &table,
+        },
+        PagedSeq {
+            tokens: 3,
+            start: 17,
+            blocks: &table[5..],
+        },
+    ];
+    let pool_len = blocks * kv_heads * block_size * dim;
+    let (keys, vals) = (
+        rounded_to_f16(&values(pool_len, 11)),
+        rounded_to_f16(&values(pool_len, 12)),
+    );
+    let q = rounded_to_f16(&values(4 * n_heads * dim, 13));
+    let pool = PagedPool {
+        keys: &keys,
+        values: &vals,
+        heads: kv_heads,
+        block_size,
+        dim,
+    };
+    let want = paged_attention(&q, n_heads, pool, &seqs).expect("cpu reference");
+    let pool_dims = [blocks, kv_heads, block_size, dim];
+    let k = Tensor::<Wgpu, 4>::from_data(TensorData::new(keys, pool_dims), (&device, DType::F16));
+    let v = Tensor::<Wgpu, 4>::from_data(TensorData::new(vals, pool_dims), (&device, DType::F16));
+    let batch = PagedBatch::<Wgpu>::new(seqs, n_heads, block_size, blocks, &device).expect("batch");
+    let got = read(
+        Wgpu::paged_attention(half(q, [4, n_heads * dim]), &k, &v, &batch).expect("attention"),
+    );
+    let worst = want
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs() / a.abs().max(1e-2))
+        .fold(0f32, f32::max);
+    eprintln!("f16 paged attention vs f32 reference: max relative diff {worst:e}");
+    assert_eq!(got.len(), want.len());
+    assert!(worst <= 1e-3, "{worst}");
+
+    // The fused quantized products (one row per unit, and a tile of 4 rows).
+    for (format, rows) in [
+        (QuantFormat::Q8_0, 3),
+        (QuantFormat::Q4_K, 3),
+        (QuantFormat::Q6_K, 4),
+        (QuantFormat::Q5_0, 4),
+    ] {
+        let (n_out, cols) = (19, 4 * format.block_values());
+        let w = QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 14))
+            .expect("quantize");
+        let dense = w.dequantize().expect("dequantize");
+        let x = rounded_to_f16(&values(rows * cols, 15));
+        let want: Vec<f64> = (0..rows * n_out)
+            .map(|i| {
+                let (r, o) = (i / n_out, i % n_out);
+                (0..cols)
+                    .map(|c| f64::from(x[r * cols + c]) * f64::from(dense[o * cols + c]))
+                    .sum()
+            })
+            .collect();
+        let got = read(
+            Wgpu::quantized_matmul(half(x, [rows, cols]), &w, Precision::Exact).expect("matmul"),
+        );
+        let worst = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| ((a - f64::from(*b)).abs() / a.abs().max(1.0)) as f32)
+            .fold(0f32, f32::max);
+        eprintln!("f16 {format:?} product vs f64 reference: max relative diff {worst:e}");
+        assert!(worst <= 1e-3, "{format:?}: {worst}");
+    }
+
+    // The dense kernel (F16/BF16 checkpoints' projections), both layouts.
+    let (rows, n_in, n_out) = (5, 300, 23);
+    let x = rounded_to_f16(&values(rows * n_in, 16));
+    let w = rounded_to_f16(&values(n_in * n_out, 17));
+    for transposed in [false, true] {
+        let at = |i: usize, o: usize| {
+            if transposed {
+                o * n_in + i
+            } else {
+                i * n_out + o
+            }
+        };
+        let want: Vec<f64> = (0..rows * n_out)
+            .map(|k| {
+                let (r, o) = (k / n_out, k % n_out);
+                (0..n_in)
+                    .map(|i| f64::from(x[r * n_in + i]) * f64::from(w[at(i, o)]))
+                    .sum()
+            })
+            .collect();
+        let dims = if transposed {
+            [n_out, n_in]
+        } else {
+            [n_in, n_out]
+        };
+        let got = read(
+            Wgpu::dense_matmul(
+                half(x.clone(), [rows, n_in]),
+                &half(w.clone(), dims),
+                transposed,
+            )
+            .expect("dense"),
+        );
+        let worst = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| ((a - f64::from(*b)).abs() / a.abs().max(1.0)) as f32)
+            .fold(0f32, f32::max);
+        eprintln!(
+            "f16 dense product (transposed {transposed}) vs f64: max relative diff {worst:e}"
+        );
+        assert!(worst <= 1e-3, "{worst}");
+    }
+}
+
+#[test]
+fn the_demo_model_in_f16_on_wgpu() {
+    use burn::backend::wgpu::WgpuDevice;
+    use burn::tensor::{DType, f16};
+    use llama_burn::FloatType;
+    use llama_burn::backend::float_type;
+    use llama_burn::cache::PagedKvCache;
+    use llama_burn::model::PagedRow;
+
+    type Half = Wgpu<f16>;
+    // Burn 0.21 fixes a device's float type at its first tensor, per device and not per
+    // backend type: the other tests' f32 `Wgpu` on the default device would make this
+    // model's tensors f32 were it first there. So the half model takes Mesa's software
+    // driver by its other name, a device of its own.
+    let device = WgpuDevice::Cpu;
+    assert!(
+        <Half as burn::tensor::backend::Backend>::supports_dtype(&device, DType::F16),
+        "the adapter has no SHADER_F16"
+    );
+    let mut cpu = demo::<Flex>(&Default::default());
+    let gpu = demo::<Half>(&device);
+    assert_eq!(float_type::<Half>(&device), Some(FloatType::F16));
+
+    // The last logits of a prompt on the engine's path (paged cache, our kernels), read
+    // back as f32, within a half type's error of the CPU backend's f32 logits.
+    let ids = cpu.encode_prompt(PROMPTS[0]).expect("encode");
+    let want = cpu.logits(&ids).expect("cpu").pop().expect("a row");
+    let c = gpu.config().clone();
+    let mut cache = PagedKvCache::<Half>::new(c.n_layers, 2, 16, c.n_kv_heads, c.head_dim, &device)
+        .expect("pool");
+    let row = PagedRow {
+        tokens: &ids,
+        start: 0,
+        blocks: &[1, 0],
+        logits: true,
+        all_logits: false,
+    };
+    let logits = gpu
+        .model
+        .forward_paged(&[row], &mut cache)
+        .expect("forward");
+    assert_eq!(logits.dtype(), DType::F16);
+    let got = logits
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32");
+    let scale = want.iter().map(|x| x.abs()).fold(0f32, f32::max);
+    let diff = want
+        .iter()
+        .zip(&got)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    eprintln!("f16 vs cpu f32: max |logit diff| {diff:e} (largest |logit| {scale:e})");
+    assert_eq!(got.len(), want.len());
+    assert!(diff <= 0.5, "{diff}");
+
+    // Greedy tokens through the continuous engine (the device argmax), each prompt alone,
+    // against the CPU backend's f32 tokens: the common prefix of each continuation.
+    let config = ContinuousConfig::default().with_kv_budget_tokens(1024);
+    let engine = ContinuousEngine::start(gpu, config).expect("engine");
+    let run = |prompts: &[&str]| -> Vec<Vec<u32>> {
+        let jobs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                engine
+                    .submit(GenerateRequest::new(*p).with_max_tokens(TOKENS))
+                    .expect("submit")
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|job| {
+                let (tokens, _) = job.collect().expect("engine request");
+                tokens.iter().map(|t| t.token_id).collect()
+            })
+            .collect()
+    };
+    let alone: Vec<Vec<u32>> = PROMPTS.iter().flat_map(|p| run(&[p])).collect();
+    let mut agreed = 0;
+    for ((prompt, got), want) in PROMPTS
+        .iter()
+        .zip(&alone)
+        .zip(PROMPTS.map(|p| greedy(&mut cpu, p)))
+    {
+        let same = want.iter().zip(got).take_while(|(a, b)| a == b).count();
+        eprintln!("f16 vs cpu f32, {prompt:?}: the first {same} of {TOKENS} tokens agree");
+        assert!(same >= 1, "{prompt:?}: {got:?} vs {want:?}");
+        agreed += same;
+    }
+    assert!(agreed >= PROMPTS.len() * TOKENS * 2 / 3, "{agreed}");
+
+    // Batch invariance holds in half: the rows submitted together give the tokens of the
+    // same rows run one at a time.
+    assert_eq!(run(&PROMPTS), alone);
 }

@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use llama_burn::backend::{DefaultBackend, default_device};
+use llama_burn::backend::{DefaultBackend, LlamaBackend, default_device, set_float_type};
 use llama_burn::kernels::QuantFormat;
 use llama_burn::llama::{Llama, LlamaConfig};
-use llama_burn::{Precision, Result};
+use llama_burn::{FloatType, Precision, Result};
 
 /// The backend chosen by cargo features.
 pub type B = DefaultBackend;
@@ -23,6 +23,11 @@ pub struct ModelOptions {
     /// not whole K-quant blocks of 256 stays dense).
     #[arg(long)]
     pub quantize: Option<QuantFormat>,
+    /// The float type of activations, dense weights and the KV cache: `f32`, or `f16` /
+    /// `bf16` on the GPU backends (CubeCL kernels accumulate in f32; logits are read back
+    /// as f32). The CPU backend takes them too, converting to f32 around its kernels.
+    #[arg(long, default_value_t = FloatType::F32)]
+    pub dtype: FloatType,
 }
 
 /// Loads `--model PATH` (a `.gguf` file or a Hugging Face directory), or the demo model,
@@ -32,17 +37,28 @@ pub fn load_model(
     max_seq_len: usize,
     options: &ModelOptions,
 ) -> Result<Llama<B>> {
+    load_model_as::<B>(model, max_seq_len, options, &default_device())
+}
+
+/// [`load_model`] on backend `C` and `device`, whose float type `--dtype` sets first.
+pub fn load_model_as<C: LlamaBackend>(
+    model: Option<&Path>,
+    max_seq_len: usize,
+    options: &ModelOptions,
+    device: &C::Device,
+) -> Result<Llama<C>> {
     let path: PathBuf = match model {
         Some(p) => p.to_path_buf(),
         None => llama_burn::demo::demo_model_path()?,
     };
-    let device = default_device();
+    set_float_type::<C>(device, options.dtype)?;
+    let device = device.clone();
     let llama = match (path.is_dir(), options.quantize) {
         (true, Some(format)) => {
-            LlamaConfig::load_hf_dir_quantized::<B>(&path, max_seq_len, format, &device)
+            LlamaConfig::load_hf_dir_quantized::<C>(&path, max_seq_len, format, &device)
         }
-        (true, None) => LlamaConfig::load_hf_dir::<B>(&path, max_seq_len, &device),
-        (false, None) => LlamaConfig::load_gguf::<B>(&path, max_seq_len, &device),
+        (true, None) => LlamaConfig::load_hf_dir::<C>(&path, max_seq_len, &device),
+        (false, None) => LlamaConfig::load_gguf::<C>(&path, max_seq_len, &device),
         (false, Some(_)) => Err(llama_burn::LlamaError::invalid(
             "--quantize",
             path.display(),

@@ -25,7 +25,9 @@ pub enum KvBudget {
     /// token takes 46,080 bytes (see
     /// [`LlamaConfig::kv_bytes_per_token`](crate::LlamaConfig::kv_bytes_per_token)).
     Tokens(usize),
-    /// At most this many bytes of keys and values (f32).
+    /// At most this many bytes of keys and values: the continuous engine's pool counts
+    /// them in its float type (2 bytes a value in f16/bf16), the per-request caches of
+    /// the other strategies in f32 (a half cache takes half of what they count).
     Bytes(usize),
 }
 

@@ -45,15 +45,21 @@ pub struct PagedKvCache<B: Backend> {
     head_dim: usize,
 }
 
-/// Bytes one block of `block_size` tokens takes across all layers (keys and values,
-/// f32).
-pub fn block_bytes(n_layers: usize, kv_heads: usize, head_dim: usize, block_size: usize) -> usize {
+/// Bytes one block of `block_size` tokens takes across all layers (keys and values of
+/// `value_bytes` each: 4 for f32, 2 for a half type).
+pub fn block_bytes(
+    n_layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    value_bytes: usize,
+) -> usize {
     n_layers
         .saturating_mul(2)
         .saturating_mul(kv_heads)
         .saturating_mul(head_dim)
         .saturating_mul(block_size)
-        .saturating_mul(std::mem::size_of::<f32>())
+        .saturating_mul(value_bytes)
 }
 
 impl<B: Backend> PagedKvCache<B> {
@@ -115,13 +121,15 @@ impl<B: Backend> PagedKvCache<B> {
         self.head_dim
     }
 
-    /// Bytes one block holds across every layer.
+    /// Bytes one block holds across every layer (in the pool's float type).
     pub fn block_bytes(&self) -> usize {
+        let value_bytes = self.layers.first().map_or(4, |l| l.k.dtype().size());
         block_bytes(
             self.layers.len(),
             self.kv_heads,
             self.head_dim,
             self.block_size,
+            value_bytes,
         )
     }
 

@@ -153,10 +153,17 @@ fn signed_byte(b: u32) -> f32 {
 }
 
 /// `x @ W^T` with `W` `[n_out, cols]` in ggml's blocks, row by row, as words: Q8_0
-/// (`format` 0), Q4_0 (1), Q4_1 (2), Q4_K (3), Q6_K (4) or Q5_K (5). One unit per output
-/// value, which walks its weight row block by block (each scale times its sub-block's
-/// integer-weighted sum of `x`, a minimum times the sub-block's sum of `x`, in f32).
-/// Every output is its own sum in a fixed order: no value depends on another row of `x`.
+/// (`format` 0), Q4_0 (1), Q4_1 (2), Q4_K (3), Q6_K (4), Q5_K (5), Q5_0 (6), Q5_1 (7)
+/// or Q3_K (8).
+///
+/// One unit per output value and tile of `tile` rows of `x` (a comptime 1 for decode,
+/// more for prompts): it walks its weight row block by block, decodes each weight once
+/// and multiplies it into every row of its tile (each scale times its sub-block's
+/// integer-weighted sum of `x`, a minimum times the sub-block's sum of `x`, in f32). The
+/// weights are then read once per tile rather than once per row. Each row keeps its own
+/// sums, built by the same operations in the same order whatever the tile size: every
+/// output is its own sum, and no value depends on another row of `x`. The rows past the
+/// end of the last tile repeat the last row and are never stored.
 #[cube(launch)]
 pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     x: &Tensor<F>,
@@ -166,12 +173,13 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     n_out: u32,
     cols: u32,
     #[comptime] format: u32,
+    #[comptime] tile: usize,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let o = ABSOLUTE_POS_X as usize;
-    let r = ABSOLUTE_POS_Y as usize;
+    let r0 = ABSOLUTE_POS_Y as usize * tile;
     let (rows, n_out, cols) = (rows as usize, n_out as usize, cols as usize);
-    if o >= n_out || r >= rows {
+    if o >= n_out || r0 >= rows {
         terminate!();
     }
     let block_bytes = comptime!(match format {
@@ -180,37 +188,127 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
         2 => 20usize,
         3 => 144usize,
         4 => 210usize,
-        _ => 176usize,
+        5 => 176usize,
+        6 => 22usize,
+        7 => 24usize,
+        _ => 110usize,
     });
-    let block_values = comptime!(if format >= 3 { 256usize } else { 32usize });
+    let k_quant = comptime!(matches!(format, 3 | 4 | 5 | 8));
+    let block_values = comptime!(if k_quant { 256usize } else { 32usize });
     let blocks = cols / block_values;
     let row_at = o * blocks * block_bytes;
-    let x_at = r * cols;
-    let mut acc = f32::new(0.0);
+    // Where each row of the tile starts in `x`.
+    let mut x_at = Array::<u32>::new(tile);
+    let mut acc = Array::<f32>::new(tile);
+    #[unroll]
+    for t in 0..tile {
+        let mut r = r0 + t;
+        if r >= rows {
+            r = rows - 1;
+        }
+        x_at[t] = (r * cols) as u32;
+        acc[t] = f32::new(0.0);
+    }
     for b in 0..blocks {
         let at = row_at + b * block_bytes;
-        let xb = x_at + b * block_values;
-        if comptime!(format >= 3) {
-            acc += k_block::<F, I>(x, words, at, xb, format);
+        let xb = b * block_values;
+        if comptime!(k_quant) {
+            k_block::<F, I>(x, words, at, &x_at, xb, &mut acc, format, tile);
         } else {
-            acc += small_block::<F, I>(x, words, at, xb, format);
+            small_block::<F, I>(x, words, at, &x_at, xb, &mut acc, format, tile);
         }
     }
-    out[r * n_out + o] = F::cast_from(acc);
+    #[unroll]
+    for t in 0..tile {
+        if r0 + t < rows {
+            out[(r0 + t) * n_out + o] = F::cast_from(acc[t]);
+        }
+    }
 }
 
-/// One 32-value block of Q8_0, Q4_0 or Q4_1 at byte `at` times `x[xb..xb + 32]`.
+/// `x @ W` for a dense `W` in the backend's float type: `[cols, n_out]` row-major, or
+/// with `transposed` `[n_out, cols]` (the output head's `[vocab, d_model]` table). One
+/// unit per output value and tile of `tile` rows of `x`, as in
+/// [`quantized_matmul_kernel`]: each weight is read once per tile and multiplied into
+/// every row's own f32 sum over `cols` in order, so a row's outputs are the same at every
+/// tile size and in any batch (Burn's matmul picks its tiling, and so its sums' order,
+/// by the batch's shape). Untransposed, the units of a cube read adjacent weights.
+#[cube(launch)]
+pub(crate) fn dense_matmul_kernel<F: Float>(
+    x: &Tensor<F>,
+    w: &Tensor<F>,
+    out: &mut Tensor<F>,
+    rows: u32,
+    n_out: u32,
+    cols: u32,
+    #[comptime] transposed: bool,
+    #[comptime] tile: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let o = ABSOLUTE_POS_X as usize;
+    let r0 = ABSOLUTE_POS_Y as usize * tile;
+    let (rows, n_out, cols) = (rows as usize, n_out as usize, cols as usize);
+    if o >= n_out || r0 >= rows {
+        terminate!();
+    }
+    let mut x_at = Array::<u32>::new(tile);
+    let mut acc = Array::<f32>::new(tile);
+    #[unroll]
+    for t in 0..tile {
+        let mut r = r0 + t;
+        if r >= rows {
+            r = rows - 1;
+        }
+        x_at[t] = (r * cols) as u32;
+        acc[t] = f32::new(0.0);
+    }
+    for c in 0..cols {
+        let mut at = c * n_out + o;
+        if comptime!(transposed) {
+            at = o * cols + c;
+        }
+        let v = f32::cast_from(w[at]);
+        #[unroll]
+        for t in 0..tile {
+            acc[t] += v * x_value::<F>(x, &x_at, t, c, 0);
+        }
+    }
+    #[unroll]
+    for t in 0..tile {
+        if r0 + t < rows {
+            out[(r0 + t) * n_out + o] = F::cast_from(acc[t]);
+        }
+    }
+}
+
+/// Value `i` of the tile's row `t`, from its block starting at `xb`, as f32.
 #[cube]
+fn x_value<F: Float>(x: &Tensor<F>, x_at: &Array<u32>, t: usize, xb: usize, i: usize) -> f32 {
+    f32::cast_from(x[x_at[t] as usize + xb + i])
+}
+
+/// One 32-value block of Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 at byte `at` times each row's
+/// `x[xb..xb + 32]`, added to the row's `acc`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
 fn small_block<F: Float, I: Numeric>(
     x: &Tensor<F>,
     words: &Tensor<I>,
     at: usize,
+    x_at: &Array<u32>,
     xb: usize,
+    acc: &mut Array<f32>,
     #[comptime] format: u32,
-) -> f32 {
-    let mut acc = f32::new(0.0);
+    #[comptime] tile: usize,
+) {
     let scale = half_to_f32(byte_at::<I>(words, at) | (byte_at::<I>(words, at + 1) << 8));
-    let mut sum = f32::new(0.0);
+    let mut sum = Array::<f32>::new(tile);
+    let mut xs = Array::<f32>::new(tile);
+    #[unroll]
+    for t in 0..tile {
+        sum[t] = f32::new(0.0);
+        xs[t] = f32::new(0.0);
+    }
     if comptime!(format == 0) {
         for i in 0..32usize {
             let q = byte_at::<I>(words, at + 2 + i);
@@ -218,47 +316,159 @@ fn small_block<F: Float, I: Numeric>(
             if q >= 128 {
                 v = f32::cast_from(q) - f32::new(256.0);
             }
-            sum += v * f32::cast_from(x[xb + i]);
+            #[unroll]
+            for t in 0..tile {
+                sum[t] += v * x_value::<F>(x, x_at, t, xb, i);
+            }
         }
-        acc += scale * sum;
+        #[unroll]
+        for t in 0..tile {
+            acc[t] += scale * sum[t];
+        }
     } else if comptime!(format == 1) {
         for i in 0..16usize {
             let q = byte_at::<I>(words, at + 2 + i);
             let lo = f32::cast_from(q & 15) - f32::new(8.0);
             let hi = f32::cast_from(q >> 4) - f32::new(8.0);
-            sum += lo * f32::cast_from(x[xb + i]);
-            sum += hi * f32::cast_from(x[xb + 16 + i]);
+            #[unroll]
+            for t in 0..tile {
+                sum[t] += lo * x_value::<F>(x, x_at, t, xb, i);
+                sum[t] += hi * x_value::<F>(x, x_at, t, xb, 16 + i);
+            }
         }
-        acc += scale * sum;
+        #[unroll]
+        for t in 0..tile {
+            acc[t] += scale * sum[t];
+        }
+    } else if comptime!(format == 6 || format == 7) {
+        // Q5_0 (d, 32 fifth bits, nibbles; values offset by 16) and Q5_1 (d, m, fifth
+        // bits, nibbles; d * q + m per value).
+        let off = comptime!(if format == 6 { 2usize } else { 4usize });
+        let qh = byte_at::<I>(words, at + off)
+            | (byte_at::<I>(words, at + off + 1) << 8)
+            | (byte_at::<I>(words, at + off + 2) << 16)
+            | (byte_at::<I>(words, at + off + 3) << 24);
+        let mut min = f32::new(0.0);
+        if comptime!(format == 7) {
+            min = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
+        }
+        for i in 0..16usize {
+            let q = byte_at::<I>(words, at + off + 4 + i);
+            let lo_bits = (q & 15) | (((qh >> (i as u32)) << 4) & 16);
+            let hi_bits = (q >> 4) | ((qh >> ((i + 12) as u32)) & 16);
+            let mut lo = f32::cast_from(lo_bits);
+            let mut hi = f32::cast_from(hi_bits);
+            if comptime!(format == 6) {
+                lo -= f32::new(16.0);
+                hi -= f32::new(16.0);
+            }
+            #[unroll]
+            for t in 0..tile {
+                let a = x_value::<F>(x, x_at, t, xb, i);
+                let b = x_value::<F>(x, x_at, t, xb, 16 + i);
+                sum[t] += lo * a;
+                sum[t] += hi * b;
+                if comptime!(format == 7) {
+                    xs[t] += a + b;
+                }
+            }
+        }
+        #[unroll]
+        for t in 0..tile {
+            if comptime!(format == 7) {
+                acc[t] += scale * sum[t] + min * xs[t];
+            } else {
+                acc[t] += scale * sum[t];
+            }
+        }
     } else {
         // Q4_1: d * q + m per value.
         let min = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
-        let mut xs = f32::new(0.0);
         for i in 0..16usize {
             let q = byte_at::<I>(words, at + 4 + i);
-            let a = f32::cast_from(x[xb + i]);
-            let b = f32::cast_from(x[xb + 16 + i]);
-            sum += f32::cast_from(q & 15) * a;
-            sum += f32::cast_from(q >> 4) * b;
-            xs += a + b;
+            let lo = f32::cast_from(q & 15);
+            let hi = f32::cast_from(q >> 4);
+            #[unroll]
+            for t in 0..tile {
+                let a = x_value::<F>(x, x_at, t, xb, i);
+                let b = x_value::<F>(x, x_at, t, xb, 16 + i);
+                sum[t] += lo * a;
+                sum[t] += hi * b;
+                xs[t] += a + b;
+            }
         }
-        acc += scale * sum + min * xs;
+        #[unroll]
+        for t in 0..tile {
+            acc[t] += scale * sum[t] + min * xs[t];
+        }
     }
-    acc
 }
 
-/// One 256-value block of Q4_K (`format` 3), Q6_K (4) or Q5_K (5) at byte `at` times
-/// `x[xb..xb + 256]`.
+/// One 256-value block of Q4_K (`format` 3), Q6_K (4), Q5_K (5) or Q3_K (8) at byte `at` times
+/// each row's `x[xb..xb + 256]`, added to the row's `acc`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn k_block<F: Float, I: Numeric>(
     x: &Tensor<F>,
     words: &Tensor<I>,
     at: usize,
+    x_at: &Array<u32>,
     xb: usize,
+    acc: &mut Array<f32>,
     #[comptime] format: u32,
-) -> f32 {
-    let mut acc = f32::new(0.0);
-    if comptime!(format == 4) {
+    #[comptime] tile: usize,
+) {
+    // The block's own sum per row, added to `acc` at the end (as one value per block).
+    let mut blk = Array::<f32>::new(tile);
+    #[unroll]
+    for t in 0..tile {
+        blk[t] = f32::new(0.0);
+    }
+    if comptime!(format == 8) {
+        // Q3_K: hmask [32] (the third bits), qs [64] (two bits per value), twelve bytes of
+        // sixteen 6-bit scales offset by 32, d; values 3 bits offset by 4, one scale per
+        // 16 values. Value `128 n + 32 j + l` (l < 32) is bits `2 j` of qs[32 n + l] and
+        // bit `4 n + j` of hmask[l].
+        let d = half_to_f32(byte_at::<I>(words, at + 108) | (byte_at::<I>(words, at + 109) << 8));
+        for n in 0..2usize {
+            for j in 0..4usize {
+                let shift = (2 * j) as u32;
+                let mask = 1u32 << ((4 * n + j) as u32);
+                for h in 0..2usize {
+                    let is = 8 * n + 2 * j + h;
+                    let low = select(
+                        is < 8,
+                        byte_at::<I>(words, at + 96 + is) & 15,
+                        byte_at::<I>(words, at + 96 + is - 8) >> 4,
+                    );
+                    let high =
+                        (byte_at::<I>(words, at + 104 + is % 4) >> ((2 * (is / 4)) as u32)) & 3;
+                    let dl = d * (f32::cast_from(low | (high << 4)) - f32::new(32.0));
+                    let mut s = Array::<f32>::new(tile);
+                    #[unroll]
+                    for t in 0..tile {
+                        s[t] = f32::new(0.0);
+                    }
+                    for l in 0..16usize {
+                        let idx = 16 * h + l;
+                        let two = (byte_at::<I>(words, at + 32 + 32 * n + idx) >> shift) & 3;
+                        let mut v = f32::cast_from(two);
+                        if (byte_at::<I>(words, at + idx) & mask) == 0 {
+                            v -= f32::new(4.0);
+                        }
+                        #[unroll]
+                        for t in 0..tile {
+                            s[t] += v * x_value::<F>(x, x_at, t, xb, 128 * n + 32 * j + idx);
+                        }
+                    }
+                    #[unroll]
+                    for t in 0..tile {
+                        blk[t] += dl * s[t];
+                    }
+                }
+            }
+        }
+    } else if comptime!(format == 4) {
         // Q6_K: ql [128], qh [64], sixteen signed scales, d; values 6 bits offset by 32,
         // one scale per 16 values.
         let d = half_to_f32(byte_at::<I>(words, at + 208) | (byte_at::<I>(words, at + 209) << 8));
@@ -268,10 +478,17 @@ fn k_block<F: Float, I: Numeric>(
             let sc = at + 192 + 8 * half;
             let xh = xb + 128 * half;
             for is in 0..2usize {
-                let mut s1 = f32::new(0.0);
-                let mut s2 = f32::new(0.0);
-                let mut s3 = f32::new(0.0);
-                let mut s4 = f32::new(0.0);
+                let mut s1 = Array::<f32>::new(tile);
+                let mut s2 = Array::<f32>::new(tile);
+                let mut s3 = Array::<f32>::new(tile);
+                let mut s4 = Array::<f32>::new(tile);
+                #[unroll]
+                for t in 0..tile {
+                    s1[t] = f32::new(0.0);
+                    s2[t] = f32::new(0.0);
+                    s3[t] = f32::new(0.0);
+                    s4[t] = f32::new(0.0);
+                }
                 for k in 0..16usize {
                     let l = is * 16 + k;
                     let h = byte_at::<I>(words, qh + l);
@@ -281,16 +498,23 @@ fn k_block<F: Float, I: Numeric>(
                     let q2 = f32::cast_from((c & 15) | (((h >> 2) & 3) << 4)) - f32::new(32.0);
                     let q3 = f32::cast_from((a >> 4) | (((h >> 4) & 3) << 4)) - f32::new(32.0);
                     let q4 = f32::cast_from((c >> 4) | (((h >> 6) & 3) << 4)) - f32::new(32.0);
-                    s1 += q1 * f32::cast_from(x[xh + l]);
-                    s2 += q2 * f32::cast_from(x[xh + l + 32]);
-                    s3 += q3 * f32::cast_from(x[xh + l + 64]);
-                    s4 += q4 * f32::cast_from(x[xh + l + 96]);
+                    #[unroll]
+                    for t in 0..tile {
+                        s1[t] += q1 * x_value::<F>(x, x_at, t, xh, l);
+                        s2[t] += q2 * x_value::<F>(x, x_at, t, xh, l + 32);
+                        s3[t] += q3 * x_value::<F>(x, x_at, t, xh, l + 64);
+                        s4[t] += q4 * x_value::<F>(x, x_at, t, xh, l + 96);
+                    }
                 }
-                let sum = signed_byte(byte_at::<I>(words, sc + is)) * s1
-                    + signed_byte(byte_at::<I>(words, sc + is + 2)) * s2
-                    + signed_byte(byte_at::<I>(words, sc + is + 4)) * s3
-                    + signed_byte(byte_at::<I>(words, sc + is + 6)) * s4;
-                acc += d * sum;
+                let c1 = signed_byte(byte_at::<I>(words, sc + is));
+                let c2 = signed_byte(byte_at::<I>(words, sc + is + 2));
+                let c3 = signed_byte(byte_at::<I>(words, sc + is + 4));
+                let c4 = signed_byte(byte_at::<I>(words, sc + is + 6));
+                #[unroll]
+                for t in 0..tile {
+                    let sum = c1 * s1[t] + c2 * s2[t] + c3 * s3[t] + c4 * s4[t];
+                    blk[t] += d * sum;
+                }
             }
         }
     } else {
@@ -302,10 +526,17 @@ fn k_block<F: Float, I: Numeric>(
         let dmin = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
         let qs = comptime!(if format == 5 { 48usize } else { 16usize });
         for chunk in 0..4usize {
-            let mut s_lo = f32::new(0.0);
-            let mut s_hi = f32::new(0.0);
-            let mut x_lo = f32::new(0.0);
-            let mut x_hi = f32::new(0.0);
+            let mut s_lo = Array::<f32>::new(tile);
+            let mut s_hi = Array::<f32>::new(tile);
+            let mut x_lo = Array::<f32>::new(tile);
+            let mut x_hi = Array::<f32>::new(tile);
+            #[unroll]
+            for t in 0..tile {
+                s_lo[t] = f32::new(0.0);
+                s_hi[t] = f32::new(0.0);
+                x_lo[t] = f32::new(0.0);
+                x_hi[t] = f32::new(0.0);
+            }
             let xc = xb + 64 * chunk;
             for w in 0..8usize {
                 let q = word_at::<I>(words, (at + qs + 32 * chunk) / 4 + w);
@@ -322,23 +553,39 @@ fn k_block<F: Float, I: Numeric>(
                         lo += (h & 1) << 4;
                         hi += ((h >> 1) & 1) << 4;
                     }
-                    let a = f32::cast_from(x[xc + 4 * w + k]);
-                    let c = f32::cast_from(x[xc + 32 + 4 * w + k]);
-                    s_lo += f32::cast_from(lo) * a;
-                    s_hi += f32::cast_from(hi) * c;
-                    x_lo += a;
-                    x_hi += c;
+                    let (lo, hi) = (f32::cast_from(lo), f32::cast_from(hi));
+                    #[unroll]
+                    for t in 0..tile {
+                        let a = x_value::<F>(x, x_at, t, xc, 4 * w + k);
+                        let c = x_value::<F>(x, x_at, t, xc, 32 + 4 * w + k);
+                        s_lo[t] += lo * a;
+                        s_hi[t] += hi * c;
+                        x_lo[t] += a;
+                        x_hi[t] += c;
+                    }
                 }
             }
             let p = at + 4;
             let j = 2 * chunk;
-            acc += d * f32::cast_from(k_scale::<I>(words, p, j)) * s_lo
-                - dmin * f32::cast_from(k_min::<I>(words, p, j)) * x_lo;
-            acc += d * f32::cast_from(k_scale::<I>(words, p, j + 1)) * s_hi
-                - dmin * f32::cast_from(k_min::<I>(words, p, j + 1)) * x_hi;
+            let (sc_lo, m_lo) = (
+                d * f32::cast_from(k_scale::<I>(words, p, j)),
+                dmin * f32::cast_from(k_min::<I>(words, p, j)),
+            );
+            let (sc_hi, m_hi) = (
+                d * f32::cast_from(k_scale::<I>(words, p, j + 1)),
+                dmin * f32::cast_from(k_min::<I>(words, p, j + 1)),
+            );
+            #[unroll]
+            for t in 0..tile {
+                blk[t] += sc_lo * s_lo[t] - m_lo * x_lo[t];
+                blk[t] += sc_hi * s_hi[t] - m_hi * x_hi[t];
+            }
         }
     }
-    acc
+    #[unroll]
+    for t in 0..tile {
+        acc[t] += blk[t];
+    }
 }
 
 /// Units per row of [`argmax_kernel`].

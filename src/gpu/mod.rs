@@ -13,10 +13,15 @@
 //!   gathered copy of the pool, no padding, no mask.
 //! - [`quantized_matmul`](LlamaBackend::quantized_matmul): weights stay in their GGUF
 //!   blocks on the device ([`keeps_quantized_weights`](LlamaBackend::keeps_quantized_weights)),
-//!   uploaded once on first use; Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and Q5_K are multiplied by
-//!   a fused dequantize-and-multiply kernel, the other kept formats (Q5_0, Q5_1, Q3_K) are
-//!   dequantized once to an f32 copy on the device (the portable path's memory) and
-//!   multiplied by Burn's matmul.
+//!   uploaded once on first use; every kept format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K,
+//!   Q4_K, Q5_K, Q6_K) is multiplied by a fused dequantize-and-multiply kernel. Decode takes one row per unit; prompts and batches of
+//!   4 rows or more take tiles of 4 or 8 rows per unit, each weight decoded once per tile
+//!   ([`quant_tile`]), with a row's arithmetic the same at every tile size.
+//! - [`dense_matmul`](LlamaBackend::dense_matmul): projections and the output head held
+//!   in the float type (F32/F16/BF16 checkpoints) through our own kernel, each output its
+//!   own sum in one order, so that they are batch-invariant too: Burn's matmul is not
+//!   (on wgpu every row of a 2- to 128-row product differed in some bits from the row
+//!   alone).
 //! - [`greedy_tokens`](LlamaBackend::greedy_tokens): each row's argmax on the device, so a
 //!   step whose rows all decode greedily reads back token ids, not logits.
 //! - [`sample_tokens`](LlamaBackend::sample_tokens): a row drawn with temperature,
@@ -64,8 +69,22 @@ pub struct QuantShape {
     pub n_out: usize,
     /// Inputs (columns of `x` and of the weight, a whole number of blocks).
     pub cols: usize,
-    /// The block format: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_K.
+    /// The block format: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_K, 6 Q5_0, 7 Q5_1,
+    /// 8 Q3_K.
     pub format: u32,
+}
+
+/// The shape of a dense product (see [`CubeKernels::dense_matmul_primitive`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenseShape {
+    /// Rows of `x`.
+    pub rows: usize,
+    /// Outputs.
+    pub n_out: usize,
+    /// Inputs (columns of `x`).
+    pub cols: usize,
+    /// `W` is `[n_out, cols]` (else `[cols, n_out]`).
+    pub transposed: bool,
 }
 
 /// The largest head the paged attention kernel takes (one unit per value of a head).
@@ -92,6 +111,15 @@ pub trait CubeKernels: Backend {
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
         shape: QuantShape,
+    ) -> FloatTensor<Self>;
+
+    /// `x @ W` for `x` `[rows, cols]` and a dense `W` `[cols, n_out]`, or `x @ W^T` for
+    /// `W` `[n_out, cols]` when `shape.transposed`; returns `[rows, n_out]`, each output
+    /// its own sum in one order whatever the batch. The caller has checked the shapes.
+    fn dense_matmul_primitive(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        shape: DenseShape,
     ) -> FloatTensor<Self>;
 
     /// The greedy token of each row of `logits` `[rows, vocab]` (the first index of the
@@ -187,9 +215,14 @@ where
         let (f_dtype, i_dtype) = (x.dtype, words.dtype);
         let client = x.client.clone();
         let width = 64u32;
+        let tile = quant_tile(shape.rows);
         kernels::quantized_matmul_kernel::launch::<R>(
             &client,
-            CubeCount::Static((shape.n_out as u32).div_ceil(width), shape.rows as u32, 1),
+            CubeCount::Static(
+                (shape.n_out as u32).div_ceil(width),
+                shape.rows.div_ceil(tile) as u32,
+                1,
+            ),
             CubeDim::new_1d(width),
             x.into_tensor_arg(),
             words.into_tensor_arg(),
@@ -198,7 +231,53 @@ where
             shape.n_out as u32,
             shape.cols as u32,
             shape.format,
+            tile,
             [f_dtype.into(), i_dtype.into()],
+        );
+        out
+    }
+
+    fn dense_matmul_primitive(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        shape: DenseShape,
+    ) -> FloatTensor<Self> {
+        use burn_cubecl::kernel::into_contiguous;
+        use burn_cubecl::tensor::CubeTensor;
+        use cubecl::{CubeCount, CubeDim};
+
+        let x = into_contiguous(x);
+        let w = into_contiguous(w);
+        let out_shape = burn::tensor::Shape::new([shape.rows, shape.n_out]);
+        let bytes = out_shape.num_elements() * x.dtype.size();
+        let out = CubeTensor::new_contiguous(
+            x.client.clone(),
+            x.device.clone(),
+            out_shape,
+            x.client.empty(bytes),
+            x.dtype,
+        );
+        let f_dtype = x.dtype;
+        let client = x.client.clone();
+        let width = 64u32;
+        let tile = quant_tile(shape.rows);
+        kernels::dense_matmul_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(
+                (shape.n_out as u32).div_ceil(width),
+                shape.rows.div_ceil(tile) as u32,
+                1,
+            ),
+            CubeDim::new_1d(width),
+            x.into_tensor_arg(),
+            w.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            shape.rows as u32,
+            shape.n_out as u32,
+            shape.cols as u32,
+            shape.transposed,
+            tile,
+            f_dtype.into(),
         );
         out
     }
@@ -385,6 +464,62 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
                 streams,
                 OperationIr::Custom(desc.clone()),
                 QuantizedMatmulOp::<B> {
+                    desc,
+                    shape,
+                    _backend: core::marker::PhantomData,
+                },
+            )
+            .output()
+    }
+
+    fn dense_matmul_primitive(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        shape: DenseShape,
+    ) -> FloatTensor<Self> {
+        use burn_fusion::stream::{Operation, OperationStreams};
+        use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+        /// The kernel as an operation of the fusion stream.
+        #[derive(Debug)]
+        struct DenseMatmulOp<B> {
+            desc: CustomOpIr,
+            shape: DenseShape,
+            _backend: core::marker::PhantomData<B>,
+        }
+
+        impl<B: FusionBackend + CubeKernels> Operation<B::FusionRuntime> for DenseMatmulOp<B> {
+            fn execute(
+                &self,
+                handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+            ) {
+                let ([x, w], [out]) = self.desc.as_fixed();
+                let result = B::dense_matmul_primitive(
+                    handles.get_float_tensor::<B>(x),
+                    handles.get_float_tensor::<B>(w),
+                    self.shape,
+                );
+                handles.register_float_tensor::<B>(&out.id, result);
+            }
+        }
+
+        let client = x.client.clone();
+        let streams = OperationStreams::with_inputs([&x, &w]);
+        let out = TensorIr::uninit(
+            client.create_empty_handle(),
+            burn::tensor::Shape::new([shape.rows, shape.n_out]),
+            x.dtype,
+        );
+        let desc = CustomOpIr::new(
+            "llama_burn_dense_matmul",
+            &[x.into_ir(), w.into_ir()],
+            &[out],
+        );
+        client
+            .register(
+                streams,
+                OperationIr::Custom(desc.clone()),
+                DenseMatmulOp::<B> {
                     desc,
                     shape,
                     _backend: core::marker::PhantomData,
@@ -625,38 +760,44 @@ fn paged_attention<B: LlamaBackend + CubeKernels>(
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
 }
 
-/// A quantized matrix on a device: its blocks as words for the kernel's formats, else
-/// its dense f32 transpose `[in, out]`.
+/// A quantized matrix on a device: its ggml blocks as little-endian words, and the
+/// kernel's code for their format.
 #[derive(Debug, Clone)]
-enum DeviceWeight<B: Backend> {
-    Blocks(Tensor<B, 1, Int>, u32),
-    Dense(Tensor<B, 2>),
+struct DeviceWeight<B: Backend> {
+    words: Tensor<B, 1, Int>,
+    format: u32,
 }
 
-impl<B: Backend> DeviceWeight<B> {
-    fn device(&self) -> B::Device {
-        match self {
-            Self::Blocks(t, _) => t.device(),
-            Self::Dense(t) => t.device(),
-        }
+/// Rows of `x` per unit of the quantized product for a product of `rows` rows: one for
+/// decode (each unit reads its weight row once per row, which few rows can afford), 4 or 8
+/// for prompts and large batches, where each weight is decoded once per tile. The
+/// kernel's per-row arithmetic is the same at every tile size, so a row's outputs do not
+/// depend on it (tested on wgpu).
+pub(crate) fn quant_tile(rows: usize) -> usize {
+    match rows {
+        0..4 => 1,
+        4..16 => 4,
+        _ => 8,
     }
 }
 
-/// The kernel's code for a block format, if it has one.
-fn kernel_format(format: QuantFormat) -> Option<u32> {
+/// The kernel's code for a block format.
+fn kernel_format(format: QuantFormat) -> u32 {
     match format {
-        QuantFormat::Q8_0 => Some(0),
-        QuantFormat::Q4_0 => Some(1),
-        QuantFormat::Q4_1 => Some(2),
-        QuantFormat::Q4_K => Some(3),
-        QuantFormat::Q6_K => Some(4),
-        QuantFormat::Q5_K => Some(5),
-        _ => None,
+        QuantFormat::Q8_0 => 0,
+        QuantFormat::Q4_0 => 1,
+        QuantFormat::Q4_1 => 2,
+        QuantFormat::Q4_K => 3,
+        QuantFormat::Q6_K => 4,
+        QuantFormat::Q5_K => 5,
+        QuantFormat::Q5_0 => 6,
+        QuantFormat::Q5_1 => 7,
+        QuantFormat::Q3_K => 8,
     }
 }
 
 /// [`LlamaBackend::quantized_matmul`] on the device: the matrix's copy there (made on
-/// first use and kept with the matrix), through the fused kernel or Burn's matmul.
+/// first use and kept with the matrix), through the fused kernel.
 fn quantized_matmul<B: LlamaBackend + CubeKernels>(
     x: Tensor<B, 2>,
     w: &QuantMatrix,
@@ -671,54 +812,68 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
     }
     let device = x.device();
     let weight = w.device_copy::<DeviceWeight<B>>(
-        |copy| copy.device() == device,
+        |copy| copy.words.device() == device,
         |w| {
-            Ok(match kernel_format(w.format()) {
-                Some(format) => {
-                    let bytes = w.to_ggml_bytes();
-                    // Four bytes to a word, little-endian; the integer tensor holds the
-                    // words' bits (an `i32` of any value).
-                    let words: Vec<i32> = bytes
-                        .chunks(4)
-                        .map(|c| {
-                            let mut word = [0u8; 4];
-                            word[..c.len()].copy_from_slice(c);
-                            i32::from_le_bytes(word)
-                        })
-                        .collect();
-                    let n = words.len();
-                    DeviceWeight::Blocks(
-                        Tensor::from_data(TensorData::new(words, [n]), &device),
-                        format,
-                    )
-                }
-                None => DeviceWeight::Dense(
-                    Tensor::<B, 2>::from_data(
-                        TensorData::new(w.dequantize()?, [w.rows(), w.cols()]),
-                        &device,
-                    )
-                    .transpose(),
-                ),
+            // Four bytes to a word, little-endian; the integer tensor holds the words'
+            // bits (an `i32` of any value).
+            let words: Vec<i32> = w
+                .to_ggml_bytes()
+                .chunks(4)
+                .map(|c| {
+                    let mut word = [0u8; 4];
+                    word[..c.len()].copy_from_slice(c);
+                    i32::from_le_bytes(word)
+                })
+                .collect();
+            let n = words.len();
+            Ok(DeviceWeight {
+                words: Tensor::from_data(TensorData::new(words, [n]), &device),
+                format: kernel_format(w.format()),
             })
         },
     )?;
-    match weight {
-        DeviceWeight::Blocks(words, format) => {
-            let shape = QuantShape {
-                rows,
-                n_out: w.rows(),
-                cols: n_in,
-                format,
-            };
-            let out = B::quantized_matmul_primitive(
-                x.into_primitive().tensor(),
-                words.into_primitive(),
-                shape,
-            );
-            Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
-        }
-        DeviceWeight::Dense(t) => Ok(x.matmul(t)),
+    let shape = QuantShape {
+        rows,
+        n_out: w.rows(),
+        cols: n_in,
+        format: weight.format,
+    };
+    let out = B::quantized_matmul_primitive(
+        x.into_primitive().tensor(),
+        weight.words.into_primitive(),
+        shape,
+    );
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// [`LlamaBackend::dense_matmul`] on the device, through [`CubeKernels::dense_matmul_primitive`].
+fn dense_matmul<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    w: &Tensor<B, 2>,
+    transposed: bool,
+) -> Result<Tensor<B, 2>> {
+    let [rows, cols] = x.dims();
+    let [a, b] = w.dims();
+    let (w_cols, n_out) = if transposed { (b, a) } else { (a, b) };
+    if w_cols != cols {
+        return Err(LlamaError::ShapeMismatch {
+            name: "dense matmul input".into(),
+            expected: vec![w_cols],
+            actual: vec![cols],
+        });
     }
+    let shape = DenseShape {
+        rows,
+        n_out,
+        cols,
+        transposed,
+    };
+    let out = B::dense_matmul_primitive(
+        x.into_primitive().tensor(),
+        w.clone().into_primitive().tensor(),
+        shape,
+    );
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
 }
 
 /// Burn's CubeCL backends without fusion: our kernels where we have them, the portable
@@ -749,6 +904,14 @@ where
         _precision: Precision,
     ) -> Result<Tensor<Self, 2>> {
         quantized_matmul(x, w)
+    }
+
+    fn dense_matmul(
+        x: Tensor<Self, 2>,
+        w: &Tensor<Self, 2>,
+        transposed: bool,
+    ) -> Result<Tensor<Self, 2>> {
+        dense_matmul(x, w, transposed)
     }
 
     fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
@@ -785,6 +948,14 @@ impl<B: FusionBackend + CubeKernels> LlamaBackend for Fusion<B> {
         _precision: Precision,
     ) -> Result<Tensor<Self, 2>> {
         quantized_matmul(x, w)
+    }
+
+    fn dense_matmul(
+        x: Tensor<Self, 2>,
+        w: &Tensor<Self, 2>,
+        transposed: bool,
+    ) -> Result<Tensor<Self, 2>> {
+        dense_matmul(x, w, transposed)
     }
 
     fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {

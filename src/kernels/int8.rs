@@ -319,9 +319,82 @@ impl QuantizedRows {
         out
     }
 
+    /// [`new`](Self::new) on `path`: the same bits, in the path's vectors (`round` is a
+    /// library call per value in plain Rust; here it is a truncation and a comparison of
+    /// the remainder, which gives its bits and vectorizes).
+    pub(crate) fn new_on(path: SimdPath, x: &[f32], rows: usize, n_in: usize) -> Self {
+        let blocks = rows * n_in / QK;
+        let mut out = Self {
+            n_in,
+            q: vec![0; rows * n_in],
+            d: vec![0.0; blocks],
+            sx: vec![0.0; blocks],
+            sum16: vec![0; 2 * blocks],
+        };
+        let (q, d, sx, sum16) = (
+            &mut out.q[..],
+            &mut out.d[..],
+            &mut out.sx[..],
+            &mut out.sum16[..],
+        );
+        on_simd_path!(path, quantize_blocks(
+            x: &[f32],
+            q: &mut [i8],
+            d: &mut [f32],
+            sx: &mut [f32],
+            sum16: &mut [i32],
+        ));
+        out
+    }
+
     /// Sub-blocks per row.
     fn blocks(&self) -> usize {
         self.n_in / QK
+    }
+}
+
+/// [`QuantizedRows::new`]'s quantization of the 32-value blocks of `x` into `q`, each
+/// block's scale into `d`, scale times sum into `sx` and half sums into `sum16`, written
+/// so that the compiler vectorizes it: the maximum in 16 lanes (exact in any order), and
+/// `round` (half away from zero) as `t = trunc(y)`, plus `sign(y)` where `|y - t| >=
+/// 0.5` (`y - t` is exact).
+#[inline(always)]
+fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], sx: &mut [f32], sum16: &mut [i32]) {
+    let blocks = x
+        .chunks_exact(QK)
+        .zip(q.chunks_exact_mut(QK))
+        .zip(d.iter_mut().zip(sx.iter_mut()))
+        .zip(sum16.chunks_exact_mut(2));
+    for (((xb, qb), (d, sx)), sums) in blocks {
+        let mut lanes = [0f32; 16];
+        for part in xb.chunks_exact(16) {
+            for (m, v) in lanes.iter_mut().zip(part) {
+                *m = m.max(v.abs());
+            }
+        }
+        let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
+        let scale = amax / 127.0;
+        let id = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+        let mut ints = [0i32; QK];
+        for ((q, int), &v) in qb.iter_mut().zip(ints.iter_mut()).zip(xb) {
+            let y = v * id;
+            let t = y.trunc();
+            let r = if (y - t).abs() >= 0.5 {
+                t + 1f32.copysign(y)
+            } else {
+                t
+            };
+            // |r| <= 127 (or NaN, which both casts make 0).
+            *int = r as i32;
+            *q = *int as i8;
+        }
+        let (lo, hi) = (
+            ints[..16].iter().sum::<i32>(),
+            ints[16..].iter().sum::<i32>(),
+        );
+        *d = scale;
+        *sx = scale * (lo + hi) as f32;
+        sums.copy_from_slice(&[lo, hi]);
     }
 }
 
@@ -407,20 +480,21 @@ pub fn matmul_transposed_int8_on(
     if rows == 0 || n_out == 0 {
         return Ok(Vec::new());
     }
-    let acts = QuantizedRows::new(x, rows, n_in);
+    let acts = QuantizedRows::new_on(path, x, rows, n_in);
     let threads = rayon::current_num_threads().max(1);
-    let per_chunk = n_out
-        .div_ceil(threads * 4)
-        .next_multiple_of(LANES)
-        .max(LANES);
+    // Chunks of whole panels (16 outputs), guided: large first, small last.
+    let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
     let mut out = vec![0f32; rows * n_out];
     let target = Columns::new(&mut out, n_out);
     let f = form(w.format());
     let vnni = vnni_supported(path);
     let in_registers = vnni && registers_decode(w.format());
     let avx2_registers = !vnni && avx2_supported(path) && registers_decode(w.format());
-    super::pool::for_each_chunk(n_out.div_ceil(per_chunk), &|chunk| {
-        let (start, end) = (chunk * per_chunk, ((chunk + 1) * per_chunk).min(n_out));
+    super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
+        let (start, end) = (
+            bounds[chunk] * LANES,
+            (bounds[chunk + 1] * LANES).min(n_out),
+        );
         PANEL.with_borrow_mut(|panel| {
             for first in (start..end).step_by(LANES) {
                 let n = LANES.min(end - first);
@@ -1841,6 +1915,34 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn every_path_quantizes_activations_as_the_plain_rule() {
+        // Ties (x / d = k + 0.5 exactly: the block's maximum is 127, so d = 1), values
+        // next to them, zeros, signed zeros, a NaN and an infinity.
+        let mut x = vec![127.0f32, -0.5, 0.5, 2.5, -2.5, 126.5, -126.5, 0.0, -0.0];
+        x.extend([
+            1.4999999, -1.4999999, 1.5000001, 63.5, -63.5, 0.49999997, 3.0,
+        ]);
+        x.extend((0..16).map(|i| i as f32 * 7.25 - 50.0));
+        x.extend([1e-30, -3e-31, f32::NAN, 2.0]);
+        x.extend((0..28).map(|i| (i as f32 * 0.37).sin()));
+        x.extend([f32::INFINITY, 1.0, -1.0, 0.25]);
+        x.extend((0..28).map(|i| (i as f32 * 1.37).cos() * 1e3));
+        let mut rng = StdRng::seed_from_u64(8);
+        x.extend((0..64 * 32).map(|_| rng.random_range(-3.0f32..3.0)));
+        let rows = x.len() / 64;
+        x.truncate(rows * 64);
+        let want = QuantizedRows::new(&x, rows, 64);
+        for path in paths() {
+            let got = QuantizedRows::new_on(path, &x, rows, 64);
+            assert_eq!(got.q, want.q, "{path:?}");
+            assert_eq!(got.sum16, want.sum16, "{path:?}");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.d), bits(&want.d), "{path:?}");
+            assert_eq!(bits(&got.sx), bits(&want.sx), "{path:?}");
         }
     }
 

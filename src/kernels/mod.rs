@@ -20,6 +20,7 @@ pub mod cpu;
 pub mod int8;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+mod pages;
 pub(crate) mod pool;
 pub mod quant;
 mod tiling;

@@ -1,5 +1,6 @@
 //! Weight matrices kept in a ggml block format, as the CPU kernels read them.
 
+use super::pages::WeightBytes;
 use crate::error::{LlamaError, Result};
 use crate::loader::dequant::dequantize_block;
 use crate::loader::gguf::{GgmlType, GgufFile};
@@ -191,7 +192,7 @@ pub struct QuantMatrix {
     format: QuantFormat,
     rows: usize,
     cols: usize,
-    data: Vec<u8>,
+    data: WeightBytes,
     /// What GPU backends made of it on their devices, made on first use.
     device: DeviceCopies,
 }
@@ -277,12 +278,12 @@ impl QuantMatrix {
             format,
             rows,
             cols,
-            data: Vec::new(),
+            data: WeightBytes::zeroed(0),
             device: DeviceCopies::default(),
         };
         let (bb, hb) = (format.block_bytes(), format.head_bytes());
         let row_bytes = m.row_bytes();
-        let mut grouped = vec![0u8; data.len()];
+        let mut grouped = WeightBytes::zeroed(data.len());
         for r in 0..rows {
             for b in 0..m.blocks_per_row() {
                 let src = &data[r * row_bytes + b * bb..r * row_bytes + (b + 1) * bb];
@@ -547,7 +548,7 @@ mod tests {
                 .collect();
             let m = QuantMatrix::new(format, rows, cols, data.clone()).unwrap();
             assert_eq!(m.to_ggml_bytes(), data);
-            assert_ne!(m.data, data, "{format:?} is stored grouped");
+            assert_ne!(&m.data[..], &data[..], "{format:?} is stored grouped");
             let rb = m.row_bytes();
             assert_eq!(m.row_ggml_bytes(17).unwrap(), data[17 * rb..18 * rb]);
         }

@@ -49,6 +49,22 @@ pub(crate) fn balanced_row_tiles(rows: usize, most: usize) -> impl Iterator<Item
     (0..tiles).map(move |t| (rows * t / tiles, rows * (t + 1) / tiles))
 }
 
+/// Boundaries `b[0] = 0 < b[1] < ... = units` of the chunks that a product of `units`
+/// column units splits into for `threads` threads, guided: each chunk a `1 / (2 *
+/// threads)` share of what is left (at least `least` units), so the first chunks are
+/// large (few hand-overs, long sequential streams of weights) and the last ones small
+/// (a thread that finishes waits for at most a small chunk of the other's).
+pub(crate) fn guided_chunks(units: usize, threads: usize, least: usize) -> Vec<usize> {
+    let mut bounds = vec![0];
+    let mut done = 0;
+    while done < units {
+        let left = units - done;
+        done += left.div_ceil(2 * threads.max(1)).max(least).min(left);
+        bounds.push(done);
+    }
+    bounds
+}
+
 /// How far ahead (in bytes) the x86 kernels ask for a weight group's next bytes.
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 1024;
@@ -90,5 +106,24 @@ pub(crate) fn prefetch_range(at: *const u8, ahead: usize, len: usize) {
         // is allowed.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ahead + line).cast()) };
         line += 64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guided_chunks_cover_every_unit_once_shrinking() {
+        for units in [0, 1, 2, 5, 16, 128, 3072] {
+            for threads in [1, 2, 3, 16] {
+                let b = guided_chunks(units, threads, 2);
+                assert_eq!((b[0], *b.last().unwrap()), (0, units));
+                let sizes: Vec<usize> = b.windows(2).map(|w| w[1] - w[0]).collect();
+                assert!(sizes.iter().all(|&s| s > 0));
+                assert!(sizes.windows(2).all(|w| w[1] <= w[0]), "{sizes:?}");
+            }
+        }
+        assert_eq!(guided_chunks(128, 2, 2).len() - 1, 13);
     }
 }

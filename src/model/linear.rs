@@ -93,7 +93,7 @@ impl<B: Backend> Projection<B> {
         self.parts
             .iter()
             .map(|p| match p {
-                Part::Dense(t) => t.shape().num_elements() * std::mem::size_of::<f32>(),
+                Part::Dense(t) => t.shape().num_elements() * t.dtype().size(),
                 Part::Quantized(m) => m.bytes(),
             })
             .sum()
@@ -131,7 +131,7 @@ impl<B: LlamaBackend> Projection<B> {
     /// What the backend's quantized product reports (a shape it cannot take).
     pub fn forward(&self, x: Tensor<B, 2>, precision: Precision) -> Result<Tensor<B, 2>> {
         let part = |p: &Part<B>| match p {
-            Part::Dense(w) => Ok(x.clone().matmul(w.clone())),
+            Part::Dense(w) => B::dense_matmul(x.clone(), w, false),
             Part::Quantized(m) => B::quantized_matmul(x.clone(), m, precision),
         };
         match self.parts.as_slice() {

@@ -80,7 +80,7 @@ impl<B: LlamaBackend> BlockTensorRef<'_, B> {
     /// Bytes of weights held.
     pub fn weight_bytes(&self) -> usize {
         match self {
-            Self::Norm(t) => t.shape().num_elements() * std::mem::size_of::<f32>(),
+            Self::Norm(t) => t.shape().num_elements() * t.dtype().size(),
             Self::Projection(p) => p.weight_bytes(),
         }
     }
@@ -207,10 +207,8 @@ impl<B: LlamaBackend> VocabMatrix<B> {
     /// `precision`.
     fn project(&self, x: Tensor<B, 2>, precision: Precision) -> Result<Tensor<B, 2>> {
         match self {
-            // `(E x^T)^T`: with the head stored `[vocab, d_model]` this was the fastest
-            // form of the output projection at 8-32 rows on the CPU backend (and equal
-            // at 1).
-            VocabMatrix::Dense(table) => Ok(table.clone().matmul(x.transpose()).transpose()),
+            // The head is stored `[vocab, d_model]`: the backend's transposed product.
+            VocabMatrix::Dense(table) => B::dense_matmul(x, table, true),
             VocabMatrix::Quantized(m) => B::quantized_matmul(x, m, precision),
         }
     }
@@ -218,7 +216,7 @@ impl<B: LlamaBackend> VocabMatrix<B> {
     /// Bytes of weights held.
     pub fn weight_bytes(&self) -> usize {
         match self {
-            VocabMatrix::Dense(t) => t.shape().num_elements() * std::mem::size_of::<f32>(),
+            VocabMatrix::Dense(t) => t.shape().num_elements() * t.dtype().size(),
             VocabMatrix::Quantized(m) => m.bytes(),
         }
     }
@@ -396,10 +394,10 @@ impl<B: LlamaBackend> Transformer<B> {
         &self.device
     }
 
-    /// Bytes of weights the model holds (f32 tensors and quantized blocks; a tied head
-    /// is counted once).
+    /// Bytes of weights the model holds (float tensors in their type and quantized
+    /// blocks; a tied head is counted once).
     pub fn weight_bytes(&self) -> usize {
-        let f32_bytes = |t: &Tensor<B, 1>| t.shape().num_elements() * std::mem::size_of::<f32>();
+        let norm_bytes = |t: &Tensor<B, 1>| t.shape().num_elements() * t.dtype().size();
         let blocks: usize = self
             .blocks
             .iter()
@@ -411,7 +409,7 @@ impl<B: LlamaBackend> Transformer<B> {
         } else {
             self.lm_head.weight_bytes()
         };
-        self.embed.weight_bytes() + blocks + f32_bytes(&self.norm) + head
+        self.embed.weight_bytes() + blocks + norm_bytes(&self.norm) + head
     }
 
     /// An empty cache for `starts.len()` rows with the given left padding, with room for

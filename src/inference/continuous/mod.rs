@@ -698,7 +698,16 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
     pub fn start(llama: Llama<B, T>, config: ContinuousConfig) -> Result<Self> {
         config.validate()?;
         let c = llama.config();
-        let block = block_bytes(c.n_layers, c.n_kv_heads, c.head_dim, config.block_size);
+        // The pool holds the device's float type: a half-precision model's budget in
+        // bytes holds twice the blocks.
+        let value_bytes = crate::backend::float_type::<B>(llama.device()).map_or(4, |t| t.size());
+        let block = block_bytes(
+            c.n_layers,
+            c.n_kv_heads,
+            c.head_dim,
+            config.block_size,
+            value_bytes,
+        );
         let num_blocks = config.num_blocks(block);
         if num_blocks == 0 {
             return Err(LlamaError::invalid(

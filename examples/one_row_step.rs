@@ -1,0 +1,102 @@
+//! Times the projections of one decode step at one row (every block's seven projections
+//! in the model's call order, then the output head) on a GGUF file's own weights, with
+//! nothing else of the model: what the kernels and their thread split cost per token.
+//!
+//! `cargo run --release --example one_row_step -- FILE [PASSES] [exact|fast]`
+//! prints the median wall time per step and the weights' bytes read per second.
+
+use llama_burn::Precision;
+use llama_burn::kernels::{QuantMatrix, matmul_transposed_in};
+use llama_burn::loader::gguf::GgufFile;
+
+/// Nanoseconds every thread of this process has run (Linux's `schedstat`).
+fn process_cpu_ns() -> u64 {
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+        total += stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    total
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let path = args
+        .next()
+        .ok_or("usage: one_row_step FILE [PASSES] [exact|fast]")?;
+    let passes: usize = args.next().map_or(Ok(20), |s| s.parse())?;
+    let precision = match args.next().as_deref() {
+        Some("exact") => Precision::Exact,
+        _ => Precision::Fast,
+    };
+    let gguf = GgufFile::open(&path)?;
+    let get = |name: &str| -> Result<QuantMatrix, Box<dyn std::error::Error>> {
+        Ok(QuantMatrix::from_gguf(&gguf, name)?.ok_or("not a kernel format")?)
+    };
+    let mut steps: Vec<QuantMatrix> = Vec::new();
+    for layer in 0.. {
+        let name = |s: &str| format!("blk.{layer}.{s}.weight");
+        if gguf.tensor_info(&name("attn_q")).is_none() {
+            break;
+        }
+        let (q, k) = (get(&name("attn_q"))?, get(&name("attn_k"))?);
+        if q.format() == k.format() {
+            steps.push(QuantMatrix::stack(&[q, k])?);
+        } else {
+            steps.extend([q, k]);
+        }
+        for s in ["attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"] {
+            steps.push(get(&name(s))?);
+        }
+    }
+    let head = if gguf.tensor_info("output.weight").is_some() {
+        "output.weight"
+    } else {
+        "token_embd.weight"
+    };
+    steps.push(get(head)?);
+    let bytes: usize = steps.iter().map(QuantMatrix::bytes).sum();
+    let inputs: Vec<Vec<f32>> = steps
+        .iter()
+        .map(|w| {
+            (0..w.cols())
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+                .collect()
+        })
+        .collect();
+    let mut times = Vec::with_capacity(passes);
+    let mut cpu = Vec::with_capacity(passes);
+    let mut sink = 0f32;
+    for _ in 0..passes + 2 {
+        let (start, start_cpu) = (std::time::Instant::now(), process_cpu_ns());
+        for (w, x) in steps.iter().zip(&inputs) {
+            sink += matmul_transposed_in(precision, x, 1, w)?[0];
+        }
+        times.push(start.elapsed().as_secs_f64());
+        cpu.push((process_cpu_ns() - start_cpu) as f64 * 1e-9);
+    }
+    let (mut times, mut cpu) = (times.split_off(2), cpu.split_off(2));
+    times.sort_by(f64::total_cmp);
+    cpu.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    println!(
+        "{} matrices, {:.0} MB: wall median {:.2} ms/step (min {:.2}), {:.1} GB/s; \
+         CPU time (all threads) median {:.2} ms (min {:.2}) ({sink:.0})",
+        steps.len(),
+        bytes as f64 / 1e6,
+        median * 1e3,
+        times[0] * 1e3,
+        bytes as f64 / median / 1e9,
+        cpu[cpu.len() / 2] * 1e3,
+        cpu[0] * 1e3,
+    );
+    Ok(())
+}
