@@ -324,8 +324,14 @@ impl<B: LlamaBackend> GenerationState<B> {
     /// The device draw of this request's next token with `sampler` at `temperature`, or
     /// `None` where it must be sampled on the host (the rule is
     /// [`crate::sampling::device`]'s; this passes the request's penalty, bans and
-    /// `logprobs`).
+    /// `logprobs`). A request that speculates is always sampled on the host: its rows
+    /// with proposals must be (verification reads every position's logits), and
+    /// whether a step gives it proposals depends on the batch, so drawing its other
+    /// steps on the device would make its tokens depend on the batch near a boundary.
     pub(crate) fn device_draw(&self, sampler: &Sampler, temperature: f64) -> Option<DeviceDraw> {
+        if self.speculation.is_some() {
+            return None;
+        }
         crate::sampling::device::device_draw(
             sampler,
             temperature,

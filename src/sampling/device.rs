@@ -5,8 +5,9 @@
 //! ([`LlamaBackend::sample_tokens`](crate::backend::LlamaBackend::sample_tokens)) when its
 //! draw is the [`pipeline`](super::pipeline)'s temperature, top-k, top-p and min-p steps
 //! alone (temperature 0 included: the greedy token): no logit bias, penalty, ban,
-//! constraint or proposals to verify, and at most [`MAX_DEVICE_TOP_LOGPROBS`]
-//! alternatives asked for. Everything else, and any row the device cannot draw (a NaN, a
+//! constraint or speculation (a speculating request is drawn on the host at every step,
+//! so that where it is drawn never depends on the batch's plan), and at most
+//! [`MAX_DEVICE_TOP_LOGPROBS`] alternatives asked for. Everything else, and any row the device cannot draw (a NaN, a
 //! `+inf` or no finite logit), is sampled on the host.
 //!
 //! The random number stays on the host: [`DeviceDraw::uniform`] is the number the row's
