@@ -305,6 +305,13 @@ pub trait LlamaBackend: Backend {
         Ok(None)
     }
 
+    /// Whether [`sample_tokens`](Self::sample_tokens) draws on the device (else it
+    /// always answers `Ok(None)`, and a caller need not prepare draws for it). The
+    /// default is `false`.
+    fn samples_on_device() -> bool {
+        false
+    }
+
     /// Each row of `logits` `[rows, vocab]` drawn where the logits are, as `draws` (one
     /// per row) says: the host pipeline's temperature, top-k, top-p, min-p and draw with
     /// the row's uniform (see [`crate::sampling::device`]), so that only the tokens and

@@ -918,6 +918,10 @@ where
         greedy_tokens(logits)
     }
 
+    fn samples_on_device() -> bool {
+        true
+    }
+
     fn sample_tokens(
         logits: &Tensor<Self, 2>,
         draws: &[DeviceDraw],
@@ -960,6 +964,10 @@ impl<B: FusionBackend + CubeKernels> LlamaBackend for Fusion<B> {
 
     fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
         greedy_tokens(logits)
+    }
+
+    fn samples_on_device() -> bool {
+        true
     }
 
     fn sample_tokens(

@@ -54,10 +54,8 @@ fn read_rows<B: LlamaBackend>(
         let drawn = if device_rows.len() == total {
             B::sample_tokens(&logits, &draws)?
         } else {
-            let at: Vec<i64> = device_rows.iter().map(|&(_, i, _)| i as i64).collect();
-            let n = at.len();
-            let at = Tensor::<B, 1, Int>::from_data(TensorData::new(at, [n]), &logits.device());
-            B::sample_tokens(&logits.clone().select(0, at), &draws)?
+            let at: Vec<usize> = device_rows.iter().map(|&(_, i, _)| i).collect();
+            B::sample_tokens(&select_rows(logits.clone(), &at), &draws)?
         };
         for (&(id, _, draw), token) in device_rows.iter().zip(drawn.unwrap_or_default()) {
             if let Some(token) = token {
@@ -76,16 +74,21 @@ fn read_rows<B: LlamaBackend>(
     } else if rows.len() == total {
         logits_to_vec(logits)?
     } else {
-        let at: Vec<i64> = rows.iter().map(|&i| i as i64).collect();
-        let n = at.len();
-        let at = Tensor::<B, 1, Int>::from_data(TensorData::new(at, [n]), &logits.device());
-        logits_to_vec(logits.select(0, at))?
+        logits_to_vec(select_rows(logits, &rows))?
     };
     Ok(StepOutput::Rows {
         device,
         logits,
         rows,
     })
+}
+
+/// Rows `at` of `logits`, in that order, selected on its device.
+fn select_rows<B: LlamaBackend>(logits: Tensor<B, 2>, at: &[usize]) -> Tensor<B, 2> {
+    let at: Vec<i64> = at.iter().map(|&i| i as i64).collect();
+    let n = at.len();
+    let at = Tensor::<B, 1, Int>::from_data(TensorData::new(at, [n]), &logits.device());
+    logits.select(0, at)
 }
 
 /// One request inside the engine: its generation state (tokens, decoder, stop rules),
@@ -485,20 +488,22 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     .is_some_and(|a| a.state.draws_plain_greedy(&a.sampler, a.temperature))
             });
         // Otherwise each row the device may draw (the rule of `sampling::device`, the
-        // row's own whatever the rest of the step) is drawn there, where the backend can.
-        let device_rows: Vec<(RequestId, usize, DeviceDraw)> = if device_greedy {
-            Vec::new()
-        } else {
-            plan.rows
-                .iter()
-                .filter(|r| r.sample && !drafts.contains_key(&r.id))
-                .filter_map(|r| {
-                    let a = self.requests.get(&r.id)?;
-                    let draw = a.state.device_draw(&a.sampler, a.temperature)?;
-                    Some((r.id, *slots.get(&r.id)?, draw))
-                })
-                .collect()
-        };
+        // row's own whatever the rest of the step) is drawn there, where the backend can
+        // (on a backend that cannot, no draw is prepared and no row is selected).
+        let device_rows: Vec<(RequestId, usize, DeviceDraw)> =
+            if device_greedy || !B::samples_on_device() {
+                Vec::new()
+            } else {
+                plan.rows
+                    .iter()
+                    .filter(|r| r.sample && !drafts.contains_key(&r.id))
+                    .filter_map(|r| {
+                        let a = self.requests.get(&r.id)?;
+                        let draw = a.state.device_draw(&a.sampler, a.temperature)?;
+                        Some((r.id, *slots.get(&r.id)?, draw))
+                    })
+                    .collect()
+            };
         let output = {
             let mut rows = Vec::with_capacity(plan.rows.len());
             for row in &plan.rows {
