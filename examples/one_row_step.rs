@@ -3,7 +3,9 @@
 //! nothing else of the model: what the kernels and their thread split cost per token.
 //!
 //! `cargo run --release --example one_row_step -- FILE [PASSES] [exact|fast]`
-//! prints the median wall time per step and the weights' bytes read per second.
+//! prints the median wall time per step and the weights' bytes read per second, beside a
+//! plain read of the same bytes (huge pages, the same threads) timed in turn with it: the
+//! step's fraction of the read roof at that moment (the machine's bandwidth moves).
 
 use llama_burn::Precision;
 use llama_burn::kernels::{QuantMatrix, matmul_transposed_in};
@@ -72,9 +74,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect()
         })
         .collect();
+    // The roof: the same bytes, in buffers of the same sizes on huge pages, read by the
+    // same number of threads, timed in turn with the step (the machine's bandwidth moves).
+    let plain: Vec<memmap2::MmapMut> = steps
+        .iter()
+        .map(|w| huge_buffer(w.bytes()))
+        .collect::<Result<_, _>>()?;
     let mut times = Vec::with_capacity(passes);
+    let mut reads = Vec::with_capacity(passes);
     let mut cpu = Vec::with_capacity(passes);
     let mut sink = 0f32;
+    let mut read_sink = 0u64;
     for _ in 0..passes + 2 {
         let (start, start_cpu) = (std::time::Instant::now(), process_cpu_ns());
         for (w, x) in steps.iter().zip(&inputs) {
@@ -82,11 +92,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         times.push(start.elapsed().as_secs_f64());
         cpu.push((process_cpu_ns() - start_cpu) as f64 * 1e-9);
+        let start = std::time::Instant::now();
+        for b in &plain {
+            read_sink = read_sink.wrapping_add(read_all(b));
+        }
+        reads.push(start.elapsed().as_secs_f64());
     }
+    let mut reads = reads.split_off(2);
+    reads.sort_by(f64::total_cmp);
+    let read_median = reads[reads.len() / 2];
     let (mut times, mut cpu) = (times.split_off(2), cpu.split_off(2));
     times.sort_by(f64::total_cmp);
     cpu.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
+    println!(
+        "plain read of the same bytes ({} threads, huge pages): median {:.2} ms, {:.1} GB/s; \
+         the step reads at {:.0}% of it ({read_sink})",
+        rayon::current_num_threads(),
+        read_median * 1e3,
+        bytes as f64 / read_median / 1e9,
+        100.0 * read_median / median,
+    );
     println!(
         "{} matrices, {:.0} MB: wall median {:.2} ms/step (min {:.2}), {:.1} GB/s; \
          CPU time (all threads) median {:.2} ms (min {:.2}) ({sink:.0})",
@@ -99,4 +125,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cpu[0] * 1e3,
     );
     Ok(())
+}
+
+/// `len` bytes (filled) in an anonymous mapping marked for huge pages.
+fn huge_buffer(len: usize) -> std::io::Result<memmap2::MmapMut> {
+    let mut map = memmap2::MmapMut::map_anon(len.max(1))?;
+    let _ = map.advise(memmap2::Advice::HugePage);
+    for (i, b) in map.iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    Ok(map)
+}
+
+/// Every byte of `bytes` read once, split between the threads.
+fn read_all(bytes: &[u8]) -> u64 {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads().max(1);
+    let words: &[u64] = bytemuck_words(bytes);
+    words
+        .par_chunks(words.len().div_ceil(threads).max(1))
+        .map(|c| {
+            let mut acc = [0u64; 8];
+            for w in c.chunks_exact(8) {
+                for (a, v) in acc.iter_mut().zip(w) {
+                    *a = a.wrapping_add(*v);
+                }
+            }
+            acc.iter().fold(0u64, |s, v| s.wrapping_add(*v))
+        })
+        .sum()
+}
+
+/// The whole 8-byte words of `bytes` (page-aligned, so aligned for `u64`).
+fn bytemuck_words(bytes: &[u8]) -> &[u64] {
+    // SAFETY: a mapping starts on a page, so the pointer is aligned for `u64`; the length
+    // is rounded down to whole words and any bit pattern is a valid `u64`.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / 8) }
 }
