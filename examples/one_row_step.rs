@@ -2,7 +2,8 @@
 //! in the model's call order, then the output head) on a GGUF file's own weights, with
 //! nothing else of the model: what the kernels and their thread split cost per token.
 //!
-//! `cargo run --release --example one_row_step -- FILE [PASSES] [exact|fast]`
+//! `cargo run --release --example one_row_step -- FILE [PASSES] [exact|fast] [ROWS]`
+//! (ROWS activation rows per product, 1 by default; 128 times a prompt's projections)
 //! prints the median wall time per step and the weights' bytes read per second, beside a
 //! plain read of the same bytes (huge pages, the same threads) timed in turn with it: the
 //! step's fraction of the read roof at that moment (the machine's bandwidth moves).
@@ -33,12 +34,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let path = args
         .next()
-        .ok_or("usage: one_row_step FILE [PASSES] [exact|fast]")?;
+        .ok_or("usage: one_row_step FILE [PASSES] [exact|fast] [ROWS]")?;
     let passes: usize = args.next().map_or(Ok(20), |s| s.parse())?;
     let precision = match args.next().as_deref() {
         Some("exact") => Precision::Exact,
         _ => Precision::Fast,
     };
+    // Activation rows per product: 1 is a decode step; 128 times a prompt's projections.
+    let rows: usize = args.next().map_or(Ok(1), |s| s.parse())?;
     let gguf = GgufFile::open(&path)?;
     let get = |name: &str| -> Result<QuantMatrix, Box<dyn std::error::Error>> {
         Ok(QuantMatrix::from_gguf(&gguf, name)?.ok_or("not a kernel format")?)
@@ -69,7 +72,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let inputs: Vec<Vec<f32>> = steps
         .iter()
         .map(|w| {
-            (0..w.cols())
+            (0..w.cols() * rows)
                 .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
                 .collect()
         })
@@ -88,7 +91,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..passes + 2 {
         let (start, start_cpu) = (std::time::Instant::now(), process_cpu_ns());
         for (w, x) in steps.iter().zip(&inputs) {
-            sink += matmul_transposed_in(precision, x, 1, w)?[0];
+            sink += matmul_transposed_in(precision, x, rows, w)?[0];
         }
         times.push(start.elapsed().as_secs_f64());
         cpu.push((process_cpu_ns() - start_cpu) as f64 * 1e-9);

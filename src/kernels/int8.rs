@@ -486,7 +486,6 @@ pub fn matmul_transposed_int8_on(
     let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
     let mut out = vec![0f32; rows * n_out];
     let target = Columns::new(&mut out, n_out);
-    let f = form(w.format());
     let vnni = vnni_supported(path);
     let in_registers = vnni && registers_decode(w.format());
     let avx2_registers = !vnni && avx2_supported(path) && registers_decode(w.format());
@@ -541,7 +540,7 @@ pub fn matmul_transposed_int8_on(
                 while r < rows {
                     let tile = ROW_TILE.min(rows - r);
                     let mut res = [[0f32; LANES]; ROW_TILE];
-                    run_tile(path, vnni, panel, f, &acts, r, tile, &mut res);
+                    run_tile(path, vnni, panel, w.format(), &acts, r, tile, &mut res);
                     for (i, row) in res.iter().take(tile).enumerate() {
                         // SAFETY: row `r + i < rows`; columns `first .. first + n` lie in
                         // this chunk's `start..end`, which no other chunk writes.
@@ -1676,17 +1675,18 @@ fn run_tile(
     path: SimdPath,
     vnni: bool,
     panel: &Panel,
-    f: IntForm,
+    format: QuantFormat,
     acts: &QuantizedRows,
     r0: usize,
     tile: usize,
     out: &mut [[f32; LANES]; ROW_TILE],
 ) {
+    let f = form(format);
     #[cfg(target_arch = "x86_64")]
     if vnni {
         // SAFETY: `vnni` says this CPU has AVX-512 with VNNI; the panel and the rows
         // were built for the same matrix and `r0 + tile <= rows`.
-        unsafe { vnni_tile(panel, f, acts, r0, tile, out) };
+        unsafe { vnni_tile(panel, format, acts, r0, tile, out) };
         return;
     }
     let _ = vnni;
@@ -1757,83 +1757,92 @@ fn plain_tile(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 unsafe fn vnni_tile(
     panel: &Panel,
-    f: IntForm,
+    format: QuantFormat,
     acts: &QuantizedRows,
     r0: usize,
     tile: usize,
     out: &mut [[f32; LANES]; ROW_TILE],
 ) {
     // SAFETY: forwarded.
-    unsafe { with_tile!(tile, T => vnni_tile_rows::<T>(panel, f, acts, r0, out)) }
+    unsafe {
+        with_format!(format, F => with_tile!(tile, T => vnni_tile_rows::<T, F>(panel, acts, r0, out)))
+    }
 }
 
-/// [`vnni_tile`] for `T` rows.
+/// [`vnni_tile`] for `T` rows of the format whose id is `F` ([`format_at`]): its integer
+/// form is a constant, so the kernel has no branch on it, and the integer sums may be
+/// grouped freely (they are exact); the float steps are the module's, in its order.
 ///
 /// # Safety
 ///
 /// As [`vnni_tile`], with `T` for `tile`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-unsafe fn vnni_tile_rows<const T: usize>(
+unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
     panel: &Panel,
-    f: IntForm,
     acts: &QuantizedRows,
     r0: usize,
     out: &mut [[f32; LANES]; ROW_TILE],
 ) {
     use std::arch::x86_64::*;
+    let f = form(format_at(F));
     let subs = acts.blocks();
+    debug_assert!(acts.q.len() >= (r0 + T) * acts.n_in && acts.d.len() >= (r0 + T) * subs);
     let mut acc = [_mm512_setzero_ps(); T];
     let (up, scp) = (panel.u.as_ptr(), panel.sc.as_ptr());
+    let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
+    // Each row's first quantized value and first block (`b = r * subs + s`).
+    let xq = acts.q.as_ptr();
+    let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
     for s in 0..subs {
         // SAFETY (every load): the panel holds `subs * 8 * 16` words, `subs * 2 * 16`
-        // scales and `subs * 16` of `d` and `m`; each activation row `subs * 32` bytes.
-        let mut w = [_mm512_setzero_si512(); 8];
-        for (t, v) in w.iter_mut().enumerate() {
-            *v = unsafe { _mm512_loadu_si512(up.add((s * 8 + t) * LANES).cast()) };
-        }
-        let sc0 = unsafe { _mm512_loadu_si512(scp.add(s * 2 * LANES).cast()) };
-        let sc1 = unsafe { _mm512_loadu_si512(scp.add((s * 2 + 1) * LANES).cast()) };
-        let dw = unsafe { _mm512_loadu_ps(panel.d.as_ptr().add(s * LANES)) };
-        let m = unsafe { _mm512_loadu_ps(panel.m.as_ptr().add(s * LANES)) };
-        each_row!(T, i => {
-            let acc = &mut acc[i];
-            let r = r0 + i;
-            let b = r * subs + s;
-            let xp = unsafe { acts.q.as_ptr().add(r * acts.n_in + s * QK) }.cast::<i32>();
-            let mut x = [_mm512_setzero_si512(); 8];
-            for (t, v) in x.iter_mut().enumerate() {
-                *v = _mm512_set1_epi32(unsafe { xp.add(t).read_unaligned() });
+        // scales and `subs * 16` of `d` and `m`; each activation row has `subs * 32`
+        // bytes, `subs` scales and sums `x * d`, and `2 * subs` half sums; rows
+        // `r0 .. r0 + T` exist.
+        unsafe {
+            let mut w = [_mm512_setzero_si512(); 8];
+            for (t, v) in w.iter_mut().enumerate() {
+                *v = _mm512_loadu_si512(up.add((s * 8 + t) * LANES).cast());
             }
-            let (lo, hi) = (acts.sum16[2 * b], acts.sum16[2 * b + 1]);
-            let isum = if f.scales == IntScales::PerHalf {
-                let mut a = _mm512_set1_epi32(-f.offset * lo);
-                let mut c = _mm512_set1_epi32(-f.offset * hi);
-                for t in 0..4 {
-                    a = _mm512_dpbusd_epi32(a, w[t], x[t]);
-                    c = _mm512_dpbusd_epi32(c, w[t + 4], x[t + 4]);
-                }
-                _mm512_add_epi32(_mm512_mullo_epi32(a, sc0), _mm512_mullo_epi32(c, sc1))
-            } else {
-                let mut a = _mm512_set1_epi32(-f.offset * (lo + hi));
-                let mut c = _mm512_setzero_si512();
-                for t in 0..4 {
-                    a = _mm512_dpbusd_epi32(a, w[t], x[t]);
-                    c = _mm512_dpbusd_epi32(c, w[t + 4], x[t + 4]);
-                }
-                let a = _mm512_add_epi32(a, c);
-                if f.scales == IntScales::PerBlock {
-                    _mm512_mullo_epi32(a, sc0)
+            let sc0 = _mm512_loadu_si512(scp.add(s * 2 * LANES).cast());
+            let sc1 = _mm512_loadu_si512(scp.add((s * 2 + 1) * LANES).cast());
+            let dw = _mm512_loadu_ps(dp.add(s * LANES));
+            each_row!(T, i => {
+                let r = r0 + i;
+                let b = r * subs + s;
+                let xp = xq.add(r * acts.n_in + s * QK).cast::<i32>();
+                let x = |t: usize| _mm512_set1_epi32(xp.add(t).read_unaligned());
+                let (lo, hi) = (*asum.add(2 * b), *asum.add(2 * b + 1));
+                let isum = if f.scales == IntScales::PerHalf {
+                    let mut a = _mm512_set1_epi32(-f.offset * lo);
+                    let mut c = _mm512_set1_epi32(-f.offset * hi);
+                    for t in 0..4 {
+                        a = _mm512_dpbusd_epi32(a, w[t], x(t));
+                        c = _mm512_dpbusd_epi32(c, w[t + 4], x(t + 4));
+                    }
+                    _mm512_add_epi32(_mm512_mullo_epi32(a, sc0), _mm512_mullo_epi32(c, sc1))
                 } else {
-                    a
+                    let mut a = _mm512_set1_epi32(-f.offset * (lo + hi));
+                    let mut c = _mm512_setzero_si512();
+                    for t in 0..4 {
+                        a = _mm512_dpbusd_epi32(a, w[t], x(t));
+                        c = _mm512_dpbusd_epi32(c, w[t + 4], x(t + 4));
+                    }
+                    let a = _mm512_add_epi32(a, c);
+                    if f.scales == IntScales::PerBlock {
+                        _mm512_mullo_epi32(a, sc0)
+                    } else {
+                        a
+                    }
+                };
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
+                if f.mins {
+                    let m = _mm512_loadu_ps(mp.add(s * LANES));
+                    acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(b)), acc[i]);
                 }
-            };
-            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(acts.d[b]));
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *acc);
-            if f.mins {
-                *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(acts.sx[b]), *acc);
-            }
-        });
+            });
+        }
     }
     for (o, a) in out.iter_mut().zip(acc) {
         // SAFETY: `o` holds 16 floats.
