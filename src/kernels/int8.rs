@@ -331,19 +331,46 @@ impl QuantizedRows {
             sx: vec![0.0; blocks],
             sum16: vec![0; 2 * blocks],
         };
+        // A prompt's rows are split between the pool's threads in runs of whole blocks
+        // (each block is quantized alone, so the split changes no bit); a decode step's
+        // few rows are not worth a split.
+        let chunks = if blocks >= PARALLEL_QUANTIZE_BLOCKS {
+            blocks.div_ceil(PARALLEL_QUANTIZE_BLOCKS / 2)
+        } else {
+            1
+        };
+        let per = blocks.div_ceil(chunks);
         let (q, d, sx, sum16) = (
-            &mut out.q[..],
-            &mut out.d[..],
-            &mut out.sx[..],
-            &mut out.sum16[..],
+            super::pool::Disjoint::new(&mut out.q),
+            super::pool::Disjoint::new(&mut out.d),
+            super::pool::Disjoint::new(&mut out.sx),
+            super::pool::Disjoint::new(&mut out.sum16),
         );
-        on_simd_path!(path, quantize_blocks(
-            x: &[f32],
-            q: &mut [i8],
-            d: &mut [f32],
-            sx: &mut [f32],
-            sum16: &mut [i32],
-        ));
+        super::pool::for_each_chunk(chunks, &|chunk| {
+            let (first, end) = (chunk * per, ((chunk + 1) * per).min(blocks));
+            if first >= end {
+                return;
+            }
+            let n = end - first;
+            let x = &x[first * QK..end * QK];
+            // SAFETY: chunk `chunk` alone writes blocks `first..end` of each buffer, all
+            // inside them (`end <= blocks`), and the buffers outlive the split.
+            let (q, d, sx, sum16) = unsafe {
+                (
+                    q.part(first * QK, n * QK),
+                    d.part(first, n),
+                    sx.part(first, n),
+                    sum16.part(2 * first, 2 * n),
+                )
+            };
+            on_simd_path!(path, quantize_blocks(
+                x: &[f32],
+                q: &mut [i8],
+                d: &mut [f32],
+                sx: &mut [f32],
+                sum16: &mut [i32],
+            ));
+        });
         out
     }
 
@@ -352,6 +379,12 @@ impl QuantizedRows {
         self.n_in / QK
     }
 }
+
+/// From this many 32-value blocks (64 Ki values: 32 rows of 2,048), the activations of a
+/// product are quantized by the pool's threads, in runs of half as many blocks; below it
+/// (a decode step) on the calling thread. A prompt of 150 tokens spent 7% of its
+/// projections' time quantizing on one thread while the other waited.
+const PARALLEL_QUANTIZE_BLOCKS: usize = 2048;
 
 /// [`QuantizedRows::new`]'s quantization of the 32-value blocks of `x` into `q`, each
 /// block's scale into `d`, scale times sum into `sx` and half sums into `sum16`, written
