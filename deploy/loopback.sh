@@ -46,7 +46,17 @@ server_bin() {
 
 log() { echo "loopback: $*" >&2; }
 
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# Whether the process of pid file $1 runs. A killed replica stays a zombie until whoever
+# adopted it reaps it, and `kill -0` succeeds on a zombie: state Z counts as exited (a
+# restart right after a SIGKILL was once refused as "already runs").
+alive() {
+  [ -f "$1" ] || return 1
+  local pid state
+  pid=$(cat "$1")
+  kill -0 "$pid" 2>/dev/null || return 1
+  state=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f1)
+  [ "$state" != Z ]
+}
 
 # Stops the process of a pid file: SIGNAL, then SIGKILL if it is still there after 10 s.
 stop_pid() {
