@@ -21,8 +21,7 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     // prefill on one core while the other waited: split it across the cores.
     let per_chunk = SWIGLU_SPLIT / 2;
     let target = super::pool::Disjoint::new(&mut out[..n]);
-    super::pool::for_each_chunk(n.div_ceil(per_chunk), &|c| {
-        let (start, end) = (c * per_chunk, ((c + 1) * per_chunk).min(n));
+    super::pool::for_each_run(n, per_chunk, &|start, end| {
         // SAFETY: values `start..end < n` of `out` belong to this chunk alone.
         let out = unsafe { target.part(start, end - start) };
         let (gate, up) = (&gate[start..end], &up[start..end]);

@@ -416,10 +416,10 @@ fn attend_queries<'a, 'm, V: KvView<'a>>(
         }
     };
     let target = super::pool::Disjoint::new(&mut out);
-    super::pool::for_each_chunk(n.div_ceil(per_chunk.max(1)), &|c| {
+    super::pool::for_each_run(n, per_chunk, &|start, end| {
         let mut scores = Scores::with_capacity(keys_hint);
         let mut group = Vec::with_capacity(MAX_GROUP);
-        let (mut index, end) = (c * per_chunk, ((c + 1) * per_chunk).min(n));
+        let mut index = start;
         while index < end {
             // Consecutive queries that see the same keys (a token's query heads over one
             // key/value head) are attended together.

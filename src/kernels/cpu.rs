@@ -234,8 +234,7 @@ pub fn matmul_transposed_on(
         n_out,
     };
     let failure = std::sync::Mutex::new(None);
-    super::pool::for_each_chunk(n_out.div_ceil(per_chunk), &|c| {
-        let (start, end) = (c * per_chunk, ((c + 1) * per_chunk).min(n_out));
+    super::pool::for_each_run(n_out, per_chunk, &|start, end| {
         if let Err(e) = columns(path, tiles, x, rows, w, start, end, &target) {
             *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
         }

@@ -334,27 +334,22 @@ impl QuantizedRows {
         // A prompt's rows are split between the pool's threads in runs of whole blocks
         // (each block is quantized alone, so the split changes no bit); a decode step's
         // few rows are not worth a split.
-        let chunks = if blocks >= PARALLEL_QUANTIZE_BLOCKS {
-            blocks.div_ceil(PARALLEL_QUANTIZE_BLOCKS / 2)
+        let per = if blocks >= PARALLEL_QUANTIZE_BLOCKS {
+            PARALLEL_QUANTIZE_BLOCKS / 2
         } else {
-            1
+            blocks
         };
-        let per = blocks.div_ceil(chunks);
         let (q, d, sx, sum16) = (
             super::pool::Disjoint::new(&mut out.q),
             super::pool::Disjoint::new(&mut out.d),
             super::pool::Disjoint::new(&mut out.sx),
             super::pool::Disjoint::new(&mut out.sum16),
         );
-        super::pool::for_each_chunk(chunks, &|chunk| {
-            let (first, end) = (chunk * per, ((chunk + 1) * per).min(blocks));
-            if first >= end {
-                return;
-            }
+        super::pool::for_each_run(blocks, per, &|first, end| {
             let n = end - first;
             let x = &x[first * QK..end * QK];
-            // SAFETY: chunk `chunk` alone writes blocks `first..end` of each buffer, all
-            // inside them (`end <= blocks`), and the buffers outlive the split.
+            // SAFETY: this run alone writes blocks `first..end` of each buffer, all inside
+            // them (`end <= blocks`), and the buffers outlive the split.
             let (q, d, sx, sum16) = unsafe {
                 (
                     q.part(first * QK, n * QK),
@@ -1803,8 +1798,8 @@ unsafe fn vnni_tile(
 }
 
 /// [`vnni_tile`] for `T` rows of the format whose id is `F` ([`format_at`]): its integer
-/// form is a constant, so the kernel has no branch on it, and the integer sums may be
-/// grouped freely (they are exact); the float steps are the module's, in its order.
+/// form is a constant, so the kernel has no branch on it; the integer sums and float
+/// steps are the module's, in its order.
 ///
 /// # Safety
 ///
@@ -1824,7 +1819,7 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
     let mut acc = [_mm512_setzero_ps(); T];
     let (up, scp) = (panel.u.as_ptr(), panel.sc.as_ptr());
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
-    // Each row's first quantized value and first block (`b = r * subs + s`).
+    // The activations' values and per-block data (block `b = r * subs + s` of row `r`).
     let xq = acts.q.as_ptr();
     let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
     for s in 0..subs {

@@ -233,6 +233,17 @@ pub(crate) fn for_each_chunk(chunks: usize, f: &(dyn Fn(usize) + Sync)) {
     );
 }
 
+/// Calls `f(start, end)` for the runs `0..per`, `per..2 * per`, ... of `0..n` (the last
+/// one shorter), split as [`for_each_chunk`] splits its chunks.
+///
+/// # Panics
+///
+/// If a call of `f` panicked.
+pub(crate) fn for_each_run(n: usize, per: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+    let per = per.max(1);
+    for_each_chunk(n.div_ceil(per), &|c| f(c * per, ((c + 1) * per).min(n)));
+}
+
 /// A buffer whose disjoint parts the chunks of one split write, each its own.
 pub(crate) struct Disjoint<T>(*mut T);
 
@@ -282,6 +293,25 @@ mod tests {
             .collect();
         for caller in callers {
             caller.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn runs_cover_every_index_once_in_order_within_each() {
+        for n in [0, 1, 7, 64, 1000, 1025] {
+            for per in [0, 1, 3, 64, 1024, 5000] {
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                for_each_run(n, per, &|start, end| {
+                    assert!(start < end && end <= n && end - start <= per.max(1));
+                    for h in &hits[start..end] {
+                        h.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+                assert!(
+                    hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                    "{n} {per}"
+                );
+            }
         }
     }
 
