@@ -421,54 +421,10 @@ fn device_argmax_gives_the_host_greedy_token() {
 #[test]
 fn device_sampling_draws_the_host_pipelines_tokens() {
     use burn::tensor::{Tensor, TensorData};
-    use llama_burn::sampling::{DeviceDraw, History, Pipeline, SamplingParams, token_logprobs};
+    use llama_burn::sampling::{
+        DeviceDraw, History, Pipeline, SamplingParams, reference_distribution, token_logprobs,
+    };
     use rand::{Rng, SeedableRng, rngs::StdRng};
-
-    // The distribution the host pipeline samples from, in f64 (its definition: softmax at
-    // temperature, top-k with ties, top-p over what top-k keeps, min-p).
-    fn exact(params: &SamplingParams, logits: &[f32]) -> Vec<f64> {
-        let z: Vec<f64> = logits
-            .iter()
-            .map(|&l| f64::from(l) / params.temperature)
-            .collect();
-        let mut order: Vec<usize> = (0..z.len()).collect();
-        order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
-        let mut keep = vec![true; z.len()];
-        if params.top_k > 0 && params.top_k < z.len() {
-            let kth = z[order[params.top_k - 1]];
-            keep.iter_mut().zip(&z).for_each(|(k, &v)| *k &= v >= kth);
-        }
-        let max = z[order[0]];
-        let softmax = |keep: &[bool]| -> Vec<f64> {
-            let w: Vec<f64> = z
-                .iter()
-                .zip(keep)
-                .map(|(&v, &k)| if k { (v - max).exp() } else { 0.0 })
-                .collect();
-            let total: f64 = w.iter().sum();
-            w.iter().map(|w| w / total).collect()
-        };
-        if params.top_p < 1.0 {
-            let p = softmax(&keep);
-            let (mut mass, mut cut) = (0.0, 0.0);
-            for &i in order.iter().filter(|&&i| keep[i]) {
-                mass += p[i];
-                cut = p[i];
-                if mass >= params.top_p {
-                    break;
-                }
-            }
-            keep.iter_mut().zip(&p).for_each(|(k, &v)| *k &= v >= cut);
-        }
-        if params.min_p > 0.0 {
-            let p = softmax(&keep);
-            let top = p.iter().copied().fold(0.0, f64::max);
-            keep.iter_mut()
-                .zip(&p)
-                .for_each(|(k, &v)| *k &= v >= params.min_p * top);
-        }
-        softmax(&keep)
-    }
 
     // An odd vocabulary (several of the host's blocks of 512, not a multiple of the
     // kernel's 256 units); spread logits, and coarse ones (ties at the top-k cut).
@@ -575,7 +531,7 @@ fn device_sampling_draws_the_host_pipelines_tokens() {
             assert_eq!(got.token, want);
             continue;
         }
-        let p = exact(params, logits);
+        let p = reference_distribution(params, logits);
         assert!(
             p[got.token as usize] > 0.0,
             "token {} outside the kept set ({params:?})",

@@ -18,7 +18,7 @@ use rand::{SeedableRng, rngs::StdRng};
 
 pub use device::{DeviceDraw, DeviceToken, MAX_DEVICE_TOP_LOGPROBS};
 pub use logprobs::{MAX_TOP_LOGPROBS, TokenLogprob, TokenLogprobs, token_logprobs};
-pub use pipeline::{History, Pipeline, SamplingParams};
+pub use pipeline::{History, Pipeline, SamplingParams, reference_distribution};
 
 use crate::error::{LlamaError, Result};
 use pipeline::Scratch;

@@ -663,60 +663,66 @@ fn draw(weights: &[f32], blocks: &[f64], u: f64) -> Result<u32> {
         .ok_or_else(|| LlamaError::InvalidLogits("no token has a probability above 0".into()))
 }
 
+/// The exact distribution a [`Pipeline`] with `params` samples from (no bias, penalties
+/// or constraints), in f64, by its definition: a full sort, softmax at temperature, top-k
+/// (ties at the cut kept), top-p over the renormalized top-k, min-p. A reference for
+/// tests of this pipeline and of other samplers (the GPU kernel's); `params.temperature`
+/// must be above 0. No logits give an empty distribution.
+pub fn reference_distribution(params: &SamplingParams, logits: &[f32]) -> Vec<f64> {
+    if logits.is_empty() {
+        return Vec::new();
+    }
+    let t = params.temperature;
+    let z: Vec<f64> = logits.iter().map(|&l| f64::from(l) / t).collect();
+    let mut order: Vec<usize> = (0..z.len()).collect();
+    order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
+    let mut keep = vec![true; z.len()];
+    if params.top_k > 0 && params.top_k < z.len() {
+        let kth = z[order[params.top_k - 1]];
+        keep.iter_mut().zip(&z).for_each(|(k, &v)| *k &= v >= kth);
+    }
+    let max = z[order[0]];
+    let softmax = |keep: &[bool]| -> Vec<f64> {
+        let w: Vec<f64> = z
+            .iter()
+            .zip(keep)
+            .map(|(&v, &k)| if k { (v - max).exp() } else { 0.0 })
+            .collect();
+        let total: f64 = w.iter().sum();
+        w.iter().map(|w| w / total).collect()
+    };
+    if params.top_p < 1.0 {
+        let p = softmax(&keep);
+        let mut mass = 0.0;
+        let mut cut = 0.0;
+        for &i in order.iter().filter(|&&i| keep[i]) {
+            mass += p[i];
+            cut = p[i];
+            if mass >= params.top_p {
+                break;
+            }
+        }
+        keep.iter_mut().zip(&p).for_each(|(k, &v)| *k &= v >= cut);
+    }
+    if params.min_p > 0.0 {
+        let p = softmax(&keep);
+        let top = p.iter().copied().fold(0.0, f64::max);
+        keep.iter_mut()
+            .zip(&p)
+            .for_each(|(k, &v)| *k &= v >= params.min_p * top);
+    }
+    softmax(&keep)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The exact distribution the pipeline samples from, in f64, by its definition: a full
-    /// sort, softmax at temperature, top-k, top-p (over the renormalized top-k), min-p.
-    fn exact(params: &SamplingParams, logits: &[f32]) -> Vec<f64> {
-        let t = params.temperature;
-        let z: Vec<f64> = logits.iter().map(|&l| f64::from(l) / t).collect();
-        let mut order: Vec<usize> = (0..z.len()).collect();
-        order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
-        let mut keep = vec![true; z.len()];
-        if params.top_k > 0 && params.top_k < z.len() {
-            let kth = z[order[params.top_k - 1]];
-            keep.iter_mut().zip(&z).for_each(|(k, &v)| *k &= v >= kth);
-        }
-        let max = z[order[0]];
-        let softmax = |keep: &[bool]| -> Vec<f64> {
-            let w: Vec<f64> = z
-                .iter()
-                .zip(keep)
-                .map(|(&v, &k)| if k { (v - max).exp() } else { 0.0 })
-                .collect();
-            let total: f64 = w.iter().sum();
-            w.iter().map(|w| w / total).collect()
-        };
-        if params.top_p < 1.0 {
-            let p = softmax(&keep);
-            let mut mass = 0.0;
-            let mut cut = 0.0;
-            for &i in order.iter().filter(|&&i| keep[i]) {
-                mass += p[i];
-                cut = p[i];
-                if mass >= params.top_p {
-                    break;
-                }
-            }
-            keep.iter_mut().zip(&p).for_each(|(k, &v)| *k &= v >= cut);
-        }
-        if params.min_p > 0.0 {
-            let p = softmax(&keep);
-            let top = p.iter().copied().fold(0.0, f64::max);
-            keep.iter_mut()
-                .zip(&p)
-                .for_each(|(k, &v)| *k &= v >= params.min_p * top);
-        }
-        softmax(&keep)
-    }
 
     /// Draws `n` tokens and checks their counts against `expected` with a chi-square test
     /// at the 0.1% level (a seeded test: it fails only if the distribution is wrong); a
     /// token of probability 0 must never be drawn.
     fn chi_square(params: SamplingParams, logits: &[f32], n: usize) {
-        let expected = exact(&params, logits);
+        let expected = reference_distribution(&params, logits);
         let mut pipeline = Pipeline::new(params.clone(), 12345).unwrap();
         let mut counts = vec![0usize; logits.len()];
         for _ in 0..n {
@@ -819,7 +825,7 @@ mod tests {
             top_p: 0.3,
             ..Default::default()
         };
-        let expected = exact(&params, &logits);
+        let expected = reference_distribution(&params, &logits);
         let mut pipeline = Pipeline::new(params, 3).unwrap();
         for _ in 0..2000 {
             let t = pipeline.sample(&logits, History::default()).unwrap();
