@@ -5,7 +5,7 @@
 //! `cargo run --release --example one_row_step -- FILE [PASSES] [exact|fast] [ROWS]`
 //! (ROWS activation rows per product, 1 by default; 128 times a prompt's projections)
 //! prints the median wall time per step and the weights' bytes read per second, beside a
-//! plain read of the same bytes (huge pages, the same threads) timed in turn with it: the
+//! plain read of the same weights' memory (the same threads) timed in turn with it: the
 //! step's fraction of the read roof at that moment (the machine's bandwidth moves).
 
 use llama_burn::Precision;
@@ -77,12 +77,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect()
         })
         .collect();
-    // The roof: the same bytes, in buffers of the same sizes on huge pages, read by the
-    // same number of threads, timed in turn with the step (the machine's bandwidth moves).
-    let plain: Vec<memmap2::MmapMut> = steps
-        .iter()
-        .map(|w| huge_buffer(w.bytes()))
-        .collect::<Result<_, _>>()?;
     let mut times = Vec::with_capacity(passes);
     let mut reads = Vec::with_capacity(passes);
     let mut cpu = Vec::with_capacity(passes);
@@ -96,8 +90,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         times.push(start.elapsed().as_secs_f64());
         cpu.push((process_cpu_ns() - start_cpu) as f64 * 1e-9);
         let start = std::time::Instant::now();
-        for b in &plain {
-            read_sink = read_sink.wrapping_add(read_all(b));
+        for w in &steps {
+            read_sink = read_sink.wrapping_add(read_all(w.held_bytes()));
         }
         reads.push(start.elapsed().as_secs_f64());
     }
@@ -109,7 +103,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     cpu.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     println!(
-        "plain read of the same bytes ({} threads, huge pages): median {:.2} ms, {:.1} GB/s; \
+        "plain read of the same weights ({} threads): median {:.2} ms, {:.1} GB/s; \
          the step reads at {:.0}% of it ({read_sink})",
         rayon::current_num_threads(),
         read_median * 1e3,
@@ -130,38 +124,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// `len` bytes (filled) in an anonymous mapping marked for huge pages.
-fn huge_buffer(len: usize) -> std::io::Result<memmap2::MmapMut> {
-    let mut map = memmap2::MmapMut::map_anon(len.max(1))?;
-    let _ = map.advise(memmap2::Advice::HugePage);
-    for (i, b) in map.iter_mut().enumerate() {
-        *b = i as u8;
-    }
-    Ok(map)
-}
-
 /// Every byte of `bytes` read once, split between the threads.
 fn read_all(bytes: &[u8]) -> u64 {
     use rayon::prelude::*;
     let threads = rayon::current_num_threads().max(1);
-    let words: &[u64] = bytemuck_words(bytes);
-    words
-        .par_chunks(words.len().div_ceil(threads).max(1))
+    bytes
+        .par_chunks(bytes.len().div_ceil(threads).max(1))
         .map(|c| {
             let mut acc = [0u64; 8];
-            for w in c.chunks_exact(8) {
-                for (a, v) in acc.iter_mut().zip(w) {
-                    *a = a.wrapping_add(*v);
+            for line in c.chunks_exact(64) {
+                for (a, v) in acc.iter_mut().zip(line.chunks_exact(8)) {
+                    let word = u64::from_le_bytes(v.try_into().unwrap_or_default());
+                    *a = a.wrapping_add(word);
                 }
             }
             acc.iter().fold(0u64, |s, v| s.wrapping_add(*v))
         })
         .sum()
-}
-
-/// The whole 8-byte words of `bytes` (page-aligned, so aligned for `u64`).
-fn bytemuck_words(bytes: &[u8]) -> &[u64] {
-    // SAFETY: a mapping starts on a page, so the pointer is aligned for `u64`; the length
-    // is rounded down to whole words and any bit pattern is a valid `u64`.
-    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / 8) }
 }

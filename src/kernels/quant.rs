@@ -377,6 +377,13 @@ impl QuantMatrix {
         self.data.len()
     }
 
+    /// The bytes held, in the kernels' grouped layout (not ggml's: see
+    /// [`to_ggml_bytes`](Self::to_ggml_bytes)), where they live: for timing a plain read
+    /// of the very memory a product streams.
+    pub fn held_bytes(&self) -> &[u8] {
+        &self.data
+    }
+
     /// Bytes of one row's blocks.
     pub fn row_bytes(&self) -> usize {
         self.blocks_per_row() * self.format.block_bytes()
