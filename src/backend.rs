@@ -452,7 +452,7 @@ pub(crate) fn upload_matrix<B: LlamaBackend>(
 }
 
 /// An error unless `weight` has one value per column of `x`.
-fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) -> Result<()> {
+pub(crate) fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) -> Result<()> {
     let [_, d] = x.dims();
     if weight.dims() == [d] {
         Ok(())
@@ -467,7 +467,7 @@ fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) -> Result<()>
 
 /// The shape `[rows, width]` of a RoPE call's `x`, or an error if `cos` and `sin` do
 /// not have it or `swap` is not a square of an even size dividing `width`.
-fn check_rope<B: Backend>(
+pub(crate) fn check_rope<B: Backend>(
     x: &Tensor<B, 2>,
     cos: &Tensor<B, 2>,
     sin: &Tensor<B, 2>,

@@ -156,15 +156,20 @@ fn signed_byte(b: u32) -> f32 {
 /// (`format` 0), Q4_0 (1), Q4_1 (2), Q4_K (3), Q6_K (4), Q5_K (5), Q5_0 (6), Q5_1 (7)
 /// or Q3_K (8).
 ///
-/// One unit per output value and tile of `tile` rows of `x` (a comptime 1 for decode,
-/// more for prompts): it walks its weight row block by block, decodes each weight once
-/// and multiplies it into every row of its tile (each scale times its sub-block's
-/// integer-weighted sum of `x`, a minimum times the sub-block's sum of `x`, in f32). The
-/// weights are then read once per tile rather than once per row. Each row keeps its own
-/// sums, built by the same operations in the same order whatever the tile size: every
-/// output is its own sum, and no value depends on another row of `x`. The rows past the
-/// end of the last tile repeat the last row and are never stored.
+/// `lanes` units (a comptime power of two, chosen from the weight's shape alone, never
+/// from the batch: [`super::quant_lanes`]) share each output value and tile of `tile` rows
+/// of `x` (a comptime 1 for decode, more for prompts): lane `l` walks blocks `l`, `l +
+/// lanes`, ... of the weight row, decodes each weight once and multiplies it into every
+/// row of its tile (each scale times its sub-block's integer-weighted sum of `x`, a
+/// minimum times the sub-block's sum of `x`, in f32), and the first lane adds the lanes'
+/// sums in lane order. The weights are read once per tile rather than once per row, and a
+/// row's length is walked by `lanes` units at once (a decode step of one row has only
+/// `n_out` outputs to spread over the GPU). Each row keeps its own sums, built by the same
+/// operations in the same order whatever the tile size: every output is its own sum, and
+/// no value depends on another row of `x`. The rows past the end of the last tile repeat
+/// the last row and are never stored; so are the outputs past `n_out` in the last cube.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     x: &Tensor<F>,
     words: &Tensor<I>,
@@ -174,14 +179,18 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     cols: u32,
     #[comptime] format: u32,
     #[comptime] tile: usize,
+    #[comptime] lanes: usize,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let o = ABSOLUTE_POS_X as usize;
-    let r0 = ABSOLUTE_POS_Y as usize * tile;
+    let lane = UNIT_POS_X as usize;
+    let unit = UNIT_POS as usize;
+    let wanted = (CUBE_POS_X * CUBE_DIM_Y + UNIT_POS_Y) as usize;
+    let r0 = CUBE_POS_Y as usize * tile;
     let (rows, n_out, cols) = (rows as usize, n_out as usize, cols as usize);
-    if o >= n_out || r0 >= rows {
-        terminate!();
-    }
+    // Every unit reaches the barrier below: one past the outputs works on the last one
+    // and stores nothing.
+    let live = wanted < n_out;
+    let o = select(live, wanted, n_out - 1);
     let block_bytes = comptime!(match format {
         0 => 34usize,
         1 => 18usize,
@@ -209,7 +218,8 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
         x_at[t] = (r * cols) as u32;
         acc[t] = f32::new(0.0);
     }
-    for b in 0..blocks {
+    let mut b = lane;
+    while b < blocks {
         let at = row_at + b * block_bytes;
         let xb = b * block_values;
         if comptime!(k_quant) {
@@ -217,14 +227,31 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
         } else {
             small_block::<F, I>(x, words, at, &x_at, xb, &mut acc, format, tile);
         }
+        b += lanes;
     }
+    // The lanes' sums, added in lane order by the first lane.
+    let mut sums = SharedMemory::<f32>::new(comptime!(QUANT_CUBE * tile));
     #[unroll]
     for t in 0..tile {
-        if r0 + t < rows {
-            out[(r0 + t) * n_out + o] = F::cast_from(acc[t]);
+        sums[unit * tile + t] = acc[t];
+    }
+    sync_cube();
+    if lane == 0 && live {
+        #[unroll]
+        for t in 0..tile {
+            if r0 + t < rows {
+                let mut total = f32::new(0.0);
+                for l in 0..lanes {
+                    total += sums[(unit + l) * tile + t];
+                }
+                out[(r0 + t) * n_out + o] = F::cast_from(total);
+            }
         }
     }
 }
+
+/// Units per cube of [`quantized_matmul_kernel`]: `lanes` along x, outputs along y.
+pub(crate) const QUANT_CUBE: usize = 128;
 
 /// `x @ W` for a dense `W` in the backend's float type: `[cols, n_out]` row-major, or
 /// with `transposed` `[n_out, cols]` (the output head's `[vocab, d_model]` table). One

@@ -214,16 +214,22 @@ where
         );
         let (f_dtype, i_dtype) = (x.dtype, words.dtype);
         let client = x.client.clone();
-        let width = 64u32;
         let tile = quant_tile(shape.rows);
+        let block_values = if matches!(shape.format, 3 | 4 | 5 | 8) {
+            256
+        } else {
+            32
+        };
+        let lanes = quant_lanes(shape.cols / block_values);
+        let outputs = (kernels::QUANT_CUBE / lanes) as u32;
         kernels::quantized_matmul_kernel::launch::<R>(
             &client,
             CubeCount::Static(
-                (shape.n_out as u32).div_ceil(width),
+                (shape.n_out as u32).div_ceil(outputs),
                 shape.rows.div_ceil(tile) as u32,
                 1,
             ),
-            CubeDim::new_1d(width),
+            CubeDim::new_2d(lanes as u32, outputs),
             x.into_tensor_arg(),
             words.into_tensor_arg(),
             out.clone().into_tensor_arg(),
@@ -232,6 +238,7 @@ where
             shape.cols as u32,
             shape.format,
             tile,
+            lanes,
             [f_dtype.into(), i_dtype.into()],
         );
         out
@@ -781,6 +788,17 @@ pub(crate) fn quant_tile(rows: usize) -> usize {
     }
 }
 
+/// Units of [`kernels::quantized_matmul_kernel`] that share one output: the largest power
+/// of two up to 32 and up to the row's `blocks`. It depends on the weight's shape only, so
+/// a row's sums are added in the same order in every batch.
+pub(crate) fn quant_lanes(blocks: usize) -> usize {
+    let mut lanes = 1;
+    while lanes < 32 && lanes * 2 <= blocks {
+        lanes *= 2;
+    }
+    lanes
+}
+
 /// The kernel's code for a block format.
 fn kernel_format(format: QuantFormat) -> u32 {
     match format {
@@ -878,6 +896,61 @@ fn dense_matmul<B: LlamaBackend + CubeKernels>(
 
 /// Burn's CubeCL backends without fusion: our kernels where we have them, the portable
 /// defaults elsewhere.
+/// RMSNorm whose sums of squares are added in one fixed order per row (our dense kernel
+/// against a column of ones), so a row's result never depends on the batch. Burn's
+/// `mean_dim` reduces through a strategy autotuned by the tensor's shape, whose order of
+/// addition (and so whose bits) can change with the number of rows: on CUDA a 32-row
+/// decode step then drifted from the same rows run alone. Half inputs are normalized in
+/// f32, as the default does.
+fn rms_norm_in_order<B: LlamaBackend>(
+    x: Tensor<B, 2>,
+    weight: &Tensor<B, 1>,
+    eps: f64,
+) -> Result<Tensor<B, 2>> {
+    use burn::tensor::{DType, FloatDType};
+    crate::backend::check_norm(&x, weight)?;
+    let [_, d] = x.dims();
+    let dtype = x.dtype();
+    let half = matches!(dtype, DType::F16 | DType::BF16);
+    let (x, weight) = if half {
+        (
+            x.cast(FloatDType::F32),
+            weight.clone().cast(FloatDType::F32),
+        )
+    } else {
+        (x, weight.clone())
+    };
+    let ones = Tensor::<B, 2>::ones([d, 1], &x.device()).cast(FloatDType::F32);
+    let sums = B::dense_matmul(x.clone() * x.clone(), &ones, false)?;
+    let inv_rms = sums.div_scalar(d as f64).add_scalar(eps).sqrt().recip();
+    let out = x * inv_rms * weight.unsqueeze::<2>();
+    Ok(if half { out.cast(dtype) } else { out })
+}
+
+/// RoPE with each head's halves swapped by slicing, not by the default's product with a
+/// permutation: Burn's matmul multiplies f32 in TF32 on CUDA's tensor cores, which would
+/// round every query and key to 10 bits of mantissa. Exact on every backend.
+fn rope_by_halves<B: LlamaBackend>(
+    x: Tensor<B, 2>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    swap: &Tensor<B, 2>,
+) -> Result<Tensor<B, 2>> {
+    let [rows, width] = crate::backend::check_rope(&x, cos, sin, swap)?;
+    let head_dim = swap.dims()[0];
+    let half = head_dim / 2;
+    let heads = x.clone().reshape([rows * width / head_dim, head_dim]);
+    let rotated = Tensor::cat(
+        vec![
+            heads.clone().narrow(1, half, half),
+            heads.narrow(1, 0, half),
+        ],
+        1,
+    )
+    .reshape([rows, width]);
+    Ok(x * cos.clone() + rotated * sin.clone())
+}
+
 impl<R, F, I, BT> LlamaBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -885,6 +958,19 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn rms_norm(x: Tensor<Self, 2>, weight: &Tensor<Self, 1>, eps: f64) -> Result<Tensor<Self, 2>> {
+        rms_norm_in_order(x, weight, eps)
+    }
+
+    fn rope(
+        x: Tensor<Self, 2>,
+        cos: &Tensor<Self, 2>,
+        sin: &Tensor<Self, 2>,
+        swap: &Tensor<Self, 2>,
+    ) -> Result<Tensor<Self, 2>> {
+        rope_by_halves(x, cos, sin, swap)
+    }
+
     fn paged_attention(
         q: Tensor<Self, 2>,
         keys: &Tensor<Self, 4>,
@@ -933,6 +1019,19 @@ where
 /// Burn's CubeCL backends with fusion (`burn::backend::{Cuda, Wgpu, Vulkan}`): our
 /// kernels where we have them, the portable defaults elsewhere.
 impl<B: FusionBackend + CubeKernels> LlamaBackend for Fusion<B> {
+    fn rms_norm(x: Tensor<Self, 2>, weight: &Tensor<Self, 1>, eps: f64) -> Result<Tensor<Self, 2>> {
+        rms_norm_in_order(x, weight, eps)
+    }
+
+    fn rope(
+        x: Tensor<Self, 2>,
+        cos: &Tensor<Self, 2>,
+        sin: &Tensor<Self, 2>,
+        swap: &Tensor<Self, 2>,
+    ) -> Result<Tensor<Self, 2>> {
+        rope_by_halves(x, cos, sin, swap)
+    }
+
     fn paged_attention(
         q: Tensor<Self, 2>,
         keys: &Tensor<Self, 4>,
