@@ -328,7 +328,7 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
             .into_vec::<f32>()
             .expect("f32")
     };
-    // Rows of 3 blocks (2 lanes share an output) and of 37 (32 lanes, some with a block
+    // Rows of 3 blocks (2 lanes share an output) and of 37 (8 lanes, some with a block
     // more than others).
     for (format, blocks) in QuantFormat::ALL.into_iter().flat_map(|f| [(f, 3), (f, 37)]) {
         let (n_out, cols) = (37, blocks * format.block_values());

@@ -164,10 +164,12 @@ fn signed_byte(b: u32) -> f32 {
 /// minimum times the sub-block's sum of `x`, in f32), and the first lane adds the lanes'
 /// sums in lane order. The weights are read once per tile rather than once per row, and a
 /// row's length is walked by `lanes` units at once (a decode step of one row has only
-/// `n_out` outputs to spread over the GPU). Each row keeps its own sums, built by the same
-/// operations in the same order whatever the tile size: every output is its own sum, and
-/// no value depends on another row of `x`. The rows past the end of the last tile repeat
-/// the last row and are never stored; so are the outputs past `n_out` in the last cube.
+/// `n_out` outputs to spread over the GPU). A cube is [`QUANT_OUTPUTS`] outputs along x
+/// (the units of a warp: they read the same values of `x` at once) by `lanes` along y.
+/// Each row keeps its own sums, built by the same operations in the same order whatever
+/// the tile size: every output is its own sum, and no value depends on another row of
+/// `x`. The rows past the end of the last tile repeat the last row and are never stored;
+/// so are the outputs past `n_out` in the last cube.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
@@ -182,9 +184,9 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     #[comptime] lanes: usize,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let lane = UNIT_POS_X as usize;
-    let unit = UNIT_POS as usize;
-    let wanted = (CUBE_POS_X * CUBE_DIM_Y + UNIT_POS_Y) as usize;
+    let lane = UNIT_POS_Y as usize;
+    let column = UNIT_POS_X as usize;
+    let wanted = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
     let r0 = CUBE_POS_Y as usize * tile;
     let (rows, n_out, cols) = (rows as usize, n_out as usize, cols as usize);
     // Every unit reaches the barrier below: one past the outputs works on the last one
@@ -230,10 +232,10 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
         b += lanes;
     }
     // The lanes' sums, added in lane order by the first lane.
-    let mut sums = SharedMemory::<f32>::new(comptime!(QUANT_CUBE * tile));
+    let mut sums = SharedMemory::<f32>::new(comptime!(QUANT_OUTPUTS * lanes * tile));
     #[unroll]
     for t in 0..tile {
-        sums[unit * tile + t] = acc[t];
+        sums[(lane * QUANT_OUTPUTS + column) * tile + t] = acc[t];
     }
     sync_cube();
     if lane == 0 && live {
@@ -242,7 +244,7 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
             if r0 + t < rows {
                 let mut total = f32::new(0.0);
                 for l in 0..lanes {
-                    total += sums[(unit + l) * tile + t];
+                    total += sums[(l * QUANT_OUTPUTS + column) * tile + t];
                 }
                 out[(r0 + t) * n_out + o] = F::cast_from(total);
             }
@@ -250,8 +252,8 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     }
 }
 
-/// Units per cube of [`quantized_matmul_kernel`]: `lanes` along x, outputs along y.
-pub(crate) const QUANT_CUBE: usize = 128;
+/// Outputs per cube of [`quantized_matmul_kernel`] (along x; its lanes along y).
+pub(crate) const QUANT_OUTPUTS: usize = 32;
 
 /// `x @ W` for a dense `W` in the backend's float type: `[cols, n_out]` row-major, or
 /// with `transposed` `[n_out, cols]` (the output head's `[vocab, d_model]` table). One

@@ -221,7 +221,7 @@ where
             32
         };
         let lanes = quant_lanes(shape.cols / block_values);
-        let outputs = (kernels::QUANT_CUBE / lanes) as u32;
+        let outputs = kernels::QUANT_OUTPUTS as u32;
         kernels::quantized_matmul_kernel::launch::<R>(
             &client,
             CubeCount::Static(
@@ -229,7 +229,7 @@ where
                 shape.rows.div_ceil(tile) as u32,
                 1,
             ),
-            CubeDim::new_2d(lanes as u32, outputs),
+            CubeDim::new_2d(outputs, lanes as u32),
             x.into_tensor_arg(),
             words.into_tensor_arg(),
             out.clone().into_tensor_arg(),
@@ -789,11 +789,12 @@ pub(crate) fn quant_tile(rows: usize) -> usize {
 }
 
 /// Units of [`kernels::quantized_matmul_kernel`] that share one output: the largest power
-/// of two up to 32 and up to the row's `blocks`. It depends on the weight's shape only, so
-/// a row's sums are added in the same order in every batch.
+/// of two up to 8 (a cube of 32 outputs is then at most 256 units, wgpu's limit) and up
+/// to the row's `blocks`. It depends on the weight's shape only, so a row's sums are
+/// added in the same order in every batch.
 pub(crate) fn quant_lanes(blocks: usize) -> usize {
     let mut lanes = 1;
-    while lanes < 32 && lanes * 2 <= blocks {
+    while lanes < 8 && lanes * 2 <= blocks {
         lanes *= 2;
     }
     lanes
