@@ -250,8 +250,9 @@ pub trait LlamaBackend: Backend {
     /// Rotary position embedding in the rotate-half layout: `x * cos + rotate_half(x) *
     /// sin` for `x`, `cos` and `sin` `[rows, heads * head_dim]` (the first half's sign
     /// folded into `sin`), where `swap` is the `[head_dim, head_dim]` permutation that
-    /// swaps a head's halves. The default is Burn's operations, the swap as a product
-    /// with `swap` (exact: each output is one `1 * x` plus zeros).
+    /// swaps a head's halves. The default is Burn's operations, each head's halves
+    /// swapped by slicing (exact on every backend; a product with `swap` would run in
+    /// TF32 on Burn's CUDA matmul, rounding every query and key to 10 bits of mantissa).
     ///
     /// # Errors
     ///
@@ -264,11 +265,16 @@ pub trait LlamaBackend: Backend {
     ) -> Result<Tensor<Self, 2>> {
         let [rows, width] = check_rope(&x, cos, sin, swap)?;
         let head_dim = swap.dims()[0];
-        let rotated = x
-            .clone()
-            .reshape([rows * width / head_dim, head_dim])
-            .matmul(swap.clone())
-            .reshape([rows, width]);
+        let half = head_dim / 2;
+        let heads = x.clone().reshape([rows * width / head_dim, head_dim]);
+        let rotated = Tensor::cat(
+            vec![
+                heads.clone().narrow(1, half, half),
+                heads.narrow(1, 0, half),
+            ],
+            1,
+        )
+        .reshape([rows, width]);
         Ok(x * cos.clone() + rotated * sin.clone())
     }
 
@@ -467,7 +473,7 @@ pub(crate) fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) ->
 
 /// The shape `[rows, width]` of a RoPE call's `x`, or an error if `cos` and `sin` do
 /// not have it or `swap` is not a square of an even size dividing `width`.
-pub(crate) fn check_rope<B: Backend>(
+fn check_rope<B: Backend>(
     x: &Tensor<B, 2>,
     cos: &Tensor<B, 2>,
     sin: &Tensor<B, 2>,

@@ -72,6 +72,8 @@ pub struct QuantShape {
     /// The block format: 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_K, 6 Q5_0, 7 Q5_1,
     /// 8 Q3_K.
     pub format: u32,
+    /// Blocks per row of the weight (`cols` over the format's values per block).
+    pub blocks: usize,
 }
 
 /// The shape of a dense product (see [`CubeKernels::dense_matmul_primitive`]).
@@ -215,12 +217,7 @@ where
         let (f_dtype, i_dtype) = (x.dtype, words.dtype);
         let client = x.client.clone();
         let tile = quant_tile(shape.rows);
-        let block_values = if matches!(shape.format, 3 | 4 | 5 | 8) {
-            256
-        } else {
-            32
-        };
-        let lanes = quant_lanes(shape.cols / block_values);
+        let lanes = quant_lanes(shape.blocks);
         let outputs = kernels::QUANT_OUTPUTS as u32;
         kernels::quantized_matmul_kernel::launch::<R>(
             &client,
@@ -856,6 +853,7 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
         n_out: w.rows(),
         cols: n_in,
         format: weight.format,
+        blocks: n_in / w.format().block_values(),
     };
     let out = B::quantized_matmul_primitive(
         x.into_primitive().tensor(),
@@ -928,30 +926,6 @@ fn rms_norm_in_order<B: LlamaBackend>(
     Ok(if half { out.cast(dtype) } else { out })
 }
 
-/// RoPE with each head's halves swapped by slicing, not by the default's product with a
-/// permutation: Burn's matmul multiplies f32 in TF32 on CUDA's tensor cores, which would
-/// round every query and key to 10 bits of mantissa. Exact on every backend.
-fn rope_by_halves<B: LlamaBackend>(
-    x: Tensor<B, 2>,
-    cos: &Tensor<B, 2>,
-    sin: &Tensor<B, 2>,
-    swap: &Tensor<B, 2>,
-) -> Result<Tensor<B, 2>> {
-    let [rows, width] = crate::backend::check_rope(&x, cos, sin, swap)?;
-    let head_dim = swap.dims()[0];
-    let half = head_dim / 2;
-    let heads = x.clone().reshape([rows * width / head_dim, head_dim]);
-    let rotated = Tensor::cat(
-        vec![
-            heads.clone().narrow(1, half, half),
-            heads.narrow(1, 0, half),
-        ],
-        1,
-    )
-    .reshape([rows, width]);
-    Ok(x * cos.clone() + rotated * sin.clone())
-}
-
 impl<R, F, I, BT> LlamaBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -961,15 +935,6 @@ where
 {
     fn rms_norm(x: Tensor<Self, 2>, weight: &Tensor<Self, 1>, eps: f64) -> Result<Tensor<Self, 2>> {
         rms_norm_in_order(x, weight, eps)
-    }
-
-    fn rope(
-        x: Tensor<Self, 2>,
-        cos: &Tensor<Self, 2>,
-        sin: &Tensor<Self, 2>,
-        swap: &Tensor<Self, 2>,
-    ) -> Result<Tensor<Self, 2>> {
-        rope_by_halves(x, cos, sin, swap)
     }
 
     fn paged_attention(
@@ -1022,15 +987,6 @@ where
 impl<B: FusionBackend + CubeKernels> LlamaBackend for Fusion<B> {
     fn rms_norm(x: Tensor<Self, 2>, weight: &Tensor<Self, 1>, eps: f64) -> Result<Tensor<Self, 2>> {
         rms_norm_in_order(x, weight, eps)
-    }
-
-    fn rope(
-        x: Tensor<Self, 2>,
-        cos: &Tensor<Self, 2>,
-        sin: &Tensor<Self, 2>,
-        swap: &Tensor<Self, 2>,
-    ) -> Result<Tensor<Self, 2>> {
-        rope_by_halves(x, cos, sin, swap)
     }
 
     fn paged_attention(
