@@ -7,6 +7,7 @@
 //! prints the median wall time per step and the weights' bytes read per second, beside a
 //! plain read of the same weights' memory (the same threads) timed in turn with it: the
 //! step's fraction of the read roof at that moment (the machine's bandwidth moves).
+//! Then the same for each weight format alone (a Q4_K_M file is Q4_K and Q6_K).
 
 use llama_burn::Precision;
 use llama_burn::kernels::{QuantMatrix, matmul_transposed_in};
@@ -121,6 +122,44 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cpu[cpu.len() / 2] * 1e3,
         cpu[0] * 1e3,
     );
+    // The same, format by format: which format's kernel is below the read.
+    let mut formats: Vec<_> = steps.iter().map(QuantMatrix::format).collect();
+    formats.dedup();
+    formats.sort_by_key(|f| format!("{f:?}"));
+    formats.dedup();
+    for format in formats {
+        let picked: Vec<usize> = (0..steps.len())
+            .filter(|&i| steps[i].format() == format)
+            .collect();
+        let bytes: usize = picked.iter().map(|&i| steps[i].bytes()).sum();
+        let (mut times, mut reads) = (Vec::new(), Vec::new());
+        for _ in 0..passes + 2 {
+            let start = std::time::Instant::now();
+            for &i in &picked {
+                sink += matmul_transposed_in(precision, &inputs[i], rows, &steps[i])?[0];
+            }
+            times.push(start.elapsed().as_secs_f64());
+            let start = std::time::Instant::now();
+            for &i in &picked {
+                read_sink = read_sink.wrapping_add(read_all(steps[i].held_bytes()));
+            }
+            reads.push(start.elapsed().as_secs_f64());
+        }
+        let (mut times, mut reads) = (times.split_off(2), reads.split_off(2));
+        times.sort_by(f64::total_cmp);
+        reads.sort_by(f64::total_cmp);
+        let (t, r) = (times[times.len() / 2], reads[reads.len() / 2]);
+        println!(
+            "{format:?}: {} matrices, {:.0} MB: {:.2} ms, {:.1} GB/s; read {:.2} ms: {:.0}% \
+             ({sink:.0} {read_sink})",
+            picked.len(),
+            bytes as f64 / 1e6,
+            t * 1e3,
+            bytes as f64 / t / 1e9,
+            r * 1e3,
+            100.0 * r / t,
+        );
+    }
     Ok(())
 }
 

@@ -978,7 +978,11 @@ unsafe fn decode_group<I: Isa, const F: u8>(group: &[u8], subs: usize, sink: &mu
     for blk in 0..subs / per_block {
         // SAFETY: block `blk` of the group is `8 * bb` bytes at `blk * 8 * bb`.
         let step = unsafe { group.as_ptr().add(blk * GROUP_ROWS * bb) };
-        super::tiling::prefetch_range(step, super::tiling::GROUP_PREFETCH_BYTES, GROUP_ROWS * bb);
+        super::tiling::prefetch_range(
+            step,
+            super::tiling::group_prefetch_ahead(GROUP_ROWS * bb),
+            GROUP_ROWS * bb,
+        );
         // SAFETY (each arm): `step` holds the format's eight blocks in the grouped layout.
         unsafe {
             match format {

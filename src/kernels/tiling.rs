@@ -86,14 +86,24 @@ pub(crate) fn prefetch_step(step: *const u8) {
     }
 }
 
-/// How far ahead (in bytes) the `fast` precision's in-register kernels ask for a group's
-/// step (all of its lines: 8 blocks). The weights stream from memory once per product,
-/// and the kernel's work between loads hides the hardware prefetcher's stride: on the 1B
-/// Q4_K_M file one row decoded at 29.4-30.4 tokens/s without it, 37.4-39.6 with 2 KiB,
-/// 35-37 with 1 or 4 KiB, 33 with 8 KiB (`generate --json`, 64 tokens, alternated); Q4_0
-/// 44.5 -> 47.7.
+/// How far ahead (in bytes) the in-register kernels ask for a group's steps of `len`
+/// bytes: the fewest whole steps that make at least 1 KiB (one step of Q4_K, Q5_K or
+/// Q6_K; eight of Q4_0). Each group step is prefetched whole, all of its lines: the
+/// weights stream from memory once per product, and the kernel's work between loads
+/// hides the hardware prefetcher's stride.
+///
+/// Measured with `one_row_step FILE 6` (each format's products at one row beside a
+/// plain read of their bytes, two threads, alternated, 3 rounds): a fixed 2 KiB held
+/// Q4_K at 78-98% and Q6_K at 77-86% of the read, one step ahead 91-103% and 95-99%
+/// (Q4_0 and Q8_0 at the read either way). More lines in flight than that fall off a
+/// cliff: Q6_K at 1.5 steps (2.5 KiB) read at 51%. Before, without any hint, Q4_K_M
+/// decoded at 29.4-30.4 tokens/s and with 2 KiB at 37.4-39.6 (`generate --json`).
 #[cfg(target_arch = "x86_64")]
-pub(crate) const GROUP_PREFETCH_BYTES: usize = 2048;
+#[inline(always)]
+pub(crate) fn group_prefetch_ahead(len: usize) -> usize {
+    let len = len.max(64);
+    len * 1024usize.div_ceil(len)
+}
 
 /// Asks for the `len` bytes `ahead` bytes past `at`, a line at a time.
 #[cfg(target_arch = "x86_64")]
