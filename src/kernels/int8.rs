@@ -1,19 +1,27 @@
-//! The `fast` precision's products: activations quantized to 8 bits per 32-value block,
-//! multiplied with the weights' own integers, the block sums exact in 32-bit integers.
+//! The `fast` precision's products: activations quantized to 8 bits in runs of 32-value
+//! blocks, multiplied with the weights' own integers, the sums exact in 32-bit integers.
 //!
-//! **What is computed.** Each activation row is cut into blocks of 32 values; a block is
-//! quantized as ggml's `Q8_0` reference quantizes (`d = max|x| / 127`, `q = round(x / d)`,
-//! with `d` kept in f32). Each weight format is read as 32-value sub-blocks of small
-//! integers `u = q + offset` (0..=255) with an integer scale for each 16-value half, a
-//! float scale `dw` and, for the formats with a minimum, a float `m` ([`IntForm`], one
+//! **What is computed.** Each activation row is cut into blocks of 32 values, in runs
+//! that share one scale: a run is one block for the 32-value weight formats (as ggml's
+//! `Q8_0` activations) and eight blocks, 256 values, for the K-quants (as ggml's `Q8_K`,
+//! which llama.cpp pairs with them). A run is quantized as ggml's `Q8_0` reference
+//! quantizes a block (`d = max|x| / 127` over the run, `q = round(x / d)`, with `d` kept
+//! in f32). Each weight format is read as 32-value sub-blocks of small integers
+//! `u = q + offset` (0..=255) with an integer scale for each 16-value half, a float scale
+//! `dw` (one per run) and, for the formats with a minimum, a float `m` ([`IntForm`], one
 //! row per format in [`decode`]). Output `(r, c)` is then, over the row's sub-blocks `s`
 //! in order:
 //!
 //! ```text
-//! isum = sum over halves h of sc[h] * (sum of u * q over the half - offset * sum of q)
-//! acc  = fma(isum as f32, dw * dx, acc)          // dx: the activation block's scale
-//! acc  = fma(m, dx * sum of q, acc)              // formats with a minimum only
+//! isum += sum over halves h of sc[h] * (sum of u * q over the half - offset * sum of q)
+//! acc   = fma(m, dx * sum of q, acc)             // formats with a minimum only
+//! at the end of each run (every sub-block, or every eighth for the K-quants):
+//! acc   = fma(isum as f32, dw * dx, acc); isum = 0   // dx: the run's activation scale
 //! ```
+//!
+//! A K-quant super-block's eight sub-blocks thus cost one conversion, one multiply and
+//! one fused multiply-add per output instead of eight each (the 16-lane kernel at 128
+//! rows of the 1B Q5_K_M file: 577-607 -> 500-528 ms for a step's projections).
 //!
 //! The integer sums are exact, so every kernel (portable, AVX-512 VNNI, AVX2) that
 //! computes them in any order and then takes the float steps in sub-block order gives
@@ -62,6 +70,11 @@ struct IntForm {
     scales: IntScales,
     /// Whether the format has a minimum (`m`).
     mins: bool,
+    /// Sub-blocks in a run that shares one activation scale and whose scaled integer
+    /// sums are added exactly before one float step: 8 (a super-block of 256 values)
+    /// for the K-quants, whose activations are quantized per 256 values as ggml's
+    /// `Q8_K` is; 1 for the 32-value formats (activations per 32 values, as `Q8_0`).
+    run: usize,
 }
 
 /// The integer form of each format.
@@ -82,6 +95,7 @@ const fn form(format: QuantFormat) -> IntForm {
         offset,
         scales,
         mins,
+        run: format.block_values() / QK,
     }
 }
 
@@ -277,7 +291,9 @@ fn decode(format: QuantFormat, b: &[u8], out: &mut [Sub; 8]) {
     }
 }
 
-/// Activation rows quantized per 32-value block.
+/// Activation rows quantized in runs of 32-value blocks that share one scale (a run of
+/// one block for the 32-value weight formats, as ggml's `Q8_0`; of eight for the
+/// K-quants, as `Q8_K`), each block's scale and sums kept per block.
 pub(crate) struct QuantizedRows {
     /// Values per row.
     n_in: usize,
@@ -292,9 +308,10 @@ pub(crate) struct QuantizedRows {
 }
 
 impl QuantizedRows {
-    /// Quantizes `rows` rows of `n_in` values (a multiple of 32) as ggml's `Q8_0`
-    /// reference does, with the scale kept in f32.
-    pub(crate) fn new(x: &[f32], rows: usize, n_in: usize) -> Self {
+    /// Quantizes `rows` rows of `n_in` values (a multiple of `32 * run`) as ggml's
+    /// `Q8_0` reference does, with the scale kept in f32, each run of `run` 32-value
+    /// blocks sharing the scale of its largest magnitude.
+    pub(crate) fn new(x: &[f32], rows: usize, n_in: usize, run: usize) -> Self {
         let blocks = rows * n_in / QK;
         let mut out = Self {
             n_in,
@@ -303,18 +320,23 @@ impl QuantizedRows {
             sx: Vec::with_capacity(blocks),
             sum16: Vec::with_capacity(2 * blocks),
         };
-        for (xb, qb) in x.chunks_exact(QK).zip(out.q.chunks_exact_mut(QK)) {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (xr, qr) in x
+            .chunks_exact(QK * run)
+            .zip(out.q.chunks_exact_mut(QK * run))
+        {
+            let amax = xr.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round() as i8;
+            for (xb, qb) in xr.chunks_exact(QK).zip(qr.chunks_exact_mut(QK)) {
+                for (q, &v) in qb.iter_mut().zip(xb) {
+                    *q = (v * id).round() as i8;
+                }
+                let half = |h: &[i8]| h.iter().map(|&q| i32::from(q)).sum::<i32>();
+                let (lo, hi) = (half(&qb[..16]), half(&qb[16..]));
+                out.d.push(d);
+                out.sx.push(d * (lo + hi) as f32);
+                out.sum16.extend([lo, hi]);
             }
-            let half = |h: &[i8]| h.iter().map(|&q| i32::from(q)).sum::<i32>();
-            let (lo, hi) = (half(&qb[..16]), half(&qb[16..]));
-            out.d.push(d);
-            out.sx.push(d * (lo + hi) as f32);
-            out.sum16.extend([lo, hi]);
         }
         out
     }
@@ -322,7 +344,7 @@ impl QuantizedRows {
     /// [`new`](Self::new) on `path`: the same bits, in the path's vectors (`round` is a
     /// library call per value in plain Rust; here it is a truncation and a comparison of
     /// the remainder, which gives its bits and vectorizes).
-    pub(crate) fn new_on(path: SimdPath, x: &[f32], rows: usize, n_in: usize) -> Self {
+    pub(crate) fn new_on(path: SimdPath, x: &[f32], rows: usize, n_in: usize, run: usize) -> Self {
         let blocks = rows * n_in / QK;
         let mut out = Self {
             n_in,
@@ -332,8 +354,9 @@ impl QuantizedRows {
             sum16: vec![0; 2 * blocks],
         };
         // A prompt's rows are split between the pool's threads in runs of whole blocks
-        // (each block is quantized alone, so the split changes no bit); a decode step's
-        // few rows are not worth a split.
+        // (each run of blocks is quantized alone, so the split changes no bit); a decode
+        // step's few rows are not worth a split. The split's runs are whole runs of
+        // blocks (`PARALLEL_QUANTIZE_BLOCKS / 2` is a multiple of 8).
         let per = if blocks >= PARALLEL_QUANTIZE_BLOCKS {
             PARALLEL_QUANTIZE_BLOCKS / 2
         } else {
@@ -364,6 +387,7 @@ impl QuantizedRows {
                 d: &mut [f32],
                 sx: &mut [f32],
                 sum16: &mut [i32],
+                run: usize,
             ));
         });
         out
@@ -387,15 +411,22 @@ const PARALLEL_QUANTIZE_BLOCKS: usize = 2048;
 /// `round` (half away from zero) as `t = trunc(y)`, plus `sign(y)` where `|y - t| >=
 /// 0.5` (`y - t` is exact).
 #[inline(always)]
-fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], sx: &mut [f32], sum16: &mut [i32]) {
-    let blocks = x
-        .chunks_exact(QK)
-        .zip(q.chunks_exact_mut(QK))
-        .zip(d.iter_mut().zip(sx.iter_mut()))
-        .zip(sum16.chunks_exact_mut(2));
-    for (((xb, qb), (d, sx)), sums) in blocks {
+fn quantize_blocks(
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    sx: &mut [f32],
+    sum16: &mut [i32],
+    run: usize,
+) {
+    let runs = x
+        .chunks_exact(QK * run)
+        .zip(q.chunks_exact_mut(QK * run))
+        .zip(d.chunks_exact_mut(run).zip(sx.chunks_exact_mut(run)))
+        .zip(sum16.chunks_exact_mut(2 * run));
+    for (((xr, qr), (dr, sxr)), sums) in runs {
         let mut lanes = [0f32; 16];
-        for part in xb.chunks_exact(16) {
+        for part in xr.chunks_exact(16) {
             for (m, v) in lanes.iter_mut().zip(part) {
                 *m = m.max(v.abs());
             }
@@ -403,26 +434,33 @@ fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], sx: &mut [f32], sum16
         let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
         let scale = amax / 127.0;
         let id = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-        let mut ints = [0i32; QK];
-        for ((q, int), &v) in qb.iter_mut().zip(ints.iter_mut()).zip(xb) {
-            let y = v * id;
-            let t = y.trunc();
-            let r = if (y - t).abs() >= 0.5 {
-                t + 1f32.copysign(y)
-            } else {
-                t
-            };
-            // |r| <= 127 (or NaN, which both casts make 0).
-            *int = r as i32;
-            *q = *int as i8;
+        let blocks = xr
+            .chunks_exact(QK)
+            .zip(qr.chunks_exact_mut(QK))
+            .zip(dr.iter_mut().zip(sxr.iter_mut()))
+            .zip(sums.chunks_exact_mut(2));
+        for (((xb, qb), (d, sx)), sums) in blocks {
+            let mut ints = [0i32; QK];
+            for ((q, int), &v) in qb.iter_mut().zip(ints.iter_mut()).zip(xb) {
+                let y = v * id;
+                let t = y.trunc();
+                let r = if (y - t).abs() >= 0.5 {
+                    t + 1f32.copysign(y)
+                } else {
+                    t
+                };
+                // |r| <= 127 (or NaN, which both casts make 0).
+                *int = r as i32;
+                *q = *int as i8;
+            }
+            let (lo, hi) = (
+                ints[..16].iter().sum::<i32>(),
+                ints[16..].iter().sum::<i32>(),
+            );
+            *d = scale;
+            *sx = scale * (lo + hi) as f32;
+            sums.copy_from_slice(&[lo, hi]);
         }
-        let (lo, hi) = (
-            ints[..16].iter().sum::<i32>(),
-            ints[16..].iter().sum::<i32>(),
-        );
-        *d = scale;
-        *sx = scale * (lo + hi) as f32;
-        sums.copy_from_slice(&[lo, hi]);
     }
 }
 
@@ -508,7 +546,15 @@ pub fn matmul_transposed_int8_on(
     if rows == 0 || n_out == 0 {
         return Ok(Vec::new());
     }
-    let acts = QuantizedRows::new_on(path, x, rows, n_in);
+    let run = form(w.format()).run;
+    if !n_in.is_multiple_of(QK * run) {
+        return Err(LlamaError::ShapeMismatch {
+            name: "quantized matmul input".into(),
+            expected: vec![rows, n_in.next_multiple_of(QK * run)],
+            actual: vec![x.len()],
+        });
+    }
+    let acts = QuantizedRows::new_on(path, x, rows, n_in, run);
     let threads = rayon::current_num_threads().max(1);
     // Chunks of whole panels (16 outputs), guided: large first, small last.
     let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
@@ -908,6 +954,7 @@ unsafe fn group_tile<I: Isa, const T: usize, const F: u8>(
             acts,
             r0,
             acc: [_mm256_setzero_ps(); T],
+            iacc: [_mm256_setzero_si256(); T],
             isa: std::marker::PhantomData,
         };
         decode_group::<I, F>(group, acts.blocks(), &mut sink);
@@ -1077,6 +1124,8 @@ struct Multiply<'a, I, const T: usize, const F: u8> {
     acts: &'a QuantizedRows,
     r0: usize,
     acc: [std::arch::x86_64::__m256; T],
+    /// The current run's integer sums (see [`IntForm::run`]).
+    iacc: [std::arch::x86_64::__m256i; T],
     isa: std::marker::PhantomData<I>,
 }
 
@@ -1086,7 +1135,18 @@ impl<I: Isa, const T: usize, const F: u8> SubSink for Multiply<'_, I, T, F> {
     unsafe fn take(&mut self, w: &[std::arch::x86_64::__m256i; 8], sc: &SubScales, s: usize) {
         let f = form(format_at(F));
         // SAFETY: forwarded; the tile's rows exist (`group_tile`'s contract).
-        unsafe { multiply_sub::<I, T>(w, sc, f, self.acts, s, self.r0, &mut self.acc) }
+        unsafe {
+            multiply_sub::<I, T>(
+                w,
+                sc,
+                f,
+                self.acts,
+                s,
+                self.r0,
+                &mut self.acc,
+                &mut self.iacc,
+            )
+        }
     }
 }
 
@@ -1146,6 +1206,7 @@ unsafe fn multiply_sub<I: Isa, const T: usize>(
     s: usize,
     r0: usize,
     acc: &mut [std::arch::x86_64::__m256; T],
+    iacc: &mut [std::arch::x86_64::__m256i; T],
 ) {
     use std::arch::x86_64::*;
     let subs = acts.blocks();
@@ -1167,6 +1228,7 @@ unsafe fn multiply_sub<I: Isa, const T: usize>(
         let offset = if signed { 0 } else { f.offset };
         each_row!(T, i => {
             let acc = &mut acc[i];
+            let iacc = &mut iacc[i];
             let b = (r0 + i) * subs + s;
             let xp = acts.q.as_ptr().add(b * QK).cast::<i32>();
             let mut x = [_mm256_setzero_si256(); 8];
@@ -1205,10 +1267,14 @@ unsafe fn multiply_sub<I: Isa, const T: usize>(
                     a
                 }
             };
-            let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(*acts.d.get_unchecked(b)));
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, *acc);
+            *iacc = if f.run == 1 { isum } else { _mm256_add_epi32(*iacc, isum) };
             if f.mins {
                 *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(*acts.sx.get_unchecked(b)), *acc);
+            }
+            if (s + 1).is_multiple_of(f.run) {
+                let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(*acts.d.get_unchecked(b)));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*iacc), scale, *acc);
+                *iacc = _mm256_setzero_si256();
             }
         });
     }
@@ -1747,6 +1813,7 @@ fn plain_tile(
     for (i, acc) in out.iter_mut().enumerate().take(tile) {
         let r = r0 + i;
         *acc = [0f32; LANES];
+        let mut iacc = [0i32; LANES];
         for s in 0..subs {
             let xq = &acts.q[r * acts.n_in + s * QK..][..QK];
             let mut half = [[0i32; LANES]; 2];
@@ -1766,12 +1833,16 @@ fn plain_tile(
                 f.offset * acts.sum16[2 * b],
                 f.offset * acts.sum16[2 * b + 1],
             ];
+            let end_of_run = (s + 1).is_multiple_of(f.run);
             for l in 0..LANES {
-                let isum = panel.sc[s * 2 * LANES + l] * (half[0][l] - corr[0])
+                iacc[l] += panel.sc[s * 2 * LANES + l] * (half[0][l] - corr[0])
                     + panel.sc[(s * 2 + 1) * LANES + l] * (half[1][l] - corr[1]);
-                acc[l] = (isum as f32).mul_add(panel.d[s * LANES + l] * dx, acc[l]);
                 if f.mins {
                     acc[l] = panel.m[s * LANES + l].mul_add(acts.sx[b], acc[l]);
+                }
+                if end_of_run {
+                    acc[l] = (iacc[l] as f32).mul_add(panel.d[s * LANES + l] * dx, acc[l]);
+                    iacc[l] = 0;
                 }
             }
         }
@@ -1821,6 +1892,7 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
     let subs = acts.blocks();
     debug_assert!(acts.q.len() >= (r0 + T) * acts.n_in && acts.d.len() >= (r0 + T) * subs);
     let mut acc = [_mm512_setzero_ps(); T];
+    let mut iacc = [_mm512_setzero_si512(); T];
     let (up, scp) = (panel.u.as_ptr(), panel.sc.as_ptr());
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
     // The activations' values and per-block data (block `b = r * subs + s` of row `r`).
@@ -1867,11 +1939,15 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
                         a
                     }
                 };
-                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
+                iacc[i] = if f.run == 1 { isum } else { _mm512_add_epi32(iacc[i], isum) };
                 if f.mins {
                     let m = _mm512_loadu_ps(mp.add(s * LANES));
                     acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(b)), acc[i]);
+                }
+                if (s + 1).is_multiple_of(f.run) {
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), scale, acc[i]);
+                    iacc[i] = _mm512_setzero_si512();
                 }
             });
         }
@@ -1886,26 +1962,29 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
 /// definition in the module documentation (for tests).
 pub fn int8_reference(format: QuantFormat, row_blocks: &[u8], x: &[f32]) -> f32 {
     let n_in = x.len();
-    let acts = QuantizedRows::new(x, 1, n_in);
     let f = form(format);
+    let acts = QuantizedRows::new(x, 1, n_in, f.run);
     let (bv, bb) = (format.block_values(), format.block_bytes());
     let mut acc = 0f32;
+    let mut iacc = 0i32;
     let mut subs = [Sub::default(); 8];
     for (blk, bytes) in row_blocks.chunks_exact(bb).enumerate().take(n_in / bv) {
         decode(format, bytes, &mut subs);
         for (i, sub) in subs.iter().take(bv / QK).enumerate() {
             let s = blk * (bv / QK) + i;
-            let mut isum = 0i32;
             for h in 0..2 {
                 let mut dot = 0i32;
                 for k in 16 * h..16 * h + 16 {
                     dot += i32::from(sub.u[k]) * i32::from(acts.q[s * QK + k]);
                 }
-                isum += sub.sc[h] * (dot - f.offset * acts.sum16[2 * s + h]);
+                iacc += sub.sc[h] * (dot - f.offset * acts.sum16[2 * s + h]);
             }
-            acc = (isum as f32).mul_add(sub.d * acts.d[s], acc);
             if f.mins {
                 acc = sub.m.mul_add(acts.sx[s], acc);
+            }
+            if (s + 1).is_multiple_of(f.run) {
+                acc = (iacc as f32).mul_add(sub.d * acts.d[s], acc);
+                iacc = 0;
             }
         }
     }
@@ -1974,16 +2053,25 @@ mod tests {
         x.extend((0..28).map(|i| (i as f32 * 1.37).cos() * 1e3));
         let mut rng = StdRng::seed_from_u64(8);
         x.extend((0..64 * 32).map(|_| rng.random_range(-3.0f32..3.0)));
-        let rows = x.len() / 64;
-        x.truncate(rows * 64);
-        let want = QuantizedRows::new(&x, rows, 64);
-        for path in paths() {
-            let got = QuantizedRows::new_on(path, &x, rows, 64);
-            assert_eq!(got.q, want.q, "{path:?}");
-            assert_eq!(got.sum16, want.sum16, "{path:?}");
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got.d), bits(&want.d), "{path:?}");
-            assert_eq!(bits(&got.sx), bits(&want.sx), "{path:?}");
+        let rows = x.len() / 256;
+        x.truncate(rows * 256);
+        // Runs of one block (the 32-value formats) and of eight (the K-quants).
+        for run in [1, 8] {
+            let want = QuantizedRows::new(&x, rows, 256, run);
+            for path in paths() {
+                let got = QuantizedRows::new_on(path, &x, rows, 256, run);
+                assert_eq!(got.q, want.q, "{path:?} {run}");
+                assert_eq!(got.sum16, want.sum16, "{path:?} {run}");
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got.d), bits(&want.d), "{path:?} {run}");
+                assert_eq!(bits(&got.sx), bits(&want.sx), "{path:?} {run}");
+            }
+            // A run's blocks share its scale.
+            assert!(
+                want.d
+                    .chunks(run)
+                    .all(|r| r.iter().all(|d| d.to_bits() == r[0].to_bits()))
+            );
         }
     }
 

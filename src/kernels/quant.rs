@@ -87,7 +87,7 @@ impl QuantFormat {
     }
 
     /// Values per block.
-    pub fn block_values(self) -> usize {
+    pub const fn block_values(self) -> usize {
         match self {
             Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 => 32,
             Self::Q4_K | Self::Q6_K | Self::Q3_K | Self::Q5_K => 256,
