@@ -14,10 +14,14 @@
 //!
 //! ```text
 //! isum += sum over halves h of sc[h] * (sum of u * q over the half - offset * sum of q)
-//! acc   = fma(m, dx * sum of q, acc)             // formats with a minimum only
 //! at the end of each run (every sub-block, or every eighth for the K-quants):
 //! acc   = fma(isum as f32, dw * dx, acc); isum = 0   // dx: the run's activation scale
+//! acc   = fma(m, dx * sum of q, acc)             // formats with a minimum only
 //! ```
+//!
+//! For the 32-value formats (runs of one block) that is the same arithmetic, bit for bit,
+//! as before runs existed. The largest run sum, Q6_K's (8 sub-blocks, 2 halves of 16
+//! values of at most 32 * 127, scales of at most 128), is 1.3e8 < 2^31.
 //!
 //! A K-quant super-block's eight sub-blocks thus cost one conversion, one multiply and
 //! one fused multiply-add per output instead of eight each (the 16-lane kernel at 128
@@ -1268,13 +1272,13 @@ unsafe fn multiply_sub<I: Isa, const T: usize>(
                 }
             };
             *iacc = if f.run == 1 { isum } else { _mm256_add_epi32(*iacc, isum) };
-            if f.mins {
-                *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(*acts.sx.get_unchecked(b)), *acc);
-            }
             if (s + 1).is_multiple_of(f.run) {
                 let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(*acts.d.get_unchecked(b)));
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*iacc), scale, *acc);
                 *iacc = _mm256_setzero_si256();
+            }
+            if f.mins {
+                *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(*acts.sx.get_unchecked(b)), *acc);
             }
         });
     }
@@ -1837,12 +1841,12 @@ fn plain_tile(
             for l in 0..LANES {
                 iacc[l] += panel.sc[s * 2 * LANES + l] * (half[0][l] - corr[0])
                     + panel.sc[(s * 2 + 1) * LANES + l] * (half[1][l] - corr[1]);
-                if f.mins {
-                    acc[l] = panel.m[s * LANES + l].mul_add(acts.sx[b], acc[l]);
-                }
                 if end_of_run {
                     acc[l] = (iacc[l] as f32).mul_add(panel.d[s * LANES + l] * dx, acc[l]);
                     iacc[l] = 0;
+                }
+                if f.mins {
+                    acc[l] = panel.m[s * LANES + l].mul_add(acts.sx[b], acc[l]);
                 }
             }
         }
@@ -1940,14 +1944,14 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
                     }
                 };
                 iacc[i] = if f.run == 1 { isum } else { _mm512_add_epi32(iacc[i], isum) };
-                if f.mins {
-                    let m = _mm512_loadu_ps(mp.add(s * LANES));
-                    acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(b)), acc[i]);
-                }
                 if (s + 1).is_multiple_of(f.run) {
                     let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), scale, acc[i]);
                     iacc[i] = _mm512_setzero_si512();
+                }
+                if f.mins {
+                    let m = _mm512_loadu_ps(mp.add(s * LANES));
+                    acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(b)), acc[i]);
                 }
             });
         }
@@ -1979,12 +1983,12 @@ pub fn int8_reference(format: QuantFormat, row_blocks: &[u8], x: &[f32]) -> f32 
                 }
                 iacc += sub.sc[h] * (dot - f.offset * acts.sum16[2 * s + h]);
             }
-            if f.mins {
-                acc = sub.m.mul_add(acts.sx[s], acc);
-            }
             if (s + 1).is_multiple_of(f.run) {
                 acc = (iacc as f32).mul_add(sub.d * acts.d[s], acc);
                 iacc = 0;
+            }
+            if f.mins {
+                acc = sub.m.mul_add(acts.sx[s], acc);
             }
         }
     }
