@@ -45,9 +45,10 @@ pub enum Precision {
     /// reference's logits to about 1e-6 (what `tests/reference.rs` checks). Slower at
     /// several rows: the products are bound by the cores' f32 multiply-adds.
     Exact,
-    /// Activations quantized to 8 bits per 32-value block (ggml's `Q8_0` rule) and
-    /// integer dot products with the weights' own quantized values, as llama.cpp
-    /// computes: several times the multiply-adds per instruction. The logits move by
+    /// Activations quantized to 8 bits per 32-value block (ggml's `Q8_0` rule; per 256
+    /// values against the K-quants, as ggml's `Q8_K`) and integer dot products with the
+    /// weights' own quantized values, as llama.cpp computes: several times the
+    /// multiply-adds per instruction. The logits move by
     /// about 1% of their scale; greedy tokens mostly agree with `Exact`. The same bits on
     /// every SIMD path.
     Fast,
