@@ -36,7 +36,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = args
         .next()
         .ok_or("usage: one_row_step FILE [PASSES] [exact|fast] [ROWS]")?;
-    let passes: usize = args.next().map_or(Ok(20), |s| s.parse())?;
+    let passes: usize = args.next().map_or(Ok(20), |s| s.parse::<usize>())?.max(1);
     let precision = match args.next().as_deref() {
         Some("exact") => Precision::Exact,
         _ => Precision::Fast,
@@ -78,34 +78,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect()
         })
         .collect();
-    let mut times = Vec::with_capacity(passes);
-    let mut reads = Vec::with_capacity(passes);
-    let mut cpu = Vec::with_capacity(passes);
-    let mut sink = 0f32;
-    let mut read_sink = 0u64;
-    for _ in 0..passes + 2 {
-        let (start, start_cpu) = (std::time::Instant::now(), process_cpu_ns());
-        for (w, x) in steps.iter().zip(&inputs) {
-            sink += matmul_transposed_in(precision, x, rows, w)?[0];
-        }
-        times.push(start.elapsed().as_secs_f64());
-        cpu.push((process_cpu_ns() - start_cpu) as f64 * 1e-9);
-        let start = std::time::Instant::now();
-        for w in &steps {
-            read_sink = read_sink.wrapping_add(read_all(w.held_bytes()));
-        }
-        reads.push(start.elapsed().as_secs_f64());
-    }
-    let mut reads = reads.split_off(2);
-    reads.sort_by(f64::total_cmp);
-    let read_median = reads[reads.len() / 2];
-    let (mut times, mut cpu) = (times.split_off(2), cpu.split_off(2));
-    times.sort_by(f64::total_cmp);
-    cpu.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
+    let (mut sink, mut read_sink) = (0f32, 0u64);
+    let all: Vec<usize> = (0..steps.len()).collect();
+    let mut run = |picked: &[usize]| {
+        time_steps(
+            &steps,
+            &inputs,
+            picked,
+            precision,
+            rows,
+            passes,
+            &mut sink,
+            &mut read_sink,
+        )
+    };
+    let step = run(&all)?;
+    let (median, read_median) = (median_of(&step.times), median_of(&step.reads));
     println!(
         "plain read of the same weights ({} threads): median {:.2} ms, {:.1} GB/s; \
-         the step reads at {:.0}% of it ({read_sink})",
+         the step reads at {:.0}% of it",
         rayon::current_num_threads(),
         read_median * 1e3,
         bytes as f64 / read_median / 1e9,
@@ -113,45 +104,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!(
         "{} matrices, {:.0} MB: wall median {:.2} ms/step (min {:.2}), {:.1} GB/s; \
-         CPU time (all threads) median {:.2} ms (min {:.2}) ({sink:.0})",
+         CPU time (all threads) median {:.2} ms (min {:.2})",
         steps.len(),
         bytes as f64 / 1e6,
         median * 1e3,
-        times[0] * 1e3,
+        step.times[0] * 1e3,
         bytes as f64 / median / 1e9,
-        cpu[cpu.len() / 2] * 1e3,
-        cpu[0] * 1e3,
+        median_of(&step.cpu) * 1e3,
+        step.cpu[0] * 1e3,
     );
     // The same, format by format: which format's kernel is below the read.
     let mut formats: Vec<_> = steps.iter().map(QuantMatrix::format).collect();
-    formats.dedup();
     formats.sort_by_key(|f| format!("{f:?}"));
     formats.dedup();
     for format in formats {
-        let picked: Vec<usize> = (0..steps.len())
+        let picked: Vec<usize> = all
+            .iter()
+            .copied()
             .filter(|&i| steps[i].format() == format)
             .collect();
         let bytes: usize = picked.iter().map(|&i| steps[i].bytes()).sum();
-        let (mut times, mut reads) = (Vec::new(), Vec::new());
-        for _ in 0..passes + 2 {
-            let start = std::time::Instant::now();
-            for &i in &picked {
-                sink += matmul_transposed_in(precision, &inputs[i], rows, &steps[i])?[0];
-            }
-            times.push(start.elapsed().as_secs_f64());
-            let start = std::time::Instant::now();
-            for &i in &picked {
-                read_sink = read_sink.wrapping_add(read_all(steps[i].held_bytes()));
-            }
-            reads.push(start.elapsed().as_secs_f64());
-        }
-        let (mut times, mut reads) = (times.split_off(2), reads.split_off(2));
-        times.sort_by(f64::total_cmp);
-        reads.sort_by(f64::total_cmp);
-        let (t, r) = (times[times.len() / 2], reads[reads.len() / 2]);
+        let timed = run(&picked)?;
+        let (t, r) = (median_of(&timed.times), median_of(&timed.reads));
         println!(
-            "{format:?}: {} matrices, {:.0} MB: {:.2} ms, {:.1} GB/s; read {:.2} ms: {:.0}% \
-             ({sink:.0} {read_sink})",
+            "{format:?}: {} matrices, {:.0} MB: {:.2} ms, {:.1} GB/s; read {:.2} ms: {:.0}%",
             picked.len(),
             bytes as f64 / 1e6,
             t * 1e3,
@@ -160,7 +136,63 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             100.0 * r / t,
         );
     }
+    // Printed so that no product or read can be optimized away.
+    println!("({sink:.0} {read_sink})");
     Ok(())
+}
+
+/// Seconds per pass, each sorted, of [`time_steps`]'s passes.
+struct Timings {
+    /// Wall time of the products.
+    times: Vec<f64>,
+    /// CPU time of the products, all threads.
+    cpu: Vec<f64>,
+    /// Wall time of the plain read that followed each pass's products.
+    reads: Vec<f64>,
+}
+
+/// Times `passes` passes (after two to warm up) of the `picked` matrices' products, each
+/// pass followed by a plain read of the same matrices' bytes, in turn.
+#[allow(clippy::too_many_arguments)]
+fn time_steps(
+    steps: &[QuantMatrix],
+    inputs: &[Vec<f32>],
+    picked: &[usize],
+    precision: Precision,
+    rows: usize,
+    passes: usize,
+    sink: &mut f32,
+    read_sink: &mut u64,
+) -> Result<Timings, Box<dyn std::error::Error>> {
+    let (mut times, mut cpu, mut reads) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..passes + 2 {
+        let (start, start_cpu) = (std::time::Instant::now(), process_cpu_ns());
+        for &i in picked {
+            *sink += matmul_transposed_in(precision, &inputs[i], rows, &steps[i])?[0];
+        }
+        times.push(start.elapsed().as_secs_f64());
+        cpu.push((process_cpu_ns() - start_cpu) as f64 * 1e-9);
+        let start = std::time::Instant::now();
+        for &i in picked {
+            *read_sink = read_sink.wrapping_add(read_all(steps[i].held_bytes()));
+        }
+        reads.push(start.elapsed().as_secs_f64());
+    }
+    let sorted = |mut v: Vec<f64>| {
+        let mut v = v.split_off(2);
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    Ok(Timings {
+        times: sorted(times),
+        cpu: sorted(cpu),
+        reads: sorted(reads),
+    })
+}
+
+/// The middle value of sorted `values`.
+fn median_of(values: &[f64]) -> f64 {
+    values[values.len() / 2]
 }
 
 /// Every byte of `bytes` read once, split between the threads.

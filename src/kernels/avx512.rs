@@ -376,11 +376,7 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
             let mut step = group.as_ptr().add(blk * n * bb);
             if interleaved {
                 // A whole step (1 to 2 KiB) is read at once: ask for all of the next.
-                super::tiling::prefetch_range(
-                    step,
-                    super::tiling::group_prefetch_ahead(n * bb),
-                    n * bb,
-                );
+                super::tiling::prefetch_group_step(step, n * bb);
                 ungroup_step(step, bb, whole.as_mut_ptr());
                 step = whole.as_ptr();
             } else {
@@ -478,11 +474,7 @@ unsafe fn fused<const F: u8, const R: usize, const C: usize>(
             let mut step = group.add(blk * n * bb);
             if interleaved {
                 // A whole step (1 to 2 KiB) is read at once: ask for all of the next.
-                super::tiling::prefetch_range(
-                    step,
-                    super::tiling::group_prefetch_ahead(n * bb),
-                    n * bb,
-                );
+                super::tiling::prefetch_group_step(step, n * bb);
                 ungroup_step(step, bb, whole.as_mut_ptr());
                 step = whole.as_ptr();
             } else {

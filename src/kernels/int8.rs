@@ -533,7 +533,9 @@ pub fn matmul_transposed_int8_on(
     w: &QuantMatrix,
 ) -> Result<Vec<f32>> {
     let (n_in, n_out) = (w.cols(), w.rows());
-    if Some(x.len()) != rows.checked_mul(n_in) || !n_in.is_multiple_of(QK) {
+    // Activations are quantized in runs of `run` blocks (see `IntForm::run`).
+    let run = form(w.format()).run;
+    if Some(x.len()) != rows.checked_mul(n_in) || !n_in.is_multiple_of(QK * run) {
         return Err(LlamaError::ShapeMismatch {
             name: "quantized matmul input".into(),
             expected: vec![rows, n_in],
@@ -549,14 +551,6 @@ pub fn matmul_transposed_int8_on(
     }
     if rows == 0 || n_out == 0 {
         return Ok(Vec::new());
-    }
-    let run = form(w.format()).run;
-    if !n_in.is_multiple_of(QK * run) {
-        return Err(LlamaError::ShapeMismatch {
-            name: "quantized matmul input".into(),
-            expected: vec![rows, n_in.next_multiple_of(QK * run)],
-            actual: vec![x.len()],
-        });
     }
     let acts = QuantizedRows::new_on(path, x, rows, n_in, run);
     let threads = rayon::current_num_threads().max(1);
@@ -1029,11 +1023,7 @@ unsafe fn decode_group<I: Isa, const F: u8>(group: &[u8], subs: usize, sink: &mu
     for blk in 0..subs / per_block {
         // SAFETY: block `blk` of the group is `8 * bb` bytes at `blk * 8 * bb`.
         let step = unsafe { group.as_ptr().add(blk * GROUP_ROWS * bb) };
-        super::tiling::prefetch_range(
-            step,
-            super::tiling::group_prefetch_ahead(GROUP_ROWS * bb),
-            GROUP_ROWS * bb,
-        );
+        super::tiling::prefetch_group_step(step, GROUP_ROWS * bb);
         // SAFETY (each arm): `step` holds the format's eight blocks in the grouped layout.
         unsafe {
             match format {

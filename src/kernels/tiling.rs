@@ -100,16 +100,18 @@ pub(crate) fn prefetch_step(step: *const u8) {
 /// decoded at 29.4-30.4 tokens/s and with 2 KiB at 37.4-39.6 (`generate --json`).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) fn group_prefetch_ahead(len: usize) -> usize {
+fn group_prefetch_ahead(len: usize) -> usize {
     let len = len.max(64);
     len * 1024usize.div_ceil(len)
 }
 
-/// Asks for the `len` bytes `ahead` bytes past `at`, a line at a time.
+/// Asks for a later group step of `len` bytes than the one at `step`, whole, a line at a
+/// time, [`group_prefetch_ahead`] bytes past it.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) fn prefetch_range(at: *const u8, ahead: usize, len: usize) {
+pub(crate) fn prefetch_group_step(step: *const u8, len: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    let (at, ahead) = (step, group_prefetch_ahead(len));
     let mut line = 0;
     while line < len {
         // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint: any address
