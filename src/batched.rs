@@ -330,10 +330,8 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
                 if let Some(reservation) = state.reservation.as_mut() {
                     let rows = next_active.len();
                     let positions = rows.saturating_mul(state.columns);
-                    reservation.shrink_to(
-                        rows,
-                        positions.saturating_mul(self.config().kv_bytes_per_token()),
-                    );
+                    reservation
+                        .shrink_to(rows, positions.saturating_mul(self.kv_bytes_per_token()));
                 }
             }
             state.active = next_active;

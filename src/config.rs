@@ -229,12 +229,24 @@ impl LlamaConfig {
         }
     }
 
-    /// Bytes one token's keys and values take across all layers in f32: the unit of the
-    /// per-request KV budgets (a cache in a half type takes half of it, so a budget
-    /// counted this way bounds it too). For the demo model (30 layers, 3 KV heads of 64)
-    /// it is 46,080 bytes.
+    /// Bytes one token's keys and values take across all layers in f32. For the demo
+    /// model (30 layers, 3 KV heads of 64) it is 46,080 bytes. A cache in a half type
+    /// takes half of it (see [`kv_bytes_per_token_in`](Self::kv_bytes_per_token_in)).
     pub fn kv_bytes_per_token(&self) -> usize {
-        crate::cache::paged::block_bytes(self.n_layers, self.n_kv_heads, self.head_dim, 1, 4)
+        self.kv_bytes_per_token_in(FloatType::F32)
+    }
+
+    /// Bytes one token's keys and values take across all layers in a cache of float
+    /// type `ty`: the unit of the per-request KV budgets, counted in the model device's
+    /// float type (23,040 bytes for the demo model in f16 or bf16).
+    pub fn kv_bytes_per_token_in(&self, ty: FloatType) -> usize {
+        crate::cache::paged::block_bytes(
+            self.n_layers,
+            self.n_kv_heads,
+            self.head_dim,
+            1,
+            ty.size(),
+        )
     }
 
     fn llama3_family(
@@ -499,6 +511,15 @@ impl LlamaConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_of_kv_takes_its_float_type_s_bytes() {
+        let c = LlamaConfig::smollm2_135m();
+        assert_eq!(c.kv_bytes_per_token(), 46_080);
+        assert_eq!(c.kv_bytes_per_token_in(FloatType::F32), 46_080);
+        assert_eq!(c.kv_bytes_per_token_in(FloatType::F16), 23_040);
+        assert_eq!(c.kv_bytes_per_token_in(FloatType::Bf16), 23_040);
+    }
 
     #[test]
     fn absurd_dimensions_are_config_errors() {

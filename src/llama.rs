@@ -477,7 +477,9 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         let limits = KvLimits::default_for(config.max_seq_len);
         let kv_ledger = KvLedger::new(
             limits.max_requests,
-            limits.budget.bytes(config.kv_bytes_per_token()),
+            limits
+                .budget
+                .bytes(kv_bytes_per_token::<B>(config, &device)),
         );
         Ok(Self {
             model,
@@ -500,7 +502,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         if limits.max_requests == 0 {
             return Err(LlamaError::invalid("max_requests", 0, "must be at least 1"));
         }
-        let bytes = limits.budget.bytes(self.config().kv_bytes_per_token());
+        let bytes = limits.budget.bytes(self.kv_bytes_per_token());
         self.kv_ledger.set_limits(limits.max_requests, bytes);
         Ok(())
     }
@@ -530,7 +532,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     ///   could never be served);
     /// - [`LlamaError::Overloaded`] if it does not fit beside the reservations held now.
     pub(crate) fn reserve_kv(&self, requests: usize, tokens: usize) -> Result<KvReservation> {
-        let bytes = tokens.saturating_mul(self.config().kv_bytes_per_token());
+        let bytes = tokens.saturating_mul(self.kv_bytes_per_token());
         let usage = self.kv_ledger.usage();
         if requests > usage.max_requests {
             return Err(LlamaError::InvalidBatch(format!(
@@ -553,6 +555,13 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// The model's configuration.
     pub fn config(&self) -> &LlamaConfig {
         self.model.config()
+    }
+
+    /// Bytes one token's keys and values take in this model's caches, in its device's
+    /// float type (see [`LlamaConfig::kv_bytes_per_token_in`]): what a token of a
+    /// [`KvBudget::Tokens`](crate::KvBudget::Tokens) budget stands for.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        kv_bytes_per_token::<B>(self.config(), &self.device)
     }
 
     /// Sets how the CPU kernels multiply quantized weights (see
@@ -1170,4 +1179,9 @@ pub(crate) fn logits_to_vec<B: LlamaBackend, const D: usize>(
         .convert::<f32>()
         .to_vec::<f32>()
         .map_err(|e| LlamaError::Runtime(format!("reading logits: {e:?}")))
+}
+
+/// [`Llama::kv_bytes_per_token`] before the `Llama` exists.
+fn kv_bytes_per_token<B: LlamaBackend>(config: &LlamaConfig, device: &B::Device) -> usize {
+    config.kv_bytes_per_token_in(crate::backend::float_type::<B>(device).unwrap_or_default())
 }

@@ -27,7 +27,7 @@ fn limited(max_requests: usize, tokens: usize) -> Demo {
 #[test]
 fn states_reserve_their_cache_and_give_it_back() {
     let mut llama = limited(8, 200);
-    let per_token = llama.config().kv_bytes_per_token();
+    let per_token = llama.kv_bytes_per_token();
     let prompt_len = llama.encode_prompt(PROMPT).unwrap().len();
 
     let mut a = llama.create_generation_state(PROMPT, 60).unwrap();
@@ -120,7 +120,7 @@ fn the_request_limit_and_the_whole_budget_are_enforced() {
 #[test]
 fn a_batch_reserves_its_rectangle_and_shrinks_as_rows_end() {
     let mut llama = limited(8, 400);
-    let per_token = llama.config().kv_bytes_per_token();
+    let per_token = llama.kv_bytes_per_token();
     let prompts = [PROMPT, "Hi"];
     let longest = prompts
         .iter()

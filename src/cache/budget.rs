@@ -22,12 +22,12 @@ use crate::error::{LlamaError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvBudget {
     /// Room for this many tokens. For the demo model (30 layers, 3 KV heads of 64) a
-    /// token takes 46,080 bytes (see
-    /// [`LlamaConfig::kv_bytes_per_token`](crate::LlamaConfig::kv_bytes_per_token)).
+    /// token takes 46,080 bytes in f32, 23,040 in a half type (see
+    /// [`LlamaConfig::kv_bytes_per_token_in`](crate::LlamaConfig::kv_bytes_per_token_in)).
     Tokens(usize),
-    /// At most this many bytes of keys and values: the continuous engine's pool counts
-    /// them in its float type (2 bytes a value in f16/bf16), the per-request caches of
-    /// the other strategies in f32 (a half cache takes half of what they count).
+    /// At most this many bytes of keys and values, counted in the model device's float
+    /// type (4 bytes a value in f32, 2 in f16/bf16), by the continuous engine's pool and
+    /// the per-request caches of the other strategies alike.
     Bytes(usize),
 }
 
