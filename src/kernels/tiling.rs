@@ -111,12 +111,12 @@ fn group_prefetch_ahead(len: usize) -> usize {
 #[inline(always)]
 pub(crate) fn prefetch_group_step(step: *const u8, len: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    let (at, ahead) = (step, group_prefetch_ahead(len));
+    let ahead = group_prefetch_ahead(len);
     let mut line = 0;
     while line < len {
         // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint: any address
         // is allowed.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ahead + line).cast()) };
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(step.wrapping_add(ahead + line).cast()) };
         line += 64;
     }
 }

@@ -62,7 +62,6 @@ use super::runtime::{
     ModelDevice, OutStream,
 };
 pub use crate::cache::KvBudget;
-use crate::cache::paged::block_bytes;
 use crate::error::{LlamaError, Result};
 use crate::llama::{Llama, PromptEncoder, StopReason};
 use crate::tokenizer::{DynTokenizer, Tokenizer};
@@ -697,17 +696,9 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
     /// budget smaller than one block.
     pub fn start(llama: Llama<B, T>, config: ContinuousConfig) -> Result<Self> {
         config.validate()?;
-        let c = llama.config();
         // The pool holds the device's float type: a half-precision model's budget in
         // bytes holds twice the blocks.
-        let value_bytes = crate::backend::float_type::<B>(llama.device()).map_or(4, |t| t.size());
-        let block = block_bytes(
-            c.n_layers,
-            c.n_kv_heads,
-            c.head_dim,
-            config.block_size,
-            value_bytes,
-        );
+        let block = llama.kv_bytes_per_token().saturating_mul(config.block_size);
         let num_blocks = config.num_blocks(block);
         if num_blocks == 0 {
             return Err(LlamaError::invalid(
@@ -726,8 +717,8 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         });
         let (tx, rx) = crossbeam_channel::unbounded();
         let device = llama.device().clone();
-        let max_seq_len = c.max_seq_len;
-        let vocab_size = c.vocab_size;
+        let max_seq_len = llama.config().max_seq_len;
+        let vocab_size = llama.config().vocab_size;
         // The tokenizer is shared: submitters tokenize with it on their own threads, the
         // engine thread decodes with it.
         let llama = llama.map_tokenizer(Arc::new);
