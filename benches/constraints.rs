@@ -14,7 +14,9 @@ use llama_burn::tokenizer::Tokenizer;
 
 fn benches(c: &mut Criterion) {
     let path = llama_burn::demo::demo_model_path().expect("demo model");
-    let llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 256, &default_device())
+    let llama = llama_burn::Loader::gguf(path)
+        .max_seq_len(256)
+        .load::<DefaultBackend>(&default_device())
         .expect("demo model loads");
     let vocab = llama.config().vocab_size;
     let mut group = c.benchmark_group("constraints");

@@ -8,8 +8,10 @@ use llama_burn::model::Logits;
 
 fn benches(c: &mut Criterion) {
     let path = llama_burn::demo::demo_model_path().expect("demo model");
-    let llama =
-        LlamaConfig::load_gguf::<DefaultBackend>(path, 1024, &default_device()).expect("load");
+    let llama = llama_burn::Loader::gguf(path)
+        .max_seq_len(1024)
+        .load::<DefaultBackend>(&default_device())
+        .expect("load");
     let prompt = llama
         .encode_prompt("The capital of France is")
         .expect("encode");

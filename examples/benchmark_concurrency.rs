@@ -422,6 +422,7 @@ fn through_service<M: llama_burn::inference::ModelDevice + Send + 'static>(
 
 /// What the example does with the loaded model.
 fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
+    let precision = llama.config().precision;
     if let Some(path) = &args.draft_model {
         let path = (path.as_os_str() != "demo").then_some(path.as_path());
         let n = llama.config().max_seq_len;
@@ -563,7 +564,7 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
             json!({
                 "model": model_name(args.model.as_deref()),
                 "backend": llama_burn::backend::BACKEND_NAME,
-                "precision": args.options.precision.name(),
+                "precision": precision.name(),
                 "requests": args.requests,
                 "max_tokens": args.max_tokens,
                 "long_requests": args.long_requests,

@@ -283,7 +283,9 @@ fn load<B: LlamaBackend>(device: &B::Device, max_seq_len: usize) -> Result<(Llam
     let start = Instant::now();
     // Exact: the remote backend computes in Burn's f32 operations, which the CPU
     // backend's exact precision matches (its fast precision quantizes activations).
-    let llama = LlamaConfig::load_gguf::<B>(path, max_seq_len, device)?
+    let llama = llama_burn::Loader::gguf(path)
+        .max_seq_len(max_seq_len)
+        .load::<B>(device)?
         .with_precision(llama_burn::Precision::Exact);
     Ok((llama, start.elapsed().as_secs_f64()))
 }

@@ -42,7 +42,7 @@ pub enum RopeFrequencies {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Precision {
     /// f32 activations times exactly dequantized weights, f32 arithmetic: the fp32
-    /// reference's logits to about 1e-6 (what `tests/reference.rs` checks). Slower at
+    /// reference's logits to about 1e-6 (what `tests/integration/reference.rs` checks). Slower at
     /// several rows: the products are bound by the cores' f32 multiply-adds.
     Exact,
     /// Activations quantized to 8 bits per 32-value block (ggml's `Q8_0` rule; per 256
@@ -70,6 +70,29 @@ impl Default for Precision {
 }
 
 impl Precision {
+    /// Models with fewer parameters than this default to [`Exact`](Self::Exact) (see
+    /// [`for_model`](Self::for_model)).
+    pub const EXACT_BELOW_PARAMETERS: u64 = 1_000_000_000;
+
+    /// The default precision for a model of `config`'s size: [`Exact`](Self::Exact)
+    /// below [`EXACT_BELOW_PARAMETERS`](Self::EXACT_BELOW_PARAMETERS) (one billion),
+    /// else the CPU's default ([`Precision::default`]).
+    ///
+    /// Small models are where 8-bit activations hurt most and gain least: on the
+    /// 135M-parameter demo model `fast` changes the greedy answer to "What is the capital
+    /// of France?" (a French word salad where `exact` says "Paris"), and the step is
+    /// short enough that attention and sampling, which `fast` does not speed up, take
+    /// much of it. From Llama 3.2 1B up the products dominate and `fast` gives
+    /// llama.cpp's arithmetic at about 1.5 times `exact`'s one-row speed. Loading sets
+    /// this on the configuration; `with_precision` or `--precision` overrides it.
+    pub fn for_model(config: &LlamaConfig) -> Self {
+        if config.parameter_count() < Self::EXACT_BELOW_PARAMETERS {
+            Precision::Exact
+        } else {
+            Precision::default()
+        }
+    }
+
     /// The precision's name, as `--precision` takes it.
     pub fn name(self) -> &'static str {
         match self {
@@ -208,7 +231,9 @@ pub struct LlamaConfig {
     pub context_length: usize,
     /// Context window this instance allocates for (prompt + generated tokens).
     pub max_seq_len: usize,
-    /// How the CPU kernels multiply quantized weights (see [`Precision`]).
+    /// How the CPU kernels multiply quantized weights (see [`Precision`]): the presets
+    /// and the loaders set [`Precision::for_model`], `exact` below one billion
+    /// parameters.
     pub precision: Precision,
 }
 
@@ -274,6 +299,36 @@ impl LlamaConfig {
             max_seq_len: context_length,
             precision: Precision::default(),
         }
+        .with_default_precision()
+    }
+
+    /// The model's parameter count from its dimensions: the embedding table, each
+    /// block's projections and norms, the final norm, and an untied output head
+    /// (134,515,008 for the demo model, 1,235,814,400 for Llama 3.2 1B). Saturates
+    /// instead of overflowing on absurd dimensions.
+    pub fn parameter_count(&self) -> u64 {
+        let n = |v: usize| v as u64;
+        let (d, heads, kv) = (n(self.d_model), n(self.n_heads), n(self.n_kv_heads));
+        let head_dim = n(self.head_dim);
+        let attention = (2 * heads * head_dim)
+            .saturating_mul(d)
+            .saturating_add((2 * kv * head_dim).saturating_mul(d));
+        let ffn = (3 * d).saturating_mul(n(self.ffn_hidden));
+        let block = attention.saturating_add(ffn).saturating_add(2 * d);
+        let embedding = n(self.vocab_size).saturating_mul(d);
+        let head = if self.tie_embeddings { 0 } else { embedding };
+        block
+            .saturating_mul(n(self.n_layers))
+            .saturating_add(embedding)
+            .saturating_add(head)
+            .saturating_add(d)
+    }
+
+    /// Sets [`precision`](Self::precision) to the default for this model's size
+    /// ([`Precision::for_model`]).
+    pub fn with_default_precision(mut self) -> Self {
+        self.precision = Precision::for_model(&self);
+        self
     }
 
     fn llama3_scaling(factor: f64) -> RopeFrequencies {
@@ -347,6 +402,7 @@ impl LlamaConfig {
             max_seq_len: 2048,
             precision: Precision::default(),
         }
+        .with_default_precision()
     }
 
     /// SmolLM2-135M(-Instruct), the demo model.
@@ -367,6 +423,7 @@ impl LlamaConfig {
             max_seq_len: 8192,
             precision: Precision::default(),
         }
+        .with_default_precision()
     }
 
     /// Sets how the CPU kernels multiply quantized weights.
@@ -519,6 +576,23 @@ mod tests {
         assert_eq!(c.kv_bytes_per_token_in(FloatType::F32), 46_080);
         assert_eq!(c.kv_bytes_per_token_in(FloatType::F16), 23_040);
         assert_eq!(c.kv_bytes_per_token_in(FloatType::Bf16), 23_040);
+    }
+
+    #[test]
+    fn a_model_s_default_precision_follows_its_size() {
+        // The counts Hugging Face's model pages give for the two checkpoints.
+        let demo = LlamaConfig::smollm2_135m();
+        assert_eq!(demo.parameter_count(), 134_515_008);
+        assert_eq!(demo.precision, Precision::Exact);
+        let one_b = LlamaConfig::llama3_2_1b();
+        assert_eq!(one_b.parameter_count(), 1_235_814_400);
+        assert_eq!(one_b.precision, Precision::default());
+        assert_eq!(LlamaConfig::llama3_1_8b().parameter_count(), 8_030_261_248);
+        let absurd = LlamaConfig {
+            vocab_size: usize::MAX,
+            ..demo
+        };
+        assert_eq!(absurd.parameter_count(), u64::MAX);
     }
 
     #[test]

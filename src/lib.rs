@@ -3,7 +3,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
-pub mod batched;
 pub mod cache;
 pub mod config;
 pub mod constraints;
@@ -29,10 +28,14 @@ pub mod speculative;
 pub mod tokenizer;
 pub mod tools;
 
-pub use batched::BatchedGenerationState;
 pub use config::{FloatType, LlamaConfig, Precision};
 pub use error::{LlamaError, Result};
+pub use inference::BatchedGenerationState;
+/// Batched generation's old home; it lives in [`inference::batched`].
+#[doc(hidden)]
+pub use inference::batched;
 pub use llama::{GenerationOutput, GenerationState, Llama, Score, StopReason};
+pub use loader::Loader;
 pub use sampling::{Sampler, TopK, TopP};
 
 /// The hub downloads' old path; they live in [`loader::pretrained`].

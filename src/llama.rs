@@ -1,5 +1,8 @@
-//! [`Llama`]: a model plus its tokenizer, with the sequential and per-request-state
-//! generation strategies, and the loading entry points on [`LlamaConfig`].
+//! [`Llama`]: a model plus its tokenizer and KV limits, and a request's state between
+//! tokens ([`GenerationState`]): how prompts become ids, how a state is created, how a
+//! sampled token is recorded. The strategies that drive them are in
+//! [`crate::inference`] (sequential generation and speculation in `sequential.rs`,
+//! batches in [`crate::inference::batched`]); loading is [`crate::loader::Loader`].
 
 use std::time::{Duration, Instant};
 
@@ -20,10 +23,9 @@ use crate::inference::request::check_request_size;
 use crate::model::{Logits, Transformer};
 use crate::sampling::{
     DeviceDraw, DeviceToken, History, Sampler, TokenLogprob, TokenLogprobs, token_logprobs,
-    validate_temperature,
 };
 use crate::speculative::{
-    DraftModel, Proposer, SpeculationConfig, SpeculationStats, Speculator, speculator, verify,
+    DraftModel, Proposer, SpeculationConfig, SpeculationStats, Speculator, speculator,
 };
 use crate::tokenizer::{DynTokenizer, StreamDecoder, Tokenizer};
 
@@ -168,33 +170,33 @@ impl GenerationOutput {
 /// dropped.
 #[derive(Debug)]
 pub struct GenerationState<B: LlamaBackend> {
-    prompt_tokens: Vec<u32>,
-    tokens: Vec<u32>,
-    cache: Option<KvCache<B>>,
+    pub(crate) prompt_tokens: Vec<u32>,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) cache: Option<KvCache<B>>,
     /// The claim on the model's KV budget (none for states of the continuous engine,
     /// whose pool is budgeted on its own, and for rows of a batch).
-    reservation: Option<KvReservation>,
-    max_tokens: usize,
-    stop_reason: Option<StopReason>,
-    decoder: StreamDecoder,
-    text: String,
-    honour_stop_tokens: bool,
-    repetition_penalty: f32,
+    pub(crate) reservation: Option<KvReservation>,
+    pub(crate) max_tokens: usize,
+    pub(crate) stop_reason: Option<StopReason>,
+    pub(crate) decoder: StreamDecoder,
+    pub(crate) text: String,
+    pub(crate) honour_stop_tokens: bool,
+    pub(crate) repetition_penalty: f32,
     /// Stop ids of the request besides the tokenizer's (honoured even when those are not).
-    extra_stop_ids: Vec<u32>,
+    pub(crate) extra_stop_ids: Vec<u32>,
     /// Stop tokens cannot be drawn before this many tokens.
-    min_tokens: usize,
+    pub(crate) min_tokens: usize,
     /// Alternatives to report with each token's log-probability (`None`: no logprobs).
-    logprobs: Option<usize>,
+    pub(crate) logprobs: Option<usize>,
     /// The log-probabilities of the token sampled last, until taken.
-    last_logprobs: Option<TokenLogprobs>,
+    pub(crate) last_logprobs: Option<TokenLogprobs>,
     /// The prompt's log-probabilities, until taken.
-    prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
-    started: Option<Instant>,
-    first_token_at: Option<Instant>,
-    finished_at: Option<Instant>,
+    pub(crate) prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
+    pub(crate) started: Option<Instant>,
+    pub(crate) first_token_at: Option<Instant>,
+    pub(crate) finished_at: Option<Instant>,
     /// Speculative decoding's proposer and counts ([`Llama::with_speculation`]).
-    speculation: Option<Speculator>,
+    pub(crate) speculation: Option<Speculator>,
 }
 
 impl<B: LlamaBackend> GenerationState<B> {
@@ -698,44 +700,6 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         })
     }
 
-    /// Generates one token for `state`: on the first call the whole prompt is processed.
-    /// Returns `(token_id, text_piece, done)`; `text_piece` is the newly completed text
-    /// (it can be empty while a multi-byte character is incomplete, and is empty for a
-    /// stop token).
-    pub fn generate_single_token(
-        &mut self,
-        state: &mut GenerationState<B>,
-        temperature: f64,
-        sampler: &mut Sampler,
-    ) -> Result<(u32, String, bool)> {
-        validate_temperature(temperature)?;
-        sampler.validate()?;
-        if state.is_done() {
-            return Err(LlamaError::invalid(
-                "state",
-                "finished",
-                "this generation has already ended",
-            ));
-        }
-        let first = state.tokens.is_empty();
-        let input: Vec<u32> = match state.tokens.last() {
-            None => {
-                state.mark_started();
-                let capacity = self.cache_positions(state.prompt_tokens.len(), state.max_tokens);
-                state.cache = Some(self.model.new_cache(vec![0], capacity));
-                state.prompt_tokens.clone()
-            }
-            Some(&last) => vec![last],
-        };
-        let cache = state
-            .cache
-            .as_mut()
-            .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
-        let logits = self.step_logits(&input, cache, first)?;
-        let token = state.sample_next(&logits, temperature, sampler, self.tokenizer.stop_ids())?;
-        Ok(self.accept_token(state, token))
-    }
-
     /// Records a sampled token in `state` and decides whether the request is done.
     pub(crate) fn accept_token(
         &self,
@@ -775,56 +739,6 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         }
         state.text.push_str(&piece);
         (token, piece, reason.is_some())
-    }
-
-    /// Sequential strategy: generates up to `max_tokens` tokens for `prompt`, stopping at
-    /// the model's stop tokens. Temperature 0 is greedy.
-    ///
-    /// ```no_run
-    /// # fn main() -> llama_burn::Result<()> {
-    /// use llama_burn::{backend::{DefaultBackend, default_device}, llama::LlamaConfig};
-    /// use llama_burn::sampling::{Sampler, TopP};
-    ///
-    /// let device = default_device();
-    /// let path = llama_burn::demo::demo_model_path()?;
-    /// let mut llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 2048, &device)?;
-    /// let out = llama.generate("What is AI?", 50, 0.7, &mut Sampler::TopP(TopP::new(0.9, 42)))?;
-    /// println!("{} ({:.1} tokens/s)", out.text, out.decode_tokens_per_s());
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn generate(
-        &mut self,
-        prompt: &str,
-        max_tokens: usize,
-        temperature: f64,
-        sampler: &mut Sampler,
-    ) -> Result<GenerationOutput> {
-        validate_temperature(temperature)?;
-        sampler.validate()?;
-        let mut state = self.create_generation_state(prompt, max_tokens)?;
-        self.run_to_end(&mut state, temperature, sampler)
-    }
-
-    /// Runs a prepared state until it ends and summarises it.
-    pub fn run_to_end(
-        &mut self,
-        state: &mut GenerationState<B>,
-        temperature: f64,
-        sampler: &mut Sampler,
-    ) -> Result<GenerationOutput> {
-        while !state.is_done() {
-            self.generate_tokens(state, temperature, sampler)?;
-        }
-        Ok(GenerationOutput {
-            text: state.text.clone(),
-            tokens: state.tokens.clone(),
-            prompt_tokens: state.prompt_tokens.clone(),
-            prompt_time: state.time_to_first_token().unwrap_or_default(),
-            decode_time: state.decode_time().unwrap_or_default(),
-            stop_reason: state.stop_reason.unwrap_or(StopReason::MaxTokens),
-            speculation: state.speculation_stats(),
-        })
     }
 
     /// Sets the draft model of [`SpeculationMethod::DraftModel`] speculation: any model
@@ -880,104 +794,6 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         Ok(state)
     }
 
-    /// Like [`generate`](Self::generate), decoding with speculation (`config`): the
-    /// same tokens, in fewer forward passes when proposals are accepted.
-    ///
-    /// ```no_run
-    /// # fn main() -> llama_burn::Result<()> {
-    /// use llama_burn::{backend::{DefaultBackend, default_device}, llama::LlamaConfig};
-    /// use llama_burn::sampling::Sampler;
-    /// use llama_burn::speculative::SpeculationConfig;
-    ///
-    /// let path = llama_burn::demo::demo_model_path()?;
-    /// let mut llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 2048, &default_device())?;
-    /// let prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog.";
-    /// let out = llama.generate_speculative(prompt, 40, 0.0, &mut Sampler::Argmax, &SpeculationConfig::ngram(8))?;
-    /// let stats = out.speculation.unwrap_or_default();
-    /// println!("{} ({} of {} proposals accepted)", out.text, stats.accepted_draft_tokens, stats.draft_tokens);
-    /// # Ok(())
-    /// # }
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// As [`generate`](Self::generate) and [`with_speculation`](Self::with_speculation).
-    pub fn generate_speculative(
-        &mut self,
-        prompt: &str,
-        max_tokens: usize,
-        temperature: f64,
-        sampler: &mut Sampler,
-        config: &SpeculationConfig,
-    ) -> Result<GenerationOutput> {
-        validate_temperature(temperature)?;
-        sampler.validate()?;
-        let state = self.create_generation_state(prompt, max_tokens)?;
-        let mut state = self.with_speculation(state, config)?;
-        self.run_to_end(&mut state, temperature, sampler)
-    }
-
-    /// Generates the next tokens of `state`: one, as
-    /// [`generate_single_token`](Self::generate_single_token) does, or with speculation
-    /// ([`with_speculation`](Self::with_speculation)) up to `k + 1` from one forward pass
-    /// over the last token and `k` proposed ones, exactly the tokens one-token steps
-    /// would give. Returns each token as `generate_single_token` does; the rejected
-    /// positions' keys and values are rolled back. [`GenerationState::take_logprobs`]
-    /// then holds the last token's log-probabilities.
-    ///
-    /// # Errors
-    ///
-    /// As [`generate_single_token`](Self::generate_single_token), and as the proposer.
-    pub fn generate_tokens(
-        &mut self,
-        state: &mut GenerationState<B>,
-        temperature: f64,
-        sampler: &mut Sampler,
-    ) -> Result<Vec<(u32, String, bool)>> {
-        let room = state.draft_room(self.config().max_seq_len);
-        let drafts = if state.tokens.is_empty() || state.stop_reason.is_some() {
-            Vec::new()
-        } else {
-            state
-                .propose_drafts(room, 1)?
-                .map_or_else(Vec::new, |(drafts, _)| drafts)
-        };
-        let Some(&last) = state.tokens.last().filter(|_| !drafts.is_empty()) else {
-            return Ok(vec![self.generate_single_token(
-                state,
-                temperature,
-                sampler,
-            )?]);
-        };
-        validate_temperature(temperature)?;
-        sampler.validate()?;
-        self.config().check_token_ids(&drafts)?;
-        let mut input = Vec::with_capacity(drafts.len() + 1);
-        input.push(last);
-        input.extend_from_slice(&drafts);
-        let cache = state
-            .cache
-            .as_mut()
-            .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
-        let before = cache.len();
-        let logits = logits_to_vec(self.model.forward(&input, cache, Logits::All)?)?;
-        let vocab = self.config().vocab_size;
-        let stop_ids = self.tokenizer.stop_ids();
-        let mut out = Vec::with_capacity(input.len());
-        let accepted = verify(&drafts, logits.chunks(vocab), |row| {
-            let token = state.sample_next(row, temperature, sampler, stop_ids)?;
-            let emitted = self.accept_token(state, token);
-            let done = emitted.2;
-            out.push(emitted);
-            Ok((token, done))
-        })?;
-        if let Some(cache) = state.cache.as_mut() {
-            cache.truncate(before + 1 + accepted);
-        }
-        state.observe_drafts(drafts.len(), accepted);
-        Ok(out)
-    }
-
     /// Logits of every position of `tokens` (a fresh, single-row forward pass):
     /// `[tokens.len(), vocab]` as rows of f32. For scoring and tests.
     pub fn logits(&self, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
@@ -1020,7 +836,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// use llama_burn::{backend::{DefaultBackend, default_device}, llama::LlamaConfig};
     ///
     /// let path = llama_burn::demo::demo_model_path()?;
-    /// let llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 1024, &default_device())?;
+    /// let llama = llama_burn::Loader::gguf(path).max_seq_len(1024).load::<DefaultBackend>(&default_device())?;
     /// let score = llama.score("The capital of France is", " Paris")?;
     /// println!("log-likelihood {:.3}, greedy: {}", score.logprob, score.is_greedy);
     /// # Ok(())

@@ -32,7 +32,9 @@ const TOKENS: usize = 6;
 fn demo<B: LlamaBackend>(device: &B::Device) -> Llama<B, DynTokenizer> {
     let path = llama_burn::demo::demo_model_path().expect("demo model");
     // Exact: the CPU backend's f32 arithmetic, which the wgpu backend's f32 matmul matches.
-    LlamaConfig::load_gguf::<B>(path, 128, device)
+    llama_burn::Loader::gguf(path)
+        .max_seq_len(128)
+        .load::<B>(device)
         .expect("demo model loads")
         .with_precision(llama_burn::Precision::Exact)
 }

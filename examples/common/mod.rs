@@ -3,9 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
+use llama_burn::Loader;
 use llama_burn::backend::{DefaultBackend, LlamaBackend, default_device, set_float_type};
 use llama_burn::kernels::QuantFormat;
-use llama_burn::llama::{Llama, LlamaConfig};
+use llama_burn::llama::Llama;
 use llama_burn::{FloatType, Precision, Result};
 
 /// The backend chosen by cargo features.
@@ -16,8 +17,10 @@ pub type B = DefaultBackend;
 pub struct ModelOptions {
     /// How the CPU kernels multiply quantized weights: `fast` (8-bit activations,
     /// integer dot products) or `exact` (f32 activations, exactly dequantized weights).
-    #[arg(long, default_value_t = Precision::default())]
-    pub precision: Precision,
+    /// Default: `exact` for models under one billion parameters (the demo model), else
+    /// `fast` where the CPU has integer kernels (x86-64 with AVX-512 VNNI or AVX2).
+    #[arg(long)]
+    pub precision: Option<Precision>,
     /// Quantize a Hugging Face checkpoint's f32/f16/bf16 matrices in memory at load
     /// (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K or Q6_K; a matrix whose rows are
     /// not whole K-quant blocks of 256 stays dense).
@@ -52,20 +55,14 @@ pub fn load_model_as<C: LlamaBackend>(
         None => llama_burn::demo::demo_model_path()?,
     };
     set_float_type::<C>(device, options.dtype)?;
-    let device = device.clone();
-    let llama = match (path.is_dir(), options.quantize) {
-        (true, Some(format)) => {
-            LlamaConfig::load_hf_dir_quantized::<C>(&path, max_seq_len, format, &device)
-        }
-        (true, None) => LlamaConfig::load_hf_dir::<C>(&path, max_seq_len, &device),
-        (false, None) => LlamaConfig::load_gguf::<C>(&path, max_seq_len, &device),
-        (false, Some(_)) => Err(llama_burn::LlamaError::invalid(
-            "--quantize",
-            path.display(),
-            "applies to Hugging Face checkpoint directories (a GGUF keeps its own types)",
-        )),
-    }?;
-    Ok(llama.with_precision(options.precision))
+    let mut loader = Loader::path(&path).max_seq_len(max_seq_len);
+    if let Some(format) = options.quantize {
+        loader = loader.quantize(format);
+    }
+    if let Some(precision) = options.precision {
+        loader = loader.precision(precision);
+    }
+    loader.load::<C>(device)
 }
 
 /// Loads the model, runs `job` on it, and exits with the error if either fails.
@@ -100,14 +97,7 @@ pub fn context_length(model: Option<&Path>) -> Result<usize> {
         Some(p) => p.to_path_buf(),
         None => llama_burn::demo::demo_model_path()?,
     };
-    let config = if path.is_dir() {
-        let file = path.join("config.json");
-        let json =
-            std::fs::read_to_string(&file).map_err(|e| llama_burn::LlamaError::io(&file, e))?;
-        LlamaConfig::from_hf_json(&json)?
-    } else {
-        LlamaConfig::from_gguf(&llama_burn::loader::gguf::GgufFile::open(&path)?)?
-    };
+    let config = Loader::path(&path).config()?;
     Ok(config.context_length)
 }
 

@@ -5,7 +5,7 @@
 //! the ones `llama-quantize` runs when no importance matrix is given), with the same
 //! floating-point operations in the same order, so that on a build of ggml without
 //! fused multiply-adds (its portable reference path) the blocks are the same bytes
-//! (`tests/quantize.rs` checks them against blocks ggml wrote):
+//! (`tests/integration/quantize.rs` checks them against blocks ggml wrote):
 //!
 //! - `Q4_K` / `Q5_K`: each 32-value group gets a scale and a minimum by a small search
 //!   ([`fit_scale_min`]): start from the range, then try 21 (Q4) or 16 (Q5) nearby

@@ -1,24 +1,21 @@
-//! The loading entry points: every constructor of [`LlamaConfig`] that reads a checkpoint
-//! (GGUF metadata, a Hugging Face `config.json`) and every one that loads a whole
-//! [`Llama`] (a GGUF file, a Hugging Face directory, a hub download with the `pretrained`
-//! feature). What a configuration holds, its presets and its checks are in
+//! The configuration readers of [`LlamaConfig`] (GGUF metadata, a Hugging Face
+//! `config.json`), the hub presets (feature `pretrained`), and the old loading
+//! constructors, kept as deprecated wrappers over [`Loader`], the front door. What a configuration holds, its presets and its checks are in
 //! [`crate::config`].
 
 use std::path::Path;
-use std::sync::Arc;
 
 use serde::Deserialize;
 
 use super::gguf::GgufFile;
 #[cfg(feature = "pretrained")]
 use super::pretrained;
-use super::safetensors::SafetensorsSource;
-use super::{GgufSource, ProgressFn, build_transformer, terminal_progress};
+use super::{Loader, ProgressFn};
 use crate::backend::LlamaBackend;
 use crate::config::{LlamaConfig, RopeFrequencies, RopeScaling};
 use crate::error::{LlamaError, Result};
 use crate::llama::Llama;
-use crate::tokenizer::{DynTokenizer, GgufBpeTokenizer, HfTokenizer, Tokenizer};
+use crate::tokenizer::{DynTokenizer, Tokenizer};
 
 impl LlamaConfig {
     /// Reads the configuration from a GGUF file's `llama.*` metadata. The RoPE factors
@@ -83,7 +80,7 @@ impl LlamaConfig {
             precision: crate::config::Precision::default(),
         };
         config.validate()?;
-        Ok(config)
+        Ok(config.with_default_precision())
     }
 
     /// Reads a Hugging Face `config.json` (Llama architecture).
@@ -137,56 +134,58 @@ impl LlamaConfig {
             precision: crate::config::Precision::default(),
         };
         config.validate()?;
-        Ok(config)
+        Ok(config.with_default_precision())
     }
 
-    /// Loads a GGUF checkpoint with its embedded tokenizer (as a [`DynTokenizer`]),
-    /// allocating for `max_seq_len` tokens of context. Shows progress on a terminal. On
-    /// the CPU backend Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights stay quantized; everything
-    /// else is dequantized to f32.
+    /// Loads a GGUF checkpoint with its embedded tokenizer, allocating for
+    /// `max_seq_len` tokens of context; shows progress on a terminal.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `Loader::gguf(path).max_seq_len(n).load(device)`"
+    )]
     pub fn load_gguf<B: LlamaBackend>(
         path: impl AsRef<Path>,
         max_seq_len: usize,
         device: &B::Device,
     ) -> Result<Llama<B, DynTokenizer>> {
-        let path = path.as_ref();
-        let label = format!("loading {}", path.display());
-        let mut progress = terminal_progress(&label);
-        Self::load_gguf_with_progress(path, max_seq_len, device, &mut progress)
+        Loader::gguf(path).max_seq_len(max_seq_len).load(device)
     }
 
-    /// [`load_gguf`](Self::load_gguf) with a progress callback `(done, total)`.
+    /// [`Loader::gguf`] with a progress callback `(done, total)`.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `Loader::gguf(path).max_seq_len(n).progress(f).load(device)`"
+    )]
     pub fn load_gguf_with_progress<B: LlamaBackend>(
         path: impl AsRef<Path>,
         max_seq_len: usize,
         device: &B::Device,
         progress: ProgressFn<'_>,
     ) -> Result<Llama<B, DynTokenizer>> {
-        let gguf = GgufFile::open(path)?;
-        let config = Self::from_gguf(&gguf)?.checked_max_seq_len(max_seq_len)?;
-        let tokenizer: DynTokenizer = Arc::new(GgufBpeTokenizer::from_gguf(&gguf)?);
-        let mut source = GgufSource::new(&gguf, &config);
-        let model = build_transformer(&config, &mut source, device, progress)?;
-        Llama::new(model, tokenizer)
+        Loader::gguf(path)
+            .max_seq_len(max_seq_len)
+            .progress(progress)
+            .load(device)
     }
 
-    /// Loads a Hugging Face model directory (`config.json`, `model.safetensors` or
-    /// shards with `model.safetensors.index.json`, `tokenizer.json`), with its tokenizer
-    /// as a [`DynTokenizer`].
+    /// Loads a Hugging Face model directory with its `tokenizer.json`.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `Loader::hf_dir(dir).max_seq_len(n).load(device)`"
+    )]
     pub fn load_hf_dir<B: LlamaBackend>(
         dir: impl AsRef<Path>,
         max_seq_len: usize,
         device: &B::Device,
     ) -> Result<Llama<B, DynTokenizer>> {
-        let dir = dir.as_ref();
-        let tokenizer: DynTokenizer = Arc::new(HfTokenizer::from_dir(dir)?);
-        let label = format!("loading {}", dir.display());
-        let mut progress = terminal_progress(&label);
-        Self::load_hf_dir_with_tokenizer(dir, tokenizer, max_seq_len, device, &mut progress)
+        Loader::hf_dir(dir).max_seq_len(max_seq_len).load(device)
     }
 
-    /// Loads the weights of a Hugging Face model directory and pairs them with the given
-    /// tokenizer (for example a Llama 3 `tokenizer.model`).
+    /// Loads a Hugging Face model directory's weights with the given tokenizer.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `Loader::hf_dir(dir).tokenizer(t).max_seq_len(n).progress(f).load(device)`"
+    )]
     pub fn load_hf_dir_with_tokenizer<B: LlamaBackend, T: Tokenizer>(
         dir: impl AsRef<Path>,
         tokenizer: T,
@@ -194,57 +193,36 @@ impl LlamaConfig {
         device: &B::Device,
         progress: ProgressFn<'_>,
     ) -> Result<Llama<B, T>> {
-        let dir = dir.as_ref();
-        let config = Self::from_hf_dir(dir, max_seq_len)?;
-        let mut source = SafetensorsSource::open_dir(dir)?;
-        let model = build_transformer(&config, &mut source, device, progress)?;
-        Llama::new(model, tokenizer)
+        Loader::hf_dir(dir)
+            .tokenizer(tokenizer)
+            .max_seq_len(max_seq_len)
+            .progress(progress)
+            .load(device)
     }
 
-    /// The configuration of a Hugging Face directory (its `config.json`), allocating
-    /// for `max_seq_len` tokens of context.
-    fn from_hf_dir(dir: &Path, max_seq_len: usize) -> Result<Self> {
-        let config_path = dir.join("config.json");
-        let json =
-            std::fs::read_to_string(&config_path).map_err(|e| LlamaError::io(&config_path, e))?;
-        Self::from_hf_json(&json)?.checked_max_seq_len(max_seq_len)
-    }
-
-    /// [`load_hf_dir`](Self::load_hf_dir), with the checkpoint's f32, f16 or bf16
-    /// matrices quantized into `format` in memory as they are read (see
-    /// [`QuantizingSource`](crate::loader::quantize::QuantizingSource)); on the CPU
-    /// backend they then stay in it, elsewhere they are dequantized as GGUF blocks are.
-    ///
-    /// # Errors
-    ///
-    /// As [`load_hf_dir`](Self::load_hf_dir) (every [`QuantFormat`](crate::kernels::QuantFormat) has a quantizer).
+    /// Loads a Hugging Face model directory with its matrices quantized into `format`.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `Loader::hf_dir(dir).max_seq_len(n).quantize(format).load(device)`"
+    )]
     pub fn load_hf_dir_quantized<B: LlamaBackend>(
         dir: impl AsRef<Path>,
         max_seq_len: usize,
         format: crate::kernels::QuantFormat,
         device: &B::Device,
     ) -> Result<Llama<B, DynTokenizer>> {
-        let dir = dir.as_ref();
-        let tokenizer: DynTokenizer = Arc::new(HfTokenizer::from_dir(dir)?);
-        let label = format!("loading {} as {format:?}", dir.display());
-        let mut progress = terminal_progress(&label);
-        Self::load_hf_dir_quantized_with_tokenizer(
-            dir,
-            tokenizer,
-            max_seq_len,
-            format,
-            device,
-            &mut progress,
-        )
+        Loader::hf_dir(dir)
+            .max_seq_len(max_seq_len)
+            .quantize(format)
+            .load(device)
     }
 
-    /// [`load_hf_dir_with_tokenizer`](Self::load_hf_dir_with_tokenizer), with the
-    /// checkpoint's matrices quantized into `format` in memory as they are read (see
-    /// [`load_hf_dir_quantized`](Self::load_hf_dir_quantized)).
-    ///
-    /// # Errors
-    ///
-    /// As [`load_hf_dir_quantized`](Self::load_hf_dir_quantized).
+    /// Loads a Hugging Face model directory's weights, quantized into `format`, with the
+    /// given tokenizer.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `Loader::hf_dir(dir).tokenizer(t).max_seq_len(n).quantize(format).progress(f).load(device)`"
+    )]
     pub fn load_hf_dir_quantized_with_tokenizer<B: LlamaBackend, T: Tokenizer>(
         dir: impl AsRef<Path>,
         tokenizer: T,
@@ -253,12 +231,12 @@ impl LlamaConfig {
         device: &B::Device,
         progress: ProgressFn<'_>,
     ) -> Result<Llama<B, T>> {
-        let dir = dir.as_ref();
-        let config = Self::from_hf_dir(dir, max_seq_len)?;
-        let mut inner = SafetensorsSource::open_dir(dir)?;
-        let mut source = crate::loader::quantize::QuantizingSource::new(&mut inner, format)?;
-        let model = build_transformer(&config, &mut source, device, progress)?;
-        Llama::new(model, tokenizer)
+        Loader::hf_dir(dir)
+            .tokenizer(tokenizer)
+            .max_seq_len(max_seq_len)
+            .quantize(format)
+            .progress(progress)
+            .load(device)
     }
 
     /// Downloads (on first use) and loads
@@ -418,7 +396,7 @@ impl LlamaConfig {
     ) -> Result<Llama<B, DynTokenizer>> {
         Self::tiny_llama().checked_max_seq_len(max_seq_len)?;
         let dir = pretrained::TINY_LLAMA_1_1B_CHAT.download()?;
-        Self::load_hf_dir(&dir, max_seq_len, device)
+        Loader::hf_dir(&dir).max_seq_len(max_seq_len).load(device)
     }
 }
 

@@ -1,9 +1,11 @@
 //! Loading, all of it: GGUF files, Hugging Face safetensors directories and (feature
 //! `pretrained`) hub downloads.
 //!
-//! - `load.rs`: the entry points, [`LlamaConfig::load_gguf`], [`LlamaConfig::load_hf_dir`],
-//!   the `*_pretrained` constructors, and the configuration readers
-//!   [`LlamaConfig::from_gguf`] / [`LlamaConfig::from_hf_json`];
+//! - [`Loader`] (`builder.rs`): the front door, one builder for every format and option
+//!   (`Loader::gguf(path).max_seq_len(n).quantize(..).precision(..).progress(..).load(&device)`);
+//! - `load.rs`: the configuration readers [`LlamaConfig::from_gguf`] /
+//!   [`LlamaConfig::from_hf_json`], the `*_pretrained` hub presets, and the old
+//!   `load_*` constructors as deprecated wrappers over [`Loader`];
 //! - [`gguf`]: the GGUF file reader; `ggml.rs`: the ggml type table (ids, names, block
 //!   layouts) that the reader and [`dequant`] share; [`dequant`]: ggml blocks to `f32`;
 //! - [`gguf_writer`]: a streaming GGUF writer; [`random`]: random-weight Llama GGUF
@@ -15,6 +17,7 @@
 //!   row-major f32 data, and [`build_transformer`], which assembles the model from any
 //!   source, so the formats cannot drift apart.
 
+mod builder;
 pub mod dequant;
 mod ggml;
 pub mod gguf;
@@ -44,6 +47,8 @@ use crate::model::weights::{
 };
 use crate::model::{Block, BlockTensor, Projection, Transformer, VocabMatrix};
 use gguf::GgufFile;
+
+pub use builder::{DEFAULT_MAX_SEQ_LEN, Embedded, Given, Loader, TokenizerChoice};
 
 /// A checkpoint that hands out tensors by Hugging Face name (`model.layers.0.self_attn.q_proj.weight`, ...).
 pub trait TensorSource {

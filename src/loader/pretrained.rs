@@ -3,8 +3,7 @@
 //! The `*_pretrained` constructors on [`crate::LlamaConfig`] download a
 //! model's files with [`hf_hub`]'s blocking API and load them with the Hugging Face
 //! directory loader
-//! ([`crate::LlamaConfig::load_hf_dir_with_tokenizer`]
-//! / [`crate::LlamaConfig::load_hf_dir`]):
+//! ([`Loader::hf_dir`](crate::loader::Loader::hf_dir)):
 //!
 //! | constructor | repository | tokenizer |
 //! |---|---|---|
@@ -146,7 +145,7 @@ impl PretrainedModel {
 
     /// Fetches the checkpoint into the hub cache (downloading only what is not cached yet)
     /// and returns the local directory holding all its files, ready for
-    /// [`crate::LlamaConfig::load_hf_dir_with_tokenizer`].
+    /// [`Loader::hf_dir`](crate::loader::Loader::hf_dir).
     ///
     /// Fails with [`LlamaError::Download`] when a file cannot be fetched (hub unreachable,
     /// gated repository without an accepted license or token, ...).
@@ -354,8 +353,11 @@ pub(super) fn load_llama3<B: LlamaBackend>(
         dir.join("original").join("tokenizer.model"),
     )?);
     let label = format!("loading {}", model.repo_id);
-    let mut progress = super::terminal_progress(&label);
-    LlamaConfig::load_hf_dir_with_tokenizer(&dir, tokenizer, max_seq_len, device, &mut progress)
+    super::Loader::hf_dir(&dir)
+        .tokenizer(tokenizer)
+        .max_seq_len(max_seq_len)
+        .progress(super::terminal_progress(&label))
+        .load(device)
 }
 
 #[cfg(test)]

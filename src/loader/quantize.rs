@@ -4,7 +4,7 @@
 //!
 //! The 32-value formats follow ggml's reference quantization (`quantize_row_*_ref`)
 //! operation for operation, so their bytes are ggml's and gguf-py's to the bit
-//! (`tests/quantize.rs` checks them against blocks gguf-py wrote). The K-quants
+//! (`tests/integration/quantize.rs` checks them against blocks gguf-py wrote). The K-quants
 //! (`Q3_K`, `Q4_K`, `Q5_K`, `Q6_K`, in `kquant.rs`) follow ggml's reference K-quant
 //! quantizers the same way (gguf-py has none; the test's blocks come from ggml itself).
 

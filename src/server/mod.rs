@@ -26,8 +26,9 @@
 //! use llama_burn::llama::LlamaConfig;
 //! use llama_burn::server::{Server, ServerConfig};
 //!
-//! let llama = LlamaConfig::load_gguf::<DefaultBackend>(
-//!     llama_burn::demo::demo_model_path()?, 2048, &default_device())?;
+//! let llama = llama_burn::Loader::gguf(llama_burn::demo::demo_model_path()?)
+//!     .max_seq_len(2048)
+//!     .load::<DefaultBackend>(&default_device())?;
 //! let engine = ContinuousEngine::start(llama, ContinuousConfig::default())?;
 //! let server = Server::new(ServerConfig::new("smollm2"))?;
 //! server.set_engine(Arc::new(engine))?;

@@ -121,12 +121,13 @@ mod tests {
     use super::*;
     use crate::backend::{DefaultBackend, default_device};
     use crate::inference::{ContinuousConfig, ContinuousEngine};
-    use crate::llama::LlamaConfig;
     use futures_util::FutureExt;
 
     fn engine() -> Arc<dyn Engine> {
         let path = crate::demo::demo_model_path().expect("demo model");
-        let llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 128, &default_device())
+        let llama = crate::loader::Loader::gguf(path)
+            .max_seq_len(128)
+            .load::<DefaultBackend>(&default_device())
             .expect("demo model loads");
         let config = ContinuousConfig::default().with_kv_budget_tokens(1024);
         Arc::new(ContinuousEngine::start(llama, config).expect("engine starts"))

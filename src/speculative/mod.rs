@@ -7,7 +7,7 @@
 //!
 //! **Exact results.** The crate's kernels are batch-invariant: the verifying pass
 //! computes each position's logits bitwise as a one-token decode step would
-//! (`tests/speculative.rs` checks it in every precision). Every proposer here is
+//! (`tests/integration/speculative.rs` checks it in every precision). Every proposer here is
 //! deterministic (its proposal is a point mass), so verification is the standard
 //! rejection rule in its simplest form: at each position the request's own sampler draws
 //! a token from the target's logits, with the request's random generator, exactly as it

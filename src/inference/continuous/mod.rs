@@ -30,8 +30,9 @@
 //! use llama_burn::inference::{ContinuousConfig, GenerateRequest, InferenceBuilder};
 //! use llama_burn::llama::LlamaConfig;
 //!
-//! let llama = LlamaConfig::load_gguf::<DefaultBackend>(
-//!     llama_burn::demo::demo_model_path()?, 2048, &default_device())?;
+//! let llama = llama_burn::Loader::gguf(llama_burn::demo::demo_model_path()?)
+//!     .max_seq_len(2048)
+//!     .load::<DefaultBackend>(&default_device())?;
 //! // was: InferenceBuilder::new().with_model(llama).build(concurrent_streaming_handler)
 //! let inference = InferenceBuilder::new().with_model(llama).build_continuous(ContinuousConfig::default())?;
 //! let job = inference.infer(GenerateRequest::new("Hello")).spawn();
@@ -775,8 +776,9 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
     /// use llama_burn::inference::{ContinuousConfig, ContinuousEngine, GenerateRequest};
     /// use llama_burn::llama::LlamaConfig;
     ///
-    /// let llama = LlamaConfig::load_gguf::<DefaultBackend>(
-    ///     llama_burn::demo::demo_model_path()?, 2048, &default_device())?;
+    /// let llama = llama_burn::Loader::gguf(llama_burn::demo::demo_model_path()?)
+    ///     .max_seq_len(2048)
+    ///     .load::<DefaultBackend>(&default_device())?;
     /// let engine = ContinuousEngine::start(llama, ContinuousConfig::default())?;
     /// let ids = engine.encode(&GenerateRequest::new("Once upon a time"))?;
     /// // Two samples of one prompt, tokenized once.

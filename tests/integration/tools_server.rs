@@ -5,9 +5,7 @@
 //! `auto` with a `strict` tool gives text or calls whose arguments validate.
 #![cfg(feature = "server")]
 
-mod common;
-
-use common::server::start_constrained_server;
+use crate::common::server::start_constrained_server;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 

@@ -108,9 +108,10 @@ fn demo_model_tensors() {
 #[test]
 fn the_demo_model_keeps_its_blocks_in_memory() {
     let path = llama_burn::demo::demo_model_path().expect("demo model");
-    let llama =
-        llama_burn::llama::LlamaConfig::load_gguf::<DefaultBackend>(path, 256, &default_device())
-            .expect("load");
+    let llama = llama_burn::Loader::gguf(path)
+        .max_seq_len(256)
+        .load::<DefaultBackend>(&default_device())
+        .expect("load");
     let c = llama.config();
     // The Q8_0 embedding (34 bytes per 32 values), tied to the head and counted once;
     // every projection in Q4_1 (20 bytes per 32); the norms in f32.

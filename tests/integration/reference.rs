@@ -1,9 +1,7 @@
 //! Reference fidelity: the demo model reproduces Hugging Face transformers (float32, the
 //! same dequantized weights) token for token, and its logits within 1e-3.
 
-mod common;
-
-use common::{demo, ids, reference};
+use crate::common::{demo, ids, reference};
 use llama_burn::Precision;
 use llama_burn::sampling::Sampler;
 

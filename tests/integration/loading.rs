@@ -6,8 +6,6 @@
 //!   tokenizer larger than the model, an impossible context length) give typed errors,
 //!   never panics.
 
-mod common;
-
 use std::borrow::Cow;
 use std::cell::RefCell;
 use std::io::{Read, Write};
@@ -16,14 +14,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use safetensors::{Dtype, View};
 
-use common::B;
+use crate::common::B;
 use llama_burn::backend::default_device;
 use llama_burn::loader::gguf::GgufFile;
 use llama_burn::loader::safetensors::SafetensorsSource;
 use llama_burn::loader::{GgufSource, TensorSource};
 use llama_burn::model::Transformer;
 use llama_burn::tokenizer::{DynTokenizer, GgufBpeTokenizer, Tokenizer};
-use llama_burn::{Llama, LlamaConfig, LlamaError};
+use llama_burn::{Llama, LlamaConfig, LlamaError, Loader};
 
 // ---------------------------------------------------------------------------------------
 // Helpers
@@ -74,7 +72,10 @@ fn demo_tokenizer(gguf: &GgufFile) -> GgufBpeTokenizer {
 
 /// Loads a GGUF file without a progress display.
 fn load_gguf(path: &Path, max_seq_len: usize) -> Result<Llama<B, DynTokenizer>, LlamaError> {
-    LlamaConfig::load_gguf_with_progress::<B>(path, max_seq_len, &default_device(), &mut |_, _| {})
+    Loader::gguf(path)
+        .max_seq_len(max_seq_len)
+        .quiet()
+        .load::<B>(&default_device())
 }
 
 /// Loads a Hugging Face directory with the given tokenizer, without a progress display.
@@ -83,13 +84,11 @@ fn load_hf<T: Tokenizer>(
     tokenizer: T,
     max_seq_len: usize,
 ) -> Result<Llama<B, T>, LlamaError> {
-    LlamaConfig::load_hf_dir_with_tokenizer::<B, T>(
-        dir,
-        tokenizer,
-        max_seq_len,
-        &default_device(),
-        &mut |_, _| {},
-    )
+    Loader::hf_dir(dir)
+        .tokenizer(tokenizer)
+        .max_seq_len(max_seq_len)
+        .quiet()
+        .load::<B>(&default_device())
 }
 
 /// A tensor name with its shape.
@@ -310,6 +309,12 @@ fn hf_directory_gives_the_gguf_logits_and_typed_errors() {
     hf_config.norm_eps = gguf_config.norm_eps;
     assert_eq!(hf_config, gguf_config);
 
+    // The loader tells a directory from a file, and reads its configuration alone.
+    let auto = Loader::path(dir.path())
+        .config()
+        .expect("directory's config");
+    assert_eq!(auto, hf_config.clone().with_max_seq_len(2048));
+
     // An impossible context length is refused before any tensor is read.
     for bad in [0, 8193] {
         let err = load_hf(dir.path(), demo_tokenizer(&gguf), bad).expect_err("bad max_seq_len");
@@ -327,22 +332,23 @@ fn hf_directory_gives_the_gguf_logits_and_typed_errors() {
 
     // Same weights, same logits.
     // Exact: the f32 arithmetic that the directory's dense matmul does too.
-    let from_gguf = LlamaConfig::load_gguf_with_progress::<B>(&path, 256, &device, &mut |_, _| {})
+    let from_gguf = Loader::gguf(&path)
+        .max_seq_len(256)
+        .quiet()
+        .load::<B>(&device)
         .expect("load GGUF")
         .with_precision(llama_burn::Precision::Exact);
     let mut calls = 0usize;
     let mut last = (0, 0);
-    let from_hf = LlamaConfig::load_hf_dir_with_tokenizer::<B, _>(
-        dir.path(),
-        demo_tokenizer(&gguf),
-        256,
-        &device,
-        &mut |done, total| {
+    let from_hf = Loader::hf_dir(dir.path())
+        .tokenizer(demo_tokenizer(&gguf))
+        .max_seq_len(256)
+        .progress(|done, total| {
             calls += 1;
             last = (done, total);
-        },
-    )
-    .expect("load HF directory");
+        })
+        .load::<B>(&device)
+        .expect("load HF directory");
     let from_hf = from_hf.with_precision(llama_burn::Precision::Exact);
     assert_eq!(last, (2 + 9 * 30, 2 + 9 * 30), "progress reaches the end");
     assert_eq!(calls, 2 + 9 * 30, "one progress call per tensor");
@@ -491,6 +497,64 @@ fn safetensors_source_converts_f16_and_bf16() {
 // ---------------------------------------------------------------------------------------
 // Bad files
 // ---------------------------------------------------------------------------------------
+
+#[test]
+fn the_loader_s_options_and_defaults() {
+    use llama_burn::Precision;
+    use llama_burn::kernels::QuantFormat;
+    let path = demo_path();
+    // Defaults: 2048 tokens of context, and `exact` for a model under 1B parameters.
+    let config = Loader::path(&path).config().expect("config");
+    assert_eq!(config.max_seq_len, 2048);
+    assert_eq!(config.context_length, 8192);
+    assert_eq!(config.precision, Precision::Exact);
+    let config = Loader::gguf(&path)
+        .max_seq_len(100)
+        .precision(Precision::Fast)
+        .config()
+        .expect("config");
+    assert_eq!(
+        (config.max_seq_len, config.precision),
+        (100, Precision::Fast)
+    );
+
+    // What the options set reaches the model, and the progress callback runs to the end.
+    let mut last = (0, 0);
+    let llama = Loader::path(&path)
+        .max_seq_len(64)
+        .precision(Precision::Fast)
+        .progress(|done, total| last = (done, total))
+        .load::<B>(&default_device())
+        .expect("load");
+    assert_eq!(llama.config().max_seq_len, 64);
+    assert_eq!(llama.config().precision, Precision::Fast);
+    assert_eq!(last, (2 + 9 * 30, 2 + 9 * 30));
+
+    // A GGUF keeps its own types: quantizing one is refused before a weight is read.
+    let err = Loader::gguf(&path)
+        .quantize(QuantFormat::Q8_0)
+        .load::<B>(&default_device())
+        .expect_err("quantized GGUF");
+    assert!(
+        matches!(
+            err,
+            LlamaError::InvalidParameter {
+                name: "quantize",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    // A directory without config.json is an I/O error naming the file.
+    let dir = TempDir::new("empty");
+    let err = Loader::path(dir.path())
+        .config()
+        .expect_err("no config.json");
+    assert!(
+        matches!(&err, LlamaError::Io { path, .. } if path.ends_with("config.json")),
+        "{err:?}"
+    );
+}
 
 #[test]
 fn truncated_gguf_is_reported_as_truncated() {
@@ -655,16 +719,14 @@ fn a_safetensors_checkpoint_quantized_at_load_keeps_ggml_s_blocks() {
     write_shard(&dir.join("model.safetensors"), &source, &tensors);
     write_json(&dir.join("config.json"), &demo_config_json(576));
 
-    let quantized = LlamaConfig::load_hf_dir_quantized_with_tokenizer::<B, _>(
-        dir.path(),
-        demo_tokenizer(&gguf),
-        256,
-        QuantFormat::Q8_0,
-        &default_device(),
-        &mut |_, _| {},
-    )
-    .expect("load as Q8_0")
-    .with_precision(llama_burn::Precision::Exact);
+    let quantized = Loader::hf_dir(dir.path())
+        .tokenizer(demo_tokenizer(&gguf))
+        .max_seq_len(256)
+        .quantize(QuantFormat::Q8_0)
+        .quiet()
+        .load::<B>(&default_device())
+        .expect("load as Q8_0")
+        .with_precision(llama_burn::Precision::Exact);
     let VocabMatrix::Quantized(embed) = &quantized.model.embed else {
         panic!("the embedding is kept quantized");
     };

@@ -2,9 +2,7 @@
 //! position, the bits a one-token decode step gives, so speculation never changes a
 //! request's tokens (greedy or sampled), whatever the proposer.
 
-mod common;
-
-use common::{Demo, demo, prompts};
+use crate::common::{Demo, demo, prompts};
 use llama_burn::Precision;
 use llama_burn::model::Logits;
 
@@ -202,7 +200,7 @@ fn the_demo_model_drafting_for_itself_gives_the_plain_tokens_and_is_always_right
 /// its solo run without speculation, and every block comes back.
 #[test]
 fn engine_rows_that_speculate_beside_rows_that_do_not_equal_their_solo_runs() {
-    use common::rest;
+    use crate::common::rest;
     use llama_burn::inference::{ContinuousConfig, ContinuousEngine, GenerateRequest};
     let mut solo = demo(1024);
     let copy = copy_prompt(&solo);

@@ -303,12 +303,10 @@ fn random_requests_to_every_strategy_leave_it_serving() {
     };
     let demo = || {
         let path = llama_burn::demo::demo_model_path().expect("demo model");
-        llama_burn::config::LlamaConfig::load_gguf::<llama_burn::backend::DefaultBackend>(
-            path,
-            256,
-            &llama_burn::backend::default_device(),
-        )
-        .expect("demo model loads")
+        llama_burn::Loader::gguf(path)
+            .max_seq_len(256)
+            .load::<llama_burn::backend::DefaultBackend>(&llama_burn::backend::default_device())
+            .expect("demo model loads")
     };
     let plain = GenerateRequest::new("The capital of France is").with_max_tokens(4);
     let mut llama = demo();

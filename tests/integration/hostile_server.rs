@@ -10,8 +10,6 @@
 //! `/health` and new requests answer 503.
 #![cfg(feature = "server")]
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -20,7 +18,7 @@ use futures_util::StreamExt;
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
 
-use common::process::ServerProcess;
+use crate::common::process::ServerProcess;
 
 const KEY_A: &str = "key-of-tenant-a";
 const KEY_B: &str = "key-of-tenant-b";

@@ -2,9 +2,7 @@
 //! back with the crate's own GGUF loader: the configuration, every tensor's type and
 //! bytes (blocks equal to the random rows quantized again), and a model that generates.
 
-mod common;
-
-use common::B;
+use crate::common::B;
 use llama_burn::backend::default_device;
 use llama_burn::config::LlamaConfig;
 use llama_burn::loader::gguf::{GgmlType, GgufFile};
@@ -88,7 +86,10 @@ fn random_gguf_files_round_trip_and_generate() {
         }
         assert!(types_seen.contains("F32"), "{types_seen:?}");
 
-        let mut llama = LlamaConfig::load_gguf::<B>(&path, 64, &default_device()).expect("load");
+        let mut llama = llama_burn::Loader::gguf(&path)
+            .max_seq_len(64)
+            .load::<B>(&default_device())
+            .expect("load");
         let out = llama
             .generate("The capital of France is", 8, 0.0, &mut Sampler::Argmax)
             .expect("generate");

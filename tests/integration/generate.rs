@@ -2,9 +2,7 @@
 //! sampling reproduces, stop tokens end generation, and the per-request state API gives
 //! the same tokens as `generate`.
 
-mod common;
-
-use common::demo;
+use crate::common::demo;
 use llama_burn::LlamaError;
 use llama_burn::sampling::{Sampler, TopP};
 
@@ -13,7 +11,7 @@ fn bad_input_is_a_typed_error() {
     let mut llama = demo(64);
     let mut greedy = Sampler::Argmax;
     // A cache built for another model (3 layers, not 30): an error, not an index panic.
-    let mut foreign = llama_burn::cache::KvCache::<common::B>::new(
+    let mut foreign = llama_burn::cache::KvCache::<crate::common::B>::new(
         3,
         3,
         64,
@@ -91,7 +89,7 @@ fn bad_input_is_a_typed_error() {
 fn seeded_sampling_reproduces_and_greedy_matches_state_api() {
     let mut llama = demo(256);
     let prompt = "Once upon a time";
-    let run = |llama: &mut common::Demo, seed| {
+    let run = |llama: &mut crate::common::Demo, seed| {
         llama
             .generate(prompt, 24, 0.9, &mut Sampler::TopP(TopP::new(0.9, seed)))
             .unwrap()

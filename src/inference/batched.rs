@@ -367,7 +367,7 @@ pub const DEFAULT_MAX_BATCH: usize = 32;
 /// use llama_burn::inference::generate_batch;
 ///
 /// let path = llama_burn::demo::demo_model_path()?;
-/// let mut llama = LlamaConfig::load_gguf::<DefaultBackend>(path, 1024, &default_device())?;
+/// let mut llama = llama_burn::Loader::gguf(path).max_seq_len(1024).load::<DefaultBackend>(&default_device())?;
 /// let prompts = ["What is the capital of France?", "Explain quantum computing."];
 /// let results = generate_batch(&mut llama, &prompts, 50, 0.7, 0.9, 42)?;
 /// for (prompt, pieces) in prompts.iter().zip(&results) {

@@ -3,9 +3,7 @@
 //! refused with `Overloaded` (nothing allocated), and ending or dropping a request gives
 //! its memory back.
 
-mod common;
-
-use common::{Demo, demo};
+use crate::common::{Demo, demo};
 use llama_burn::LlamaError;
 use llama_burn::cache::{KvBudget, KvLimits};
 use llama_burn::inference::{

@@ -3,9 +3,7 @@
 //! chunks, and on one thread or all, because every projection and attention reduces in
 //! one fixed order whatever the batch shape.
 
-mod common;
-
-use common::{Demo, demo, prompts};
+use crate::common::{Demo, demo, prompts};
 use llama_burn::Precision;
 use llama_burn::cache::PagedKvCache;
 use llama_burn::model::{Logits, PagedRow};
@@ -152,7 +150,7 @@ fn a_row_is_the_same_in_batches_of_2_to_32_and_on_one_thread() {
 /// last-position logits of every row.
 fn paged_step(
     llama: &Demo,
-    cache: &mut llama_burn::cache::PagedKvCache<common::B>,
+    cache: &mut llama_burn::cache::PagedKvCache<crate::common::B>,
     rows: &[(usize, Vec<u32>)],
     tables: &[Vec<u32>],
 ) -> Vec<Vec<f32>> {

@@ -1,9 +1,7 @@
 //! The concurrent strategy on the demo model: requests interleaved token by token through
 //! the job runtime produce exactly what they produce alone.
 
-mod common;
-
-use common::{Demo, demo, prompts};
+use crate::common::{Demo, demo, prompts};
 use llama_burn::LlamaError;
 use llama_burn::inference::{
     GenerateRequest, Inference, InferenceBuilder, TokenOutput, concurrent_streaming_handler,

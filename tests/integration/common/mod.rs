@@ -7,7 +7,7 @@ pub mod process;
 pub mod server;
 
 use llama_burn::backend::{DefaultBackend, default_device};
-use llama_burn::llama::{Llama, LlamaConfig};
+use llama_burn::llama::Llama;
 use llama_burn::tokenizer::DynTokenizer;
 
 /// The backend the tests run on.
@@ -19,10 +19,12 @@ pub type Demo = Llama<B, DynTokenizer>;
 /// `exact` precision: several tests state what the demo model answers (a chat reply
 /// that ends at its stop token, "Paris"), which is the fp32 reference's behaviour. The
 /// `fast` precision (the library's default) is held to the same invariance claims in
-/// `tests/batch_invariance.rs` and reported against the reference in `tests/reference.rs`.
+/// `tests/integration/batch_invariance.rs` and reported against the reference in `tests/integration/reference.rs`.
 pub fn demo(max_seq_len: usize) -> Demo {
     let path = llama_burn::demo::demo_model_path().expect("demo model available");
-    LlamaConfig::load_gguf::<B>(path, max_seq_len, &default_device())
+    llama_burn::Loader::gguf(path)
+        .max_seq_len(max_seq_len)
+        .load::<B>(&default_device())
         .expect("demo model loads")
         .with_precision(llama_burn::Precision::Exact)
 }

@@ -3,9 +3,7 @@
 //! output that follows them, streamed and not; a bad schema is a 400 naming the field.
 #![cfg(feature = "server")]
 
-mod common;
-
-use common::server::start_constrained_server;
+use crate::common::server::start_constrained_server;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 

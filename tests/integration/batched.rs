@@ -1,9 +1,7 @@
 //! The batched strategy on the demo model: every row gives exactly the tokens it gives
 //! alone, whatever else is in the batch.
 
-mod common;
-
-use common::{Demo, demo, prompts};
+use crate::common::{Demo, demo, prompts};
 use llama_burn::LlamaError;
 use llama_burn::inference::generate_batch;
 use llama_burn::model::Logits;

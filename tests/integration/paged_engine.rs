@@ -2,9 +2,7 @@
 //! pool, preemption and prefix caching never change a request's tokens, and every block
 //! comes back.
 
-mod common;
-
-use common::{B, Demo, demo, prompts, rest};
+use crate::common::{B, Demo, demo, prompts, rest};
 use llama_burn::LlamaError;
 use llama_burn::inference::{
     ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, GenerateRequest, KvBudget,

@@ -2,9 +2,7 @@
 //! constraint says in every strategy, give the same tokens alone and in a batch with
 //! unconstrained requests, and bad constraints get typed errors.
 
-mod common;
-
-use common::{B, Demo, demo, rest};
+use crate::common::{B, Demo, demo, rest};
 use llama_burn::LlamaError;
 use llama_burn::constraints::{Constraint, ConstraintLimits, ConstraintVocab};
 use llama_burn::inference::{

@@ -5,12 +5,10 @@
 //! refused at start.
 #![cfg(feature = "server")]
 
-mod common;
-
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::process::ServerProcess;
+use crate::common::process::ServerProcess;
 use serde_json::{Value, json};
 
 const BIN: &str = env!("CARGO_BIN_EXE_llama-burn-server");

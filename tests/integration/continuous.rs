@@ -1,9 +1,7 @@
 //! Continuous batching on the demo model: requests that join and leave a running batch
 //! at any step each produce exactly their solo greedy tokens.
 
-mod common;
-
-use common::{B, Demo, demo, prompts, rest};
+use crate::common::{B, Demo, demo, prompts, rest};
 use llama_burn::LlamaError;
 use llama_burn::inference::{
     ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, GenerateRequest, InferenceBuilder,

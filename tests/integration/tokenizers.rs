@@ -7,8 +7,8 @@ use llama_burn::loader::gguf::GgufFile;
 use llama_burn::tokenizer::{ChatFormat, ChatMessage, GgufBpeTokenizer, StreamDecoder, Tokenizer};
 use serde_json::Value;
 
-const PROBES: &str = include_str!("fixtures/tokenizer_probes.json");
-const REFERENCE: &str = include_str!("fixtures/reference.json");
+const PROBES: &str = include_str!("../fixtures/tokenizer_probes.json");
+const REFERENCE: &str = include_str!("../fixtures/reference.json");
 
 /// The demo model's tokenizer, loaded once for all tests.
 fn demo() -> &'static GgufBpeTokenizer {

@@ -4,12 +4,10 @@
 //! clients.
 #![cfg(feature = "server")]
 
-mod common;
-
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use common::{Demo, demo};
+use crate::common::{Demo, demo};
 use futures_util::StreamExt;
 use llama_burn::inference::{ContinuousConfig, ContinuousEngine};
 use llama_burn::sampling::Sampler;

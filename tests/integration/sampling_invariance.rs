@@ -3,9 +3,7 @@
 //! concurrent strategy, in a padded batch beside other prompts, and in the continuous
 //! engine with chunked prompts beside other requests.
 
-mod common;
-
-use common::{Demo, demo, prompts};
+use crate::common::{Demo, demo, prompts};
 use llama_burn::inference::{
     ContinuousConfig, ContinuousEngine, EngineEvent, GenerateRequest, InferenceBuilder,
     concurrent_streaming_handler, request_sampler,

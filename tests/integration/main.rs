@@ -1,0 +1,48 @@
+//! The integration tests, in one binary: a module per concern. Each test file used to be
+//! its own binary, and linking 23 binaries against the crate and Burn took most of a
+//! first `cargo test`.
+//!
+//! Select a concern with a filter on its module's name, e.g. the whole-model checks:
+//!
+//! ```sh
+//! cargo test --release --features llama3,server --test integration -- reference:: batch_invariance::
+//! ```
+//!
+//! The fast ones (no model run): `gguf_format:: quantize:: tokenizers:: hostile_inputs::
+//! kernels::`. The server's, which need the `server` feature, start real HTTP servers
+//! (`server:: structured_server:: tools_server:: speculative_server:: hostile_server::`,
+//! the last two run the `llama-burn-server` binary). The GPU backend's test is its own
+//! binary, `tests/gpu_backend.rs` (features `wgpu` or `cuda`).
+
+mod common;
+
+// Files, checkpoints and tokenizers.
+mod gguf_format;
+mod hostile_inputs;
+mod loading;
+mod quantize;
+mod random_gguf;
+mod tokenizers;
+
+// The CPU kernels and the model's numbers.
+mod batch_invariance;
+mod kernels;
+mod reference;
+
+// The strategies and what they share.
+mod batched;
+mod concurrent;
+mod constraints;
+mod continuous;
+mod generate;
+mod kv_limits;
+mod paged_engine;
+mod sampling_invariance;
+mod speculative;
+
+// The HTTP server (feature `server`; each file is gated inside).
+mod hostile_server;
+mod server;
+mod speculative_server;
+mod structured_server;
+mod tools_server;
