@@ -15,7 +15,7 @@ use burn::backend::Flex;
 use llama_burn::LlamaError;
 use llama_burn::backend::LlamaBackend;
 use llama_burn::inference::{ContinuousConfig, ContinuousEngine, GenerateRequest};
-use llama_burn::llama::{Llama, LlamaConfig};
+use llama_burn::llama::Llama;
 use llama_burn::sampling::Sampler;
 use llama_burn::tokenizer::{DynTokenizer, Tokenizer};
 

@@ -620,34 +620,30 @@ fn k_block<F: Float, I: Numeric>(
 /// Units per row of [`argmax_kernel`].
 pub(crate) const ARGMAX_WIDTH: usize = 256;
 
-/// The greedy token of each row of `logits` `[rows, vocab]`: the first index of the
-/// largest value, as [`crate::sampling::argmax`] picks it, or `vocab` (no token) where the
-/// row holds a NaN or nothing above minus infinity (which the host path reports as an
-/// error). One cube per row, `width` units: each scans its strided share in index order,
-/// then the units' bests are combined in shared memory (the larger value; on a tie the
-/// smaller index), so the result is the same whatever the order of the combination.
-#[cube(launch)]
-pub(crate) fn argmax_kernel<F: Float, I: Numeric>(
+/// One row's largest value and its first index, and whether it holds a NaN, for a cube
+/// of `width` units over `logits[base..base + n]`: each unit scans its strided share in
+/// index order, then the units' bests are combined in shared memory (the larger value;
+/// on a tie the smaller index), so the result is the same whatever the order of the
+/// combination. On return `values[0]`, `indices[0]` (`n`, no token, if no value was
+/// seen) and `nans[0]` (non-zero for a NaN) hold the row's.
+#[cube]
+fn row_argmax<F: Float>(
     logits: &Tensor<F>,
-    out: &mut Tensor<I>,
-    vocab: u32,
+    base: usize,
+    n: usize,
+    values: &mut SharedMemory<f32>,
+    indices: &mut SharedMemory<u32>,
+    nans: &mut SharedMemory<u32>,
     #[comptime] width: usize,
-    #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let row = CUBE_POS_X as usize;
     let u = UNIT_POS_X as usize;
-    let none = vocab;
-    let vocab = vocab as usize;
-    let mut values = SharedMemory::<f32>::new(width);
-    let mut indices = SharedMemory::<u32>::new(width);
-    let mut nans = SharedMemory::<u32>::new(width);
-
+    let none = n as u32;
     let mut best = f32::new(0.0);
     let mut best_at = none;
     let mut nan = 0u32;
     let mut i = u;
-    while i < vocab {
-        let v = f32::cast_from(logits[row * vocab + i]);
+    while i < n {
+        let v = f32::cast_from(logits[base + i]);
         if v.is_nan() {
             nan = 1;
         } else {
@@ -694,6 +690,36 @@ pub(crate) fn argmax_kernel<F: Float, I: Numeric>(
         sync_cube();
         half /= 2;
     }
+}
+
+/// The greedy token of each row of `logits` `[rows, vocab]`: the first index of the
+/// largest value, as [`crate::sampling::argmax`] picks it, or `vocab` (no token) where the
+/// row holds a NaN or nothing above minus infinity (which the host path reports as an
+/// error). One cube per row, `width` units ([`row_argmax`]).
+#[cube(launch)]
+pub(crate) fn argmax_kernel<F: Float, I: Numeric>(
+    logits: &Tensor<F>,
+    out: &mut Tensor<I>,
+    vocab: u32,
+    #[comptime] width: usize,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let row = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let none = vocab;
+    let vocab = vocab as usize;
+    let mut values = SharedMemory::<f32>::new(width);
+    let mut indices = SharedMemory::<u32>::new(width);
+    let mut nans = SharedMemory::<u32>::new(width);
+    row_argmax(
+        logits,
+        row * vocab,
+        vocab,
+        &mut values,
+        &mut indices,
+        &mut nans,
+        width,
+    );
     if u == 0 {
         let mut token = indices[0];
         // Below the least finite f32: minus infinity (the best of a row of -inf).
@@ -840,56 +866,7 @@ pub(crate) fn sample_kernel<F: Float, I: Numeric>(
     let mut indices = SharedMemory::<u32>::new(width);
 
     // 1. The largest logit, its first index and NaN (as `argmax_kernel`).
-    let mut best = f32::new(0.0);
-    let mut best_at = none;
-    let mut nan = 0u32;
-    let mut i = u;
-    while i < n {
-        let v = f32::cast_from(logits[base + i]);
-        if v.is_nan() {
-            nan = 1;
-        } else {
-            let mut take = best_at == none;
-            if v > best {
-                take = true;
-            }
-            if take {
-                best = v;
-                best_at = i as u32;
-            }
-        }
-        i += width;
-    }
-    sums[u] = best;
-    indices[u] = best_at;
-    counts[u] = nan;
-    sync_cube();
-    let mut half = CUBE_DIM_X / 2;
-    while half > 0 {
-        let stride = half as usize;
-        if u < stride {
-            let other_at = indices[u + stride];
-            let other = sums[u + stride];
-            if other_at != none {
-                let mine_at = indices[u];
-                let mine = sums[u];
-                let mut take = mine_at == none;
-                if other > mine {
-                    take = true;
-                }
-                if other == mine && other_at < mine_at {
-                    take = true;
-                }
-                if take {
-                    sums[u] = other;
-                    indices[u] = other_at;
-                }
-            }
-            counts[u] = counts[u] | counts[u + stride];
-        }
-        sync_cube();
-        half /= 2;
-    }
+    row_argmax(logits, base, n, &mut sums, &mut indices, &mut counts, width);
     let max = sums[0];
     let argmax = indices[0];
     let mut bad = counts[0] != 0 || argmax == none;
@@ -900,7 +877,7 @@ pub(crate) fn sample_kernel<F: Float, I: Numeric>(
 
     // 2. The normalizer of the log-probabilities.
     let mut s = f32::new(0.0);
-    i = u;
+    let mut i = u;
     while i < n {
         let l = f32::cast_from(logits[base + i]);
         if l >= lowest() {

@@ -926,6 +926,66 @@ fn rms_norm_in_order<B: LlamaBackend>(
     Ok(if half { out.cast(dtype) } else { out })
 }
 
+/// The one [`LlamaBackend`] body of both CubeCL backend types (plain [`CubeBackend`]
+/// and [`Fusion`] over it): our kernels where we have them, the portable defaults
+/// elsewhere. A macro because the two are distinct types that a blanket impl cannot
+/// cover beside the other backends' impls.
+macro_rules! cube_llama_backend {
+    () => {
+        fn rms_norm(
+            x: Tensor<Self, 2>,
+            weight: &Tensor<Self, 1>,
+            eps: f64,
+        ) -> Result<Tensor<Self, 2>> {
+            rms_norm_in_order(x, weight, eps)
+        }
+
+        fn paged_attention(
+            q: Tensor<Self, 2>,
+            keys: &Tensor<Self, 4>,
+            values: &Tensor<Self, 4>,
+            batch: &PagedBatch<'_, Self>,
+        ) -> Result<Tensor<Self, 2>> {
+            paged_attention(q, keys, values, batch)
+        }
+
+        fn keeps_quantized_weights() -> bool {
+            true
+        }
+
+        fn quantized_matmul(
+            x: Tensor<Self, 2>,
+            w: &QuantMatrix,
+            _precision: Precision,
+        ) -> Result<Tensor<Self, 2>> {
+            quantized_matmul(x, w)
+        }
+
+        fn dense_matmul(
+            x: Tensor<Self, 2>,
+            w: &Tensor<Self, 2>,
+            transposed: bool,
+        ) -> Result<Tensor<Self, 2>> {
+            dense_matmul(x, w, transposed)
+        }
+
+        fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
+            greedy_tokens(logits)
+        }
+
+        fn samples_on_device() -> bool {
+            true
+        }
+
+        fn sample_tokens(
+            logits: &Tensor<Self, 2>,
+            draws: &[DeviceDraw],
+        ) -> Result<Option<Vec<Option<DeviceToken>>>> {
+            sample_tokens(logits, draws)
+        }
+    };
+}
+
 impl<R, F, I, BT> LlamaBackend for CubeBackend<R, F, I, BT>
 where
     R: CubeRuntime,
@@ -933,103 +993,11 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    fn rms_norm(x: Tensor<Self, 2>, weight: &Tensor<Self, 1>, eps: f64) -> Result<Tensor<Self, 2>> {
-        rms_norm_in_order(x, weight, eps)
-    }
-
-    fn paged_attention(
-        q: Tensor<Self, 2>,
-        keys: &Tensor<Self, 4>,
-        values: &Tensor<Self, 4>,
-        batch: &PagedBatch<'_, Self>,
-    ) -> Result<Tensor<Self, 2>> {
-        paged_attention(q, keys, values, batch)
-    }
-
-    fn keeps_quantized_weights() -> bool {
-        true
-    }
-
-    fn quantized_matmul(
-        x: Tensor<Self, 2>,
-        w: &QuantMatrix,
-        _precision: Precision,
-    ) -> Result<Tensor<Self, 2>> {
-        quantized_matmul(x, w)
-    }
-
-    fn dense_matmul(
-        x: Tensor<Self, 2>,
-        w: &Tensor<Self, 2>,
-        transposed: bool,
-    ) -> Result<Tensor<Self, 2>> {
-        dense_matmul(x, w, transposed)
-    }
-
-    fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
-        greedy_tokens(logits)
-    }
-
-    fn samples_on_device() -> bool {
-        true
-    }
-
-    fn sample_tokens(
-        logits: &Tensor<Self, 2>,
-        draws: &[DeviceDraw],
-    ) -> Result<Option<Vec<Option<DeviceToken>>>> {
-        sample_tokens(logits, draws)
-    }
+    cube_llama_backend!();
 }
 
 /// Burn's CubeCL backends with fusion (`burn::backend::{Cuda, Wgpu, Vulkan}`): our
 /// kernels where we have them, the portable defaults elsewhere.
 impl<B: FusionBackend + CubeKernels> LlamaBackend for Fusion<B> {
-    fn rms_norm(x: Tensor<Self, 2>, weight: &Tensor<Self, 1>, eps: f64) -> Result<Tensor<Self, 2>> {
-        rms_norm_in_order(x, weight, eps)
-    }
-
-    fn paged_attention(
-        q: Tensor<Self, 2>,
-        keys: &Tensor<Self, 4>,
-        values: &Tensor<Self, 4>,
-        batch: &PagedBatch<'_, Self>,
-    ) -> Result<Tensor<Self, 2>> {
-        paged_attention(q, keys, values, batch)
-    }
-
-    fn keeps_quantized_weights() -> bool {
-        true
-    }
-
-    fn quantized_matmul(
-        x: Tensor<Self, 2>,
-        w: &QuantMatrix,
-        _precision: Precision,
-    ) -> Result<Tensor<Self, 2>> {
-        quantized_matmul(x, w)
-    }
-
-    fn dense_matmul(
-        x: Tensor<Self, 2>,
-        w: &Tensor<Self, 2>,
-        transposed: bool,
-    ) -> Result<Tensor<Self, 2>> {
-        dense_matmul(x, w, transposed)
-    }
-
-    fn greedy_tokens(logits: &Tensor<Self, 2>) -> Result<Option<Vec<Option<u32>>>> {
-        greedy_tokens(logits)
-    }
-
-    fn samples_on_device() -> bool {
-        true
-    }
-
-    fn sample_tokens(
-        logits: &Tensor<Self, 2>,
-        draws: &[DeviceDraw],
-    ) -> Result<Option<Vec<Option<DeviceToken>>>> {
-        sample_tokens(logits, draws)
-    }
+    cube_llama_backend!();
 }

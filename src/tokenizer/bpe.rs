@@ -9,7 +9,8 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use super::{
-    ChatFormat, ChatTemplate, Tokenizer, collect_stop_ids, decode_with_table, wrap_bos_eos,
+    ChatFormat, ChatTemplate, SpecialTokens, Tokenizer, collect_stop_ids, decode_with_table,
+    wrap_bos_eos,
 };
 use crate::error::{LlamaError, Result};
 use crate::loader::gguf::GgufFile;
@@ -213,17 +214,13 @@ pub struct GgufBpeTokenizer {
     tokens: Vec<String>,
     bytes: Vec<Vec<u8>>,
     pre: Option<String>,
-    bos_id: Option<u32>,
-    eos_id: Option<u32>,
+    special: SpecialTokens,
     eot_id: Option<u32>,
-    add_bos: bool,
     add_eos: bool,
-    stop_ids: Vec<u32>,
     chat_template: Option<String>,
     /// `chat_template` compiled (absent when it does not compile: the built-in
     /// [`ChatFormat`] is used then).
     template: Option<ChatTemplate>,
-    chat_format: Option<ChatFormat>,
 }
 
 impl std::fmt::Debug for GgufBpeTokenizer {
@@ -231,12 +228,8 @@ impl std::fmt::Debug for GgufBpeTokenizer {
         f.debug_struct("GgufBpeTokenizer")
             .field("vocab_size", &self.tokens.len())
             .field("pre", &self.pre)
-            .field("bos_id", &self.bos_id)
-            .field("eos_id", &self.eos_id)
+            .field("special", &self.special)
             .field("eot_id", &self.eot_id)
-            .field("add_bos", &self.add_bos)
-            .field("stop_ids", &self.stop_ids)
-            .field("chat_format", &self.chat_format)
             .finish_non_exhaustive()
     }
 }
@@ -364,18 +357,20 @@ impl GgufBpeTokenizer {
             tokens: data.tokens,
             bytes,
             pre: data.pre,
-            bos_id: data.bos_id,
-            eos_id: data.eos_id,
+            special: SpecialTokens {
+                bos: data.bos_id,
+                eos: data.eos_id,
+                stop_ids,
+                add_bos: data.add_bos,
+                chat_format,
+            },
             eot_id: data.eot_id,
-            add_bos: data.add_bos,
             add_eos: data.add_eos,
-            stop_ids,
             template: data
                 .chat_template
                 .as_deref()
                 .and_then(|source| ChatTemplate::new(source).ok()),
             chat_template: data.chat_template,
-            chat_format,
         })
     }
 
@@ -458,8 +453,8 @@ impl Tokenizer for GgufBpeTokenizer {
             encoding.get_ids().to_vec(),
             bos,
             eos,
-            self.bos_id,
-            self.eos_id,
+            self.special.bos,
+            self.special.eos,
         )
     }
 
@@ -475,24 +470,8 @@ impl Tokenizer for GgufBpeTokenizer {
         self.tokens.len()
     }
 
-    fn bos_id(&self) -> Option<u32> {
-        self.bos_id
-    }
-
-    fn eos_id(&self) -> Option<u32> {
-        self.eos_id
-    }
-
-    fn stop_ids(&self) -> &[u32] {
-        &self.stop_ids
-    }
-
-    fn add_bos_by_default(&self) -> bool {
-        self.add_bos
-    }
-
-    fn chat_format(&self) -> Option<ChatFormat> {
-        self.chat_format
+    fn special_tokens(&self) -> &SpecialTokens {
+        &self.special
     }
 
     fn jinja_template(&self) -> Option<&ChatTemplate> {

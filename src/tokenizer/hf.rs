@@ -5,7 +5,9 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::bpe::byte_level_token_bytes;
-use super::{ChatFormat, ChatTemplate, Tokenizer, collect_stop_ids, unknown_id, wrap_bos_eos};
+use super::{
+    ChatFormat, ChatTemplate, SpecialTokens, Tokenizer, collect_stop_ids, unknown_id, wrap_bos_eos,
+};
 use crate::error::{LlamaError, Result};
 
 /// Token texts tried, in order, when nothing names the BOS token.
@@ -50,15 +52,11 @@ pub struct HfTokenizer {
     plain: tokenizers::Tokenizer,
     mode: ByteMode,
     vocab_size: usize,
-    bos_id: Option<u32>,
-    eos_id: Option<u32>,
-    stop_ids: Vec<u32>,
-    add_bos: bool,
+    special: SpecialTokens,
     chat_template: Option<String>,
     /// `chat_template` compiled (absent when it does not compile: the built-in
     /// [`ChatFormat`] is used then).
     template: Option<ChatTemplate>,
-    chat_format: Option<ChatFormat>,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -66,11 +64,7 @@ impl std::fmt::Debug for HfTokenizer {
         f.debug_struct("HfTokenizer")
             .field("vocab_size", &self.vocab_size)
             .field("mode", &self.mode)
-            .field("bos_id", &self.bos_id)
-            .field("eos_id", &self.eos_id)
-            .field("stop_ids", &self.stop_ids)
-            .field("add_bos", &self.add_bos)
-            .field("chat_format", &self.chat_format)
+            .field("special", &self.special)
             .finish_non_exhaustive()
     }
 }
@@ -319,16 +313,18 @@ impl HfTokenizer {
             plain,
             mode,
             vocab_size,
-            bos_id,
-            eos_id,
-            stop_ids,
-            add_bos,
+            special: SpecialTokens {
+                bos: bos_id,
+                eos: eos_id,
+                stop_ids,
+                add_bos,
+                chat_format,
+            },
             template: config
                 .chat_template
                 .as_deref()
                 .and_then(|source| ChatTemplate::new(source).ok()),
             chat_template: config.chat_template,
-            chat_format,
         })
     }
 
@@ -366,8 +362,8 @@ impl Tokenizer for HfTokenizer {
             encoding.get_ids().to_vec(),
             bos,
             eos,
-            self.bos_id,
-            self.eos_id,
+            self.special.bos,
+            self.special.eos,
         )
     }
 
@@ -395,24 +391,8 @@ impl Tokenizer for HfTokenizer {
         self.vocab_size
     }
 
-    fn bos_id(&self) -> Option<u32> {
-        self.bos_id
-    }
-
-    fn eos_id(&self) -> Option<u32> {
-        self.eos_id
-    }
-
-    fn stop_ids(&self) -> &[u32] {
-        &self.stop_ids
-    }
-
-    fn add_bos_by_default(&self) -> bool {
-        self.add_bos
-    }
-
-    fn chat_format(&self) -> Option<ChatFormat> {
-        self.chat_format
+    fn special_tokens(&self) -> &SpecialTokens {
+        &self.special
     }
 
     fn jinja_template(&self) -> Option<&ChatTemplate> {

@@ -37,6 +37,23 @@ use crate::tools::{Tool, ToolFormat};
 
 /// Converts between text and token ids.
 ///
+/// A tokenizer's special tokens and how prompts use them: what every [`Tokenizer`]
+/// holds once, and its accessors ([`Tokenizer::bos_id`], [`Tokenizer::stop_ids`], ...)
+/// read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    /// The beginning-of-sequence id, if any.
+    pub bos: Option<u32>,
+    /// The end-of-sequence id, if any.
+    pub eos: Option<u32>,
+    /// Ids that end generation (eos, end-of-turn, ...), each once.
+    pub stop_ids: Vec<u32>,
+    /// Whether the model's own metadata says a BOS token is prepended to prompts.
+    pub add_bos: bool,
+    /// The chat format the model uses, if known.
+    pub chat_format: Option<ChatFormat>,
+}
+
 /// Implementations are immutable after construction and can be shared between threads.
 pub trait Tokenizer: Send + Sync + 'static {
     /// Encodes `text`; special tokens written in the text (e.g. "<|im_start|>") are recognised as such.
@@ -62,20 +79,33 @@ pub trait Tokenizer: Send + Sync + 'static {
     /// Number of ids (largest id + 1).
     fn vocab_size(&self) -> usize;
 
+    /// The special tokens and how prompts use them; the five accessors below read it.
+    fn special_tokens(&self) -> &SpecialTokens;
+
     /// The beginning-of-sequence id, if the tokenizer has one.
-    fn bos_id(&self) -> Option<u32>;
+    fn bos_id(&self) -> Option<u32> {
+        self.special_tokens().bos
+    }
 
     /// The end-of-sequence id, if the tokenizer has one.
-    fn eos_id(&self) -> Option<u32>;
+    fn eos_id(&self) -> Option<u32> {
+        self.special_tokens().eos
+    }
 
     /// Ids that end generation (eos, end-of-turn, ...).
-    fn stop_ids(&self) -> &[u32];
+    fn stop_ids(&self) -> &[u32] {
+        &self.special_tokens().stop_ids
+    }
 
     /// Whether the model's own metadata says a BOS token is prepended to prompts.
-    fn add_bos_by_default(&self) -> bool;
+    fn add_bos_by_default(&self) -> bool {
+        self.special_tokens().add_bos
+    }
 
     /// The chat format this tokenizer's model uses, if known.
-    fn chat_format(&self) -> Option<ChatFormat>;
+    fn chat_format(&self) -> Option<ChatFormat> {
+        self.special_tokens().chat_format
+    }
 
     /// Whether `id` ends generation (is one of [`Tokenizer::stop_ids`]).
     fn is_stop(&self, id: u32) -> bool {
@@ -307,24 +337,8 @@ impl<T: Tokenizer + ?Sized> Tokenizer for Arc<T> {
         (**self).vocab_size()
     }
 
-    fn bos_id(&self) -> Option<u32> {
-        (**self).bos_id()
-    }
-
-    fn eos_id(&self) -> Option<u32> {
-        (**self).eos_id()
-    }
-
-    fn stop_ids(&self) -> &[u32] {
-        (**self).stop_ids()
-    }
-
-    fn add_bos_by_default(&self) -> bool {
-        (**self).add_bos_by_default()
-    }
-
-    fn chat_format(&self) -> Option<ChatFormat> {
-        (**self).chat_format()
+    fn special_tokens(&self) -> &SpecialTokens {
+        (**self).special_tokens()
     }
 
     fn is_stop(&self, id: u32) -> bool {

@@ -108,7 +108,7 @@ impl StreamDecoder {
 mod tests {
     use super::*;
     use crate::error::Result;
-    use crate::tokenizer::ChatFormat;
+    use crate::tokenizer::SpecialTokens;
 
     /// A tokenizer whose id `n < 256` is the byte `n` and whose id 256 is "<eos>".
     struct Bytes;
@@ -138,20 +138,14 @@ mod tests {
         fn vocab_size(&self) -> usize {
             257
         }
-        fn bos_id(&self) -> Option<u32> {
-            None
-        }
-        fn eos_id(&self) -> Option<u32> {
-            Some(256)
-        }
-        fn stop_ids(&self) -> &[u32] {
-            &[256]
-        }
-        fn add_bos_by_default(&self) -> bool {
-            false
-        }
-        fn chat_format(&self) -> Option<ChatFormat> {
-            None
+        fn special_tokens(&self) -> &SpecialTokens {
+            static SPECIAL: std::sync::LazyLock<SpecialTokens> =
+                std::sync::LazyLock::new(|| SpecialTokens {
+                    eos: Some(256),
+                    stop_ids: vec![256],
+                    ..SpecialTokens::default()
+                });
+            &SPECIAL
         }
     }
 

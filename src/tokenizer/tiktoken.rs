@@ -8,7 +8,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use tiktoken_rs::CoreBPE;
 
 use super::bpe::LLAMA3_PATTERN;
-use super::{ChatFormat, Tokenizer, decode_with_table, wrap_bos_eos};
+use super::{ChatFormat, SpecialTokens, Tokenizer, decode_with_table, wrap_bos_eos};
 use crate::error::{LlamaError, Result};
 
 /// Number of special tokens after the base vocabulary.
@@ -75,18 +75,14 @@ pub struct Llama3Tokenizer {
     bpe: CoreBPE,
     /// Bytes of every id, base ranks then special tokens.
     bytes: Vec<Vec<u8>>,
-    bos_id: u32,
-    eos_id: u32,
-    stop_ids: Vec<u32>,
+    special: SpecialTokens,
 }
 
 impl std::fmt::Debug for Llama3Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Llama3Tokenizer")
             .field("vocab_size", &self.bytes.len())
-            .field("bos_id", &self.bos_id)
-            .field("eos_id", &self.eos_id)
-            .field("stop_ids", &self.stop_ids)
+            .field("special", &self.special)
             .finish_non_exhaustive()
     }
 }
@@ -174,9 +170,13 @@ impl Llama3Tokenizer {
         Ok(Self {
             bpe,
             bytes,
-            bos_id,
-            eos_id,
-            stop_ids: vec![eos_id, eom_id, eot_id],
+            special: SpecialTokens {
+                bos: Some(bos_id),
+                eos: Some(eos_id),
+                stop_ids: vec![eos_id, eom_id, eot_id],
+                add_bos: true,
+                chat_format: Some(ChatFormat::Llama3),
+            },
         })
     }
 
@@ -203,7 +203,7 @@ impl Tokenizer for Llama3Tokenizer {
         for part in split_long_runs(text, MAX_RUN_CHARS) {
             ids.extend(self.bpe.encode(part, &allowed).0);
         }
-        wrap_bos_eos(ids, bos, eos, Some(self.bos_id), Some(self.eos_id))
+        wrap_bos_eos(ids, bos, eos, self.special.bos, self.special.eos)
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String> {
@@ -218,24 +218,8 @@ impl Tokenizer for Llama3Tokenizer {
         self.bytes.len()
     }
 
-    fn bos_id(&self) -> Option<u32> {
-        Some(self.bos_id)
-    }
-
-    fn eos_id(&self) -> Option<u32> {
-        Some(self.eos_id)
-    }
-
-    fn stop_ids(&self) -> &[u32] {
-        &self.stop_ids
-    }
-
-    fn add_bos_by_default(&self) -> bool {
-        true
-    }
-
-    fn chat_format(&self) -> Option<ChatFormat> {
-        Some(ChatFormat::Llama3)
+    fn special_tokens(&self) -> &SpecialTokens {
+        &self.special
     }
 }
 

