@@ -8,7 +8,6 @@
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use llama_burn::backend::{DefaultBackend, default_device};
 use llama_burn::constraints::{Constraint, ConstraintLimits, ConstraintVocab};
-use llama_burn::llama::LlamaConfig;
 use llama_burn::sampling::{History, Pipeline, SamplingParams};
 use llama_burn::tokenizer::Tokenizer;
 

@@ -3,7 +3,6 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use llama_burn::backend::{DefaultBackend, default_device};
-use llama_burn::llama::LlamaConfig;
 use llama_burn::model::Logits;
 
 fn benches(c: &mut Criterion) {

@@ -307,7 +307,7 @@ fn sequential(
             ..Trace::default()
         };
         while !state.is_done() {
-            for (id, _, _) in llama.generate_tokens(&mut state, r.temperature, &mut s)? {
+            for (id, _, _) in llama.generate_tokens(&mut state, r.sampling.temperature, &mut s)? {
                 trace.ids.push(id);
                 trace.at.push(t0.elapsed());
             }
@@ -359,7 +359,7 @@ fn batched(
             state = state.ignore_stop_tokens();
         }
         let mut samplers: Vec<Sampler> = chunk.iter().map(request_sampler).collect();
-        let temperature = chunk[0].temperature;
+        let temperature = chunk[0].sampling.temperature;
         while !state.is_done() {
             let steps =
                 llama.generate_batched_single_token(&mut state, temperature, &mut samplers)?;

@@ -181,7 +181,6 @@ pub struct GenerationState<B: LlamaBackend> {
     pub(crate) decoder: StreamDecoder,
     pub(crate) text: String,
     pub(crate) honour_stop_tokens: bool,
-    pub(crate) repetition_penalty: f32,
     /// Stop ids of the request besides the tokenizer's (honoured even when those are not).
     pub(crate) extra_stop_ids: Vec<u32>,
     /// Stop tokens cannot be drawn before this many tokens.
@@ -200,6 +199,31 @@ pub struct GenerationState<B: LlamaBackend> {
 }
 
 impl<B: LlamaBackend> GenerationState<B> {
+    /// A fresh state for `prompt_tokens` and `max_tokens`, checked by the caller (no claim
+    /// on the KV budget, no cache yet).
+    pub(crate) fn new(prompt_tokens: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            tokens: Vec::new(),
+            cache: None,
+            reservation: None,
+            max_tokens,
+            stop_reason: None,
+            decoder: StreamDecoder::new(),
+            text: String::new(),
+            honour_stop_tokens: true,
+            extra_stop_ids: Vec::new(),
+            min_tokens: 0,
+            logprobs: None,
+            last_logprobs: None,
+            prompt_logprobs: None,
+            started: None,
+            first_token_at: None,
+            finished_at: None,
+            speculation: None,
+        }
+    }
+
     /// The prompt's token ids.
     pub fn prompt_tokens(&self) -> &[u32] {
         &self.prompt_tokens
@@ -262,19 +286,6 @@ impl<B: LlamaBackend> GenerationState<B> {
         self
     }
 
-    /// Penalise tokens already in the prompt or output (`penalty` > 1; 1 disables).
-    pub fn with_repetition_penalty(mut self, penalty: f32) -> Result<Self> {
-        if !(penalty.is_finite() && penalty > 0.0) {
-            return Err(LlamaError::invalid(
-                "repetition_penalty",
-                penalty,
-                "must be > 0",
-            ));
-        }
-        self.repetition_penalty = penalty;
-        Ok(self)
-    }
-
     /// Applies a request's stop and reporting settings: `ignore_eos`, `stop_token_ids`,
     /// `min_tokens` and `logprobs` (its sampling controls go to its sampler,
     /// [`request_sampler`](crate::inference::request_sampler)).
@@ -306,14 +317,12 @@ impl<B: LlamaBackend> GenerationState<B> {
         }
     }
 
-    /// Whether this request's next draw with `sampler` at `temperature` is the plain
-    /// greedy token of its logits (no ban, penalty, log-probabilities or constraint), so
-    /// that [`record_greedy`](Self::record_greedy) of a device-computed argmax equals
+    /// Whether this request's next draw with `sampler` is the plain greedy token of its
+    /// logits (no ban, penalty, log-probabilities or constraint), so that
+    /// [`record_greedy`](Self::record_greedy) of a device-computed argmax equals
     /// [`sample_next`](Self::sample_next).
-    pub(crate) fn draws_plain_greedy(&self, sampler: &Sampler, temperature: f64) -> bool {
-        self.logprobs.is_none()
-            && self.tokens.len() >= self.min_tokens
-            && sampler.is_plain_greedy(temperature, self.repetition_penalty)
+    pub(crate) fn draws_plain_greedy(&self, sampler: &Sampler) -> bool {
+        self.logprobs.is_none() && self.tokens.len() >= self.min_tokens && sampler.is_plain_greedy()
     }
 
     /// What [`sample_next`](Self::sample_next) records for a plain greedy draw (see
@@ -323,21 +332,19 @@ impl<B: LlamaBackend> GenerationState<B> {
         self.last_logprobs = None;
     }
 
-    /// The device draw of this request's next token with `sampler` at `temperature`, or
-    /// `None` where it must be sampled on the host (the rule is
-    /// [`crate::sampling::device`]'s; this passes the request's penalty, bans and
-    /// `logprobs`). A request that speculates is always sampled on the host: its rows
-    /// with proposals must be (verification reads every position's logits), and
-    /// whether a step gives it proposals depends on the batch, so drawing its other
-    /// steps on the device would make its tokens depend on the batch near a boundary.
-    pub(crate) fn device_draw(&self, sampler: &Sampler, temperature: f64) -> Option<DeviceDraw> {
+    /// The device draw of this request's next token with `sampler`, or `None` where it
+    /// must be sampled on the host (the rule is [`crate::sampling::device`]'s; this
+    /// passes the request's bans and `logprobs`). A request that speculates is always
+    /// sampled on the host: its rows with proposals must be (verification reads every
+    /// position's logits), and whether a step gives it proposals depends on the batch, so
+    /// drawing its other steps on the device would make its tokens depend on the batch
+    /// near a boundary.
+    pub(crate) fn device_draw(&self, sampler: &Sampler) -> Option<DeviceDraw> {
         if self.speculation.is_some() {
             return None;
         }
         crate::sampling::device::device_draw(
             sampler,
-            temperature,
-            self.repetition_penalty,
             self.tokens.len() < self.min_tokens,
             self.logprobs,
         )
@@ -363,13 +370,13 @@ impl<B: LlamaBackend> GenerationState<B> {
         });
     }
 
-    /// Picks the next token from this request's logits (`stop_ids`: the tokenizer's),
-    /// with its history for the penalties, its stop tokens banned before `min_tokens`,
-    /// and its log-probabilities kept when asked for. Depends on nothing but the row.
+    /// Picks the next token from this request's logits (`stop_ids`: the tokenizer's)
+    /// with `sampler` (its [`params`](Sampler::params), checked at the front door), with
+    /// its history for the penalties, its stop tokens banned before `min_tokens`, and its
+    /// log-probabilities kept when asked for. Depends on nothing but the row.
     pub(crate) fn sample_next(
         &mut self,
         logits: &[f32],
-        temperature: f64,
         sampler: &mut Sampler,
         stop_ids: &[u32],
     ) -> Result<u32> {
@@ -384,7 +391,7 @@ impl<B: LlamaBackend> GenerationState<B> {
             output: &self.tokens,
             banned: &banned,
         };
-        let token = sampler.sample_with(logits, temperature, history, self.repetition_penalty)?;
+        let token = sampler.draw(logits, history)?;
         self.last_logprobs = match self.logprobs {
             Some(n) => Some(token_logprobs(logits, token, n)?),
             None => None,
@@ -628,7 +635,19 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
 
     /// Checks a prompt length and token budget against the context window.
     pub fn check_budget(&self, prompt_len: usize, max_tokens: usize) -> Result<()> {
-        check_request_size(Some(prompt_len), max_tokens, self.config().max_seq_len)
+        check_request_size(
+            Some(prompt_len),
+            Some(max_tokens),
+            self.config().max_seq_len,
+        )
+    }
+
+    /// Checks the prompt of a request whose `max_tokens` is checked already
+    /// ([`GenerateRequest::validate`]): its length against the context window and its
+    /// ids against the vocabulary.
+    pub(crate) fn check_prompt(&self, ids: &[u32]) -> Result<()> {
+        check_request_size(Some(ids.len()), None, self.config().max_seq_len)?;
+        self.config().check_token_ids(ids)
     }
 
     /// Prepares a request: tokenizes and validates, nothing heavier. The prompt is
@@ -654,8 +673,30 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         prompt_tokens: Vec<u32>,
         max_tokens: usize,
     ) -> Result<GenerationState<B>> {
-        let mut state = self.unreserved_state(prompt_tokens, max_tokens)?;
-        let positions = self.cache_positions(state.prompt_tokens.len(), max_tokens);
+        let state = self.unreserved_state(prompt_tokens, max_tokens)?;
+        self.reserved(state)
+    }
+
+    /// The state of `request`, validated already ([`GenerateRequest::validate`]), for its
+    /// prompt `ids`: checks what is new (the prompt, [`check_prompt`](Self::check_prompt)),
+    /// applies the request's settings ([`GenerationState::with_request`]) and reserves its
+    /// cache.
+    ///
+    /// # Errors
+    ///
+    /// As [`create_generation_state_from_ids`](Self::create_generation_state_from_ids).
+    pub(crate) fn request_state(
+        &self,
+        ids: Vec<u32>,
+        request: &GenerateRequest,
+    ) -> Result<GenerationState<B>> {
+        self.check_prompt(&ids)?;
+        self.reserved(GenerationState::new(ids, request.max_tokens).with_request(request))
+    }
+
+    /// `state` with its claim on the model's KV budget for the largest cache it can need.
+    fn reserved(&self, mut state: GenerationState<B>) -> Result<GenerationState<B>> {
+        let positions = self.cache_positions(state.prompt_tokens.len(), state.max_tokens);
         state.reservation = Some(self.reserve_kv(1, positions)?);
         Ok(state)
     }
@@ -677,27 +718,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     ) -> Result<GenerationState<B>> {
         self.check_budget(prompt_tokens.len(), max_tokens)?;
         self.config().check_token_ids(&prompt_tokens)?;
-        Ok(GenerationState {
-            prompt_tokens,
-            tokens: Vec::new(),
-            cache: None,
-            reservation: None,
-            max_tokens,
-            stop_reason: None,
-            decoder: StreamDecoder::new(),
-            text: String::new(),
-            honour_stop_tokens: true,
-            repetition_penalty: 1.0,
-            extra_stop_ids: Vec::new(),
-            min_tokens: 0,
-            logprobs: None,
-            last_logprobs: None,
-            prompt_logprobs: None,
-            started: None,
-            first_token_at: None,
-            finished_at: None,
-            speculation: None,
-        })
+        Ok(GenerationState::new(prompt_tokens, max_tokens))
     }
 
     /// Records a sampled token in `state` and decides whether the request is done.

@@ -222,25 +222,27 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     }
 
     /// Advances every running row by one token in a single forward pass (the first call
-    /// processes all prompts). `samplers` has one sampler per row. Returns, per row,
-    /// `Some((token_id, text_piece, done))`, or `None` for rows that had already ended.
+    /// processes all prompts). `samplers` has one sampler per row; `temperature` is the
+    /// `TopP` and `TopK` samplers' (a [`Pipeline`](crate::sampling::Pipeline) has its
+    /// own). Returns, per row, `Some((token_id, text_piece, done))`, or `None` for rows
+    /// that had already ended.
     pub fn generate_batched_single_token(
         &mut self,
         state: &mut BatchedGenerationState<B>,
         temperature: f64,
         samplers: &mut [Sampler],
     ) -> Result<Vec<Option<RowStep>>> {
-        validate_temperature(temperature)?;
-        if samplers.len() != state.rows.len() {
-            return Err(LlamaError::InvalidBatch(format!(
-                "{} samplers for {} rows",
-                samplers.len(),
-                state.rows.len()
-            )));
-        }
-        for s in samplers.iter() {
-            s.validate()?;
-        }
+        bind_batch(state, temperature, samplers)?;
+        self.batched_step(state, samplers)
+    }
+
+    /// [`generate_batched_single_token`](Self::generate_batched_single_token) with
+    /// samplers checked already ([`bind_batch`]).
+    fn batched_step(
+        &mut self,
+        state: &mut BatchedGenerationState<B>,
+        samplers: &mut [Sampler],
+    ) -> Result<Vec<Option<RowStep>>> {
         let mut out: Vec<Option<RowStep>> = vec![None; state.rows.len()];
         if state.active.is_empty() {
             return Ok(out);
@@ -293,7 +295,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             })
             .collect();
         let tokens = crate::sampling::for_each_row(&mut jobs, |(row, sampler, logits)| {
-            row.sample_next(logits, temperature, sampler, stop_ids)
+            row.sample_next(logits, sampler, stop_ids)
         });
         drop(jobs);
         let mut tokens = tokens.into_iter();
@@ -346,11 +348,31 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         temperature: f64,
         samplers: &mut [Sampler],
     ) -> Result<()> {
+        bind_batch(state, temperature, samplers)?;
         while !state.is_done() {
-            self.generate_batched_single_token(state, temperature, samplers)?;
+            self.batched_step(state, samplers)?;
         }
         Ok(())
     }
+}
+
+/// The front door of the batched methods that take a `temperature` beside the rows'
+/// samplers: one sampler per row, each checked and bound to `temperature`
+/// ([`Sampler::bind`]), once per call.
+fn bind_batch<B: LlamaBackend>(
+    state: &BatchedGenerationState<B>,
+    temperature: f64,
+    samplers: &mut [Sampler],
+) -> Result<()> {
+    validate_temperature(temperature)?;
+    if samplers.len() != state.rows.len() {
+        return Err(LlamaError::InvalidBatch(format!(
+            "{} samplers for {} rows",
+            samplers.len(),
+            state.rows.len()
+        )));
+    }
+    samplers.iter_mut().try_for_each(|s| s.bind(temperature))
 }
 
 /// Largest number of rows [`generate_batch`] puts in one forward pass.
@@ -418,13 +440,16 @@ pub fn generate_batch_with_max<B: LlamaBackend, T: Tokenizer, S: AsRef<str>>(
             chunk.to_vec(),
             vec![max_tokens; chunk.len()],
         )?;
+        // Checked above: each row's sampler is made at `temperature`, not bound again.
         let mut samplers: Vec<Sampler> = (0..chunk.len())
-            .map(|i| Sampler::TopP(TopP::new(top_p, seed.wrapping_add((first_row + i) as u64))))
+            .map(|i| {
+                let seed = seed.wrapping_add((first_row + i) as u64);
+                Sampler::TopP(TopP::at(top_p, seed, temperature))
+            })
             .collect();
         let mut pieces = vec![Vec::new(); chunk.len()];
         while !state.is_done() {
-            let steps =
-                llama.generate_batched_single_token(&mut state, temperature, &mut samplers)?;
+            let steps = llama.batched_step(&mut state, &mut samplers)?;
             for (row, step) in steps.into_iter().enumerate() {
                 if let Some((_, piece, _)) = step
                     && !piece.is_empty()

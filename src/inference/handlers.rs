@@ -22,13 +22,14 @@ impl<B: LlamaBackend, T: Tokenizer> ModelDevice for Llama<B, T> {
     }
 }
 
-/// The sampler a request asks for: the [`Pipeline`] of its sampling controls, seeded
-/// with its seed. Its controls are checked when it samples ([`Sampler::validate`]), or
-/// before with [`GenerateRequest::validate`]. It has no constraint: the strategies use
-/// [`constrained_sampler`], which compiles the request's
+/// The sampler a request asks for: the [`Pipeline`] of its sampling controls
+/// ([`GenerateRequest::sampling`], read as they are), seeded with its seed. Its controls
+/// are checked once, by [`GenerateRequest::validate`] (or, passed to a method of
+/// [`Llama`] that takes a sampler, by that method). It has no constraint: the strategies
+/// use [`constrained_sampler`], which compiles the request's
 /// [`constraint`](GenerateRequest::constraint) against the model.
 pub fn request_sampler(request: &GenerateRequest) -> Sampler {
-    Sampler::Pipeline(Pipeline::unchecked(request.sampling_params(), request.seed))
+    Sampler::Pipeline(Pipeline::unchecked(request.sampling.clone(), request.seed))
 }
 
 /// The sampler a request asks for with its constraint, if any, compiled against
@@ -41,14 +42,15 @@ pub fn constrained_sampler<B: LlamaBackend, T: Tokenizer>(
     llama: &Llama<B, T>,
     request: &GenerateRequest,
 ) -> Result<Sampler> {
-    let pipeline = Pipeline::unchecked(request.sampling_params(), request.seed);
+    let pipeline = Pipeline::unchecked(request.sampling.clone(), request.seed);
     Ok(Sampler::Pipeline(match &request.constraint {
         Some(constraint) => pipeline.with_constraint(llama.compile_constraint(constraint)?),
         None => pipeline,
     }))
 }
 
-/// Validates `request` against the model and prepares its state.
+/// Validates `request` against the model (once: nothing downstream checks its values
+/// again) and prepares its state.
 fn prepare<B: LlamaBackend, T: Tokenizer>(
     llama: &Llama<B, T>,
     request: &GenerateRequest,
@@ -56,8 +58,8 @@ fn prepare<B: LlamaBackend, T: Tokenizer>(
     request.validate(llama.config().max_seq_len)?;
     request.validate_token_ids(llama.config().vocab_size)?;
     let ids = llama.encode_request(request)?;
-    let state = llama.create_generation_state_from_ids(ids, request.max_tokens)?;
-    llama.with_prompt_logprobs(state.with_request(request), request)
+    let state = llama.request_state(ids, request)?;
+    llama.with_prompt_logprobs(state, request)
 }
 
 /// The blocking baseline: one `submit` for the whole generation, so the model serves
@@ -75,8 +77,7 @@ pub fn streaming_handler<B: LlamaBackend, T: Tokenizer>(
             if cancel.is_cancelled() {
                 return Err(LlamaError::Cancelled);
             }
-            let (token_id, token, done) =
-                llama.generate_single_token(&mut state, request.temperature, &mut sampler)?;
+            let (token_id, token, done) = llama.next_token(&mut state, &mut sampler)?;
             output.emit(TokenOutput {
                 token,
                 token_id,
@@ -118,9 +119,8 @@ pub fn concurrent_streaming_handler<B: LlamaBackend, T: Tokenizer>(
         let (mut state, mut sampler) = carry
             .take()
             .ok_or_else(|| LlamaError::Runtime("generation state lost".into()))?;
-        let temperature = request.temperature;
         let (mut state, sampler, step) = model.submit(move |llama| {
-            let step = llama.generate_single_token(&mut state, temperature, &mut sampler);
+            let step = llama.next_token(&mut state, &mut sampler);
             (state, sampler, step)
         })?;
         let (token_id, token, done) = step?;

@@ -47,31 +47,23 @@ pub struct GenerateRequest {
     pub prompt_ids: Option<Vec<u32>>,
     /// Largest number of tokens to generate (at least 1, at most the context length).
     pub max_tokens: usize,
-    /// Sampling temperature; `0.0` means greedy (argmax) decoding. Finite and `>= 0`.
-    pub temperature: f64,
-    /// Nucleus-sampling mass, in `(0, 1]`; `1.0` keeps the whole distribution.
-    pub top_p: f64,
+    /// Every sampling control (temperature, top-p, top-k, min-p, penalties, logit bias),
+    /// as one value: checked by [`validate`](Self::validate)
+    /// ([`SamplingParams::validate`]) and read as it is by the request's sampler
+    /// ([`request_sampler`](crate::inference::request_sampler)). The default of
+    /// [`GenerateRequest::new`] is greedy decoding (temperature 0) with every other
+    /// control off.
+    pub sampling: SamplingParams,
     /// Seed of the request's own random generator, so sampled results reproduce.
     /// [`GenerateRequest::new`] draws a fresh random one: read it here to reproduce a
-    /// result, or set your own with [`with_seed`](Self::with_seed).
+    /// result, or set your own with [`with_seed`](Self::with_seed). Not part of
+    /// [`sampling`](Self::sampling): it says which random stream draws, not from what
+    /// distribution, and the choices of one API request share their controls but not
+    /// their seeds.
     pub seed: u64,
     /// Keep generating past the model's stop tokens until `max_tokens` (for benchmarks
     /// and fixed-length generation). Default `false`.
     pub ignore_eos: bool,
-    /// Keep only the `top_k` most likely tokens; 0 (the default) is off.
-    pub top_k: usize,
-    /// Keep only tokens at least `min_p` times as likely as the most likely one, in
-    /// `[0, 1]`; 0 (the default) is off.
-    pub min_p: f64,
-    /// CTRL's repetition penalty over prompt and output, `> 0`; 1 (the default) is off.
-    pub repetition_penalty: f32,
-    /// OpenAI's frequency penalty over the output, in `[-2, 2]`; default 0.
-    pub frequency_penalty: f32,
-    /// OpenAI's presence penalty over the output, in `[-2, 2]`; default 0.
-    pub presence_penalty: f32,
-    /// `(token id, bias)` added to the logits, values in `[-100, 100]`, at most
-    /// [`MAX_LOGIT_BIAS`](crate::sampling::pipeline::MAX_LOGIT_BIAS) entries.
-    pub logit_bias: Vec<(u32, f32)>,
     /// Token ids that end the request besides the model's stop tokens (at most
     /// [`MAX_STOP_TOKEN_IDS`]); honoured even with `ignore_eos`.
     pub stop_token_ids: Vec<u32>,
@@ -96,9 +88,9 @@ pub struct GenerateRequest {
 impl GenerateRequest {
     /// Default for [`GenerateRequest::max_tokens`].
     pub const DEFAULT_MAX_TOKENS: usize = 50;
-    /// Default for [`GenerateRequest::temperature`] (greedy decoding).
+    /// Default for the temperature of [`GenerateRequest::sampling`] (greedy decoding).
     pub const DEFAULT_TEMPERATURE: f64 = 0.0;
-    /// Default for [`GenerateRequest::top_p`] (no truncation).
+    /// Default for the top-p of [`GenerateRequest::sampling`] (no truncation).
     pub const DEFAULT_TOP_P: f64 = 1.0;
 
     /// A request for `prompt` with the defaults: 50 tokens, greedy decoding
@@ -110,8 +102,8 @@ impl GenerateRequest {
     ///
     /// let request = GenerateRequest::new("Hello");
     /// assert_eq!(request.max_tokens, 50);
-    /// assert_eq!(request.temperature, 0.0);
-    /// assert_eq!(request.top_p, 1.0);
+    /// assert_eq!(request.sampling.temperature, 0.0);
+    /// assert_eq!(request.sampling.top_p, 1.0);
     /// assert_ne!(request.seed, GenerateRequest::new("Hello").seed);
     /// ```
     pub fn new(prompt: impl Into<String>) -> Self {
@@ -121,16 +113,13 @@ impl GenerateRequest {
             tools: Vec::new(),
             prompt_ids: None,
             max_tokens: Self::DEFAULT_MAX_TOKENS,
-            temperature: Self::DEFAULT_TEMPERATURE,
-            top_p: Self::DEFAULT_TOP_P,
+            sampling: SamplingParams {
+                temperature: Self::DEFAULT_TEMPERATURE,
+                top_p: Self::DEFAULT_TOP_P,
+                ..SamplingParams::default()
+            },
             seed: rand::random(),
             ignore_eos: false,
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            logit_bias: Vec::new(),
             stop_token_ids: Vec::new(),
             min_tokens: 0,
             logprobs: None,
@@ -183,14 +172,14 @@ impl GenerateRequest {
     /// Sets the sampling temperature (`0.0` for greedy decoding).
     #[must_use]
     pub fn with_temperature(mut self, temperature: f64) -> Self {
-        self.temperature = temperature;
+        self.sampling.temperature = temperature;
         self
     }
 
     /// Sets the nucleus-sampling mass.
     #[must_use]
     pub fn with_top_p(mut self, top_p: f64) -> Self {
-        self.top_p = top_p;
+        self.sampling.top_p = top_p;
         self
     }
 
@@ -209,30 +198,32 @@ impl GenerateRequest {
     }
 
     /// Sets every sampling control at once (temperature and top-p included).
+    ///
+    /// ```
+    /// use llama_burn::inference::GenerateRequest;
+    /// use llama_burn::sampling::SamplingParams;
+    ///
+    /// let params = SamplingParams { temperature: 0.8, top_k: 40, ..Default::default() };
+    /// let request = GenerateRequest::new("Hi").with_sampling(params.clone());
+    /// assert_eq!(request.sampling, params);
+    /// ```
     #[must_use]
     pub fn with_sampling(mut self, params: SamplingParams) -> Self {
-        self.temperature = params.temperature;
-        self.top_p = params.top_p;
-        self.top_k = params.top_k;
-        self.min_p = params.min_p;
-        self.repetition_penalty = params.repetition_penalty;
-        self.frequency_penalty = params.frequency_penalty;
-        self.presence_penalty = params.presence_penalty;
-        self.logit_bias = params.logit_bias;
+        self.sampling = params;
         self
     }
 
     /// Sets top-k (0 is off).
     #[must_use]
     pub fn with_top_k(mut self, top_k: usize) -> Self {
-        self.top_k = top_k;
+        self.sampling.top_k = top_k;
         self
     }
 
     /// Sets min-p (0 is off).
     #[must_use]
     pub fn with_min_p(mut self, min_p: f64) -> Self {
-        self.min_p = min_p;
+        self.sampling.min_p = min_p;
         self
     }
 
@@ -313,20 +304,6 @@ impl GenerateRequest {
         self
     }
 
-    /// The request's sampling controls.
-    pub fn sampling_params(&self) -> SamplingParams {
-        SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            frequency_penalty: self.frequency_penalty,
-            presence_penalty: self.presence_penalty,
-            logit_bias: self.logit_bias.clone(),
-        }
-    }
-
     /// Checks the token ids the request names (`logit_bias`, `stop_token_ids`) against a
     /// vocabulary of `vocab` tokens.
     ///
@@ -334,7 +311,7 @@ impl GenerateRequest {
     ///
     /// [`LlamaError::InvalidParameter`] naming the field with an id outside it.
     pub fn validate_token_ids(&self, vocab: usize) -> Result<()> {
-        self.sampling_params().validate_ids(vocab)?;
+        self.sampling.validate_ids(vocab)?;
         match self.stop_token_ids.iter().find(|&&id| id as usize >= vocab) {
             Some(id) => Err(LlamaError::invalid(
                 "stop_token_ids",
@@ -347,7 +324,7 @@ impl GenerateRequest {
 
     /// Whether this request decodes greedily (temperature exactly zero).
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        self.sampling.temperature == 0.0
     }
 
     /// Checks every field against its valid range for a model whose context holds
@@ -379,9 +356,10 @@ impl GenerateRequest {
         if empty {
             return Err(LlamaError::EmptyPrompt);
         }
-        // The prompt is not tokenized yet: its length is checked when it is.
-        check_request_size(None, self.max_tokens, max_context)?;
-        self.sampling_params().validate()?;
+        // The prompt is not tokenized yet: its length is checked when it is (and
+        // `max_tokens` is not checked again then).
+        check_request_size(None, Some(self.max_tokens), max_context)?;
+        self.sampling.validate()?;
         if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
             return Err(LlamaError::invalid(
                 "stop_token_ids",
@@ -417,34 +395,41 @@ impl GenerateRequest {
 }
 
 /// The one check of a request's size against a context window of `context` positions,
-/// for every strategy: `max_tokens` is at least 1 and at most `context`, and a prompt of
-/// `prompt_len` tokens (when known) is not empty and leaves room for one generated token.
+/// for every strategy: `max_tokens` (when given) is at least 1 and at most `context`, and
+/// a prompt of `prompt_len` tokens (when given) is not empty and leaves room for one
+/// generated token.
 ///
-/// [`GenerateRequest::validate`] calls it before tokenizing (`prompt_len` `None`),
-/// [`Llama::check_budget`](crate::Llama::check_budget) after; the sequential, concurrent,
-/// batched and continuous strategies all go through those two.
+/// Each value is checked once per request, where it is first known:
+/// [`GenerateRequest::validate`] checks `max_tokens` before tokenizing (`prompt_len`
+/// `None`), and the strategies that run a validated request check only its prompt once
+/// tokenized (`max_tokens` `None`: the handlers through `Llama::check_prompt`, the
+/// continuous engine's submitting side). The methods that take a raw `max_tokens` beside
+/// a prompt ([`Llama::check_budget`](crate::Llama::check_budget), and through it
+/// [`Llama::create_generation_state`](crate::Llama::create_generation_state) and the
+/// batched states) check both at once.
 pub(crate) fn check_request_size(
     prompt_len: Option<usize>,
-    max_tokens: usize,
+    max_tokens: Option<usize>,
     context: usize,
 ) -> Result<()> {
     if prompt_len == Some(0) {
         return Err(LlamaError::EmptyPrompt);
     }
-    if max_tokens == 0 {
-        return Err(LlamaError::invalid("max_tokens", 0, "must be at least 1"));
-    }
-    if max_tokens > context {
-        return Err(LlamaError::invalid(
-            "max_tokens",
-            max_tokens,
-            "exceeds the model's context window",
-        ));
+    match max_tokens {
+        Some(0) => return Err(LlamaError::invalid("max_tokens", 0, "must be at least 1")),
+        Some(n) if n > context => {
+            return Err(LlamaError::invalid(
+                "max_tokens",
+                n,
+                "exceeds the model's context window",
+            ));
+        }
+        _ => {}
     }
     match prompt_len {
         Some(tokens) if tokens >= context => Err(LlamaError::PromptTooLong {
             tokens,
-            max: context - 1,
+            max: context.saturating_sub(1),
         }),
         _ => Ok(()),
     }
@@ -498,8 +483,8 @@ mod tests {
         let r = GenerateRequest::new("Hello");
         assert_eq!(r.prompt, "Hello");
         assert_eq!(r.max_tokens, 50);
-        assert_eq!(r.temperature, 0.0);
-        assert_eq!(r.top_p, 1.0);
+        assert_eq!(r.sampling.temperature, 0.0);
+        assert_eq!(r.sampling.top_p, 1.0);
         assert_ne!(r.seed, GenerateRequest::new("Hello").seed);
         assert!(r.is_greedy());
         assert!(r.validate(2048).is_ok());
@@ -521,16 +506,15 @@ mod tests {
                 tools: Vec::new(),
                 prompt_ids: None,
                 max_tokens: 7,
-                temperature: 0.5,
-                top_p: 0.25,
+                // Every other control at its default, off
+                // (`SamplingParams::default`, tested in `sampling::pipeline`).
+                sampling: SamplingParams {
+                    temperature: 0.5,
+                    top_p: 0.25,
+                    ..SamplingParams::default()
+                },
                 seed: 9,
                 ignore_eos: true,
-                top_k: 0,
-                min_p: 0.0,
-                repetition_penalty: 1.0,
-                frequency_penalty: 0.0,
-                presence_penalty: 0.0,
-                logit_bias: Vec::new(),
                 stop_token_ids: Vec::new(),
                 min_tokens: 0,
                 logprobs: None,
@@ -636,18 +620,18 @@ mod tests {
         assert_invalid(&a().with_min_p(1.5), 100, "min_p");
         assert_invalid(&a().with_min_p(-0.1), 100, "min_p");
         let mut r = a();
-        r.repetition_penalty = 0.0;
+        r.sampling.repetition_penalty = 0.0;
         assert_invalid(&r, 100, "repetition_penalty");
         let mut r = a();
-        r.frequency_penalty = 2.5;
+        r.sampling.frequency_penalty = 2.5;
         assert_invalid(&r, 100, "frequency_penalty");
         let mut r = a();
-        r.presence_penalty = f32::NAN;
+        r.sampling.presence_penalty = f32::NAN;
         assert_invalid(&r, 100, "presence_penalty");
         let mut r = a();
-        r.logit_bias = vec![(1, 101.0)];
+        r.sampling.logit_bias = vec![(1, 101.0)];
         assert_invalid(&r, 100, "logit_bias");
-        r.logit_bias = vec![(1, 1.0); 1025];
+        r.sampling.logit_bias = vec![(1, 1.0); 1025];
         assert_invalid(&r, 100, "logit_bias");
         assert_invalid(&a().with_min_tokens(11), 100, "min_tokens");
         assert_invalid(&a().with_logprobs(21), 100, "logprobs");
@@ -673,7 +657,7 @@ mod tests {
             })
         ));
         let mut r = a();
-        r.logit_bias = vec![(7, -100.0)];
+        r.sampling.logit_bias = vec![(7, -100.0)];
         assert!(matches!(
             r.validate_token_ids(7),
             Err(LlamaError::InvalidParameter {
@@ -681,6 +665,73 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn each_size_is_checked_where_it_is_known() {
+        // `validate`: `max_tokens`, before the prompt is tokenized.
+        assert!(matches!(
+            check_request_size(None, Some(0), 10),
+            Err(LlamaError::InvalidParameter {
+                name: "max_tokens",
+                ..
+            })
+        ));
+        assert!(check_request_size(None, Some(10), 10).is_ok());
+        // Once tokenized, a validated request's prompt alone.
+        assert!(check_request_size(Some(9), None, 10).is_ok());
+        assert!(matches!(
+            check_request_size(Some(10), None, 10),
+            Err(LlamaError::PromptTooLong { tokens: 10, max: 9 })
+        ));
+        assert!(matches!(
+            check_request_size(Some(0), None, 10),
+            Err(LlamaError::EmptyPrompt)
+        ));
+        assert!(matches!(
+            check_request_size(Some(1), None, 0),
+            Err(LlamaError::PromptTooLong { tokens: 1, max: 0 })
+        ));
+        // Both at once for the methods that take a raw `max_tokens`.
+        assert!(matches!(
+            check_request_size(Some(5), Some(11), 10),
+            Err(LlamaError::InvalidParameter {
+                name: "max_tokens",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn the_sampling_controls_are_one_value() {
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_k: 7,
+            top_p: 0.5,
+            min_p: 0.1,
+            repetition_penalty: 1.2,
+            frequency_penalty: 0.3,
+            logit_bias: vec![(4, 2.0)],
+            ..SamplingParams::default()
+        };
+        let r = GenerateRequest::new("a").with_sampling(params.clone());
+        assert_eq!(r.sampling, params);
+        let built = GenerateRequest::new("a")
+            .with_sampling(params.clone())
+            .with_temperature(0.1)
+            .with_top_p(0.2)
+            .with_top_k(3)
+            .with_min_p(0.3);
+        assert_eq!(
+            built.sampling,
+            SamplingParams {
+                temperature: 0.1,
+                top_p: 0.2,
+                top_k: 3,
+                min_p: 0.3,
+                ..params
+            }
+        );
     }
 
     #[test]

@@ -3,12 +3,17 @@
 //! [`GenerationState`] made by [`Llama::create_generation_state`], one token (or, with
 //! speculation, up to `k + 1` verified tokens) per call. The concurrent strategy
 //! interleaves such states through the job runtime ([`crate::inference::runtime`]).
+//!
+//! Every public method here is a front door: it checks its `temperature` and sampler
+//! once ([`Sampler::bind`]: the temperature becomes a `TopP` or `TopK` sampler's own)
+//! and then steps with the sampler alone ([`Llama::next_token`], [`Llama::next_tokens`]),
+//! which check nothing again.
 
 use crate::backend::LlamaBackend;
 use crate::error::{LlamaError, Result};
 use crate::llama::{GenerationOutput, GenerationState, Llama, StopReason, logits_to_vec};
 use crate::model::Logits;
-use crate::sampling::{Sampler, validate_temperature};
+use crate::sampling::Sampler;
 use crate::speculative::{SpeculationConfig, verify};
 use crate::tokenizer::Tokenizer;
 
@@ -16,15 +21,28 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// Generates one token for `state`: on the first call the whole prompt is processed.
     /// Returns `(token_id, text_piece, done)`; `text_piece` is the newly completed text
     /// (it can be empty while a multi-byte character is incomplete, and is empty for a
-    /// stop token).
+    /// stop token). `temperature` is a `TopP` or `TopK` sampler's; a
+    /// [`Pipeline`](crate::sampling::Pipeline) has its own (`temperature` must then be
+    /// valid but is not read).
     pub fn generate_single_token(
         &mut self,
         state: &mut GenerationState<B>,
         temperature: f64,
         sampler: &mut Sampler,
     ) -> Result<(u32, String, bool)> {
-        validate_temperature(temperature)?;
-        sampler.validate()?;
+        sampler.bind(temperature)?;
+        self.next_token(state, sampler)
+    }
+
+    /// [`generate_single_token`](Self::generate_single_token) with a sampler checked
+    /// already (by a front door: [`Sampler::bind`], or
+    /// [`GenerateRequest::validate`](crate::inference::GenerateRequest::validate) for a
+    /// request's sampler).
+    pub(crate) fn next_token(
+        &mut self,
+        state: &mut GenerationState<B>,
+        sampler: &mut Sampler,
+    ) -> Result<(u32, String, bool)> {
         if state.is_done() {
             return Err(LlamaError::invalid(
                 "state",
@@ -47,7 +65,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             .as_mut()
             .ok_or_else(|| LlamaError::Runtime("generation state lost its cache".into()))?;
         let logits = self.step_logits(&input, cache, first)?;
-        let token = state.sample_next(&logits, temperature, sampler, self.tokenizer.stop_ids())?;
+        let token = state.sample_next(&logits, sampler, self.tokenizer.stop_ids())?;
         Ok(self.accept_token(state, token))
     }
 
@@ -74,10 +92,9 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         temperature: f64,
         sampler: &mut Sampler,
     ) -> Result<GenerationOutput> {
-        validate_temperature(temperature)?;
-        sampler.validate()?;
+        sampler.bind(temperature)?;
         let mut state = self.create_generation_state(prompt, max_tokens)?;
-        self.run_to_end(&mut state, temperature, sampler)
+        self.run(&mut state, sampler)
     }
 
     /// Runs a prepared state until it ends and summarises it.
@@ -87,8 +104,18 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         temperature: f64,
         sampler: &mut Sampler,
     ) -> Result<GenerationOutput> {
+        sampler.bind(temperature)?;
+        self.run(state, sampler)
+    }
+
+    /// [`run_to_end`](Self::run_to_end) with a sampler checked already.
+    fn run(
+        &mut self,
+        state: &mut GenerationState<B>,
+        sampler: &mut Sampler,
+    ) -> Result<GenerationOutput> {
         while !state.is_done() {
-            self.generate_tokens(state, temperature, sampler)?;
+            self.next_tokens(state, sampler)?;
         }
         Ok(GenerationOutput {
             text: state.text.clone(),
@@ -131,11 +158,10 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         sampler: &mut Sampler,
         config: &SpeculationConfig,
     ) -> Result<GenerationOutput> {
-        validate_temperature(temperature)?;
-        sampler.validate()?;
+        sampler.bind(temperature)?;
         let state = self.create_generation_state(prompt, max_tokens)?;
         let mut state = self.with_speculation(state, config)?;
-        self.run_to_end(&mut state, temperature, sampler)
+        self.run(&mut state, sampler)
     }
 
     /// Generates the next tokens of `state`: one, as
@@ -155,6 +181,16 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         temperature: f64,
         sampler: &mut Sampler,
     ) -> Result<Vec<(u32, String, bool)>> {
+        sampler.bind(temperature)?;
+        self.next_tokens(state, sampler)
+    }
+
+    /// [`generate_tokens`](Self::generate_tokens) with a sampler checked already.
+    pub(crate) fn next_tokens(
+        &mut self,
+        state: &mut GenerationState<B>,
+        sampler: &mut Sampler,
+    ) -> Result<Vec<(u32, String, bool)>> {
         let room = state.draft_room(self.config().max_seq_len);
         let drafts = if state.tokens.is_empty() || state.stop_reason.is_some() {
             Vec::new()
@@ -164,14 +200,8 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
                 .map_or_else(Vec::new, |(drafts, _)| drafts)
         };
         let Some(&last) = state.tokens.last().filter(|_| !drafts.is_empty()) else {
-            return Ok(vec![self.generate_single_token(
-                state,
-                temperature,
-                sampler,
-            )?]);
+            return Ok(vec![self.next_token(state, sampler)?]);
         };
-        validate_temperature(temperature)?;
-        sampler.validate()?;
         self.config().check_token_ids(&drafts)?;
         let mut input = Vec::with_capacity(drafts.len() + 1);
         input.push(last);
@@ -186,7 +216,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         let stop_ids = self.tokenizer.stop_ids();
         let mut out = Vec::with_capacity(input.len());
         let accepted = verify(&drafts, logits.chunks(vocab), |row| {
-            let token = state.sample_next(row, temperature, sampler, stop_ids)?;
+            let token = state.sample_next(row, sampler, stop_ids)?;
             let emitted = self.accept_token(state, token);
             let done = emitted.2;
             out.push(emitted);

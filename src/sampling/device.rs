@@ -20,7 +20,7 @@
 
 use rand::{Rng, rngs::StdRng};
 
-use super::{Sampler, SamplingParams, validate_temperature};
+use super::Sampler;
 
 /// Most `top_logprobs` alternatives a row drawn on the device may ask for: the chosen
 /// token's log-probability only.
@@ -96,58 +96,31 @@ pub struct DeviceToken {
     pub logprob: f32,
 }
 
-/// The device draw of a row sampled by `sampler` at `temperature` (as
-/// [`Sampler::sample_with`]) with `repetition_penalty`, where `banned` says whether
-/// tokens are banned at this step and `top_logprobs` is the request's `logprobs`; `None`
-/// where the row must be sampled on the host. Reads the row's uniform from a copy of its
-/// generator: the sampler is not moved on (see [`commit`]).
+/// The device draw of a row sampled by `sampler` (as [`Sampler::params`] says; checked
+/// at the front door), where `banned` says whether tokens are banned at this step and
+/// `top_logprobs` is the request's `logprobs`; `None` where the row must be sampled on
+/// the host. Reads the row's uniform from a copy of its generator: the sampler is not
+/// moved on (see [`commit`]).
 pub(crate) fn device_draw(
     sampler: &Sampler,
-    temperature: f64,
-    repetition_penalty: f32,
     banned: bool,
     top_logprobs: Option<usize>,
 ) -> Option<DeviceDraw> {
+    let params = sampler.params();
     if banned
         || top_logprobs.is_some_and(|n| n > MAX_DEVICE_TOP_LOGPROBS)
-        || validate_temperature(temperature).is_err()
-        || sampler.validate().is_err()
+        || sampler.constraint().is_some()
+        || !params.is_device_drawable()
     {
         return None;
     }
-    let legacy = |top_k: usize, top_p: f64, rng: &StdRng| {
-        (repetition_penalty == 1.0).then(|| DeviceDraw {
-            temperature,
-            top_k,
-            top_p,
-            min_p: 0.0,
-            uniform: peek(rng),
-        })
-    };
-    match sampler {
-        Sampler::Argmax => (repetition_penalty == 1.0).then_some(DeviceDraw {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            uniform: 0.0,
-        }),
-        Sampler::TopP(t) => legacy(0, t.p, &t.rng),
-        Sampler::TopK(t) => legacy(t.k, 1.0, &t.rng),
-        Sampler::Pipeline(p) => {
-            let params: &SamplingParams = p.params();
-            if p.constraint().is_some() || params.modifies() {
-                return None;
-            }
-            Some(DeviceDraw {
-                temperature: params.temperature,
-                top_k: params.top_k,
-                top_p: params.top_p,
-                min_p: params.min_p,
-                uniform: peek(p.rng()),
-            })
-        }
-    }
+    Some(DeviceDraw {
+        temperature: params.temperature,
+        top_k: params.top_k,
+        top_p: params.top_p,
+        min_p: params.min_p,
+        uniform: sampler.rng().map_or(0.0, peek),
+    })
 }
 
 /// Moves `sampler`'s generator on as the host pipeline's draw of `draw` would (one
@@ -156,13 +129,9 @@ pub(crate) fn commit(sampler: &mut Sampler, draw: &DeviceDraw) {
     if !draw.is_sampled() {
         return;
     }
-    let rng = match sampler {
-        Sampler::Argmax => return,
-        Sampler::TopP(t) => &mut t.rng,
-        Sampler::TopK(t) => &mut t.rng,
-        Sampler::Pipeline(p) => p.rng_mut(),
-    };
-    let _: f64 = rng.random();
+    if let Some(rng) = sampler.rng_mut() {
+        let _: f64 = rng.random();
+    }
 }
 
 /// The uniform the host pipeline draws first from `rng` ([`super::pipeline`]'s `sample`),
@@ -174,7 +143,7 @@ fn peek(rng: &StdRng) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampling::{History, Pipeline};
+    use crate::sampling::{History, Pipeline, SamplingParams};
 
     #[test]
     fn the_device_draw_reads_the_host_pipelines_uniform() {
@@ -188,9 +157,9 @@ mod tests {
         let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
         let mut same_rng = StdRng::clone(host.rng());
         for _ in 0..5 {
-            let draw = device_draw(&device, 0.7, 1.0, false, None).unwrap();
+            let draw = device_draw(&device, false, None).unwrap();
             assert_eq!(draw.uniform, same_rng.random::<f64>());
-            assert_eq!(draw, device_draw(&device, 0.7, 1.0, false, None).unwrap());
+            assert_eq!(draw, device_draw(&device, false, None).unwrap());
             commit(&mut device, &draw);
             host.sample(&logits, History::default()).unwrap();
             let Sampler::Pipeline(p) = &device else {
@@ -202,17 +171,27 @@ mod tests {
             );
         }
         // What the device does not draw stays on the host.
-        assert!(device_draw(&device, 0.7, 1.0, true, None).is_none());
-        assert!(device_draw(&device, 0.7, 1.0, false, Some(1)).is_none());
-        assert!(device_draw(&device, 0.7, 1.0, false, Some(0)).is_some());
+        assert!(device_draw(&device, true, None).is_none());
+        assert!(device_draw(&device, false, Some(1)).is_none());
+        assert!(device_draw(&device, false, Some(0)).is_some());
         let biased = SamplingParams {
             logit_bias: vec![(1, 1.0)],
             ..Default::default()
         };
         let biased = Sampler::Pipeline(Pipeline::new(biased, 1).unwrap());
-        assert!(device_draw(&biased, 1.0, 1.0, false, None).is_none());
-        assert!(device_draw(&Sampler::Argmax, 0.0, 1.3, false, None).is_none());
-        let greedy = device_draw(&Sampler::Argmax, 0.9, 1.0, false, None).unwrap();
+        assert!(device_draw(&biased, false, None).is_none());
+        let penalized = SamplingParams {
+            repetition_penalty: 1.3,
+            ..SamplingParams::greedy()
+        };
+        let penalized = Sampler::Pipeline(Pipeline::new(penalized, 1).unwrap());
+        assert!(device_draw(&penalized, false, None).is_none());
+        let greedy = device_draw(&Sampler::Argmax, false, None).unwrap();
         assert!(!greedy.is_sampled());
+        // A spec sampler draws at the temperature its front door made its own.
+        let mut top_p = Sampler::TopP(crate::sampling::TopP::new(0.9, 3));
+        top_p.bind(0.8).unwrap();
+        let draw = device_draw(&top_p, false, None).unwrap();
+        assert_eq!((draw.temperature, draw.top_p, draw.top_k), (0.8, 0.9, 0));
     }
 }

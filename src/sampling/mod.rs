@@ -9,6 +9,44 @@
 //!
 //! Every sampler owns its random generator, seeded per request, so results reproduce and
 //! never depend on other requests.
+//!
+//! # One value from the request to the draw
+//!
+//! A request's sampling settings are one [`SamplingParams`] all the way: the server parses
+//! the body into it, [`GenerateRequest::sampling`] holds it,
+//! [`GenerateRequest::validate`] checks it once ([`SamplingParams::validate`]), and the
+//! request's sampler ([`constrained_sampler`]) reads it: every strategy draws with
+//! [`Sampler::params`], and the device-draw decisions ([`device`]) read the same value.
+//! Nothing downstream checks it again or carries a control beside it. The spec's methods
+//! that take a `temperature` beside a `TopP` or `TopK` sampler make it that sampler's
+//! temperature, once, where they are called.
+//!
+//! # Adding a control
+//!
+//! A new sampler control is two files:
+//!
+//! 1. `pipeline.rs`: one field of [`SamplingParams`] with its default (off) in
+//!    `SamplingParams::DEFAULT`; one check in [`SamplingParams::validate`] (its range,
+//!    the error named after the field); one step in the pipeline, in the order the
+//!    [`pipeline`] docs give: a change of the logits goes in `modify` (and in
+//!    `SamplingParams::modifies`, which says whether `modify` runs), a cut in `sample`
+//!    (and in `SamplingParams::truncates`, which says whether a constrained draw masks
+//!    first, and in [`reference_distribution`], which the tests draw against);
+//! 2. `server/openai.rs`: its JSON name, a field of `CommonFields` and the line of
+//!    `CommonFields::params` that reads it into the `SamplingParams` (its range is
+//!    `validate`'s).
+//!
+//! Nothing else changes: [`GenerateRequest`](crate::inference::GenerateRequest) holds the
+//! value, the strategies and the engine carry it as it is, and a row with a control the
+//! device draw does not apply is sampled on the host (`SamplingParams::is_device_drawable`
+//! compares every field but temperature, top-k, top-p and min-p with its default). A
+//! request sets it with `GenerateRequest::with_sampling` or
+//! `request.sampling.my_control = ...`. The `all_controls` case of `benches/sampling.rs`
+//! names every field, so it is extended too.
+//!
+//! [`GenerateRequest::sampling`]: crate::inference::GenerateRequest::sampling
+//! [`GenerateRequest::validate`]: crate::inference::GenerateRequest::validate
+//! [`constrained_sampler`]: crate::inference::constrained_sampler
 
 pub mod device;
 pub mod logprobs;
@@ -21,13 +59,18 @@ pub use logprobs::{MAX_TOP_LOGPROBS, TokenLogprob, TokenLogprobs, token_logprobs
 pub use pipeline::{History, Pipeline, SamplingParams, reference_distribution};
 
 use crate::error::{LlamaError, Result};
-use pipeline::Scratch;
+use pipeline::{GREEDY, Scratch};
 
 /// Nucleus sampling: sample among the smallest set of tokens whose probability mass
 /// reaches `p`.
+///
+/// Its controls are a [`SamplingParams`] with top-p `p`; the temperature is the one the
+/// method it is passed to gives ([`Sampler::sample`], [`Llama::generate`], ...).
+///
+/// [`Llama::generate`]: crate::llama::Llama::generate
 #[derive(Debug, Clone)]
 pub struct TopP {
-    p: f64,
+    params: SamplingParams,
     rng: StdRng,
     scratch: Scratch,
 }
@@ -36,8 +79,18 @@ impl TopP {
     /// A nucleus sampler with mass `p` (in `(0, 1]`) and a seed. The value of `p` is
     /// checked when sampling starts ([`Sampler::validate`]).
     pub fn new(p: f64, seed: u64) -> Self {
+        Self::at(p, seed, 1.0)
+    }
+
+    /// A nucleus sampler at `temperature` already (for the crate's own front doors, which
+    /// have checked both values).
+    pub(crate) fn at(p: f64, seed: u64, temperature: f64) -> Self {
         Self {
-            p,
+            params: SamplingParams {
+                temperature,
+                top_p: p,
+                ..SamplingParams::default()
+            },
             rng: StdRng::seed_from_u64(seed),
             scratch: Scratch::default(),
         }
@@ -45,14 +98,17 @@ impl TopP {
 
     /// The probability mass kept.
     pub fn p(&self) -> f64 {
-        self.p
+        self.params.top_p
     }
 }
 
 /// Top-k sampling: sample among the `k` most likely tokens.
+///
+/// Its controls are a [`SamplingParams`] with top-k `k`; the temperature is the one the
+/// method it is passed to gives, as for [`TopP`].
 #[derive(Debug, Clone)]
 pub struct TopK {
-    k: usize,
+    params: SamplingParams,
     rng: StdRng,
     scratch: Scratch,
 }
@@ -61,7 +117,10 @@ impl TopK {
     /// A top-k sampler with a seed. `k` must be at least 1.
     pub fn new(k: usize, seed: u64) -> Self {
         Self {
-            k,
+            params: SamplingParams {
+                top_k: k,
+                ..SamplingParams::default()
+            },
             rng: StdRng::seed_from_u64(seed),
             scratch: Scratch::default(),
         }
@@ -70,10 +129,12 @@ impl TopK {
 
 /// How the next token is chosen.
 ///
-/// A temperature of 0 always means greedy decoding, whatever the sampler. `TopP` and
-/// `TopK` run the [`Pipeline`] with that one control; `Pipeline` runs every control of its
-/// [`SamplingParams`], its own temperature included (the `temperature` argument of
-/// [`Sampler::sample`] must then be valid but is not read).
+/// Every sampler draws through the [`Pipeline`]'s code with one [`SamplingParams`]
+/// ([`params`](Self::params)): a `Pipeline` with its own (its temperature included),
+/// `TopP` and `TopK` with their one control at the temperature of the method they are
+/// passed to (a method taking a `temperature` argument makes it theirs; for a `Pipeline`
+/// the argument must be valid but is not read), `Argmax` greedy. A temperature of 0
+/// always means greedy decoding, whatever the sampler.
 #[derive(Debug, Clone)]
 pub enum Sampler {
     /// Always the most likely token (ties go to the lowest id).
@@ -92,29 +153,84 @@ impl Sampler {
     pub fn validate(&self) -> Result<()> {
         match self {
             Sampler::Argmax => Ok(()),
-            Sampler::TopP(t) => validate_top_p(t.p),
-            Sampler::TopK(t) if t.k == 0 => {
-                Err(LlamaError::invalid("top_k", t.k, "must be at least 1"))
+            Sampler::TopK(t) if t.params.top_k == 0 => Err(LlamaError::invalid(
+                "top_k",
+                t.params.top_k,
+                "must be at least 1",
+            )),
+            Sampler::TopP(TopP { params, .. }) | Sampler::TopK(TopK { params, .. }) => {
+                params.validate()
             }
-            Sampler::TopK(_) => Ok(()),
             Sampler::Pipeline(p) => p.params().validate(),
         }
     }
 
-    /// Whether [`sample_with`](Self::sample_with) at `temperature` with
-    /// `repetition_penalty` and nothing banned is exactly [`argmax`] of the logits (once
-    /// they pass [`check_logits`]): valid parameters, greedy, no bias, penalty or
-    /// constraint. Such a draw can run on the device
-    /// ([`LlamaBackend::greedy_tokens`](crate::backend::LlamaBackend::greedy_tokens)).
-    pub(crate) fn is_plain_greedy(&self, temperature: f64, repetition_penalty: f32) -> bool {
-        if validate_temperature(temperature).is_err() || self.validate().is_err() {
-            return false;
-        }
+    /// The controls it draws with: a pipeline's own, a `TopP` or `TopK` sampler's one
+    /// control at the temperature the last method it was passed to gave, greedy for
+    /// `Argmax`.
+    pub fn params(&self) -> &SamplingParams {
         match self {
-            Sampler::Argmax => repetition_penalty == 1.0,
-            Sampler::TopP(_) | Sampler::TopK(_) => temperature == 0.0 && repetition_penalty == 1.0,
-            Sampler::Pipeline(p) => p.is_plain_greedy(),
+            Sampler::Argmax => &GREEDY,
+            Sampler::TopP(TopP { params, .. }) | Sampler::TopK(TopK { params, .. }) => params,
+            Sampler::Pipeline(p) => p.params(),
         }
+    }
+
+    /// The front door of every method that takes a `temperature` beside a sampler:
+    /// checks `temperature` and the sampler, and makes `temperature` the temperature of a
+    /// `TopP` or `TopK` sampler (a pipeline keeps its own). What follows draws with
+    /// [`params`](Self::params) and checks nothing again.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] naming the value out of range.
+    pub(crate) fn bind(&mut self, temperature: f64) -> Result<()> {
+        self.bind_with(temperature, 1.0)
+    }
+
+    /// [`bind`](Self::bind) with a repetition penalty for `TopP` and `TopK`.
+    fn bind_with(&mut self, temperature: f64, repetition_penalty: f32) -> Result<()> {
+        validate_temperature(temperature)?;
+        if let Sampler::TopP(TopP { params, .. }) | Sampler::TopK(TopK { params, .. }) = self {
+            params.temperature = temperature;
+            params.repetition_penalty = repetition_penalty;
+        }
+        self.validate()
+    }
+
+    /// Its constraint's state, if it has one.
+    pub(crate) fn constraint(&self) -> Option<&crate::constraints::ConstraintState> {
+        match self {
+            Sampler::Pipeline(p) => p.constraint(),
+            _ => None,
+        }
+    }
+
+    /// Its random generator (`Argmax` has none).
+    pub(crate) fn rng(&self) -> Option<&StdRng> {
+        match self {
+            Sampler::Argmax => None,
+            Sampler::TopP(TopP { rng, .. }) | Sampler::TopK(TopK { rng, .. }) => Some(rng),
+            Sampler::Pipeline(p) => Some(p.rng()),
+        }
+    }
+
+    /// Its random generator, mutably.
+    pub(crate) fn rng_mut(&mut self) -> Option<&mut StdRng> {
+        match self {
+            Sampler::Argmax => None,
+            Sampler::TopP(TopP { rng, .. }) | Sampler::TopK(TopK { rng, .. }) => Some(rng),
+            Sampler::Pipeline(p) => Some(p.rng_mut()),
+        }
+    }
+
+    /// Whether [`draw`](Self::draw) with nothing banned is exactly [`argmax`] of the
+    /// logits (once they pass [`check_logits`]): greedy, no bias, penalty or constraint.
+    /// Such a draw can run on the device
+    /// ([`LlamaBackend::greedy_tokens`](crate::backend::LlamaBackend::greedy_tokens)).
+    pub(crate) fn is_plain_greedy(&self) -> bool {
+        let params = self.params();
+        params.temperature == 0.0 && !params.modifies() && self.constraint().is_none()
     }
 
     /// Picks a token from `logits` at `temperature` (0 = greedy).
@@ -123,8 +239,8 @@ impl Sampler {
     }
 
     /// Picks a token from `logits` at `temperature`, with the penalties that read
-    /// `history`; `repetition_penalty` (1 is off) applies to the `TopP` and `TopK`
-    /// samplers (a pipeline has its own).
+    /// `history`; `repetition_penalty` (1 is off) applies to the `Argmax`, `TopP` and
+    /// `TopK` samplers (a pipeline has its own).
     pub fn sample_with(
         &mut self,
         logits: &[f32],
@@ -132,35 +248,40 @@ impl Sampler {
         history: History<'_>,
         repetition_penalty: f32,
     ) -> Result<u32> {
-        validate_temperature(temperature)?;
-        self.validate()?;
-        let legacy = |top_k: usize, top_p: f64| SamplingParams {
-            temperature,
-            top_k,
-            top_p,
-            repetition_penalty,
-            ..SamplingParams::default()
-        };
+        self.bind_with(temperature, repetition_penalty)?;
+        if let Sampler::Argmax = self
+            && repetition_penalty != 1.0
+        {
+            let params = SamplingParams {
+                repetition_penalty,
+                ..SamplingParams::greedy()
+            };
+            let mut rng = StdRng::seed_from_u64(0);
+            return pipeline::sample(&params, logits, history, &mut rng, &mut Scratch::default());
+        }
+        self.draw(logits, history)
+    }
+
+    /// Picks a token from `logits` with [`params`](Self::params), checked already by a
+    /// front door ([`GenerateRequest::validate`](crate::inference::GenerateRequest::validate)
+    /// or [`bind`](Self::bind)): the one draw every strategy makes.
+    pub(crate) fn draw(&mut self, logits: &[f32], history: History<'_>) -> Result<u32> {
         match self {
             Sampler::Pipeline(p) => p.sample(logits, history),
             Sampler::Argmax => {
-                let params = SamplingParams {
-                    repetition_penalty,
-                    ..SamplingParams::greedy()
-                };
                 let mut rng = StdRng::seed_from_u64(0);
-                pipeline::sample(&params, logits, history, &mut rng, &mut Scratch::default())
+                pipeline::sample(&GREEDY, logits, history, &mut rng, &mut Scratch::default())
             }
-            Sampler::TopP(t) => {
-                pipeline::sample(&legacy(0, t.p), logits, history, &mut t.rng, &mut t.scratch)
-            }
-            Sampler::TopK(t) => pipeline::sample(
-                &legacy(t.k, 1.0),
-                logits,
-                history,
-                &mut t.rng,
-                &mut t.scratch,
-            ),
+            Sampler::TopP(TopP {
+                params,
+                rng,
+                scratch,
+            })
+            | Sampler::TopK(TopK {
+                params,
+                rng,
+                scratch,
+            }) => pipeline::sample(params, logits, history, rng, scratch),
         }
     }
 }
@@ -439,6 +560,55 @@ mod tests {
         for _ in 0..100 {
             assert!([1, 4].contains(&s.sample(&some, 1.0).unwrap()));
         }
+    }
+
+    #[test]
+    fn the_front_door_temperature_becomes_the_spec_samplers_own() {
+        let mut top_p = Sampler::TopP(TopP::new(0.8, 1));
+        top_p.bind(0.6).unwrap();
+        assert_eq!(
+            *top_p.params(),
+            SamplingParams {
+                temperature: 0.6,
+                top_p: 0.8,
+                ..SamplingParams::default()
+            }
+        );
+        let mut top_k = Sampler::TopK(TopK::new(3, 1));
+        top_k.bind(0.0).unwrap();
+        assert!(top_k.is_plain_greedy());
+        // A pipeline keeps its own temperature: the argument is checked, not read.
+        let own = SamplingParams {
+            temperature: 1.3,
+            ..SamplingParams::default()
+        };
+        let mut pipeline = Sampler::Pipeline(Pipeline::new(own.clone(), 1).unwrap());
+        pipeline.bind(0.0).unwrap();
+        assert_eq!(*pipeline.params(), own);
+        assert!(!pipeline.is_plain_greedy());
+        assert!(matches!(
+            pipeline.bind(-1.0),
+            Err(LlamaError::InvalidParameter {
+                name: "temperature",
+                ..
+            })
+        ));
+        assert!(matches!(
+            Sampler::TopK(TopK::new(0, 1)).bind(1.0),
+            Err(LlamaError::InvalidParameter { name: "top_k", .. })
+        ));
+        assert_eq!(*Sampler::Argmax.params(), SamplingParams::greedy());
+        // `sample_with`'s repetition penalty is the spec sampler's, and reset by the next
+        // front door.
+        let mut s = Sampler::TopP(TopP::new(0.9, 2));
+        let history = History {
+            prompt: &[1],
+            ..History::default()
+        };
+        s.sample_with(&[0.0, 1.0, 0.5], 0.0, history, 4.0).unwrap();
+        assert_eq!(s.params().repetition_penalty, 4.0);
+        s.bind(0.0).unwrap();
+        assert_eq!(s.params().repetition_penalty, 1.0);
     }
 
     #[test]

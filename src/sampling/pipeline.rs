@@ -79,20 +79,28 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            logit_bias: Vec::new(),
-        }
+        Self::DEFAULT
     }
 }
 
+/// What [`Sampler::Argmax`](super::Sampler::Argmax) draws with: greedy, nothing else.
+pub(crate) static GREEDY: std::sync::LazyLock<SamplingParams> =
+    std::sync::LazyLock::new(SamplingParams::greedy);
+
 impl SamplingParams {
+    /// The defaults: temperature 1 and every other control off (its neutral value). A
+    /// new control's default goes here.
+    const DEFAULT: Self = Self {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        logit_bias: Vec::new(),
+    };
+
     /// Greedy decoding, nothing else.
     pub fn greedy() -> Self {
         Self {
@@ -175,6 +183,33 @@ impl SamplingParams {
             || self.frequency_penalty != 0.0
             || self.presence_penalty != 0.0
     }
+
+    /// Whether a cut keeps only some tokens (top-k, top-p or min-p on): a constrained
+    /// draw then masks the logits first.
+    pub(crate) fn truncates(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
+    }
+
+    /// Whether a device draw ([`DeviceDraw`](super::DeviceDraw)) applies every control
+    /// that is on: only temperature, top-k, top-p and min-p may differ from their
+    /// defaults. A new control is thus drawn on the host until the device draw learns it.
+    pub(crate) fn is_device_drawable(&self) -> bool {
+        let Self {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            ..
+        } = *self;
+        *self
+            == Self {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                ..Self::DEFAULT
+            }
+    }
 }
 
 /// What the penalties and bans read: the request's tokens so far and the tokens it may
@@ -244,10 +279,9 @@ impl Pipeline {
         })
     }
 
-    /// A sampler whose `params` are checked later (by [`Sampler::validate`] before each
-    /// draw).
-    ///
-    /// [`Sampler::validate`]: super::Sampler::validate
+    /// A sampler whose `params` were checked at the front door already (by
+    /// [`GenerateRequest::validate`](crate::inference::GenerateRequest::validate), or by a
+    /// method that takes the sampler and checks it once).
     pub(crate) fn unchecked(params: SamplingParams, seed: u64) -> Self {
         Self {
             params,
@@ -302,12 +336,6 @@ impl Pipeline {
         &mut self.rng
     }
 
-    /// Whether its draw is the plain greedy token of the logits: temperature 0, no bias,
-    /// penalty or constraint (its random generator is then never read).
-    pub(crate) fn is_plain_greedy(&self) -> bool {
-        self.constraint.is_none() && self.params.temperature == 0.0 && !self.params.modifies()
-    }
-
     /// Picks the next token from `logits`.
     ///
     /// # Errors
@@ -325,8 +353,7 @@ impl Pipeline {
             );
         };
         let params = &self.params;
-        let truncates = params.top_k > 0 || params.top_p < 1.0 || params.min_p > 0.0;
-        if !truncates {
+        if !params.truncates() {
             // The sampled token first: kept when the grammar allows it.
             let token = sample(params, logits, history, &mut self.rng, &mut self.scratch)?;
             if constrained.state.try_accept(token)? {
@@ -901,6 +928,70 @@ mod tests {
             greedy.sample(&logits, all),
             Err(LlamaError::InvalidLogits(_))
         ));
+    }
+
+    #[test]
+    fn the_defaults_are_temperature_1_and_every_other_control_off() {
+        let off = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logit_bias: Vec::new(),
+        };
+        assert_eq!(SamplingParams::default(), off);
+        assert!(!off.modifies());
+        assert_eq!(
+            SamplingParams::greedy(),
+            SamplingParams {
+                temperature: 0.0,
+                ..off
+            }
+        );
+    }
+
+    #[test]
+    fn only_the_device_draws_controls_may_be_on_for_a_device_draw() {
+        let base = SamplingParams::default;
+        let drawable = [
+            base(),
+            SamplingParams::greedy(),
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 40,
+                top_p: 0.9,
+                min_p: 0.05,
+                ..base()
+            },
+        ];
+        assert!(drawable.iter().all(SamplingParams::is_device_drawable));
+        let host_only = [
+            SamplingParams {
+                repetition_penalty: 1.1,
+                ..base()
+            },
+            SamplingParams {
+                frequency_penalty: 0.5,
+                ..base()
+            },
+            SamplingParams {
+                presence_penalty: -0.5,
+                ..base()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 0.0)],
+                ..base()
+            },
+        ];
+        for params in host_only {
+            assert!(
+                params.modifies() && !params.is_device_drawable(),
+                "{params:?}"
+            );
+        }
     }
 
     #[test]

@@ -17,7 +17,6 @@ use serde_json::Value;
 
 use super::error::ApiError;
 use crate::inference::request::MAX_STOP_TOKEN_IDS;
-use crate::sampling::pipeline::MAX_LOGIT_BIAS;
 use crate::sampling::{SamplingParams, TokenLogprob, TokenLogprobs};
 use crate::tokenizer::ChatMessage;
 use crate::tools::ToolCall;
@@ -258,10 +257,6 @@ pub enum PromptInput {
 pub struct Sampling {
     /// Tokens to generate at most (`None`: the server's default).
     pub max_tokens: Option<usize>,
-    /// Temperature (0 is greedy).
-    pub temperature: f64,
-    /// Top-p.
-    pub top_p: f64,
     /// The seed of choice 0 (`None`: a random one per choice).
     pub seed: Option<u64>,
     /// Stop strings.
@@ -272,7 +267,9 @@ pub struct Sampling {
     pub stream: bool,
     /// Add a usage chunk at the end of the stream.
     pub include_usage: bool,
-    /// Every sampling control but the temperature and top-p above.
+    /// Every sampling control (temperature, top-p, top-k, min-p, penalties, logit bias),
+    /// read from the body once and checked ([`SamplingParams::validate`]): the engine
+    /// requests carry it as it is.
     pub params: SamplingParams,
     /// Log-probabilities: alternatives per token (`None`: none asked for).
     pub logprobs: Option<usize>,
@@ -325,6 +322,32 @@ fn refuse_unsupported(
     }
 }
 
+/// `logit_bias` as the engine takes it: `(token id, bias)` sorted by id (the map's order
+/// is the body's: sorted, the same bias is the same request). Its size and values are
+/// [`SamplingParams::validate`]'s to check.
+fn logit_bias(bias: &serde_json::Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut entries = bias
+        .iter()
+        .map(|(key, value)| {
+            let id: u32 = key.parse().map_err(|_| {
+                ApiError::invalid(
+                    format!("`logit_bias` key `{key}` is not a token id"),
+                    Some("logit_bias"),
+                )
+            })?;
+            let value = value.as_f64().ok_or_else(|| {
+                ApiError::invalid(
+                    format!("`logit_bias[{key}]` must be a number"),
+                    Some("logit_bias"),
+                )
+            })?;
+            Ok((id, value as f32))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    entries.sort_by_key(|&(id, _)| id);
+    Ok(entries)
+}
+
 impl CommonFields {
     /// Checks the shared fields for `endpoint`; `max_tokens` is the value the endpoint
     /// takes, `max_n` the most choices allowed. Every error names its field.
@@ -335,72 +358,7 @@ impl CommonFields {
         max_n: usize,
     ) -> Result<Sampling, ApiError> {
         let logprobs = self.logprobs(endpoint)?;
-        let mut params = SamplingParams::default();
-        for (name, value, field) in [
-            (
-                "frequency_penalty",
-                self.frequency_penalty,
-                &mut params.frequency_penalty,
-            ),
-            (
-                "presence_penalty",
-                self.presence_penalty,
-                &mut params.presence_penalty,
-            ),
-        ] {
-            let value = value.unwrap_or(0.0);
-            if !(-2.0..=2.0).contains(&value) {
-                return Err(out_of_range(name, value, "[-2, 2]"));
-            }
-            *field = value as f32;
-        }
-        if let Some(bias) = &self.logit_bias {
-            if bias.len() > MAX_LOGIT_BIAS {
-                return Err(ApiError::invalid(
-                    format!(
-                        "`logit_bias` has {} entries; at most {MAX_LOGIT_BIAS} are allowed",
-                        bias.len()
-                    ),
-                    Some("logit_bias"),
-                ));
-            }
-            let mut entries = Vec::with_capacity(bias.len());
-            for (key, value) in bias {
-                let id: u32 = key.parse().map_err(|_| {
-                    ApiError::invalid(
-                        format!("`logit_bias` key `{key}` is not a token id"),
-                        Some("logit_bias"),
-                    )
-                })?;
-                let value = value.as_f64().ok_or_else(|| {
-                    ApiError::invalid(
-                        format!("`logit_bias[{key}]` must be a number"),
-                        Some("logit_bias"),
-                    )
-                })?;
-                if !(-100.0..=100.0).contains(&value) {
-                    return Err(out_of_range("logit_bias", value, "[-100, 100]"));
-                }
-                entries.push((id, value as f32));
-            }
-            // The map's order is the body's: sort so the same bias is the same request.
-            entries.sort_by_key(|&(id, _)| id);
-            params.logit_bias = entries;
-        }
-        params.top_k = match self.top_k.unwrap_or(0) {
-            -1 | 0 => 0,
-            k if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
-            k => return Err(out_of_range("top_k", k, "-1 (off), 0 (off) or >= 1")),
-        };
-        params.min_p = self.min_p.unwrap_or(0.0);
-        if !(0.0..=1.0).contains(&params.min_p) {
-            return Err(out_of_range("min_p", params.min_p, "[0, 1]"));
-        }
-        let repetition = self.repetition_penalty.unwrap_or(1.0);
-        if !(repetition > 0.0 && repetition <= 2.0) {
-            return Err(out_of_range("repetition_penalty", repetition, "(0, 2]"));
-        }
-        params.repetition_penalty = repetition as f32;
+        let params = self.params(endpoint)?;
         let stop_token_ids = self.stop_token_ids.clone().unwrap_or_default();
         if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
             return Err(ApiError::invalid(
@@ -428,20 +386,6 @@ impl CommonFields {
             }
             Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
         };
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::invalid(
-                format!("`temperature` = {temperature} is outside [0, 2]"),
-                Some("temperature"),
-            ));
-        }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid(
-                format!("`top_p` = {top_p} is outside (0, 1]"),
-                Some("top_p"),
-            ));
-        }
         let n = self.n.unwrap_or(1);
         if n == 0 || n > max_n as u64 {
             return Err(ApiError::invalid(
@@ -480,12 +424,8 @@ impl CommonFields {
             }
             Some(options) => options.include_usage.unwrap_or(false),
         };
-        params.temperature = temperature;
-        params.top_p = top_p;
         Ok(Sampling {
             max_tokens,
-            temperature,
-            top_p,
             // Negative seeds are valid OpenAI seeds: reinterpret the bits.
             seed: self.seed.map(|s| s as u64),
             stop,
@@ -504,6 +444,54 @@ impl CommonFields {
             tools: Vec::new(),
             tool_format: None,
         })
+    }
+
+    /// The sampling controls of the body, read once into the one value the engine
+    /// carries, and checked by [`SamplingParams::validate`] (every error names its
+    /// field). Only what the wire format adds is checked here: OpenAI's narrower ranges
+    /// (temperature and repetition penalty at most 2), vLLM's `top_k: -1`, and the
+    /// `logit_bias` map's keys and values being token ids and numbers. A new control is
+    /// one line here (and its field in [`CommonFields`]).
+    fn params(&self, endpoint: Endpoint) -> Result<SamplingParams, ApiError> {
+        let mut params = SamplingParams::default();
+        if let Some(t) = self.temperature {
+            if t > 2.0 {
+                return Err(out_of_range("temperature", t, "[0, 2]"));
+            }
+            params.temperature = t;
+        }
+        if let Some(p) = self.top_p {
+            params.top_p = p;
+        }
+        if let Some(k) = self.top_k {
+            params.top_k = match k {
+                -1 | 0 => 0,
+                k if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+                k => return Err(out_of_range("top_k", k, "-1 (off), 0 (off) or >= 1")),
+            };
+        }
+        if let Some(p) = self.min_p {
+            params.min_p = p;
+        }
+        if let Some(r) = self.repetition_penalty {
+            if r > 2.0 {
+                return Err(out_of_range("repetition_penalty", r, "(0, 2]"));
+            }
+            params.repetition_penalty = r as f32;
+        }
+        if let Some(f) = self.frequency_penalty {
+            params.frequency_penalty = f as f32;
+        }
+        if let Some(p) = self.presence_penalty {
+            params.presence_penalty = p as f32;
+        }
+        if let Some(bias) = &self.logit_bias {
+            params.logit_bias = logit_bias(bias)?;
+        }
+        params
+            .validate()
+            .map_err(|e| ApiError::from_llama(&e, endpoint.prompt_param()))?;
+        Ok(params)
     }
 
     /// `logprobs` and `top_logprobs` as `endpoint` reads them: chat `logprobs: true` with
@@ -953,7 +941,7 @@ mod tests {
             .common
             .sampling(Endpoint::Chat, r.max_tokens(), 8)
             .unwrap();
-        assert_eq!(s.temperature, 1.0);
+        assert_eq!(s.params.temperature, 1.0);
         assert_eq!(s.n, 1);
         assert!(!s.stream);
     }
@@ -1071,6 +1059,52 @@ mod tests {
             completions(&body).unwrap_err().param.as_deref(),
             Some("logit_bias")
         );
+    }
+
+    #[test]
+    fn the_body_becomes_one_sampling_params() {
+        let r = chat(
+            r#"{"messages":[{"role":"user","content":"x"}],"temperature":0.3,"top_p":0.8,
+                "top_k":-1,"min_p":0.2,"frequency_penalty":1,"logit_bias":{"9":1,"2":-1}}"#,
+        )
+        .unwrap();
+        let s = r
+            .common
+            .sampling(Endpoint::Chat, r.max_tokens(), 8)
+            .unwrap();
+        assert_eq!(
+            s.params,
+            SamplingParams {
+                temperature: 0.3,
+                top_p: 0.8,
+                top_k: 0,
+                min_p: 0.2,
+                frequency_penalty: 1.0,
+                logit_bias: vec![(2, -1.0), (9, 1.0)],
+                ..SamplingParams::default()
+            }
+        );
+        // The ranges are `SamplingParams::validate`'s (and OpenAI's narrower ones), each
+        // error naming its field.
+        for (json, field) in [
+            (r#""temperature":-0.5"#, "temperature"),
+            (r#""temperature":2.5"#, "temperature"),
+            (r#""top_p":1.5"#, "top_p"),
+            (r#""min_p":-0.1"#, "min_p"),
+            (r#""repetition_penalty":2.5"#, "repetition_penalty"),
+            (r#""repetition_penalty":-1"#, "repetition_penalty"),
+            (r#""presence_penalty":2.5"#, "presence_penalty"),
+        ] {
+            let r = chat(&format!(
+                r#"{{"messages":[{{"role":"user","content":"x"}}],{json}}}"#
+            ))
+            .unwrap();
+            let e = r
+                .common
+                .sampling(Endpoint::Chat, r.max_tokens(), 8)
+                .unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{json}");
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ fn solo(llama: &mut Demo, request: &GenerateRequest) -> Vec<u32> {
         .generate(
             &request.prompt,
             request.max_tokens,
-            request.temperature,
+            request.sampling.temperature,
             &mut sampler,
         )
         .unwrap()

@@ -95,7 +95,12 @@ fn text(llama: &Demo, ids: &[u32]) -> String {
 fn solo(llama: &mut Demo, r: &GenerateRequest) -> Vec<u32> {
     let mut sampler = constrained_sampler(llama, r).expect("compiles");
     llama
-        .generate(&r.prompt, r.max_tokens, r.temperature, &mut sampler)
+        .generate(
+            &r.prompt,
+            r.max_tokens,
+            r.sampling.temperature,
+            &mut sampler,
+        )
         .expect("generates")
         .tokens
 }

@@ -273,8 +273,8 @@ fn random_request(rng: &mut StdRng) -> llama_burn::inference::GenerateRequest {
     ];
     let mut request = GenerateRequest::new(prompts[pick(rng, prompts.len())].clone());
     request.max_tokens = [0, 1, 3, 2, usize::MAX, 1 << 40][pick(rng, 6)];
-    request.temperature = [0.0, -1.0, f64::NAN, f64::INFINITY, 1e308, 0.7][pick(rng, 6)];
-    request.top_p = [0.0, -0.5, f64::NAN, 1.0, 2.0, 0.9, 1e-300][pick(rng, 7)];
+    request.sampling.temperature = [0.0, -1.0, f64::NAN, f64::INFINITY, 1e308, 0.7][pick(rng, 6)];
+    request.sampling.top_p = [0.0, -0.5, f64::NAN, 1.0, 2.0, 0.9, 1e-300][pick(rng, 7)];
     request.seed = rng.random();
     request.ignore_eos = rng.random();
     match pick(rng, 6) {
@@ -323,7 +323,7 @@ fn random_requests_to_every_strategy_leave_it_serving() {
         let result = llama.generate(
             &r.prompt,
             r.max_tokens,
-            r.temperature,
+            r.sampling.temperature,
             &mut request_sampler(r),
         );
         outcomes[usize::from(result.is_ok())] += 1;
@@ -339,8 +339,8 @@ fn random_requests_to_every_strategy_leave_it_serving() {
             &mut llama,
             &prompts,
             r.max_tokens,
-            r.temperature,
-            r.top_p,
+            r.sampling.temperature,
+            r.sampling.top_p,
             r.seed,
         );
         outcomes[usize::from(result.is_ok())] += 1;

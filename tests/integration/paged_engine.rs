@@ -19,13 +19,13 @@ fn alone(llama: &mut Demo, request: &GenerateRequest) -> Vec<u32> {
         .create_generation_state(&request.prompt, request.max_tokens)
         .unwrap()
         .ignore_stop_tokens();
-    let mut sampler = if request.temperature == 0.0 {
+    let mut sampler = if request.sampling.temperature == 0.0 {
         Sampler::Argmax
     } else {
-        Sampler::TopP(TopP::new(request.top_p, request.seed))
+        Sampler::TopP(TopP::new(request.sampling.top_p, request.seed))
     };
     llama
-        .run_to_end(&mut state, request.temperature, &mut sampler)
+        .run_to_end(&mut state, request.sampling.temperature, &mut sampler)
         .unwrap()
         .tokens
 }
@@ -111,7 +111,7 @@ fn preemption_under_a_tiny_pool_with_cancellations_gives_solo_tokens() {
     // Solo runs, one per distinct (prompt, sampling) at the full length.
     let mut expected = std::collections::HashMap::new();
     for (p, r, _) in &specs {
-        let key = (*p, r.temperature.to_bits(), r.seed);
+        let key = (*p, r.sampling.temperature.to_bits(), r.seed);
         expected
             .entry(key)
             .or_insert_with(|| alone(&mut llama, &r.clone().with_max_tokens(n)));
@@ -139,7 +139,7 @@ fn preemption_under_a_tiny_pool_with_cancellations_gives_solo_tokens() {
         match result {
             Ok(()) => {
                 completed += 1;
-                let full = &expected[&(p, r.temperature.to_bits(), r.seed)];
+                let full = &expected[&(p, r.sampling.temperature.to_bits(), r.seed)];
                 assert_eq!(ids, full[..r.max_tokens], "prompt {p}, {r:?}");
             }
             Err(LlamaError::Cancelled) => assert!(cancel),

@@ -30,10 +30,10 @@ fn requests() -> Vec<GenerateRequest> {
                 .with_min_tokens(i % 3)
                 .with_logprobs(i % 6)
                 .with_prompt_logprobs(i % 3);
-            r.repetition_penalty = [1.0, 1.1][i % 2];
-            r.frequency_penalty = [0.0, 0.5, -0.3][i % 3];
-            r.presence_penalty = [0.2, 0.0][i % 2];
-            r.logit_bias = vec![(13, 2.0), (100 + i as u32, -5.0)];
+            r.sampling.repetition_penalty = [1.0, 1.1][i % 2];
+            r.sampling.frequency_penalty = [0.0, 0.5, -0.3][i % 3];
+            r.sampling.presence_penalty = [0.2, 0.0][i % 2];
+            r.sampling.logit_bias = vec![(13, 2.0), (100 + i as u32, -5.0)];
             r
         })
         .collect()
@@ -50,7 +50,7 @@ fn alone(llama: &mut Demo, request: &GenerateRequest) -> Run {
     let mut run = Vec::new();
     loop {
         let (id, _, done) = llama
-            .generate_single_token(&mut state, request.temperature, &mut sampler)
+            .generate_single_token(&mut state, request.sampling.temperature, &mut sampler)
             .unwrap();
         run.push((id, state.take_logprobs()));
         if done {
@@ -212,7 +212,7 @@ fn min_tokens_stop_token_ids_and_bans_hold_on_the_model() {
         .with_temperature(1.0)
         .with_seed(5)
         .with_min_tokens(3);
-    r.logit_bias = vec![(eos[0], 100.0)];
+    r.sampling.logit_bias = vec![(eos[0], 100.0)];
     let run = alone(&mut llama, &r);
     assert_eq!(run.len(), 4, "{run:?}");
     assert!(run[..3].iter().all(|(id, _)| !eos.contains(id)));

@@ -97,7 +97,6 @@ fn select_rows<B: LlamaBackend>(logits: Tensor<B, 2>, at: &[usize]) -> Tensor<B,
 struct Active<B: LlamaBackend> {
     state: GenerationState<B>,
     sampler: Sampler,
-    temperature: f64,
     sink: Sink,
     cancel: CancelToken,
     submitted: Instant,
@@ -303,7 +302,6 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                         sub.id,
                         Active {
                             sampler,
-                            temperature: sub.request.temperature,
                             sink: sub.sink,
                             cancel: sub.cancel,
                             submitted: sub.submitted,
@@ -328,14 +326,12 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
 
     /// Prepares the generation state and the sampler (with its compiled constraint, if
     /// any) of a request its submitter has validated and tokenized already (the engine
-    /// thread never tokenizes).
+    /// thread never tokenizes, and checks none of those values again: the sampler reads
+    /// the request's [`sampling`](crate::inference::GenerateRequest::sampling) as it is).
     fn prepare(&self, sub: &Submission) -> Result<(GenerationState<B>, Sampler)> {
         let request = &sub.request;
         let ids = &sub.prompt;
-        let mut state = self
-            .llama
-            .unreserved_state(ids.clone(), request.max_tokens)?
-            .with_request(request);
+        let mut state = GenerationState::new(ids.clone(), request.max_tokens).with_request(request);
         if let Some(config) = request.speculation.or(self.speculation) {
             state = self.llama.with_speculation(state, &config)?;
         }
@@ -485,7 +481,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             && plan.rows.iter().filter(|r| r.sample).all(|r| {
                 self.requests
                     .get(&r.id)
-                    .is_some_and(|a| a.state.draws_plain_greedy(&a.sampler, a.temperature))
+                    .is_some_and(|a| a.state.draws_plain_greedy(&a.sampler))
             });
         // Otherwise each row the device may draw (the rule of `sampling::device`, the
         // row's own whatever the rest of the step) is drawn there, where the backend can
@@ -499,7 +495,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     .filter(|r| r.sample && !drafts.contains_key(&r.id))
                     .filter_map(|r| {
                         let a = self.requests.get(&r.id)?;
-                        let draw = a.state.device_draw(&a.sampler, a.temperature)?;
+                        let draw = a.state.device_draw(&a.sampler)?;
                         Some((r.id, *slots.get(&r.id)?, draw))
                     })
                     .collect()
@@ -588,13 +584,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             })
             .collect();
         let tokens = crate::sampling::for_each_row(&mut jobs, |(_, active, logits)| {
-            let Active {
-                state,
-                sampler,
-                temperature,
-                ..
-            } = &mut **active;
-            state.sample_next(logits, *temperature, sampler, stop_ids)
+            let Active { state, sampler, .. } = &mut **active;
+            state.sample_next(logits, sampler, stop_ids)
         });
         let mut sampled: HashMap<RequestId, Result<u32>> =
             jobs.iter().map(|(id, _, _)| *id).zip(tokens).collect();
@@ -651,13 +642,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 .requests
                 .get_mut(&id)
                 .ok_or_else(|| LlamaError::Runtime("a scheduled request has no state".into()))?;
-            let Active {
-                state,
-                sampler,
-                temperature,
-                ..
-            } = active;
-            let token = state.sample_next(row, *temperature, sampler, stop_ids)?;
+            let Active { state, sampler, .. } = active;
+            let token = state.sample_next(row, sampler, stop_ids)?;
             match self.emit(id, token)? {
                 Some(token) => {
                     self.scheduler.append(id, token);

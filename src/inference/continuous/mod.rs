@@ -471,10 +471,11 @@ impl<T: Tokenizer> Frontend<T> {
         request.validate_token_ids(self.vocab_size)
     }
 
-    /// The checks of the prompt's tokens: not empty, room for one generated token, ids
-    /// in the vocabulary.
-    fn check_prompt(&self, ids: &[u32], max_tokens: usize) -> Result<()> {
-        check_request_size(Some(ids.len()), max_tokens, self.max_seq_len)?;
+    /// The checks of the prompt's tokens (`max_tokens` is checked already, by
+    /// [`check_request`](Self::check_request)): not empty, room for one generated token,
+    /// ids in the vocabulary.
+    fn check_prompt(&self, ids: &[u32]) -> Result<()> {
+        check_request_size(Some(ids.len()), None, self.max_seq_len)?;
         match ids.iter().find(|&&id| id as usize >= self.vocab_size) {
             Some(&bad) => Err(LlamaError::invalid(
                 "token id",
@@ -493,7 +494,7 @@ impl<T: Tokenizer> Frontend<T> {
                 Some(ids) => ids.clone(),
                 None => self.tokenize(request)?,
             };
-            self.check_prompt(&ids, request.max_tokens)?;
+            self.check_prompt(&ids)?;
             Ok(ids)
         })
     }
@@ -507,7 +508,7 @@ impl<T: Tokenizer> Frontend<T> {
                 Some(ids) => ids,
                 None => self.tokenize(request)?,
             };
-            self.check_prompt(&ids, request.max_tokens)?;
+            self.check_prompt(&ids)?;
             request.prompt = String::new();
             request.messages = None;
             request.tools = Vec::new();
