@@ -134,7 +134,7 @@ fn benches(c: &mut Criterion) {
 /// The machine's roof, on every core at once (rayon): f32 fused multiply-adds and 8-bit
 /// integer dot products (`vpdpbusd`, 4 multiply-adds per lane) from registers, in
 /// independent chains, and a plain read of 1 GiB. Each kernel's figure is then a
-/// fraction of these (CPU_KERNELS.md).
+/// fraction of these (docs/src/cpu-kernels.md).
 #[cfg(target_arch = "x86_64")]
 fn roof(c: &mut Criterion) {
     use rayon::prelude::*;

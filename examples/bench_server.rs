@@ -14,7 +14,7 @@
 //! `X-Session-Id` header, as a chat application does. With `--metrics-url` (once per
 //! replica) it reads each server's prefix-cache counters before and after, and reports
 //! how many prompt tokens were served from the cache: the measure of session stickiness
-//! behind a load balancer (see DEPLOYMENT.md).
+//! behind a load balancer (see docs/src/deployment.md).
 
 use std::time::{Duration, Instant};
 

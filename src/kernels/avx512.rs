@@ -27,7 +27,7 @@ pub(crate) const FUSED_ROWS: usize = 4;
 
 /// Most activation rows multiplied straight from registers, in fused tiles of up to
 /// [`FUSED_ROWS`] (each tile decodes the weights again); more go through scratch rows.
-/// Two fused passes beat scratch rows at 8 rows (see CPU_KERNELS.md).
+/// Two fused passes beat scratch rows at 8 rows (see docs/src/cpu-kernels.md).
 pub(crate) const FUSED_UP_TO: usize = 8;
 
 /// Columns of a scratch tile: 6 x 4 accumulators, 4 weight registers and one activation

@@ -179,7 +179,7 @@ pub(crate) fn get_interleaved(step: &[u8], i: usize, out: &mut [u8]) {
 /// multiplies a group's eight outputs at once then reads one sequential stream, which
 /// the hardware prefetcher follows, and converts eight rows' scales with one
 /// instruction: 1-row decode went from 69 to 171 tokens/s with it (measured here, see
-/// CPU_KERNELS.md).
+/// docs/src/cpu-kernels.md).
 ///
 /// The K-quants ([`QuantFormat::interleaves_words`]) keep their blocks whole in a
 /// group of fewer than eight rows; in a full group each step interleaves its eight

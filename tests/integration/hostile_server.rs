@@ -28,7 +28,7 @@ const PANIC_MARKER: &str = "@@inject-a-panic@@";
 const EXIT_MARKER: &str = "@@end-the-engine@@";
 /// Resident memory the attack may add to what the server held once loaded and warm
 /// (model, KV pool, runtime): connection buffers, in-flight bodies (at most
-/// `--max-body-bytes` each), event channels. Documented in the README.
+/// `--max-body-bytes` each), event channels. Documented in the book (docs/src/serving.md).
 const RSS_MARGIN_BYTES: u64 = 384 * 1024 * 1024;
 
 /// Starts the binary with this test's limits, tenants and test-only markers.

@@ -16,6 +16,9 @@
 
 mod common;
 
+// The README, the strategy guides and the book (docs/src/): fences, doctests, links.
+mod docs;
+
 // Files, checkpoints and tokenizers.
 mod gguf_format;
 mod hostile_inputs;
