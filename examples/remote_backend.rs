@@ -50,7 +50,7 @@ use burn::tensor::Tensor;
 use clap::Parser;
 use llama_burn::LlamaError;
 use llama_burn::backend::LlamaBackend;
-use llama_burn::llama::{Llama, LlamaConfig};
+use llama_burn::llama::Llama;
 use llama_burn::model::Logits;
 use llama_burn::sampling::Sampler;
 use llama_burn::tokenizer::Tokenizer;
