@@ -45,11 +45,17 @@ fn run(args: &Args, llama: Llama<B>) -> llama_burn::Result<()> {
         .infer(GenerateRequest::new("The capital of France is").with_max_tokens(20))
         .with_devices([device.clone()])
         .spawn();
+    let mut first = None;
     for token in job.stream.iter() {
+        first.get_or_insert_with(|| t.elapsed().as_secs_f64());
         print!("{}", token.token);
     }
     job.join()?;
     println!("\n   ({:.2} s)\n", t.elapsed().as_secs_f64());
+    if let Some(first) = first {
+        // The model is loaded before `run`: this is the wait of the first request.
+        eprintln!("first token: {first:.3} s after the model loaded");
+    }
 
     println!("== 2. three concurrent requests (each token is tagged with its request)");
     let prompts = [

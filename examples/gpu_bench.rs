@@ -79,6 +79,15 @@ struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Count the kernel launches of a one-row decode step (CubeCL backends: every launch
+    /// logged by CubeCL's execution-only profiling, no timing), reported per step and
+    /// per layer; the decode figures of such a run include the logging's cost.
+    #[arg(long)]
+    count_launches: bool,
+    /// With `--count-launches`: fail if a decode step launches more than this many
+    /// kernels per layer (the whole step, output head included, over the layers).
+    #[arg(long)]
+    max_launches_per_layer: Option<f64>,
 }
 
 /// The largest prompt chunk the engine runs in one step.
@@ -93,6 +102,16 @@ fn main() {
 /// `Cuda<f16>` or `Cuda`), elsewhere as the device's float type (`set_float_type`), which
 /// Burn's backends compute in alike.
 fn run(args: &Args) -> Result<()> {
+    if args.count_launches {
+        #[cfg(any(feature = "cuda", feature = "wgpu", feature = "vulkan"))]
+        llama_burn::gpu::log_kernel_launches(&launch_log())?;
+        #[cfg(not(any(feature = "cuda", feature = "wgpu", feature = "vulkan")))]
+        return Err(LlamaError::invalid(
+            "--count-launches",
+            "true",
+            "counts CubeCL kernel launches: build with a GPU feature (cuda, wgpu, vulkan)",
+        ));
+    }
     #[cfg(feature = "cuda")]
     {
         use burn::backend::Cuda;
@@ -292,6 +311,33 @@ fn bench_model<C: LlamaBackend>(
             "kv_pool_bytes": kv_bytes,
         }));
     }
+    let launches = if args.count_launches {
+        let (per_step, kernels) = count_launches(args, &llama, &tokens(args.context), device)?;
+        let per_layer = per_step / c.n_layers as f64;
+        if !args.json {
+            println!(
+                "{name}: {per_step:.1} kernel launches a one-row decode step, {per_layer:.2} \
+                 a layer"
+            );
+            for (kernel, n) in &kernels {
+                println!("  {n:>6.1}  {kernel}");
+            }
+        }
+        if let Some(max) = args.max_launches_per_layer
+            && per_layer > max
+        {
+            return Err(LlamaError::Runtime(format!(
+                "{name}: {per_layer:.2} kernel launches per layer, more than {max}"
+            )));
+        }
+        json!({
+            "per_step": per_step,
+            "per_layer": per_layer,
+            "kernels": kernels.iter().map(|(k, n)| json!({"kernel": k, "per_step": n})).collect::<Vec<_>>(),
+        })
+    } else {
+        Value::Null
+    };
     C::sync(device).map_err(|e| LlamaError::Runtime(format!("sync: {e:?}")))?;
     let (memory_bytes, memory_source) = memory_used();
     if !args.json {
@@ -311,7 +357,91 @@ fn bench_model<C: LlamaBackend>(
         "decode": decode,
         "memory_bytes": memory_bytes,
         "memory_source": memory_source,
+        "launches": launches,
     }))
+}
+
+/// Where `--count-launches` has CubeCL log the launches.
+fn launch_log() -> PathBuf {
+    std::env::temp_dir().join(format!("llama-burn-launches-{}.log", std::process::id()))
+}
+
+/// The lines of the launch log so far, after the device has finished its work and
+/// CubeCL's logging task has caught up.
+fn logged_launches<C: LlamaBackend>(device: &C::Device) -> Result<Vec<String>> {
+    C::sync(device).map_err(|e| LlamaError::Runtime(format!("sync: {e:?}")))?;
+    // CubeCL writes the log from a background task: let it drain.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let text = std::fs::read_to_string(launch_log()).unwrap_or_default();
+    Ok(text
+        .lines()
+        .filter_map(|l| l.strip_prefix("Executing "))
+        .map(str::to_string)
+        .collect())
+}
+
+/// Kernel launches of one-row decode steps: the average per step, and per kernel name
+/// (most first).
+fn count_launches<C: LlamaBackend>(
+    args: &Args,
+    llama: &Llama<C>,
+    context: &[u32],
+    device: &C::Device,
+) -> Result<(f64, Vec<(String, f64)>)> {
+    const STEPS: usize = 4;
+    let c = llama.config();
+    let blocks = (context.len() + 2 + STEPS).div_ceil(args.block_size);
+    let mut cache = PagedKvCache::<C>::new(
+        c.n_layers,
+        blocks,
+        args.block_size,
+        c.n_kv_heads,
+        c.head_dim,
+        device,
+    )?;
+    let table: Vec<BlockId> = (0..blocks as BlockId).collect();
+    let prompt = [PagedRow {
+        tokens: context,
+        start: 0,
+        blocks: &table,
+        logits: true,
+        all_logits: false,
+    }];
+    let mut next = greedy(llama, &prompt, &mut cache)?[0];
+    let mut position = context.len();
+    // Two untimed steps compile whatever a decode step needs.
+    let mut step = |next: &mut u32, position: &mut usize| -> Result<()> {
+        let token = [*next];
+        let rows = [PagedRow {
+            tokens: &token,
+            start: *position,
+            blocks: &table,
+            logits: true,
+            all_logits: false,
+        }];
+        *next = greedy(llama, &rows, &mut cache)?[0];
+        *position += 1;
+        Ok(())
+    };
+    for _ in 0..2 {
+        step(&mut next, &mut position)?;
+    }
+    let before = logged_launches::<C>(device)?.len();
+    for _ in 0..STEPS {
+        step(&mut next, &mut position)?;
+    }
+    let lines = logged_launches::<C>(device)?;
+    let counted = &lines[before.min(lines.len())..];
+    let mut kernels: std::collections::BTreeMap<&str, usize> = Default::default();
+    for k in counted {
+        *kernels.entry(k.as_str()).or_default() += 1;
+    }
+    let mut kernels: Vec<(String, f64)> = kernels
+        .into_iter()
+        .map(|(k, n)| (k.to_string(), n as f64 / STEPS as f64))
+        .collect();
+    kernels.sort_by(|a, b| b.1.total_cmp(&a.1));
+    Ok((counted.len() as f64 / STEPS as f64, kernels))
 }
 
 /// One step of `rows` on the engine's path: the greedy token of each row, read back (as

@@ -125,6 +125,13 @@ pub trait LlamaBackend: Backend {
         false
     }
 
+    /// Whether the backend compiles (and tunes) its kernels on first use, so that a
+    /// model is worth running once at load ([`crate::Loader::warm_up`]). The default is
+    /// `false`; the CubeCL backends say `true`.
+    fn compiles_kernels() -> bool {
+        false
+    }
+
     /// The largest weight, in bytes, that loading hands to the backend in one piece;
     /// larger matrices go in blocks of rows, concatenated on the device. The default,
     /// `None`, is no limit.
@@ -181,6 +188,25 @@ pub trait LlamaBackend: Backend {
         } else {
             x.matmul(w.clone())
         })
+    }
+
+    /// The feed-forward's gate and up projections and SwiGLU at once, `silu(x @ gate^T) *
+    /// (x @ up^T)`, for two quantized matrices, where the backend has a kernel that does
+    /// all three in one pass; `Ok(None)`, the default, where it has not (the caller then
+    /// runs [`quantized_matmul`](Self::quantized_matmul) twice and
+    /// [`swiglu`](Self::swiglu)). The CubeCL backends take two matrices of one format
+    /// and shape.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] if `x`'s columns are not the matrices' inputs.
+    fn quantized_swiglu(
+        _x: Tensor<Self, 2>,
+        _gate: &QuantMatrix,
+        _up: &QuantMatrix,
+        _precision: Precision,
+    ) -> Result<Option<Tensor<Self, 2>>> {
+        Ok(None)
     }
 
     /// The feed-forward gate: `silu(gate) * up`, element by element. The default is
@@ -247,6 +273,46 @@ pub trait LlamaBackend: Backend {
         Ok(rms_norm_f32(x, weight.clone(), eps))
     }
 
+    /// The residual add of one sub-layer and the RMSNorm of the next: `(x + delta,
+    /// rms_norm(x + delta))`. The default is a tensor add and
+    /// [`rms_norm`](Self::rms_norm); the CubeCL backends do both in one kernel.
+    ///
+    /// # Errors
+    ///
+    /// As [`rms_norm`](Self::rms_norm), and [`LlamaError::ShapeMismatch`] if `delta`'s
+    /// shape is not `x`'s.
+    fn add_rms_norm(
+        x: Tensor<Self, 2>,
+        delta: Tensor<Self, 2>,
+        weight: &Tensor<Self, 1>,
+        eps: f64,
+    ) -> Result<(Tensor<Self, 2>, Tensor<Self, 2>)> {
+        check_same_shape("residual", &x, &delta)?;
+        let sum = x + delta;
+        let normed = Self::rms_norm(sum.clone(), weight, eps)?;
+        Ok((sum, normed))
+    }
+
+    /// Writes a step's keys `k` and values `v` (`[tokens, kv_heads * head_dim]`) into a
+    /// layer's pools `keys`/`values` (`[blocks, kv_heads, block_size, head_dim]`) at
+    /// `slots` (one per token, the slots `batch`'s tables give its positions); returns
+    /// the pools. The default writes on the host where the tensor lives there, else one
+    /// slice assignment per run of consecutive slots; the CubeCL backends write every
+    /// token of both pools in one kernel.
+    fn paged_store(
+        pools: (Tensor<Self, 4>, Tensor<Self, 4>),
+        k: Tensor<Self, 2>,
+        v: Tensor<Self, 2>,
+        slots: &[crate::cache::paged::Slot],
+        _batch: &PagedBatch<'_, Self>,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
+        let (keys, values) = pools;
+        (
+            crate::cache::paged::write_slots(keys, k, slots),
+            crate::cache::paged::write_slots(values, v, slots),
+        )
+    }
+
     /// Rotary position embedding in the rotate-half layout: `x * cos + rotate_half(x) *
     /// sin` for `x`, `cos` and `sin` `[rows, heads * head_dim]` (the first half's sign
     /// folded into `sin`), where `swap` is the `[head_dim, head_dim]` permutation that
@@ -263,19 +329,8 @@ pub trait LlamaBackend: Backend {
         sin: &Tensor<Self, 2>,
         swap: &Tensor<Self, 2>,
     ) -> Result<Tensor<Self, 2>> {
-        let [rows, width] = check_rope(&x, cos, sin, swap)?;
-        let head_dim = swap.dims()[0];
-        let half = head_dim / 2;
-        let heads = x.clone().reshape([rows * width / head_dim, head_dim]);
-        let rotated = Tensor::cat(
-            vec![
-                heads.clone().narrow(1, half, half),
-                heads.narrow(1, 0, half),
-            ],
-            1,
-        )
-        .reshape([rows, width]);
-        Ok(x * cos.clone() + rotated * sin.clone())
+        check_rope(&x, cos, sin, swap)?;
+        rope_by_slicing(x, cos, sin, swap.dims()[0])
     }
 
     /// Attention of a paged step: `q` `[tokens, n_heads * head_dim]` (the sequences'
@@ -458,6 +513,22 @@ pub(crate) fn upload_matrix<B: LlamaBackend>(
 }
 
 /// An error unless `weight` has one value per column of `x`.
+/// [`LlamaError::ShapeMismatch`] unless `b` has `a`'s shape.
+pub(crate) fn check_same_shape<B: Backend>(
+    name: &str,
+    a: &Tensor<B, 2>,
+    b: &Tensor<B, 2>,
+) -> Result<()> {
+    if a.dims() != b.dims() {
+        return Err(LlamaError::ShapeMismatch {
+            name: name.into(),
+            expected: a.dims().to_vec(),
+            actual: b.dims().to_vec(),
+        });
+    }
+    Ok(())
+}
+
 pub(crate) fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) -> Result<()> {
     let [_, d] = x.dims();
     if weight.dims() == [d] {
@@ -471,9 +542,31 @@ pub(crate) fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) ->
     }
 }
 
+/// RoPE by Burn's operations: each head's halves swapped by slicing, then
+/// `x * cos + rotated * sin` (the portable [`LlamaBackend::rope`]).
+pub(crate) fn rope_by_slicing<B: Backend>(
+    x: Tensor<B, 2>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    head_dim: usize,
+) -> Result<Tensor<B, 2>> {
+    let [rows, width] = x.dims();
+    let half = head_dim / 2;
+    let heads = x.clone().reshape([rows * width / head_dim, head_dim]);
+    let rotated = Tensor::cat(
+        vec![
+            heads.clone().narrow(1, half, half),
+            heads.narrow(1, 0, half),
+        ],
+        1,
+    )
+    .reshape([rows, width]);
+    Ok(x * cos.clone() + rotated * sin.clone())
+}
+
 /// The shape `[rows, width]` of a RoPE call's `x`, or an error if `cos` and `sin` do
 /// not have it or `swap` is not a square of an even size dividing `width`.
-fn check_rope<B: Backend>(
+pub(crate) fn check_rope<B: Backend>(
     x: &Tensor<B, 2>,
     cos: &Tensor<B, 2>,
     sin: &Tensor<B, 2>,

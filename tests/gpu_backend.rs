@@ -444,6 +444,161 @@ fn dense_matmul_kernel_is_batch_invariant_and_gives_the_reference() {
 }
 
 #[test]
+fn row_kernels_give_the_reference_and_the_store_writes_each_slot() {
+    use burn::tensor::{Tensor, TensorData};
+    use llama_burn::model::attention::{PagedBatch, PagedSeq};
+
+    let device = Default::default();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let read = |t: Tensor<Gpu, 2>| t.into_data().into_vec::<f32>().expect("f32");
+    let matrix = |v: &[f32], rows: usize, cols: usize| {
+        Tensor::<Gpu, 2>::from_data(TensorData::new(v.to_vec(), [rows, cols]), &device)
+    };
+
+    // RMSNorm (one cube per row, sums in an order fixed by the row's length; 300 values
+    // are more than one pass of the cube) and the residual add fused with it: against an
+    // f64 reference, and each row alone bitwise equal to its row in a batch of 19.
+    let (rows, d, eps) = (19, 300, 1e-5);
+    let x = values(rows * d, 3);
+    let delta = values(rows * d, 4);
+    let w = values(d, 5);
+    let weight = Tensor::<Gpu, 1>::from_data(TensorData::new(w.clone(), [d]), &device);
+    let normed = read(Gpu::rms_norm(matrix(&x, rows, d), &weight, eps).expect("norm"));
+    let (sum, fused) =
+        Gpu::add_rms_norm(matrix(&x, rows, d), matrix(&delta, rows, d), &weight, eps)
+            .expect("add and norm");
+    let (sum, fused) = (read(sum), read(fused));
+    for r in 0..rows {
+        let row = &x[r * d..(r + 1) * d];
+        let ms = row
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            / d as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for i in 0..d {
+            let want = f64::from(row[i]) * inv * f64::from(w[i]);
+            let got = f64::from(normed[r * d + i]);
+            assert!(
+                (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                "{r} {i}: {got} {want}"
+            );
+            // The residual sum is the plain f32 add.
+            assert_eq!(
+                sum[r * d + i].to_bits(),
+                (x[r * d + i] + delta[r * d + i]).to_bits()
+            );
+        }
+    }
+    // The fused kernel normalizes its sum exactly as the norm kernel does.
+    let normed_sum = read(Gpu::rms_norm(matrix(&sum, rows, d), &weight, eps).expect("norm"));
+    assert_eq!(bits(&fused), bits(&normed_sum));
+    for r in [0, 7, rows - 1] {
+        let alone =
+            read(Gpu::rms_norm(matrix(&x[r * d..(r + 1) * d], 1, d), &weight, eps).unwrap());
+        assert_eq!(bits(&alone), bits(&normed[r * d..(r + 1) * d]), "row {r}");
+    }
+    // A weight of the wrong length is an error, not a panic.
+    let short = Tensor::<Gpu, 1>::from_data(TensorData::new(vec![1f32; d - 1], [d - 1]), &device);
+    assert!(matches!(
+        Gpu::rms_norm(matrix(&x, rows, d), &short, eps),
+        Err(LlamaError::ShapeMismatch { .. })
+    ));
+
+    // RoPE in one kernel against the CPU backend's (a product and adds in f32 there).
+    let (rows, heads, head_dim) = (5, 3, 8);
+    let width = heads * head_dim;
+    let (x, cos, sin) = (
+        values(rows * width, 6),
+        values(rows * width, 7),
+        values(rows * width, 8),
+    );
+    let mut swap = vec![0f32; head_dim * head_dim];
+    for i in 0..head_dim {
+        swap[i * head_dim + (i + head_dim / 2) % head_dim] = 1.0;
+    }
+    let on_gpu = read(
+        Gpu::rope(
+            matrix(&x, rows, width),
+            &matrix(&cos, rows, width),
+            &matrix(&sin, rows, width),
+            &matrix(&swap, head_dim, head_dim),
+        )
+        .expect("rope"),
+    );
+    let cpu = |v: &[f32], r: usize, c: usize| {
+        Tensor::<Flex, 2>::from_data(TensorData::new(v.to_vec(), [r, c]), &Default::default())
+    };
+    let on_cpu = Flex::rope(
+        cpu(&x, rows, width),
+        &cpu(&cos, rows, width),
+        &cpu(&sin, rows, width),
+        &cpu(&swap, head_dim, head_dim),
+    )
+    .expect("cpu rope")
+    .into_data()
+    .into_vec::<f32>()
+    .expect("f32");
+    let diff = max_diff(&on_gpu, &on_cpu);
+    assert!(diff <= 1e-6, "rope differs from the CPU's by {diff}");
+
+    // The paged store: two sequences' keys and values (a column slice of a wider tensor,
+    // as the model passes them) into their blocks, one launch for both pools; a copy of
+    // the pool taken before the write keeps its old values.
+    let (blocks, kv_heads, block_size, dim) = (6, 2, 4, 3);
+    let width = kv_heads * dim;
+    let table_a = [4u32, 1];
+    let table_b = [0u32];
+    let seqs = vec![
+        PagedSeq {
+            tokens: 3,
+            start: 2,
+            blocks: &table_a,
+        },
+        PagedSeq {
+            tokens: 2,
+            start: 0,
+            blocks: &table_b,
+        },
+    ];
+    let batch = PagedBatch::<Gpu>::new(seqs, 4, block_size, blocks, &device).expect("batch");
+    let slots = [(4, 2), (4, 3), (1, 0), (0, 0), (0, 1)];
+    let tokens = slots.len();
+    let wide = values(tokens * 2 * width, 9);
+    let kv = matrix(&wide, tokens, 2 * width);
+    let (k, v) = (
+        kv.clone().slice([0..tokens, 0..width]),
+        kv.slice([0..tokens, width..2 * width]),
+    );
+    let pool_len = blocks * kv_heads * block_size * dim;
+    let pool = |base: f32| {
+        let init: Vec<f32> = (0..pool_len).map(|i| base - i as f32).collect();
+        Tensor::<Gpu, 4>::from_data(
+            TensorData::new(init, [blocks, kv_heads, block_size, dim]),
+            &device,
+        )
+    };
+    let (keys, values_pool) = (pool(-1.0), pool(-1000.0));
+    let kept = keys.clone();
+    let (keys, values_pool) = Gpu::paged_store((keys, values_pool), k, v, &slots, &batch);
+    let keys = keys.into_data().into_vec::<f32>().expect("f32");
+    let vals = values_pool.into_data().into_vec::<f32>().expect("f32");
+    let mut want_k: Vec<f32> = (0..pool_len).map(|i| -1.0 - i as f32).collect();
+    let mut want_v: Vec<f32> = (0..pool_len).map(|i| -1000.0 - i as f32).collect();
+    for (t, &(block, slot)) in slots.iter().enumerate() {
+        for c in 0..width {
+            let at = ((block as usize * kv_heads + c / dim) * block_size + slot) * dim + c % dim;
+            want_k[at] = wide[t * 2 * width + c];
+            want_v[at] = wide[t * 2 * width + width + c];
+        }
+    }
+    assert_eq!(bits(&keys), bits(&want_k));
+    assert_eq!(bits(&vals), bits(&want_v));
+    let kept = kept.into_data().into_vec::<f32>().expect("f32");
+    assert!(kept.iter().enumerate().all(|(i, &v)| v == -1.0 - i as f32));
+}
+
+#[test]
 fn device_argmax_gives_the_host_greedy_token() {
     use burn::tensor::{Tensor, TensorData};
 

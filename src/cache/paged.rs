@@ -23,7 +23,9 @@ use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 use rayon::prelude::*;
 
 use super::blocks::BlockId;
+use crate::backend::LlamaBackend;
 use crate::error::{LlamaError, Result};
+use crate::model::paged_batch::PagedBatch;
 
 /// Where one token's keys and values go: `(block, slot within the block)`.
 pub type Slot = (BlockId, usize);
@@ -139,13 +141,30 @@ impl<B: Backend> PagedKvCache<B> {
     }
 
     /// Writes this step's keys and values of `layer` (`[tokens, kv_heads * head_dim]`
-    /// each, one row per token) into their slots.
-    pub(crate) fn write(&mut self, layer: usize, k: Tensor<B, 2>, v: Tensor<B, 2>, slots: &[Slot]) {
-        let (kv_heads, block_size, head_dim) = (self.kv_heads, self.block_size, self.head_dim);
+    /// each, one row per token) into their slots, through the backend's
+    /// [`paged_store`](LlamaBackend::paged_store).
+    pub(crate) fn write(
+        &mut self,
+        layer: usize,
+        k: Tensor<B, 2>,
+        v: Tensor<B, 2>,
+        slots: &[Slot],
+        batch: &PagedBatch<'_, B>,
+    ) where
+        B: LlamaBackend,
+    {
         let pool = &mut self.layers[layer];
-        for (target, values) in [(&mut pool.k, k), (&mut pool.v, v)] {
-            target.inplace(|t| write_slots(t, values, slots, kv_heads, block_size, head_dim));
-        }
+        let LayerPool { k: keys, v: values } = pool;
+        keys.inplace(|keys| {
+            let mut written = None;
+            values.inplace(|values| {
+                let (keys, values) = B::paged_store((keys, values), k, v, slots, batch);
+                written = Some(keys);
+                values
+            });
+            // `inplace` ran the closure: `written` holds the keys.
+            written.unwrap_or_else(|| unreachable!("Tensor::inplace runs its closure"))
+        });
     }
 
     /// Layer `layer`'s pool: keys and values, `[blocks, kv_heads, block_size, head_dim]`
@@ -156,15 +175,16 @@ impl<B: Backend> PagedKvCache<B> {
     }
 }
 
-/// Writes `values` (`[tokens, kv_heads * head_dim]`) into `pool` at `slots`.
-fn write_slots<B: Backend>(
+/// Writes `values` (`[tokens, kv_heads * head_dim]`) into `pool` (`[blocks, kv_heads,
+/// block_size, head_dim]`) at `slots`: on the host where the pool lives there, else one
+/// slice assignment per run of consecutive slots in one block (the portable
+/// [`LlamaBackend::paged_store`]).
+pub(crate) fn write_slots<B: Backend>(
     pool: Tensor<B, 4>,
     values: Tensor<B, 2>,
     slots: &[Slot],
-    kv_heads: usize,
-    block_size: usize,
-    head_dim: usize,
 ) -> Tensor<B, 4> {
+    let [_, kv_heads, block_size, head_dim] = pool.dims();
     let written = super::host::write_in_place(pool, &values, |memory, rows| {
         for (i, &(block, slot)) in slots.iter().enumerate().take(rows.len()) {
             let row = rows.row(i);
@@ -260,7 +280,20 @@ mod tests {
         let slots: Vec<Slot> = a_slots.iter().chain(&b_slots).copied().collect();
         let k = values(8, heads * dim, 0.0);
         let v = values(8, heads * dim, 1000.0);
-        cache.write(0, k.clone(), v.clone(), &slots);
+        let seqs = vec![
+            crate::model::attention::PagedSeq {
+                tokens: 6,
+                start: 0,
+                blocks: &[3, 1],
+            },
+            crate::model::attention::PagedSeq {
+                tokens: 2,
+                start: 0,
+                blocks: &[0],
+            },
+        ];
+        let batch = PagedBatch::new(seqs, heads, bs, 5, &default_device()).unwrap();
+        cache.write(0, k.clone(), v.clone(), &slots, &batch);
         let (pk, pv) = cache.layer(0);
         let tables = [3, 1, 0, 0];
         let (gk, gv) = (gather_blocks(pk, &tables, 2), gather_blocks(pv, &tables, 2));

@@ -40,7 +40,9 @@ pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
 
     let mut qs = SharedMemory::<f32>::new(dim);
     let mut scores = SharedMemory::<f32>::new(dim);
-    let q_at = (token * n_heads + head) * dim;
+    // `q`'s rows may be a column slice of a wider product: `stride(0)` apart.
+    let q_at = token * q.stride(0) + head * dim;
+    let out_at = (token * n_heads + head) * dim;
     qs[d] = f32::cast_from(q[q_at + d]) * scale;
     sync_cube();
 
@@ -88,7 +90,7 @@ pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
         sync_cube();
         tile += dim;
     }
-    out[q_at + d] = F::cast_from(acc / sum);
+    out[out_at + d] = F::cast_from(acc / sum);
 }
 
 /// Byte `at` of little-endian words (ggml's bytes packed four to a word).
@@ -170,11 +172,17 @@ fn signed_byte(b: u32) -> f32 {
 /// the tile size: every output is its own sum, and no value depends on another row of
 /// `x`. The rows past the end of the last tile repeat the last row and are never stored;
 /// so are the outputs past `n_out` in the last cube.
+///
+/// With `pair` (the feed-forward's gate and up projections, `words` and `up` of the same
+/// format and shape) each unit computes both products of its output the same way and
+/// stores `silu(gate) * up` in f32, rounded once: SwiGLU in the product's epilogue, one
+/// launch for three operations. Without it `up` is not read.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     x: &Tensor<F>,
     words: &Tensor<I>,
+    up: &Tensor<I>,
     out: &mut Tensor<F>,
     rows: u32,
     n_out: u32,
@@ -182,6 +190,7 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     #[comptime] format: u32,
     #[comptime] tile: usize,
     #[comptime] lanes: usize,
+    #[comptime] pair: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let lane = UNIT_POS_Y as usize;
@@ -211,6 +220,7 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     // Where each row of the tile starts in `x`.
     let mut x_at = Array::<u32>::new(tile);
     let mut acc = Array::<f32>::new(tile);
+    let mut acc_up = Array::<f32>::new(tile);
     #[unroll]
     for t in 0..tile {
         let mut r = r0 + t;
@@ -219,6 +229,7 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
         }
         x_at[t] = (r * cols) as u32;
         acc[t] = f32::new(0.0);
+        acc_up[t] = f32::new(0.0);
     }
     let mut b = lane;
     while b < blocks {
@@ -226,16 +237,26 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
         let xb = b * block_values;
         if comptime!(k_quant) {
             k_block::<F, I>(x, words, at, &x_at, xb, &mut acc, format, tile);
+            if comptime!(pair) {
+                k_block::<F, I>(x, up, at, &x_at, xb, &mut acc_up, format, tile);
+            }
         } else {
             small_block::<F, I>(x, words, at, &x_at, xb, &mut acc, format, tile);
+            if comptime!(pair) {
+                small_block::<F, I>(x, up, at, &x_at, xb, &mut acc_up, format, tile);
+            }
         }
         b += lanes;
     }
     // The lanes' sums, added in lane order by the first lane.
-    let mut sums = SharedMemory::<f32>::new(comptime!(QUANT_OUTPUTS * lanes * tile));
+    let stride = comptime!(QUANT_OUTPUTS * lanes * tile);
+    let mut sums = SharedMemory::<f32>::new(comptime!(2 * QUANT_OUTPUTS * lanes * tile));
     #[unroll]
     for t in 0..tile {
         sums[(lane * QUANT_OUTPUTS + column) * tile + t] = acc[t];
+        if comptime!(pair) {
+            sums[stride + (lane * QUANT_OUTPUTS + column) * tile + t] = acc_up[t];
+        }
     }
     sync_cube();
     if lane == 0 && live {
@@ -245,6 +266,14 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
                 let mut total = f32::new(0.0);
                 for l in 0..lanes {
                     total += sums[(l * QUANT_OUTPUTS + column) * tile + t];
+                }
+                if comptime!(pair) {
+                    let mut total_up = f32::new(0.0);
+                    for l in 0..lanes {
+                        total_up += sums[stride + (l * QUANT_OUTPUTS + column) * tile + t];
+                    }
+                    // silu(g) = g / (1 + e^-g), in f32.
+                    total = total / (f32::new(1.0) + (-total).exp()) * total_up;
                 }
                 out[(r0 + t) * n_out + o] = F::cast_from(total);
             }
@@ -1027,5 +1056,139 @@ pub(crate) fn sample_kernel<F: Float, I: Numeric>(
         out[row * 3] = I::cast_from(token);
         out[row * 3 + 1] = I::cast_from(bits >> 16);
         out[row * 3 + 2] = I::cast_from(bits & 0xffffu32);
+    }
+}
+
+/// Units per cube of the row kernels ([`rms_norm_kernel`], [`add_rms_norm_kernel`]).
+pub(crate) const NORM_WIDTH: usize = 256;
+
+/// RMSNorm of row `row` of `x` (`d` values from `at`) into `out`: each unit sums the
+/// squares of values `u`, `u + NORM_WIDTH`, ... in order (in f32), the units' sums are
+/// added by [`cube_sum`]'s fixed tree, then `x * inv_rms * weight` in f32, rounded once to
+/// `F`. The order of every sum depends on `d` alone, never on the number of rows.
+#[cube]
+fn norm_row<F: Float>(
+    x: &Tensor<F>,
+    weight: &Tensor<F>,
+    out: &mut Tensor<F>,
+    at: usize,
+    d: usize,
+    eps: f32,
+) {
+    let u = UNIT_POS_X as usize;
+    let mut squares = f32::new(0.0);
+    let mut i = u;
+    while i < d {
+        let v = f32::cast_from(x[at + i]);
+        squares += v * v;
+        i += NORM_WIDTH;
+    }
+    let mut scratch = SharedMemory::<f32>::new(NORM_WIDTH);
+    let total = cube_sum(squares, &mut scratch);
+    let inv = f32::new(1.0) / (total / f32::cast_from(d as u32) + eps).sqrt();
+    let mut i = u;
+    while i < d {
+        out[at + i] = F::cast_from(f32::cast_from(x[at + i]) * inv * f32::cast_from(weight[i]));
+        i += NORM_WIDTH;
+    }
+}
+
+/// RMSNorm: one cube of [`NORM_WIDTH`] units per row of `x` `[rows, d]` (see [`norm_row`]).
+#[cube(launch)]
+pub(crate) fn rms_norm_kernel<F: Float>(
+    x: &Tensor<F>,
+    weight: &Tensor<F>,
+    out: &mut Tensor<F>,
+    d: u32,
+    eps: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let d = d as usize;
+    norm_row::<F>(x, weight, out, CUBE_POS_X as usize * d, d, eps);
+}
+
+/// The residual add and the next RMSNorm in one pass: `sum = x + delta` (in `F`, as a
+/// plain tensor add rounds it), then `out` = RMSNorm of `sum`, one cube per row as
+/// [`rms_norm_kernel`]. Each unit reads back only the values it wrote itself.
+#[cube(launch)]
+pub(crate) fn add_rms_norm_kernel<F: Float>(
+    x: &Tensor<F>,
+    delta: &Tensor<F>,
+    weight: &Tensor<F>,
+    sum: &mut Tensor<F>,
+    out: &mut Tensor<F>,
+    d: u32,
+    eps: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let d = d as usize;
+    let at = CUBE_POS_X as usize * d;
+    let mut i = UNIT_POS_X as usize;
+    while i < d {
+        sum[at + i] = x[at + i] + delta[at + i];
+        i += NORM_WIDTH;
+    }
+    norm_row::<F>(sum, weight, out, at, d, eps);
+}
+
+/// Rotary position embedding in the rotate-half layout, one unit per value:
+/// `x * cos + partner * sin`, where a value's partner is the one half a head away (the
+/// first half's sign is folded into `sin`). `x`, `cos`, `sin` and `out` are `[rows,
+/// width]`, contiguous.
+#[cube(launch)]
+pub(crate) fn rope_kernel<F: Float>(
+    x: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    out: &mut Tensor<F>,
+    head_dim: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= out.len() {
+        terminate!();
+    }
+    let head_dim = head_dim as usize;
+    let half = head_dim / 2;
+    let partner = select(i % head_dim < half, i + half, i - half);
+    out[i] = x[i] * cos[i] + x[partner] * sin[i];
+}
+
+/// Writes a step's keys `k` and values `v` (`[tokens, kv_heads * head_dim]`, rows
+/// `k.stride(0)` apart: a column slice of a wider product is read in place) into a
+/// layer's pools `keys`/`values` (`[blocks, kv_heads, block_size, head_dim]`) at each
+/// token's slot: the block its table names for its position, `position % block_size`.
+/// `meta` is the layout of [`PagedBatch::device_table`](crate::model::PagedBatch::device_table)
+/// (per token its table's offset and its position, then the tables), the same upload as
+/// the attention's. One cube per token.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_store_kernel<F: Float, I: Numeric>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    meta: &Tensor<I>,
+    keys: &mut Tensor<F>,
+    values: &mut Tensor<F>,
+    kv_heads: u32,
+    block_size: u32,
+    head_dim: u32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let token = CUBE_POS_X as usize;
+    let (kv_heads, block_size, head_dim) =
+        (kv_heads as usize, block_size as usize, head_dim as usize);
+    let table = u32::cast_from(meta[2 * token]) as usize;
+    let position = u32::cast_from(meta[2 * token + 1]) as usize;
+    let block = u32::cast_from(meta[table + position / block_size]) as usize;
+    let slot = position % block_size;
+    let width = kv_heads * head_dim;
+    let (k_row, v_row) = (token * k.stride(0), token * v.stride(0));
+    let mut c = UNIT_POS_X as usize;
+    while c < width {
+        let h = c / head_dim;
+        let dst = ((block * kv_heads + h) * block_size + slot) * head_dim + c % head_dim;
+        keys[dst] = k[k_row + c * k.stride(1)];
+        values[dst] = v[v_row + c * v.stride(1)];
+        c += CUBE_DIM_X as usize;
     }
 }

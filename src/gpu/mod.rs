@@ -109,9 +109,14 @@ pub trait CubeKernels: Backend {
     /// `x @ W^T` for `x` `[rows, cols]` and `W` `[n_out, cols]` in ggml's blocks of
     /// `shape.format`, row by row, its bytes packed little-endian four to an integer
     /// (`words`); returns `[rows, n_out]`. The caller has checked the shapes.
+    ///
+    /// With `up` (the words of a second matrix of the same format and shape), each
+    /// output is `silu(x @ W^T) * (x @ Up^T)` instead, in f32 (the feed-forward's gate,
+    /// up and SwiGLU in one launch).
     fn quantized_matmul_primitive(
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
+        up: Option<IntTensor<Self>>,
         shape: QuantShape,
     ) -> FloatTensor<Self>;
 
@@ -139,6 +144,48 @@ pub trait CubeKernels: Backend {
         rows: usize,
         vocab: usize,
     ) -> IntTensor<Self>;
+
+    /// RMSNorm of each row of `x` `[rows, d]` scaled by `weight` `[d]`, one cube per row
+    /// (every sum in an order fixed by `d`); returns `[rows, d]`. The caller has checked
+    /// the shapes.
+    fn rms_norm_primitive(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> FloatTensor<Self>;
+
+    /// `x + delta` and the RMSNorm of that sum in one pass (the residual add of one
+    /// sub-layer and the norm of the next): `(sum, normed)`, both `[rows, d]`. The caller
+    /// has checked the shapes.
+    fn add_rms_norm_primitive(
+        x: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// RoPE in the rotate-half layout on `x` `[rows, width]` with `cos`/`sin` of its shape
+    /// (see [`LlamaBackend::rope`]), heads of `head_dim` values. The caller has checked the
+    /// shapes.
+    fn rope_primitive(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        head_dim: usize,
+    ) -> FloatTensor<Self>;
+
+    /// Writes `k` and `v` (`[tokens, kv_heads * head_dim]`, rows may be a column slice of a
+    /// wider tensor) into the pools `keys`/`values` at the slots `table` (the layout of
+    /// [`PagedBatch::device_table`]) names; returns the pools, written in place where no
+    /// other tensor shares them. The caller has checked the shapes.
+    fn paged_store_primitive(
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        table: IntTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        shape: PagedShape,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }
 
 impl<R, F, I, BT> CubeKernels for CubeBackend<R, F, I, BT>
@@ -159,7 +206,7 @@ where
         use burn_cubecl::tensor::CubeTensor;
         use cubecl::{CubeCount, CubeDim};
 
-        let q = into_contiguous(q);
+        let q = unit_stride_rows(q);
         let keys = into_contiguous(keys);
         let values = into_contiguous(values);
         let table = into_contiguous(table);
@@ -197,6 +244,7 @@ where
     fn quantized_matmul_primitive(
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
+        up: Option<IntTensor<Self>>,
         shape: QuantShape,
     ) -> FloatTensor<Self> {
         use burn_cubecl::kernel::into_contiguous;
@@ -205,6 +253,9 @@ where
 
         let x = into_contiguous(x);
         let words = into_contiguous(words);
+        let pair = up.is_some();
+        // Without a pair the kernel never reads `up`: the weight's words stand in.
+        let up = up.map_or_else(|| words.clone(), into_contiguous);
         let out_shape = burn::tensor::Shape::new([shape.rows, shape.n_out]);
         let bytes = out_shape.num_elements() * x.dtype.size();
         let out = CubeTensor::new_contiguous(
@@ -229,6 +280,7 @@ where
             CubeDim::new_2d(outputs, lanes as u32),
             x.into_tensor_arg(),
             words.into_tensor_arg(),
+            up.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             shape.rows as u32,
             shape.n_out as u32,
@@ -236,6 +288,7 @@ where
             shape.format,
             tile,
             lanes,
+            pair,
             [f_dtype.into(), i_dtype.into()],
         );
         out
@@ -351,6 +404,131 @@ where
         );
         out
     }
+
+    fn rms_norm_primitive(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> FloatTensor<Self> {
+        use cubecl::{CubeCount, CubeDim};
+        let x = burn_cubecl::kernel::into_contiguous(x);
+        let weight = burn_cubecl::kernel::into_contiguous(weight);
+        let [rows, d] = dims2(&x);
+        let out = empty_like(&x, [rows, d]);
+        let client = x.client.clone();
+        let dtype = x.dtype;
+        kernels::rms_norm_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(rows as u32, 1, 1),
+            CubeDim::new_1d(kernels::NORM_WIDTH as u32),
+            x.into_tensor_arg(),
+            weight.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            d as u32,
+            eps,
+            dtype.into(),
+        );
+        out
+    }
+
+    fn add_rms_norm_primitive(
+        x: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        use cubecl::{CubeCount, CubeDim};
+        let x = burn_cubecl::kernel::into_contiguous(x);
+        let delta = burn_cubecl::kernel::into_contiguous(delta);
+        let weight = burn_cubecl::kernel::into_contiguous(weight);
+        let [rows, d] = dims2(&x);
+        let sum = empty_like(&x, [rows, d]);
+        let out = empty_like(&x, [rows, d]);
+        let client = x.client.clone();
+        let dtype = x.dtype;
+        kernels::add_rms_norm_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(rows as u32, 1, 1),
+            CubeDim::new_1d(kernels::NORM_WIDTH as u32),
+            x.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            weight.into_tensor_arg(),
+            sum.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            d as u32,
+            eps,
+            dtype.into(),
+        );
+        (sum, out)
+    }
+
+    fn rope_primitive(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        head_dim: usize,
+    ) -> FloatTensor<Self> {
+        use burn_cubecl::kernel::into_contiguous;
+        use cubecl::{CubeCount, CubeDim};
+        let x = into_contiguous(x);
+        let cos = into_contiguous(cos);
+        let sin = into_contiguous(sin);
+        let [rows, width] = dims2(&x);
+        let out = empty_like(&x, [rows, width]);
+        let client = x.client.clone();
+        let dtype = x.dtype;
+        let n = (rows * width) as u32;
+        let width_units = 256u32;
+        kernels::rope_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(n.div_ceil(width_units), 1, 1),
+            CubeDim::new_1d(width_units),
+            x.into_tensor_arg(),
+            cos.into_tensor_arg(),
+            sin.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            head_dim as u32,
+            dtype.into(),
+        );
+        out
+    }
+
+    fn paged_store_primitive(
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        table: IntTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        shape: PagedShape,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        use burn_cubecl::kernel::into_contiguous;
+        use cubecl::{CubeCount, CubeDim};
+        // Written in place when nothing else holds the pool (the cache owns it), else
+        // into a copy, so that no other tensor sees the write.
+        let own = |pool: FloatTensor<Self>| {
+            let pool = into_contiguous(pool);
+            if pool.can_mut() { pool } else { pool.copy() }
+        };
+        let (keys, values) = (own(keys), own(values));
+        let table = into_contiguous(table);
+        let client = keys.client.clone();
+        let (f_dtype, i_dtype) = (keys.dtype, table.dtype);
+        kernels::paged_store_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(shape.tokens as u32, 1, 1),
+            CubeDim::new_1d(128),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            table.into_tensor_arg(),
+            keys.clone().into_tensor_arg(),
+            values.clone().into_tensor_arg(),
+            shape.kv_heads as u32,
+            shape.block_size as u32,
+            shape.dim as u32,
+            [f_dtype.into(), i_dtype.into()],
+        );
+        (keys, values)
+    }
 }
 
 impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
@@ -423,57 +601,27 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
     fn quantized_matmul_primitive(
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
+        up: Option<IntTensor<Self>>,
         shape: QuantShape,
     ) -> FloatTensor<Self> {
-        use burn_fusion::stream::{Operation, OperationStreams};
-        use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
-
-        /// The kernel as an operation of the fusion stream.
-        #[derive(Debug)]
-        struct QuantizedMatmulOp<B> {
-            desc: CustomOpIr,
-            shape: QuantShape,
-            _backend: core::marker::PhantomData<B>,
-        }
-
-        impl<B: FusionBackend + CubeKernels> Operation<B::FusionRuntime> for QuantizedMatmulOp<B> {
-            fn execute(
-                &self,
-                handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
-            ) {
-                let ([x, words], [out]) = self.desc.as_fixed();
-                let result = B::quantized_matmul_primitive(
-                    handles.get_float_tensor::<B>(x),
-                    handles.get_int_tensor::<B>(words),
-                    self.shape,
-                );
-                handles.register_float_tensor::<B>(&out.id, result);
-            }
-        }
-
-        let client = x.client.clone();
-        let streams = OperationStreams::with_inputs([&x, &words]);
-        let out = TensorIr::uninit(
-            client.create_empty_handle(),
-            burn::tensor::Shape::new([shape.rows, shape.n_out]),
-            x.dtype,
-        );
-        let desc = CustomOpIr::new(
-            "llama_burn_quantized_matmul",
-            &[x.into_ir(), words.into_ir()],
-            &[out],
-        );
-        client
-            .register(
-                streams,
-                OperationIr::Custom(desc.clone()),
-                QuantizedMatmulOp::<B> {
-                    desc,
-                    shape,
-                    _backend: core::marker::PhantomData,
-                },
-            )
-            .output()
+        let out = (burn::tensor::Shape::new([shape.rows, shape.n_out]), x.dtype);
+        let [product] = match up {
+            None => stream_kernel::<B, 1, 1, 1>(
+                "llama_burn_quantized_matmul",
+                [x],
+                [words],
+                [out],
+                move |[x], [words]| [B::quantized_matmul_primitive(x, words, None, shape)],
+            ),
+            Some(up) => stream_kernel::<B, 1, 2, 1>(
+                "llama_burn_quantized_swiglu",
+                [x],
+                [words, up],
+                [out],
+                move |[x], [words, up]| [B::quantized_matmul_primitive(x, words, Some(up), shape)],
+            ),
+        };
+        product
     }
 
     fn dense_matmul_primitive(
@@ -642,6 +790,222 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
             )
             .output()
     }
+
+    fn rms_norm_primitive(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> FloatTensor<Self> {
+        let out = (x.shape.clone(), x.dtype);
+        let [normed] = stream_kernel::<B, 2, 0, 1>(
+            "llama_burn_rms_norm",
+            [x, weight],
+            [],
+            [out],
+            move |[x, weight], []| [B::rms_norm_primitive(x, weight, eps)],
+        );
+        normed
+    }
+
+    fn add_rms_norm_primitive(
+        x: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let out = (x.shape.clone(), x.dtype);
+        let [sum, normed] = stream_kernel::<B, 3, 0, 2>(
+            "llama_burn_add_rms_norm",
+            [x, delta, weight],
+            [],
+            [out.clone(), out],
+            move |[x, delta, weight], []| {
+                let (sum, normed) = B::add_rms_norm_primitive(x, delta, weight, eps);
+                [sum, normed]
+            },
+        );
+        (sum, normed)
+    }
+
+    fn rope_primitive(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        head_dim: usize,
+    ) -> FloatTensor<Self> {
+        let out = (x.shape.clone(), x.dtype);
+        let [rotated] = stream_kernel::<B, 3, 0, 1>(
+            "llama_burn_rope",
+            [x, cos, sin],
+            [],
+            [out],
+            move |[x, cos, sin], []| [B::rope_primitive(x, cos, sin, head_dim)],
+        );
+        rotated
+    }
+
+    fn paged_store_primitive(
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        table: IntTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        shape: PagedShape,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let outs = [
+            (keys.shape.clone(), keys.dtype),
+            (values.shape.clone(), values.dtype),
+        ];
+        let [keys, values] = stream_kernel::<B, 4, 1, 2>(
+            "llama_burn_paged_store",
+            [k, v, keys, values],
+            [table],
+            outs,
+            move |[k, v, keys, values], [table]| {
+                let (keys, values) = B::paged_store_primitive(k, v, table, keys, values, shape);
+                [keys, values]
+            },
+        );
+        (keys, values)
+    }
+}
+
+/// A matrix whose rows our kernels read at `stride(0)` apart: copied only where its
+/// values within a row are not adjacent (a column slice of a wider matrix is read in
+/// place).
+fn unit_stride_rows<R: CubeRuntime>(
+    t: burn_cubecl::tensor::CubeTensor<R>,
+) -> burn_cubecl::tensor::CubeTensor<R> {
+    if t.meta.strides().last().is_some_and(|&s| s == 1) {
+        t
+    } else {
+        burn_cubecl::kernel::into_contiguous(t)
+    }
+}
+
+/// The two dimensions of a matrix (a vector counts as one row).
+fn dims2<R: CubeRuntime>(t: &burn_cubecl::tensor::CubeTensor<R>) -> [usize; 2] {
+    let shape = t.meta.shape();
+    match shape.num_dims() {
+        1 => [1, shape[0]],
+        _ => [
+            shape.num_elements() / shape[shape.num_dims() - 1],
+            shape[shape.num_dims() - 1],
+        ],
+    }
+}
+
+/// A new contiguous tensor of `t`'s type, device and client.
+fn empty_like<R: CubeRuntime>(
+    t: &burn_cubecl::tensor::CubeTensor<R>,
+    dims: [usize; 2],
+) -> burn_cubecl::tensor::CubeTensor<R> {
+    let shape = burn::tensor::Shape::new(dims);
+    let bytes = shape.num_elements() * t.dtype.size();
+    burn_cubecl::tensor::CubeTensor::new_contiguous(
+        t.client.clone(),
+        t.device.clone(),
+        shape,
+        t.client.empty(bytes),
+        t.dtype,
+    )
+}
+
+/// One of our kernels as an operation of Burn's fusion stream: `run` gets the inner
+/// backend's tensors (`F` floats, then `I` integers) when the stream reaches it and
+/// returns the `O` float outputs.
+struct StreamKernel<B: FusionBackend, const F: usize, const I: usize, const O: usize> {
+    desc: burn_ir::CustomOpIr,
+    #[allow(clippy::type_complexity)]
+    run: Box<dyn Fn([FloatTensor<B>; F], [IntTensor<B>; I]) -> [FloatTensor<B>; O] + Send + Sync>,
+}
+
+impl<B: FusionBackend, const F: usize, const I: usize, const O: usize> core::fmt::Debug
+    for StreamKernel<B, F, I, O>
+{
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("StreamKernel")
+            .field("desc", &self.desc)
+            .finish()
+    }
+}
+
+impl<B: FusionBackend, const F: usize, const I: usize, const O: usize>
+    burn_fusion::stream::Operation<B::FusionRuntime> for StreamKernel<B, F, I, O>
+{
+    fn execute(
+        &self,
+        handles: &mut burn_ir::HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) {
+        let inputs = &self.desc.inputs;
+        let floats: [FloatTensor<B>; F] =
+            core::array::from_fn(|i| handles.get_float_tensor::<B>(&inputs[i]));
+        let ints: [IntTensor<B>; I] =
+            core::array::from_fn(|i| handles.get_int_tensor::<B>(&inputs[F + i]));
+        for (out, tensor) in self.desc.outputs.iter().zip((self.run)(floats, ints)) {
+            handles.register_float_tensor::<B>(&out.id, tensor);
+        }
+    }
+}
+
+/// Registers `run` (a kernel on the inner backend) in the fusion stream of its inputs
+/// and returns its outputs, of the shapes and types `outputs` says.
+fn stream_kernel<B: FusionBackend, const F: usize, const I: usize, const O: usize>(
+    name: &'static str,
+    floats: [FloatTensor<Fusion<B>>; F],
+    ints: [IntTensor<Fusion<B>>; I],
+    outputs: [(burn::tensor::Shape, burn::tensor::DType); O],
+    run: impl Fn([FloatTensor<B>; F], [IntTensor<B>; I]) -> [FloatTensor<B>; O] + Send + Sync + 'static,
+) -> [FloatTensor<Fusion<B>>; O] {
+    use burn_fusion::stream::OperationStreams;
+    use burn_ir::{CustomOpIr, OperationIr, TensorIr};
+    let client = floats[0].client.clone();
+    let streams = OperationStreams::with_inputs(floats.iter().chain(ints.iter()));
+    let outs: Vec<TensorIr> = outputs
+        .into_iter()
+        .map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype))
+        .collect();
+    let inputs: Vec<TensorIr> = floats
+        .into_iter()
+        .map(|t| t.into_ir())
+        .chain(ints.into_iter().map(|t| t.into_ir()))
+        .collect();
+    let desc = CustomOpIr::new(name, &inputs, &outs);
+    let results = client.register(
+        streams,
+        OperationIr::Custom(desc.clone()),
+        StreamKernel::<B, F, I, O> {
+            desc,
+            run: Box::new(run),
+        },
+    );
+    let mut results = results.into_iter();
+    core::array::from_fn(|_| results.next().expect("one tensor per declared output"))
+}
+
+/// Logs every kernel launch of Burn's CubeCL backends to `path`, one line `Executing
+/// NAME` per launch (CubeCL's execution-only profiling level: no timing, no
+/// synchronization), for counting the launches of a decode step (`gpu_bench
+/// --count-launches`). CubeCL writes the lines from a background task, a moment after
+/// the launch.
+///
+/// # Errors
+///
+/// [`LlamaError::Runtime`] if CubeCL's configuration was already read or set: call this
+/// before the first tensor of any CubeCL device.
+pub fn log_kernel_launches(path: &std::path::Path) -> Result<()> {
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, profiling::ProfilingLogLevel};
+    let mut config = CubeClRuntimeConfig::default();
+    config.profiling.logger.level = ProfilingLogLevel::Minimal;
+    config.profiling.logger.file = Some(path.to_path_buf());
+    config.profiling.logger.append = true;
+    std::panic::catch_unwind(move || CubeClRuntimeConfig::set(config)).map_err(|_| {
+        LlamaError::Runtime(
+            "CubeCL's configuration is already in use: log kernel launches before the first \
+             tensor"
+                .into(),
+        )
+    })
 }
 
 /// [`LlamaBackend::greedy_tokens`] through [`CubeKernels::argmax_primitive`]: only the
@@ -812,23 +1176,13 @@ fn kernel_format(format: QuantFormat) -> u32 {
     }
 }
 
-/// [`LlamaBackend::quantized_matmul`] on the device: the matrix's copy there (made on
-/// first use and kept with the matrix), through the fused kernel.
-fn quantized_matmul<B: LlamaBackend + CubeKernels>(
-    x: Tensor<B, 2>,
+/// A quantized matrix's copy on `device` (made on first use and kept with the matrix).
+fn device_weight<B: LlamaBackend + CubeKernels>(
     w: &QuantMatrix,
-) -> Result<Tensor<B, 2>> {
-    let [rows, n_in] = x.dims();
-    if n_in != w.cols() {
-        return Err(LlamaError::ShapeMismatch {
-            name: "quantized matmul input".into(),
-            expected: vec![w.cols()],
-            actual: vec![n_in],
-        });
-    }
-    let device = x.device();
-    let weight = w.device_copy::<DeviceWeight<B>>(
-        |copy| copy.words.device() == device,
+    device: &B::Device,
+) -> Result<DeviceWeight<B>> {
+    w.device_copy::<DeviceWeight<B>>(
+        |copy| copy.words.device() == *device,
         |w| {
             // Four bytes to a word, little-endian; the integer tensor holds the words'
             // bits (an `i32` of any value).
@@ -843,11 +1197,35 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
                 .collect();
             let n = words.len();
             Ok(DeviceWeight {
-                words: Tensor::from_data(TensorData::new(words, [n]), &device),
+                words: Tensor::from_data(TensorData::new(words, [n]), device),
                 format: kernel_format(w.format()),
             })
         },
-    )?;
+    )
+}
+
+/// `[rows, n_in]` against a quantized matrix: [`LlamaError::ShapeMismatch`] unless the
+/// matrix takes `n_in` inputs.
+fn check_quantized_input(n_in: usize, w: &QuantMatrix) -> Result<()> {
+    if n_in != w.cols() {
+        return Err(LlamaError::ShapeMismatch {
+            name: "quantized matmul input".into(),
+            expected: vec![w.cols()],
+            actual: vec![n_in],
+        });
+    }
+    Ok(())
+}
+
+/// [`LlamaBackend::quantized_matmul`] on the device: the matrix's copy there, through the
+/// fused kernel.
+fn quantized_matmul<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    w: &QuantMatrix,
+) -> Result<Tensor<B, 2>> {
+    let [rows, n_in] = x.dims();
+    check_quantized_input(n_in, w)?;
+    let weight = device_weight::<B>(w, &x.device())?;
     let shape = QuantShape {
         rows,
         n_out: w.rows(),
@@ -858,9 +1236,43 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
     let out = B::quantized_matmul_primitive(
         x.into_primitive().tensor(),
         weight.words.into_primitive(),
+        None,
         shape,
     );
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// [`LlamaBackend::quantized_swiglu`] on the device: both products and SwiGLU in one
+/// launch where the two matrices share a format and a shape, else `None`.
+fn quantized_swiglu<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    gate: &QuantMatrix,
+    up: &QuantMatrix,
+) -> Result<Option<Tensor<B, 2>>> {
+    let [rows, n_in] = x.dims();
+    if gate.format() != up.format() || gate.rows() != up.rows() || gate.cols() != up.cols() {
+        return Ok(None);
+    }
+    check_quantized_input(n_in, gate)?;
+    let device = x.device();
+    let (g, u) = (
+        device_weight::<B>(gate, &device)?,
+        device_weight::<B>(up, &device)?,
+    );
+    let shape = QuantShape {
+        rows,
+        n_out: gate.rows(),
+        cols: n_in,
+        format: g.format,
+        blocks: n_in / gate.format().block_values(),
+    };
+    let out = B::quantized_matmul_primitive(
+        x.into_primitive().tensor(),
+        g.words.into_primitive(),
+        Some(u.words.into_primitive()),
+        shape,
+    );
+    Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
 }
 
 /// [`LlamaBackend::dense_matmul`] on the device, through [`CubeKernels::dense_matmul_primitive`].
@@ -891,6 +1303,121 @@ fn dense_matmul<B: LlamaBackend + CubeKernels>(
         shape,
     );
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// [`LlamaBackend::rms_norm`] through [`CubeKernels::rms_norm_primitive`] (one launch,
+/// sums in an order fixed by the row's length), or [`rms_norm_in_order`] where `x` and
+/// `weight` differ in type.
+fn rms_norm<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    weight: &Tensor<B, 1>,
+    eps: f64,
+) -> Result<Tensor<B, 2>> {
+    crate::backend::check_norm(&x, weight)?;
+    if x.dtype() != weight.dtype() || x.dims()[0] == 0 {
+        return rms_norm_in_order(x, weight, eps);
+    }
+    let out = B::rms_norm_primitive(
+        x.into_primitive().tensor(),
+        weight.clone().into_primitive().tensor(),
+        eps as f32,
+    );
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// [`LlamaBackend::add_rms_norm`] through [`CubeKernels::add_rms_norm_primitive`].
+fn add_rms_norm<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    delta: Tensor<B, 2>,
+    weight: &Tensor<B, 1>,
+    eps: f64,
+) -> Result<(Tensor<B, 2>, Tensor<B, 2>)> {
+    crate::backend::check_same_shape("residual", &x, &delta)?;
+    crate::backend::check_norm(&x, weight)?;
+    if x.dtype() != weight.dtype() || x.dtype() != delta.dtype() || x.dims()[0] == 0 {
+        let sum = x + delta;
+        let normed = rms_norm_in_order(sum.clone(), weight, eps)?;
+        return Ok((sum, normed));
+    }
+    let (sum, normed) = B::add_rms_norm_primitive(
+        x.into_primitive().tensor(),
+        delta.into_primitive().tensor(),
+        weight.clone().into_primitive().tensor(),
+        eps as f32,
+    );
+    Ok((
+        Tensor::from_primitive(TensorPrimitive::Float(sum)),
+        Tensor::from_primitive(TensorPrimitive::Float(normed)),
+    ))
+}
+
+/// [`LlamaBackend::rope`] through [`CubeKernels::rope_primitive`] (one launch).
+fn rope<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    swap: &Tensor<B, 2>,
+) -> Result<Tensor<B, 2>> {
+    let [rows, width] = crate::backend::check_rope(&x, cos, sin, swap)?;
+    let head_dim = swap.dims()[0];
+    if rows == 0 || width == 0 || cos.dtype() != x.dtype() || sin.dtype() != x.dtype() {
+        return crate::backend::rope_by_slicing(x, cos, sin, head_dim);
+    }
+    let out = B::rope_primitive(
+        x.into_primitive().tensor(),
+        cos.clone().into_primitive().tensor(),
+        sin.clone().into_primitive().tensor(),
+        head_dim,
+    );
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// [`LlamaBackend::paged_store`] through [`CubeKernels::paged_store_primitive`]: both
+/// pools, every token, one launch, reading the slots from the step's device table (the
+/// attention's upload). The portable write where the batch does not match the pools.
+fn paged_store<B: LlamaBackend + CubeKernels>(
+    pools: (Tensor<B, 4>, Tensor<B, 4>),
+    k: Tensor<B, 2>,
+    v: Tensor<B, 2>,
+    slots: &[crate::cache::paged::Slot],
+    batch: &PagedBatch<'_, B>,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    use crate::cache::paged::write_slots;
+    let (keys, values) = pools;
+    let [blocks, kv_heads, block_size, dim] = keys.dims();
+    let [tokens, width] = k.dims();
+    let (table, max_block) = batch.device_table();
+    let fits = tokens > 0
+        && tokens == slots.len()
+        && width == kv_heads * dim
+        && v.dims() == [tokens, width]
+        && values.dims() == keys.dims()
+        && block_size == batch.block_size()
+        && max_block < blocks
+        && k.dtype() == keys.dtype()
+        && v.dtype() == values.dtype();
+    if !fits {
+        return (write_slots(keys, k, slots), write_slots(values, v, slots));
+    }
+    let shape = PagedShape {
+        tokens,
+        n_heads: batch.n_heads(),
+        kv_heads,
+        block_size,
+        dim,
+    };
+    let (keys, values) = B::paged_store_primitive(
+        k.into_primitive().tensor(),
+        v.into_primitive().tensor(),
+        table.clone().into_primitive(),
+        keys.into_primitive().tensor(),
+        values.into_primitive().tensor(),
+        shape,
+    );
+    (
+        Tensor::from_primitive(TensorPrimitive::Float(keys)),
+        Tensor::from_primitive(TensorPrimitive::Float(values)),
+    )
 }
 
 /// Burn's CubeCL backends without fusion: our kernels where we have them, the portable
@@ -937,7 +1464,35 @@ macro_rules! cube_llama_backend {
             weight: &Tensor<Self, 1>,
             eps: f64,
         ) -> Result<Tensor<Self, 2>> {
-            rms_norm_in_order(x, weight, eps)
+            rms_norm(x, weight, eps)
+        }
+
+        fn add_rms_norm(
+            x: Tensor<Self, 2>,
+            delta: Tensor<Self, 2>,
+            weight: &Tensor<Self, 1>,
+            eps: f64,
+        ) -> Result<(Tensor<Self, 2>, Tensor<Self, 2>)> {
+            add_rms_norm(x, delta, weight, eps)
+        }
+
+        fn rope(
+            x: Tensor<Self, 2>,
+            cos: &Tensor<Self, 2>,
+            sin: &Tensor<Self, 2>,
+            swap: &Tensor<Self, 2>,
+        ) -> Result<Tensor<Self, 2>> {
+            rope(x, cos, sin, swap)
+        }
+
+        fn paged_store(
+            pools: (Tensor<Self, 4>, Tensor<Self, 4>),
+            k: Tensor<Self, 2>,
+            v: Tensor<Self, 2>,
+            slots: &[crate::cache::paged::Slot],
+            batch: &PagedBatch<'_, Self>,
+        ) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
+            paged_store(pools, k, v, slots, batch)
         }
 
         fn paged_attention(
@@ -953,12 +1508,25 @@ macro_rules! cube_llama_backend {
             true
         }
 
+        fn compiles_kernels() -> bool {
+            true
+        }
+
         fn quantized_matmul(
             x: Tensor<Self, 2>,
             w: &QuantMatrix,
             _precision: Precision,
         ) -> Result<Tensor<Self, 2>> {
             quantized_matmul(x, w)
+        }
+
+        fn quantized_swiglu(
+            x: Tensor<Self, 2>,
+            gate: &QuantMatrix,
+            up: &QuantMatrix,
+            _precision: Precision,
+        ) -> Result<Option<Tensor<Self, 2>>> {
+            quantized_swiglu(x, gate, up)
         }
 
         fn dense_matmul(

@@ -88,6 +88,7 @@ pub struct Loader<'a, T = Embedded> {
     precision: Option<Precision>,
     progress: Progress<'a>,
     tokenizer: T,
+    warm_up: bool,
 }
 
 impl std::fmt::Debug for Loader<'_> {
@@ -179,6 +180,7 @@ impl Loader<'static> {
             precision: None,
             progress: Progress::Terminal,
             tokenizer: Embedded,
+            warm_up: true,
         }
     }
 }
@@ -221,6 +223,16 @@ impl<'a, C: TokenizerChoice> Loader<'a, C> {
         self
     }
 
+    /// Whether to run each kind of forward pass once at load (default: yes) on a backend
+    /// that compiles its kernels on first use (the CubeCL backends: `cuda`, `wgpu`,
+    /// `vulkan`), so that the first request does not wait for them
+    /// ([`Transformer::warm_up`](crate::model::Transformer::warm_up)). Other backends
+    /// skip it either way.
+    pub fn warm_up(mut self, warm_up: bool) -> Self {
+        self.warm_up = warm_up;
+        self
+    }
+
     /// Pairs the weights with `tokenizer` (a Llama 3 `tokenizer.model`, say) instead
     /// of the checkpoint's own.
     pub fn tokenizer<U: Tokenizer>(self, tokenizer: U) -> Loader<'a, Given<U>> {
@@ -229,6 +241,7 @@ impl<'a, C: TokenizerChoice> Loader<'a, C> {
             format: self.format,
             max_seq_len: self.max_seq_len,
             quantize: self.quantize,
+            warm_up: self.warm_up,
             precision: self.precision,
             progress: self.progress,
             tokenizer: Given(tokenizer),
@@ -300,6 +313,7 @@ impl<'a, C: TokenizerChoice> Loader<'a, C> {
             quantize,
             progress,
             tokenizer,
+            warm_up,
             ..
         } = self;
         let label = match quantize {
@@ -335,6 +349,9 @@ impl<'a, C: TokenizerChoice> Loader<'a, C> {
             let model = build_transformer(&config, &mut source, device, progress)?;
             (model, tokenizer)
         };
+        if warm_up && B::compiles_kernels() {
+            model.warm_up()?;
+        }
         Llama::new(model, tokenizer)
     }
 }

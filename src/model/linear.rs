@@ -83,6 +83,14 @@ impl<B: Backend> Projection<B> {
         self.dims
     }
 
+    /// The quantized matrix, where the projection is one (not split, not dense).
+    pub fn as_quantized(&self) -> Option<&QuantMatrix> {
+        match self.parts.as_slice() {
+            [Part::Quantized(m)] => Some(m),
+            _ => None,
+        }
+    }
+
     /// Whether any part is kept quantized.
     pub fn is_quantized(&self) -> bool {
         self.parts.iter().any(|p| matches!(p, Part::Quantized(_)))

@@ -544,6 +544,84 @@ impl<B: LlamaBackend> Transformer<B> {
         self.head(x)
     }
 
+    /// Runs each kind of forward pass once on throwaway caches, so that a backend that
+    /// compiles (and tunes) its kernels on first use does it now rather than in the
+    /// first request: a prompt chunk of 8 rows and decode steps of 1, 4 and 8 rows on
+    /// the paged path (the quantized products' three tile sizes, the device argmax),
+    /// then a prompt and a decode step on the contiguous cache. The caches are dropped;
+    /// the model is unchanged.
+    ///
+    /// # Errors
+    ///
+    /// What a forward pass reports (a device error).
+    pub fn warm_up(&self) -> Result<()> {
+        use crate::cache::BlockId;
+        let c = &self.config;
+        let block_size = 16;
+        let len = (2 * block_size + 3)
+            .min(c.max_seq_len.saturating_sub(1))
+            .max(1);
+        let vocab = c.vocab_size.max(1);
+        let prompt: Vec<u32> = (0..len).map(|i| ((i * 7 + 1) % vocab) as u32).collect();
+        let rows = 8;
+        let per_row = (len + 1).div_ceil(block_size);
+        let mut cache = PagedKvCache::<B>::new(
+            c.n_layers,
+            rows * per_row,
+            block_size,
+            c.n_kv_heads,
+            c.head_dim,
+            &self.device,
+        )?;
+        let tables: Vec<Vec<BlockId>> = (0..rows)
+            .map(|r| ((r * per_row) as BlockId..((r + 1) * per_row) as BlockId).collect())
+            .collect();
+        fn step<'a>(
+            tables: &'a [Vec<BlockId>],
+            tokens: &'a [u32],
+            start: usize,
+        ) -> Vec<PagedRow<'a>> {
+            tables
+                .iter()
+                .map(|blocks| PagedRow {
+                    tokens,
+                    start,
+                    blocks,
+                    logits: true,
+                    all_logits: false,
+                })
+                .collect()
+        }
+        let logits = self.forward_paged(&step(&tables, &prompt, 0), &mut cache)?;
+        B::greedy_tokens(&logits)?;
+        let next = [prompt[0]];
+        if len < c.max_seq_len {
+            for n in [1, 4, rows] {
+                let logits = self.forward_paged(&step(&tables[..n], &next, len), &mut cache)?;
+                B::greedy_tokens(&logits)?;
+            }
+        }
+        let mut kv = KvCache::<B>::new(
+            c.n_layers,
+            c.n_kv_heads,
+            c.head_dim,
+            vec![0],
+            len + 1,
+            c.max_seq_len,
+            &self.device,
+        );
+        self.forward(&prompt, &mut kv, Logits::Last)?;
+        if len < c.max_seq_len {
+            let logits = self.forward(&next, &mut kv, Logits::Last)?;
+            logits
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .map_err(|e| LlamaError::Runtime(format!("warm-up: {e:?}")))?;
+        }
+        Ok(())
+    }
+
     /// The transformer blocks over `tokens` (one flat sequence of rows) at `positions`;
     /// `attend(layer, q, k, v)` computes attention from this chunk's queries
     /// `[tokens, n_heads * head_dim]` and keys/values `[tokens, n_kv_heads * head_dim]`
@@ -561,21 +639,41 @@ impl<B: LlamaBackend> Transformer<B> {
 
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         let p = c.precision;
+        // Each sub-layer's residual add is done with the next norm
+        // (`LlamaBackend::add_rms_norm`: one kernel on the CubeCL backends); the last
+        // block's is done after the loop.
+        let mut pending: Option<Tensor<B, 2>> = None;
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps)?;
+            let (sum, h) = match pending.take() {
+                Some(delta) => B::add_rms_norm(x, delta, &block.attn_norm, c.norm_eps)?,
+                None => {
+                    let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps)?;
+                    (x, h)
+                }
+            };
             let qk = self.rope.apply(block.wqk.forward(h.clone(), p)?, &angles)?;
             let q = qk.clone().slice([0..rows, 0..q_dim]);
             let k = qk.slice([0..rows, q_dim..q_dim + kv_dim]);
             let v = block.wv.forward(h, p)?;
             let attn = attend(layer, q, k, v)?;
-            x = x + block.wo.forward(attn, p)?;
-
-            let h = rms_norm(x.clone(), &block.ffn_norm, c.norm_eps)?;
-            let gated = B::swiglu(
-                block.w_gate.forward(h.clone(), p)?,
-                block.w_up.forward(h, p)?,
-            )?;
-            x = x + block.w_down.forward(gated, p)?;
+            let (sum, h) =
+                B::add_rms_norm(sum, block.wo.forward(attn, p)?, &block.ffn_norm, c.norm_eps)?;
+            let fused = match (block.w_gate.as_quantized(), block.w_up.as_quantized()) {
+                (Some(gate), Some(up)) => B::quantized_swiglu(h.clone(), gate, up, p)?,
+                _ => None,
+            };
+            let gated = match fused {
+                Some(gated) => gated,
+                None => B::swiglu(
+                    block.w_gate.forward(h.clone(), p)?,
+                    block.w_up.forward(h, p)?,
+                )?,
+            };
+            pending = Some(block.w_down.forward(gated, p)?);
+            x = sum;
+        }
+        if let Some(delta) = pending {
+            x = x + delta;
         }
         Ok(x)
     }
