@@ -288,20 +288,26 @@ stage_bench() {
     local -a args
     read -r -a args <<<"${SUITE_BENCH_ARGS:---reps 2 --steps 16}"
     : >"$log"
-    for dtype in f32 bf16; do
+    # Variants: dtype[:nofusion] (Burn's CUDA backend without its fusion stream).
+    local variant
+    for variant in ${SUITE_BENCH_VARIANTS:-f32 bf16}; do
+        dtype=${variant%%:*}
         local -a type_arg=()
         [[ $dtype != f32 ]] && type_arg=(--dtype "$dtype")
+        [[ $variant == *:nofusion* ]] && type_arg+=(--no-fusion)
         timed 200 "$BIN/gpu_bench" --no-demo --model "$MODEL" --json "${args[@]}" \
-            "${type_arg[@]}" >"$TMP/bench_$dtype.json" 2>>"$log"
-        cat "$TMP/bench_$dtype.json" >>"$log"
+            "${type_arg[@]}" >"$TMP/bench_${variant//:/_}.json" 2>>"$log"
+        cat "$TMP/bench_${variant//:/_}.json" >>"$log"
     done
     # Kernel launches of a one-row step, in a short run of its own (counting them slows
     # the step down), where this gpu_bench can count them.
     if "$BIN/gpu_bench" --help 2>/dev/null | grep -q -- --count-launches; then
         timed 90 "$BIN/gpu_bench" --no-demo --model "$MODEL" --json --count-launches \
-            --rows 1 --steps 2 --reps 1 --prefill 64 >"$TMP/bench_launches.json" 2>>"$log"
+            --rows 1 --steps 2 --reps 1 --prefill 64 --dtype bf16 \
+            >"$TMP/bench_launches.json" 2>>"$log"
         cat "$TMP/bench_launches.json" >>"$log"
     fi
+    # Other variants' JSON is in bench.log only.
     python3 - "$OUT/bench.json" "$TMP/bench_f32.json" "$TMP/bench_bf16.json" \
         "$TMP/bench_launches.json" <<'PY'
 import json, sys

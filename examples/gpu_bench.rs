@@ -88,6 +88,10 @@ struct Args {
     /// kernels per layer (the whole step, output head included, over the layers).
     #[arg(long)]
     max_launches_per_layer: Option<f64>,
+    /// On CUDA: Burn's CubeCL backend without its fusion stream (every operation
+    /// launched as it comes), to compare with the default `Cuda` (fusion on).
+    #[arg(long)]
+    no_fusion: bool,
 }
 
 /// The largest prompt chunk the engine runs in one step.
@@ -116,14 +120,27 @@ fn run(args: &Args) -> Result<()> {
     {
         use burn::backend::Cuda;
         use burn::tensor::{bf16, f16};
-        match args.options.dtype {
-            FloatType::F32 => run_on::<Cuda>(args, &default_device()),
-            FloatType::F16 => run_on::<Cuda<f16>>(args, &default_device()),
-            FloatType::Bf16 => run_on::<Cuda<bf16>>(args, &default_device()),
+        use llama_burn::gpu::Unfused;
+        match (args.options.dtype, args.no_fusion) {
+            (FloatType::F32, false) => run_on::<Cuda>(args, &default_device()),
+            (FloatType::F16, false) => run_on::<Cuda<f16>>(args, &default_device()),
+            (FloatType::Bf16, false) => run_on::<Cuda<bf16>>(args, &default_device()),
+            (FloatType::F32, true) => run_on::<Unfused<Cuda>>(args, &default_device()),
+            (FloatType::F16, true) => run_on::<Unfused<Cuda<f16>>>(args, &default_device()),
+            (FloatType::Bf16, true) => run_on::<Unfused<Cuda<bf16>>>(args, &default_device()),
         }
     }
     #[cfg(not(feature = "cuda"))]
-    run_on::<B>(args, &default_device())
+    {
+        if args.no_fusion {
+            return Err(LlamaError::invalid(
+                "--no-fusion",
+                "true",
+                "compares Burn's CUDA backend with and without fusion: build with --features cuda",
+            ));
+        }
+        run_on::<B>(args, &default_device())
+    }
 }
 
 fn run_on<C: LlamaBackend>(args: &Args, device: &C::Device) -> Result<()> {
@@ -178,7 +195,9 @@ fn bench_model<C: LlamaBackend>(
     device: &C::Device,
 ) -> Result<Value> {
     let name = model_name(model);
-    let longest = (args.context + args.warmup + args.steps).max(args.prefill);
+    // `--count-launches` runs 6 steps after the context.
+    let steps = (args.warmup + args.steps).max(if args.count_launches { 6 } else { 0 });
+    let longest = (args.context + steps).max(args.prefill);
     let llama = load_model_as::<C>(model, longest, &args.options, device)?;
     let dtype = float_type::<C>(device).map_or("other", FloatType::name);
     let c = llama.config().clone();

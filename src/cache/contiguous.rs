@@ -175,6 +175,53 @@ impl<B: Backend> KvCache<B> {
         )
     }
 
+    /// Layer `layer`'s whole keys and values, `[batch, kv_heads, capacity, head_dim]`
+    /// (columns from `len` on not yet written).
+    pub(crate) fn layer(&self, layer: usize) -> (&Tensor<B, 4>, &Tensor<B, 4>) {
+        let entry = &self.layers[layer];
+        (&entry.k, &entry.v)
+    }
+
+    /// The next `seq` columns of every row as a paged step over this cache seen as a
+    /// pool of one block of `capacity` positions per row (row `r`'s block is `rows[r]`,
+    /// which the caller fills with `0..batch`): for rows without left padding, whose
+    /// column is their position. Call after [`reserve`](Self::reserve).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidBatch`] if the capacity does not hold the chunk or `rows`
+    /// does not name one block per row.
+    pub(crate) fn as_paged_batch<'a>(
+        &self,
+        rows: &'a [super::BlockId],
+        seq: usize,
+        n_heads: usize,
+        device: &B::Device,
+    ) -> Result<crate::model::paged_batch::PagedBatch<'a, B>> {
+        if rows.len() != self.batch() {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{} block ids for {} rows",
+                rows.len(),
+                self.batch()
+            )));
+        }
+        let seqs = rows
+            .chunks(1)
+            .map(|blocks| crate::kernels::attention::PagedSeq {
+                tokens: seq,
+                start: self.len,
+                blocks,
+            })
+            .collect();
+        crate::model::paged_batch::PagedBatch::new(
+            seqs,
+            n_heads,
+            self.capacity,
+            self.batch(),
+            device,
+        )
+    }
+
     /// Forgets the columns from `len` on (speculative decoding's rejected positions):
     /// they are written again by the next forward pass. A cache shorter than `len` is
     /// left as it is.

@@ -250,7 +250,9 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     }
     // The lanes' sums, added in lane order by the first lane.
     let stride = comptime!(QUANT_OUTPUTS * lanes * tile);
-    let mut sums = SharedMemory::<f32>::new(comptime!(2 * QUANT_OUTPUTS * lanes * tile));
+    let mut sums = SharedMemory::<f32>::new(comptime!(
+        (if pair { 2 } else { 1 }) * QUANT_OUTPUTS * lanes * tile
+    ));
     #[unroll]
     for t in 0..tile {
         sums[(lane * QUANT_OUTPUTS + column) * tile + t] = acc[t];

@@ -32,6 +32,24 @@ pub fn grouped_query_attention<B: LlamaBackend>(
     B::token_major_attention(q, keys, values, mask.cloned(), batch, n_heads)
 }
 
+/// [`grouped_query_attention`] through the backend's
+/// [`paged_attention`](LlamaBackend::paged_attention), the contiguous cache seen as a
+/// pool of one block per row (`view`: [`KvCache::as_paged_batch`], rows without left
+/// padding): writes `k`/`v` into the cache, then each query attends its row's keys up to
+/// its own position.
+pub(crate) fn contiguous_in_place<B: LlamaBackend>(
+    q: Tensor<B, 2>,
+    k: Tensor<B, 2>,
+    v: Tensor<B, 2>,
+    cache: &mut KvCache<B>,
+    layer: usize,
+    view: &PagedBatch<'_, B>,
+) -> Result<Tensor<B, 2>> {
+    cache.write(layer, k, v);
+    let (keys, values) = cache.layer(layer);
+    B::paged_attention(q, keys, values, view)
+}
+
 /// One row of a paged forward pass, as the engine's executor describes it: no request,
 /// only tokens, positions and blocks.
 #[derive(Debug, Clone, Copy)]

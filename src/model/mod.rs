@@ -470,9 +470,22 @@ impl<B: LlamaBackend> Transformer<B> {
         let device = self.device.clone();
         let positions = cache.chunk_positions(seq);
         let groups = c.n_heads / c.n_kv_heads;
-        let mask = cache.chunk_mask(seq, groups, &device);
-        let x = self.run_blocks(tokens, &positions, |layer, q, k, v| {
-            grouped_query_attention(q, k, v, cache, layer, mask.as_ref(), c.n_heads)
+        // On a backend with kernels of its own (the CubeCL backends), rows without left
+        // padding attend through its paged attention, each row's cache one block: the
+        // engine's kernel, no mask, no per-shape compilation of Burn's attention.
+        let rows: Vec<crate::cache::BlockId> = (0..batch as crate::cache::BlockId).collect();
+        let in_place = if B::compiles_kernels() && cache.starts().iter().all(|&s| s == 0) {
+            Some(cache.as_paged_batch(&rows, seq, c.n_heads, &device)?)
+        } else {
+            None
+        };
+        let mask = match in_place {
+            Some(_) => None,
+            None => cache.chunk_mask(seq, groups, &device),
+        };
+        let x = self.run_blocks(tokens, &positions, |layer, q, k, v| match &in_place {
+            Some(view) => attention::contiguous_in_place(q, k, v, cache, layer, view),
+            None => grouped_query_attention(q, k, v, cache, layer, mask.as_ref(), c.n_heads),
         })?;
         cache.advance(seq);
 
