@@ -377,8 +377,51 @@ fn quantized_matmul_kernels_give_the_cpu_reference() {
                     );
                 }
             }
+            // Gate, up and SwiGLU in one launch: `silu(x W^T) * (x U^T)` from the same
+            // sums as the products alone (the gate's are `got`'s bits), in f32, and
+            // each row alone the same bits as in the batch.
+            let up = QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 6))
+                .expect("quantize");
+            let fused = |x: &[f32], rows: usize| -> Vec<f32> {
+                let xt =
+                    Tensor::<Gpu, 2>::from_data(TensorData::new(x.to_vec(), [rows, cols]), &device);
+                Gpu::quantized_swiglu(xt, &w, &up, Precision::Exact)
+                    .expect("wgpu quantized swiglu")
+                    .expect("one format and shape: fused")
+                    .into_data()
+                    .into_vec::<f32>()
+                    .expect("f32")
+            };
+            let ups = multiply(&x, rows, &up);
+            let gated = fused(&x, rows);
+            for ((g, u), f) in got.iter().zip(&ups).zip(&gated) {
+                let want = f64::from(*g) / (1.0 + (-f64::from(*g)).exp()) * f64::from(*u);
+                assert!(
+                    (f64::from(*f) - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{format:?}, {rows} rows: swiglu {f} against {want}"
+                );
+            }
+            if rows > 1 {
+                let r = rows - 1;
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&fused(&x[r * cols..(r + 1) * cols], 1)),
+                    bits(&gated[r * n_out..(r + 1) * n_out]),
+                    "{format:?}: swiglu row {r} of {rows} differs from the row alone"
+                );
+            }
         }
     }
+    // Gate and up of different formats are not fused: the caller runs them apart.
+    let cols = 256;
+    let a = QuantMatrix::quantize(QuantFormat::Q4_K, 8, cols, &values(8 * cols, 7)).expect("q");
+    let b = QuantMatrix::quantize(QuantFormat::Q6_K, 8, cols, &values(8 * cols, 8)).expect("q");
+    let x = Tensor::<Gpu, 2>::from_data(TensorData::new(values(cols, 9), [1, cols]), &device);
+    assert!(
+        Gpu::quantized_swiglu(x, &a, &b, Precision::Exact)
+            .expect("no error")
+            .is_none()
+    );
     assert!(<Gpu as LlamaBackend>::keeps_quantized_weights());
 }
 
