@@ -203,7 +203,6 @@ where
         shape: PagedShape,
     ) -> FloatTensor<Self> {
         use burn_cubecl::kernel::into_contiguous;
-        use burn_cubecl::tensor::CubeTensor;
         use cubecl::{CubeCount, CubeDim};
 
         let q = unit_stride_rows(q);
@@ -211,14 +210,7 @@ where
         let values = into_contiguous(values);
         let table = into_contiguous(table);
         let out_shape = burn::tensor::Shape::new([shape.tokens, shape.n_heads * shape.dim]);
-        let bytes = out_shape.num_elements() * q.dtype.size();
-        let out = CubeTensor::new_contiguous(
-            q.client.clone(),
-            q.device.clone(),
-            out_shape,
-            q.client.empty(bytes),
-            q.dtype,
-        );
+        let out = empty_on(&q, out_shape, q.dtype);
         let (f_dtype, i_dtype) = (q.dtype, table.dtype);
         let client = q.client.clone();
         kernels::paged_attention_kernel::launch::<R>(
@@ -248,7 +240,6 @@ where
         shape: QuantShape,
     ) -> FloatTensor<Self> {
         use burn_cubecl::kernel::into_contiguous;
-        use burn_cubecl::tensor::CubeTensor;
         use cubecl::{CubeCount, CubeDim};
 
         let x = into_contiguous(x);
@@ -256,13 +247,9 @@ where
         let pair = up.is_some();
         // Without a pair the kernel never reads `up`: the weight's words stand in.
         let up = up.map_or_else(|| words.clone(), into_contiguous);
-        let out_shape = burn::tensor::Shape::new([shape.rows, shape.n_out]);
-        let bytes = out_shape.num_elements() * x.dtype.size();
-        let out = CubeTensor::new_contiguous(
-            x.client.clone(),
-            x.device.clone(),
-            out_shape,
-            x.client.empty(bytes),
+        let out = empty_on(
+            &x,
+            burn::tensor::Shape::new([shape.rows, shape.n_out]),
             x.dtype,
         );
         let (f_dtype, i_dtype) = (x.dtype, words.dtype);
@@ -300,18 +287,13 @@ where
         shape: DenseShape,
     ) -> FloatTensor<Self> {
         use burn_cubecl::kernel::into_contiguous;
-        use burn_cubecl::tensor::CubeTensor;
         use cubecl::{CubeCount, CubeDim};
 
         let x = into_contiguous(x);
         let w = into_contiguous(w);
-        let out_shape = burn::tensor::Shape::new([shape.rows, shape.n_out]);
-        let bytes = out_shape.num_elements() * x.dtype.size();
-        let out = CubeTensor::new_contiguous(
-            x.client.clone(),
-            x.device.clone(),
-            out_shape,
-            x.client.empty(bytes),
+        let out = empty_on(
+            &x,
+            burn::tensor::Shape::new([shape.rows, shape.n_out]),
             x.dtype,
         );
         let f_dtype = x.dtype;
@@ -341,18 +323,11 @@ where
 
     fn argmax_primitive(logits: FloatTensor<Self>, rows: usize, vocab: usize) -> IntTensor<Self> {
         use burn_cubecl::kernel::into_contiguous;
-        use burn_cubecl::tensor::CubeTensor;
         use cubecl::{CubeCount, CubeDim};
 
         let logits = into_contiguous(logits);
         let i_dtype = I::dtype();
-        let out = CubeTensor::new_contiguous(
-            logits.client.clone(),
-            logits.device.clone(),
-            burn::tensor::Shape::new([rows]),
-            logits.client.empty(rows * i_dtype.size()),
-            i_dtype,
-        );
+        let out = empty_on(&logits, burn::tensor::Shape::new([rows]), i_dtype);
         let f_dtype = logits.dtype;
         let client = logits.client.clone();
         kernels::argmax_kernel::launch::<R>(
@@ -375,20 +350,13 @@ where
         vocab: usize,
     ) -> IntTensor<Self> {
         use burn_cubecl::kernel::into_contiguous;
-        use burn_cubecl::tensor::CubeTensor;
         use cubecl::{CubeCount, CubeDim};
 
         let logits = into_contiguous(logits);
         let draws = into_contiguous(draws);
         let i_dtype = draws.dtype;
         let n = rows * kernels::SAMPLE_OUT;
-        let out = CubeTensor::new_contiguous(
-            logits.client.clone(),
-            logits.device.clone(),
-            burn::tensor::Shape::new([n]),
-            logits.client.empty(n * i_dtype.size()),
-            i_dtype,
-        );
+        let out = empty_on(&logits, burn::tensor::Shape::new([n]), i_dtype);
         let f_dtype = logits.dtype;
         let client = logits.client.clone();
         kernels::sample_kernel::launch::<R>(
@@ -414,7 +382,7 @@ where
         let x = burn_cubecl::kernel::into_contiguous(x);
         let weight = burn_cubecl::kernel::into_contiguous(weight);
         let [rows, d] = dims2(&x);
-        let out = empty_like(&x, [rows, d]);
+        let out = empty_on(&x, burn::tensor::Shape::new([rows, d]), x.dtype);
         let client = x.client.clone();
         let dtype = x.dtype;
         kernels::rms_norm_kernel::launch::<R>(
@@ -442,8 +410,8 @@ where
         let delta = burn_cubecl::kernel::into_contiguous(delta);
         let weight = burn_cubecl::kernel::into_contiguous(weight);
         let [rows, d] = dims2(&x);
-        let sum = empty_like(&x, [rows, d]);
-        let out = empty_like(&x, [rows, d]);
+        let sum = empty_on(&x, burn::tensor::Shape::new([rows, d]), x.dtype);
+        let out = empty_on(&x, burn::tensor::Shape::new([rows, d]), x.dtype);
         let client = x.client.clone();
         let dtype = x.dtype;
         kernels::add_rms_norm_kernel::launch::<R>(
@@ -474,7 +442,7 @@ where
         let cos = into_contiguous(cos);
         let sin = into_contiguous(sin);
         let [rows, width] = dims2(&x);
-        let out = empty_like(&x, [rows, width]);
+        let out = empty_on(&x, burn::tensor::Shape::new([rows, width]), x.dtype);
         let client = x.client.clone();
         let dtype = x.dtype;
         let n = (rows * width) as u32;
@@ -539,63 +507,20 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
         table: IntTensor<Self>,
         shape: PagedShape,
     ) -> FloatTensor<Self> {
-        use burn_fusion::stream::{Operation, OperationStreams};
-        use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
-
-        /// The kernel as an operation of the fusion stream: run on the inner backend's
-        /// tensors when the stream reaches it.
-        #[derive(Debug)]
-        struct PagedAttentionOp<B> {
-            desc: CustomOpIr,
-            shape: PagedShape,
-            _backend: core::marker::PhantomData<B>,
-        }
-
-        impl<B: FusionBackend + CubeKernels> Operation<B::FusionRuntime> for PagedAttentionOp<B> {
-            fn execute(
-                &self,
-                handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
-            ) {
-                let ([q, keys, values, table], [out]) = self.desc.as_fixed();
-                let result = B::paged_attention_primitive(
-                    handles.get_float_tensor::<B>(q),
-                    handles.get_float_tensor::<B>(keys),
-                    handles.get_float_tensor::<B>(values),
-                    handles.get_int_tensor::<B>(table),
-                    self.shape,
-                );
-                handles.register_float_tensor::<B>(&out.id, result);
-            }
-        }
-
-        let client = q.client.clone();
-        let streams = OperationStreams::with_inputs([&q, &keys, &values, &table]);
-        let out = TensorIr::uninit(
-            client.create_empty_handle(),
+        let out = (
             burn::tensor::Shape::new([shape.tokens, shape.n_heads * shape.dim]),
             q.dtype,
         );
-        let desc = CustomOpIr::new(
+        let [attended] = stream_kernel::<B, 3, 1, 1>(
             "llama_burn_paged_attention",
-            &[
-                q.into_ir(),
-                keys.into_ir(),
-                values.into_ir(),
-                table.into_ir(),
-            ],
-            &[out],
+            [q, keys, values],
+            [table],
+            [out],
+            move |[q, keys, values], [table]| {
+                [B::paged_attention_primitive(q, keys, values, table, shape)]
+            },
         );
-        client
-            .register(
-                streams,
-                OperationIr::Custom(desc.clone()),
-                PagedAttentionOp::<B> {
-                    desc,
-                    shape,
-                    _backend: core::marker::PhantomData,
-                },
-            )
-            .output()
+        attended
     }
 
     fn quantized_matmul_primitive(
@@ -629,55 +554,15 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
         w: FloatTensor<Self>,
         shape: DenseShape,
     ) -> FloatTensor<Self> {
-        use burn_fusion::stream::{Operation, OperationStreams};
-        use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
-
-        /// The kernel as an operation of the fusion stream.
-        #[derive(Debug)]
-        struct DenseMatmulOp<B> {
-            desc: CustomOpIr,
-            shape: DenseShape,
-            _backend: core::marker::PhantomData<B>,
-        }
-
-        impl<B: FusionBackend + CubeKernels> Operation<B::FusionRuntime> for DenseMatmulOp<B> {
-            fn execute(
-                &self,
-                handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
-            ) {
-                let ([x, w], [out]) = self.desc.as_fixed();
-                let result = B::dense_matmul_primitive(
-                    handles.get_float_tensor::<B>(x),
-                    handles.get_float_tensor::<B>(w),
-                    self.shape,
-                );
-                handles.register_float_tensor::<B>(&out.id, result);
-            }
-        }
-
-        let client = x.client.clone();
-        let streams = OperationStreams::with_inputs([&x, &w]);
-        let out = TensorIr::uninit(
-            client.create_empty_handle(),
-            burn::tensor::Shape::new([shape.rows, shape.n_out]),
-            x.dtype,
-        );
-        let desc = CustomOpIr::new(
+        let out = (burn::tensor::Shape::new([shape.rows, shape.n_out]), x.dtype);
+        let [product] = stream_kernel::<B, 2, 0, 1>(
             "llama_burn_dense_matmul",
-            &[x.into_ir(), w.into_ir()],
-            &[out],
+            [x, w],
+            [],
+            [out],
+            move |[x, w], []| [B::dense_matmul_primitive(x, w, shape)],
         );
-        client
-            .register(
-                streams,
-                OperationIr::Custom(desc.clone()),
-                DenseMatmulOp::<B> {
-                    desc,
-                    shape,
-                    _backend: core::marker::PhantomData,
-                },
-            )
-            .output()
+        product
     }
 
     fn argmax_primitive(logits: FloatTensor<Self>, rows: usize, vocab: usize) -> IntTensor<Self> {
@@ -895,25 +780,27 @@ fn dims2<R: CubeRuntime>(t: &burn_cubecl::tensor::CubeTensor<R>) -> [usize; 2] {
     }
 }
 
-/// A new contiguous tensor of `t`'s type, device and client.
-fn empty_like<R: CubeRuntime>(
+/// A new contiguous tensor of `shape` and `dtype` on `t`'s device and client (a kernel's
+/// output).
+fn empty_on<R: CubeRuntime>(
     t: &burn_cubecl::tensor::CubeTensor<R>,
-    dims: [usize; 2],
+    shape: burn::tensor::Shape,
+    dtype: burn::tensor::DType,
 ) -> burn_cubecl::tensor::CubeTensor<R> {
-    let shape = burn::tensor::Shape::new(dims);
-    let bytes = shape.num_elements() * t.dtype.size();
+    let bytes = shape.num_elements() * dtype.size();
     burn_cubecl::tensor::CubeTensor::new_contiguous(
         t.client.clone(),
         t.device.clone(),
         shape,
         t.client.empty(bytes),
-        t.dtype,
+        dtype,
     )
 }
 
 /// One of our kernels as an operation of Burn's fusion stream: `run` gets the inner
 /// backend's tensors (`F` floats, then `I` integers) when the stream reaches it and
-/// returns the `O` float outputs.
+/// returns the `O` float outputs. (The argmax and the sampler, whose outputs are
+/// integers, keep operations of their own.)
 struct StreamKernel<B: FusionBackend, const F: usize, const I: usize, const O: usize> {
     desc: burn_ir::CustomOpIr,
     #[allow(clippy::type_complexity)]
