@@ -19,6 +19,7 @@ pub mod kernels;
 pub mod llama;
 pub mod loader;
 pub mod model;
+pub mod quant;
 pub mod sampling;
 #[cfg(feature = "server")]
 #[cfg_attr(docsrs, doc(cfg(feature = "server")))]

@@ -18,8 +18,6 @@ use crate::cache::{KvCache, KvLedger, KvLimits, KvReservation, KvUsage};
 #[doc(no_inline)]
 pub use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
-use crate::inference::GenerateRequest;
-use crate::inference::request::check_request_size;
 use crate::model::{Logits, Transformer};
 use crate::sampling::{
     DeviceDraw, DeviceToken, History, Sampler, TokenLogprob, TokenLogprobs, token_logprobs,
@@ -80,42 +78,48 @@ impl<T: Tokenizer + ?Sized> PromptEncoder<'_, T> {
         }
         Ok(ids)
     }
-
-    /// See [`Llama::encode_request`].
-    pub fn encode_request(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
-        let ids = match (&request.prompt_ids, &request.messages) {
-            (Some(ids), _) => ids.clone(),
-            (None, Some(messages)) => {
-                let tools: usize = request
-                    .tools
-                    .iter()
-                    .map(|t| t.openai_json().to_string().len())
-                    .sum();
-                self.check_text_fits(
-                    messages
-                        .iter()
-                        .map(|m| {
-                            m.content.len()
-                                + m.role.len()
-                                + m.tool_calls
-                                    .iter()
-                                    .map(|c| c.name.len() + c.arguments.len())
-                                    .sum::<usize>()
-                        })
-                        .sum::<usize>()
-                        + tools,
-                )?;
-                self.tokenizer
-                    .encode_conversation(messages, &request.tools, true)?
-            }
-            (None, None) => return self.encode_prompt(&request.prompt),
-        };
-        if ids.is_empty() {
-            return Err(LlamaError::EmptyPrompt);
+}
+/// The one check of a request's size against a context window of `context` positions,
+/// for every strategy: `max_tokens` (when given) is at least 1 and at most `context`, and
+/// a prompt of `prompt_len` tokens (when given) is not empty and leaves room for one
+/// generated token.
+///
+/// Each value is checked once per request, where it is first known:
+/// [`GenerateRequest::validate`](crate::inference::GenerateRequest::validate) checks `max_tokens` before tokenizing (`prompt_len`
+/// `None`), and the strategies that run a validated request check only its prompt once
+/// tokenized (`max_tokens` `None`: the handlers through `Llama::check_prompt`, the
+/// continuous engine's submitting side). The methods that take a raw `max_tokens` beside
+/// a prompt ([`Llama::check_budget`](crate::Llama::check_budget), and through it
+/// [`Llama::create_generation_state`](crate::Llama::create_generation_state) and the
+/// batched states) check both at once.
+pub(crate) fn check_request_size(
+    prompt_len: Option<usize>,
+    max_tokens: Option<usize>,
+    context: usize,
+) -> Result<()> {
+    if prompt_len == Some(0) {
+        return Err(LlamaError::EmptyPrompt);
+    }
+    match max_tokens {
+        Some(0) => return Err(LlamaError::invalid("max_tokens", 0, "must be at least 1")),
+        Some(n) if n > context => {
+            return Err(LlamaError::invalid(
+                "max_tokens",
+                n,
+                "exceeds the model's context window",
+            ));
         }
-        Ok(ids)
+        _ => {}
+    }
+    match prompt_len {
+        Some(tokens) if tokens >= context => Err(LlamaError::PromptTooLong {
+            tokens,
+            max: context.saturating_sub(1),
+        }),
+        _ => Ok(()),
     }
 }
+
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
@@ -283,17 +287,6 @@ impl<B: LlamaBackend> GenerationState<B> {
     /// implementations do when asked for a fixed number of tokens.
     pub fn ignore_stop_tokens(mut self) -> Self {
         self.honour_stop_tokens = false;
-        self
-    }
-
-    /// Applies a request's stop and reporting settings: `ignore_eos`, `stop_token_ids`,
-    /// `min_tokens` and `logprobs` (its sampling controls go to its sampler,
-    /// [`request_sampler`](crate::inference::request_sampler)).
-    pub fn with_request(mut self, request: &GenerateRequest) -> Self {
-        self.honour_stop_tokens = !request.ignore_eos;
-        self.extra_stop_ids = request.stop_token_ids.clone();
-        self.min_tokens = request.min_tokens;
-        self.logprobs = request.logprobs;
         self
     }
 
@@ -568,7 +561,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
 
     /// Bytes one token's keys and values take in this model's caches, in its device's
     /// float type (see [`LlamaConfig::kv_bytes_per_token_in`]): what a token of a
-    /// [`KvBudget::Tokens`](crate::KvBudget::Tokens) budget stands for.
+    /// [`KvBudget::Tokens`](crate::cache::KvBudget::Tokens) budget stands for.
     pub fn kv_bytes_per_token(&self) -> usize {
         kv_bytes_per_token::<B>(self.config(), &self.device)
     }
@@ -597,16 +590,8 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         self.encoder().encode_prompt(prompt)
     }
 
-    /// The prompt ids of `request`: its [`prompt_ids`](GenerateRequest::prompt_ids) as
-    /// they are, else its [`messages`](GenerateRequest::messages) through
-    /// [`Tokenizer::encode_chat`] (message content as plain text), else its `prompt`
-    /// through [`Llama::encode_prompt`] (special tokens written in it recognised).
-    pub fn encode_request(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
-        self.encoder().encode_request(request)
-    }
-
     /// How this model's prompts become token ids.
-    fn encoder(&self) -> PromptEncoder<'_, T> {
+    pub(crate) fn encoder(&self) -> PromptEncoder<'_, T> {
         PromptEncoder {
             tokenizer: &self.tokenizer,
             max_seq_len: self.config().max_seq_len,
@@ -677,25 +662,8 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         self.reserved(state)
     }
 
-    /// The state of `request`, validated already ([`GenerateRequest::validate`]), for its
-    /// prompt `ids`: checks what is new (the prompt, [`check_prompt`](Self::check_prompt)),
-    /// applies the request's settings ([`GenerationState::with_request`]) and reserves its
-    /// cache.
-    ///
-    /// # Errors
-    ///
-    /// As [`create_generation_state_from_ids`](Self::create_generation_state_from_ids).
-    pub(crate) fn request_state(
-        &self,
-        ids: Vec<u32>,
-        request: &GenerateRequest,
-    ) -> Result<GenerationState<B>> {
-        self.check_prompt(&ids)?;
-        self.reserved(GenerationState::new(ids, request.max_tokens).with_request(request))
-    }
-
     /// `state` with its claim on the model's KV budget for the largest cache it can need.
-    fn reserved(&self, mut state: GenerationState<B>) -> Result<GenerationState<B>> {
+    pub(crate) fn reserved(&self, mut state: GenerationState<B>) -> Result<GenerationState<B>> {
         let positions = self.cache_positions(state.prompt_tokens.len(), state.max_tokens);
         state.reservation = Some(self.reserve_kv(1, positions)?);
         Ok(state)
@@ -972,21 +940,6 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             }
         }
         Ok(())
-    }
-
-    /// Computes `state`'s prompt log-probabilities when `request` asks for them
-    /// ([`GenerateRequest::with_prompt_logprobs`]), for
-    /// [`GenerationState::take_prompt_logprobs`]: one forward pass over the prompt (in
-    /// chunks, the same in every strategy).
-    pub fn with_prompt_logprobs(
-        &self,
-        mut state: GenerationState<B>,
-        request: &GenerateRequest,
-    ) -> Result<GenerationState<B>> {
-        if let Some(n) = request.prompt_logprobs {
-            state.prompt_logprobs = Some(self.prompt_logprobs(&state.prompt_tokens, n)?);
-        }
-        Ok(state)
     }
 
     /// One generation step's forward pass over `input` (row-major, one row per cache row):

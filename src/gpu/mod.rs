@@ -41,7 +41,7 @@ use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use crate::backend::LlamaBackend;
 use crate::config::Precision;
 use crate::error::{LlamaError, Result};
-use crate::kernels::{QuantFormat, QuantMatrix};
+use crate::kernels::QuantMatrix;
 use crate::model::paged_batch::PagedBatch;
 use crate::sampling::{DeviceDraw, DeviceToken};
 
@@ -1066,21 +1066,6 @@ pub(crate) fn quant_lanes(blocks: usize) -> usize {
     lanes
 }
 
-/// The kernel's code for a block format.
-fn kernel_format(format: QuantFormat) -> u32 {
-    match format {
-        QuantFormat::Q8_0 => 0,
-        QuantFormat::Q4_0 => 1,
-        QuantFormat::Q4_1 => 2,
-        QuantFormat::Q4_K => 3,
-        QuantFormat::Q6_K => 4,
-        QuantFormat::Q5_K => 5,
-        QuantFormat::Q5_0 => 6,
-        QuantFormat::Q5_1 => 7,
-        QuantFormat::Q3_K => 8,
-    }
-}
-
 /// A quantized matrix's copy on `device` (made on first use and kept with the matrix).
 fn device_weight<B: LlamaBackend + CubeKernels>(
     w: &QuantMatrix,
@@ -1103,7 +1088,7 @@ fn device_weight<B: LlamaBackend + CubeKernels>(
             let n = words.len();
             Ok(DeviceWeight {
                 words: Tensor::from_data(TensorData::new(words, [n]), device),
-                format: kernel_format(w.format()),
+                format: w.format().gpu_code(),
             })
         },
     )

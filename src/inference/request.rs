@@ -1,10 +1,14 @@
 //! What a client asks the inference service for, and what it gets back token by token.
 
+use crate::backend::LlamaBackend;
 use crate::constraints::Constraint;
 use crate::error::{LlamaError, Result};
+pub(crate) use crate::llama::check_request_size;
+use crate::llama::{GenerationState, Llama, PromptEncoder};
 use crate::sampling::{MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs};
 use crate::speculative::SpeculationConfig;
 use crate::tokenizer::ChatMessage;
+use crate::tokenizer::Tokenizer;
 
 /// Most extra stop token ids a request may give.
 pub const MAX_STOP_TOKEN_IDS: usize = 256;
@@ -35,7 +39,7 @@ pub struct GenerateRequest {
     pub prompt: String,
     /// A conversation to continue instead of `prompt`: encoded with the model's chat
     /// template and an assistant header by
-    /// [`Tokenizer::encode_chat`](crate::tokenizer::Tokenizer::encode_chat), message content
+    /// [`Tokenizer::encode_chat`], message content
     /// as plain text (it can never be read as a control token).
     pub messages: Option<Vec<ChatMessage>>,
     /// Functions the model may call in its answer to [`messages`](Self::messages): given
@@ -394,47 +398,6 @@ impl GenerateRequest {
     }
 }
 
-/// The one check of a request's size against a context window of `context` positions,
-/// for every strategy: `max_tokens` (when given) is at least 1 and at most `context`, and
-/// a prompt of `prompt_len` tokens (when given) is not empty and leaves room for one
-/// generated token.
-///
-/// Each value is checked once per request, where it is first known:
-/// [`GenerateRequest::validate`] checks `max_tokens` before tokenizing (`prompt_len`
-/// `None`), and the strategies that run a validated request check only its prompt once
-/// tokenized (`max_tokens` `None`: the handlers through `Llama::check_prompt`, the
-/// continuous engine's submitting side). The methods that take a raw `max_tokens` beside
-/// a prompt ([`Llama::check_budget`](crate::Llama::check_budget), and through it
-/// [`Llama::create_generation_state`](crate::Llama::create_generation_state) and the
-/// batched states) check both at once.
-pub(crate) fn check_request_size(
-    prompt_len: Option<usize>,
-    max_tokens: Option<usize>,
-    context: usize,
-) -> Result<()> {
-    if prompt_len == Some(0) {
-        return Err(LlamaError::EmptyPrompt);
-    }
-    match max_tokens {
-        Some(0) => return Err(LlamaError::invalid("max_tokens", 0, "must be at least 1")),
-        Some(n) if n > context => {
-            return Err(LlamaError::invalid(
-                "max_tokens",
-                n,
-                "exceeds the model's context window",
-            ));
-        }
-        _ => {}
-    }
-    match prompt_len {
-        Some(tokens) if tokens >= context => Err(LlamaError::PromptTooLong {
-            tokens,
-            max: context.saturating_sub(1),
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// One generated token, as a streaming handler emits it.
 ///
 /// ```
@@ -465,6 +428,100 @@ pub struct TokenOutput {
     /// ([`GenerateRequest::with_prompt_logprobs`]): each prompt token's log-probability
     /// and alternatives, `None` for the first prompt token (nothing predicts it).
     pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
+}
+
+/// How a request's prompt becomes token ids (the request is this module's; the encoder
+/// is the model's, in `llama.rs`).
+impl<T: Tokenizer + ?Sized> PromptEncoder<'_, T> {
+    /// See [`Llama::encode_request`].
+    pub fn encode_request(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
+        let ids = match (&request.prompt_ids, &request.messages) {
+            (Some(ids), _) => ids.clone(),
+            (None, Some(messages)) => {
+                let tools: usize = request
+                    .tools
+                    .iter()
+                    .map(|t| t.openai_json().to_string().len())
+                    .sum();
+                self.check_text_fits(
+                    messages
+                        .iter()
+                        .map(|m| {
+                            m.content.len()
+                                + m.role.len()
+                                + m.tool_calls
+                                    .iter()
+                                    .map(|c| c.name.len() + c.arguments.len())
+                                    .sum::<usize>()
+                        })
+                        .sum::<usize>()
+                        + tools,
+                )?;
+                self.tokenizer
+                    .encode_conversation(messages, &request.tools, true)?
+            }
+            (None, None) => return self.encode_prompt(&request.prompt),
+        };
+        if ids.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        Ok(ids)
+    }
+}
+
+impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
+    /// The prompt ids of `request`: its [`prompt_ids`](GenerateRequest::prompt_ids) as
+    /// they are, else its [`messages`](GenerateRequest::messages) through
+    /// [`Tokenizer::encode_chat`] (message content as plain text), else its `prompt`
+    /// through [`Llama::encode_prompt`] (special tokens written in it recognised).
+    pub fn encode_request(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
+        self.encoder().encode_request(request)
+    }
+
+    /// The state of `request`, validated already ([`GenerateRequest::validate`]), for its
+    /// prompt `ids`: checks what is new (the prompt, [`check_prompt`](Self::check_prompt)),
+    /// applies the request's settings ([`GenerationState::with_request`]) and reserves its
+    /// cache.
+    ///
+    /// # Errors
+    ///
+    /// As [`create_generation_state_from_ids`](Self::create_generation_state_from_ids).
+    pub(crate) fn request_state(
+        &self,
+        ids: Vec<u32>,
+        request: &GenerateRequest,
+    ) -> Result<GenerationState<B>> {
+        self.check_prompt(&ids)?;
+        self.reserved(GenerationState::new(ids, request.max_tokens).with_request(request))
+    }
+
+    /// Computes `state`'s prompt log-probabilities when `request` asks for them
+    /// ([`GenerateRequest::with_prompt_logprobs`]), for
+    /// [`GenerationState::take_prompt_logprobs`]: one forward pass over the prompt (in
+    /// chunks, the same in every strategy).
+    pub fn with_prompt_logprobs(
+        &self,
+        mut state: GenerationState<B>,
+        request: &GenerateRequest,
+    ) -> Result<GenerationState<B>> {
+        if let Some(n) = request.prompt_logprobs {
+            state.prompt_logprobs = Some(self.prompt_logprobs(&state.prompt_tokens, n)?);
+        }
+        Ok(state)
+    }
+}
+
+impl<B: LlamaBackend> GenerationState<B> {
+    /// Applies a request's stop and reporting settings: `ignore_eos`, `stop_token_ids`,
+    /// `min_tokens` and `logprobs` (its sampling controls go to its sampler,
+    /// [`request_sampler`](crate::inference::request_sampler)).
+    pub fn with_request(mut self, request: &GenerateRequest) -> Self {
+        self.honour_stop_tokens = !request.ignore_eos;
+        self.extra_stop_ids = request.stop_token_ids.clone();
+        self.min_tokens = request.min_tokens;
+        self.logprobs = request.logprobs;
+        self
+    }
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! The AVX2 + FMA + F16C path of the CPU kernels (x86-64).
 //!
 //! Dequantization computes every weight with the same f32 operations, in the same order,
-//! as `loader::dequant` (a multiply, then an add or subtract), so the scratch row is
+//! as `quant::dequant` (a multiply, then an add or subtract), so the scratch row is
 //! bitwise the loader's. The dot products follow the canonical order described in
 //! the `cpu` module. One row of the 32-value formats is multiplied straight from the
 //! registers its blocks are decoded into ([`fused_row`]), with the same operations and
@@ -9,8 +9,9 @@
 
 use std::arch::x86_64::*;
 
-use super::quant::{QuantFormat, QuantMatrix};
-use crate::loader::dequant::k_scales_mins;
+use super::matrix::QuantMatrix;
+use crate::quant::QuantFormat;
+use crate::quant::dequant::k_scales_mins;
 
 /// An f16 (little-endian bytes) to f32, exactly.
 #[inline]

@@ -1,7 +1,7 @@
 //! The AVX-512 path of the CPU kernels (x86-64 with AVX-512 F/BW/VL, FMA and F16C).
 //!
 //! **Weights dequantized in registers.** Every block is decoded straight into 16-lane
-//! registers with the same f32 operations, in the same order, as `loader::dequant` (a
+//! registers with the same f32 operations, in the same order, as `quant::dequant` (a
 //! multiply, then an add or subtract), so each weight is bitwise the loader's. The 4-bit
 //! formats build their block's 16 possible values once (`T[q] = q * d + m` for Q4_1) and
 //! look each nibble up with one `vpermps`, which reads only an index's low 4 bits: the
@@ -18,9 +18,11 @@
 
 use std::arch::x86_64::*;
 
-use super::quant::{GROUP_ROWS, QuantFormat, QuantMatrix};
+use super::matrix::{GROUP_ROWS, QuantMatrix};
 use super::tiling::MAX_TILE_ROWS;
-use crate::loader::dequant::k_scales_mins;
+use super::x86::{Vnni, transpose8};
+use crate::quant::QuantFormat;
+use crate::quant::dequant::k_scales_mins;
 
 /// Most activation rows of a fused tile.
 pub(crate) const FUSED_ROWS: usize = 4;
@@ -228,19 +230,9 @@ unsafe fn ungroup_step(step: *const u8, bb: usize, out: *mut u8) {
     // bytes `4 w ..` of each of the eight blocks of `out`; the tail follows the words.
     unsafe {
         while w + 8 <= words {
-            let mut v = [_mm256_setzero_si256(); 8];
-            for (j, v) in v.iter_mut().enumerate() {
-                *v = _mm256_loadu_si256(word(w + j).cast());
-            }
-            // Rows 2p, 2p + 1 of words 0-3 (then 4-7), as the 8 x 8 transpose needs them.
-            let mut first = [_mm256_setzero_si256(); 4];
-            let mut last = [_mm256_setzero_si256(); 4];
-            for p in 0..4 {
-                first[p] = _mm256_permute2x128_si256::<0x20>(v[2 * p], v[2 * p + 1]);
-                last[p] = _mm256_permute2x128_si256::<0x31>(v[2 * p], v[2 * p + 1]);
-            }
-            let (a, b) = (transpose4(first), transpose4(last));
-            for (i, r) in a.into_iter().chain(b).enumerate() {
+            // Words `w .. w + 8` of the eight rows, one vector per row: the shared
+            // 8 x 8 transpose of 32-bit words.
+            for (i, r) in transpose8::<Vnni>(|j| word(w + j)).into_iter().enumerate() {
                 _mm256_storeu_si256(out.add(i * bb + 4 * w).cast(), r);
             }
             w += 8;
@@ -284,27 +276,6 @@ unsafe fn ungroup_step(step: *const u8, bb: usize, out: *mut u8) {
             );
         }
     }
-}
-
-/// Four vectors of two rows' four u32 words each (rows `2p`, `2p + 1`) to four vectors of
-/// one word of eight rows each: half of an 8 x 8 transpose of 32-bit words.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn transpose4(a: [__m256i; 4]) -> [__m256i; 4] {
-    let pick_lo = _mm256_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13);
-    let pick_hi = _mm256_setr_epi32(2, 6, 10, 14, 3, 7, 11, 15);
-    let low_halves = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
-    let high_halves = _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15);
-    let p01 = _mm256_permutex2var_epi32(a[0], pick_lo, a[1]);
-    let p23 = _mm256_permutex2var_epi32(a[0], pick_hi, a[1]);
-    let q01 = _mm256_permutex2var_epi32(a[2], pick_lo, a[3]);
-    let q23 = _mm256_permutex2var_epi32(a[2], pick_hi, a[3]);
-    [
-        _mm256_permutex2var_epi32(p01, low_halves, q01),
-        _mm256_permutex2var_epi32(p01, high_halves, q01),
-        _mm256_permutex2var_epi32(p23, low_halves, q23),
-        _mm256_permutex2var_epi32(p23, high_halves, q23),
-    ]
 }
 
 #[cold]

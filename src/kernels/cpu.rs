@@ -23,7 +23,7 @@
 
 use std::sync::OnceLock;
 
-use super::quant::{GROUP_ROWS, QuantMatrix};
+use super::matrix::{GROUP_ROWS, QuantMatrix};
 use super::tiling::{Columns, MAX_TILE_ROWS};
 use crate::error::{LlamaError, Result};
 
@@ -96,6 +96,25 @@ impl SimdPath {
         }
     }
 
+    /// Whether the path runs the `fast` precision's `vpdpbusd` kernels on this CPU
+    /// (the AVX-512 path, where the CPU has VNNI).
+    pub(crate) fn has_vnni(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self == SimdPath::Avx512 && std::arch::is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// Whether the path can run the `fast` precision's AVX2 in-register kernels on
+    /// this CPU (the AVX-512 path takes them where the CPU lacks VNNI).
+    pub(crate) fn has_avx2_integer(self) -> bool {
+        matches!(self, SimdPath::Avx2 | SimdPath::Avx512) && avx2_supported()
+    }
+
     /// The value of `LLAMA_BURN_SIMD` that asks for the path.
     pub fn env_name(self) -> &'static str {
         match self {
@@ -105,6 +124,14 @@ impl SimdPath {
             SimdPath::Neon => "neon",
         }
     }
+}
+
+/// Whether the [active](SimdPath::active) path runs the `fast` precision with its own
+/// integer kernels (AVX-512 with VNNI, or AVX2 with FMA and F16C), rather than the
+/// plain-Rust reference.
+pub fn has_integer_kernels() -> bool {
+    let path = SimdPath::active();
+    path.has_vnni() || path.has_avx2_integer()
 }
 
 /// Calls the plain function `$plain($args)` compiled for SIMD path `$path`: a copy with
@@ -261,7 +288,7 @@ struct Tiles {
 }
 
 impl Tiles {
-    fn of(path: SimdPath, rows: usize, format: super::quant::QuantFormat) -> Tiles {
+    fn of(path: SimdPath, rows: usize, format: crate::quant::QuantFormat) -> Tiles {
         match path {
             // Up to 8 rows: each block decoded in registers and multiplied at once, in
             // tiles of up to 4 rows, a whole group of 8 outputs per tile below 4 rows (4

@@ -18,12 +18,14 @@ mod avx2;
 mod avx512;
 pub mod cpu;
 pub mod int8;
+mod matrix;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod pages;
 pub(crate) mod pool;
-pub mod quant;
 mod tiling;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub use cpu::{SimdPath, matmul_transposed, matmul_transposed_on};
 pub use int8::matmul_transposed_int8_on;
@@ -50,7 +52,8 @@ pub fn matmul_transposed_in(
         Precision::Fast => matmul_transposed_int8_on(SimdPath::active(), x, rows, w),
     }
 }
-pub use quant::{QuantFormat, QuantMatrix};
+pub use crate::quant::QuantFormat;
+pub use matrix::{GROUP_ROWS, QuantMatrix};
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -72,6 +75,7 @@ pub(crate) mod tests {
         let f16 =
             |rng: &mut StdRng| half::f16::from_f32(rng.random_range(-0.05f32..0.05)).to_le_bytes();
         for block in data.chunks_exact_mut(format.block_bytes()) {
+            // Where each format keeps its f16 scales (and minimum).
             let at: &[usize] = match format {
                 QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q5_0 => &[0],
                 QuantFormat::Q4_1 | QuantFormat::Q4_K | QuantFormat::Q5_1 | QuantFormat::Q5_K => {
@@ -87,7 +91,7 @@ pub(crate) mod tests {
         QuantMatrix::new(format, rows, cols, data).unwrap()
     }
 
-    const FORMATS: [QuantFormat; 9] = QuantFormat::ALL;
+    const FORMATS: [QuantFormat; QuantFormat::ALL.len()] = QuantFormat::ALL;
 
     fn paths() -> Vec<SimdPath> {
         SimdPath::ALL

@@ -23,8 +23,8 @@ use super::{GgufSource, build_transformer, terminal_progress};
 use crate::backend::LlamaBackend;
 use crate::config::{LlamaConfig, Precision};
 use crate::error::{LlamaError, Result};
-use crate::kernels::QuantFormat;
 use crate::llama::Llama;
+use crate::quant::QuantFormat;
 use crate::tokenizer::{DynTokenizer, GgufBpeTokenizer, HfTokenizer, Tokenizer};
 
 /// The context window a [`Loader`] allocates for when [`Loader::max_seq_len`] is not
@@ -68,7 +68,7 @@ enum Progress<'a> {
 /// ```no_run
 /// # fn main() -> llama_burn::Result<()> {
 /// use llama_burn::backend::{DefaultBackend, default_device};
-/// use llama_burn::kernels::QuantFormat;
+/// use llama_burn::quant::QuantFormat;
 /// use llama_burn::loader::Loader;
 ///
 /// let llama = Loader::hf_dir("SmolLM2-135M-Instruct")
@@ -289,14 +289,15 @@ impl<'a, C: TokenizerChoice> Loader<'a, C> {
     /// # Errors
     ///
     /// [`LlamaError::Io`] for a missing file, the format's errors for a damaged or
-    /// foreign checkpoint ([`LlamaError::Gguf`], [`LlamaError::Config`],
+    /// foreign checkpoint ([`LlamaError::InvalidFormat`], [`LlamaError::Config`],
     /// [`LlamaError::MissingTensor`], ...), [`LlamaError::InvalidParameter`] for a
     /// `max_seq_len` outside the model's context or [`quantize`](Self::quantize) on a
     /// GGUF file; each before the weights are read.
     pub fn load<B: LlamaBackend>(self, device: &B::Device) -> Result<Llama<B, C::Tokenizer>> {
         let hf = self.is_hf_dir();
-        let config = if hf {
-            self.configure(read_hf_config(&self.path)?)?
+        // A GGUF file is opened once, for its configuration, tokenizer and weights.
+        let gguf = if hf {
+            None
         } else {
             if self.quantize.is_some() {
                 return Err(LlamaError::invalid(
@@ -305,8 +306,11 @@ impl<'a, C: TokenizerChoice> Loader<'a, C> {
                     "applies to Hugging Face checkpoint directories (a GGUF keeps its own types)",
                 ));
             }
-            // Opened again below for the weights: the header is small and mapped.
-            self.configure(LlamaConfig::from_gguf(&GgufFile::open(&self.path)?)?)?
+            Some(GgufFile::open(&self.path)?)
+        };
+        let config = match &gguf {
+            None => self.configure(read_hf_config(&self.path)?)?,
+            Some(gguf) => self.configure(LlamaConfig::from_gguf(gguf)?)?,
         };
         let Loader {
             path,
@@ -331,7 +335,12 @@ impl<'a, C: TokenizerChoice> Loader<'a, C> {
                 &mut callback
             }
         };
-        let (model, tokenizer) = if hf {
+        let (model, tokenizer) = if let Some(gguf) = gguf {
+            let tokenizer = tokenizer.resolve(Some(&gguf), None)?;
+            let mut source = GgufSource::new(&gguf, &config);
+            let model = build_transformer(&config, &mut source, device, progress)?;
+            (model, tokenizer)
+        } else {
             let tokenizer = tokenizer.resolve(None, Some(&path))?;
             let mut safetensors = SafetensorsSource::open_dir(&path)?;
             let model = match quantize {
@@ -341,12 +350,6 @@ impl<'a, C: TokenizerChoice> Loader<'a, C> {
                 }
                 None => build_transformer(&config, &mut safetensors, device, progress)?,
             };
-            (model, tokenizer)
-        } else {
-            let gguf = GgufFile::open(&path)?;
-            let tokenizer = tokenizer.resolve(Some(&gguf), None)?;
-            let mut source = GgufSource::new(&gguf, &config);
-            let model = build_transformer(&config, &mut source, device, progress)?;
             (model, tokenizer)
         };
         if warm_up && B::compiles_kernels() {

@@ -23,9 +23,10 @@ use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::dequant;
-pub use super::ggml::GgmlType;
 use crate::error::{LlamaError, Result};
+use crate::kernels::QuantMatrix;
+pub use crate::quant::GgmlType;
+use crate::quant::{QuantFormat, dequant};
 
 /// The four bytes every GGUF file starts with.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
@@ -1088,6 +1089,32 @@ fn short(v: &GgufValue) -> String {
         format!("{cut}...")
     } else {
         s
+    }
+}
+
+/// Reading a kept block format's tensor as the kernels' matrix (here, with the reader,
+/// so the kernels need not know the file format).
+impl QuantMatrix {
+    /// The tensor `name` of a GGUF file (its GGUF name) as a matrix of its rows, all but
+    /// the last dimension flattened into rows; `None` if its type is not one of
+    /// [`QuantFormat`]'s. No llama.cpp row permutation is undone (the model loader does
+    /// that for queries and keys).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::MissingTensor`] if the file has no such tensor, and what reading it
+    /// or [`QuantMatrix::new`] reports.
+    pub fn from_gguf(gguf: &GgufFile, name: &str) -> Result<Option<Self>> {
+        let info = gguf
+            .tensor_info(name)
+            .ok_or_else(|| LlamaError::MissingTensor(name.to_string()))?;
+        let Some(format) = QuantFormat::from_ggml(info.ty) else {
+            return Ok(None);
+        };
+        let shape = info.shape();
+        let cols = shape.last().copied().unwrap_or(0);
+        let rows = shape[..shape.len().saturating_sub(1)].iter().product();
+        Self::new(format, rows, cols, gguf.read_tensor_bytes(info)?).map(Some)
     }
 }
 

@@ -6,11 +6,11 @@
 //! - `load.rs`: the configuration readers [`LlamaConfig::from_gguf`] /
 //!   [`LlamaConfig::from_hf_json`], the `*_pretrained` hub presets, and the old
 //!   `load_*` constructors as deprecated wrappers over [`Loader`];
-//! - [`gguf`]: the GGUF file reader; `ggml.rs`: the ggml type table (ids, names, block
-//!   layouts) that the reader and [`dequant`] share; [`dequant`]: ggml blocks to `f32`;
+//! - [`gguf`]: the GGUF file reader (the ggml type table, dequantization and the
+//!   quantizers are the block formats' own, in [`crate::quant`]);
 //! - [`gguf_writer`]: a streaming GGUF writer; [`random`]: random-weight Llama GGUF
 //!   files of real shapes, written with it;
-//! - [`quantize`] (and `kquant.rs`): our quantizers, f32 into ggml blocks;
+//! - [`quantize`]: quantizing a checkpoint's matrices as they load ([`quantize::QuantizingSource`]);
 //! - [`safetensors`]: safetensors files and shards;
 //! - `pretrained` (feature `pretrained`): hub downloads;
 //! - this file: [`TensorSource`], which hands out tensors by their Hugging Face names as
@@ -18,17 +18,18 @@
 //!   source, so the formats cannot drift apart.
 
 mod builder;
-pub mod dequant;
-mod ggml;
 pub mod gguf;
 pub mod gguf_writer;
-mod kquant;
 mod load;
 #[cfg(feature = "pretrained")]
 #[cfg_attr(docsrs, doc(cfg(feature = "pretrained")))]
 pub mod pretrained;
 pub mod quantize;
 pub mod random;
+
+/// Dequantization of ggml blocks: the block formats' own ([`crate::quant::dequant`]),
+/// here under its older path.
+pub use crate::quant::dequant;
 pub mod safetensors;
 
 use std::io::IsTerminal;
@@ -40,12 +41,13 @@ use crate::backend::{LlamaBackend, upload_matrix};
 
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
-use crate::kernels::{QuantFormat, QuantMatrix};
+use crate::kernels::QuantMatrix;
 use crate::model::linear::default_blocks;
 use crate::model::weights::{
     BLOCK_WEIGHTS, EMBED, FINAL_NORM, LM_HEAD, WeightKind, layer_name, tensor_count,
 };
 use crate::model::{Block, BlockTensor, Projection, Transformer, VocabMatrix};
+use crate::quant::QuantFormat;
 use gguf::GgufFile;
 
 pub use builder::{DEFAULT_MAX_SEQ_LEN, Embedded, Given, Loader, TokenizerChoice};

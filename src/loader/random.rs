@@ -21,8 +21,8 @@ use super::gguf_writer::{GgufWriter, TensorPlan};
 use super::quantize::quantize;
 use crate::config::{LlamaConfig, RopeFrequencies};
 use crate::error::{LlamaError, Result};
-use crate::kernels::QuantFormat;
 use crate::model::weights::{BLOCK_WEIGHTS, EMBED, FINAL_NORM, WeightKind};
+use crate::quant::QuantFormat;
 
 /// Spread of the random matrices' values.
 pub const WEIGHT_STD: f32 = 0.02;

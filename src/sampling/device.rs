@@ -12,7 +12,7 @@
 //!
 //! The random number stays on the host: [`DeviceDraw::uniform`] is the number the row's
 //! own generator would give the host pipeline for this draw, read from a copy of the
-//! generator; [`commit`] moves the generator on once the device's token is taken. A
+//! generator; `commit` moves the generator on once the device's token is taken. A
 //! request's random stream is then the same whichever side draws its tokens. The device
 //! computes its weights in its own float arithmetic, so its token is the host's except
 //! where the uniform lies within rounding of an interval's boundary, and its

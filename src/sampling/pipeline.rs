@@ -84,8 +84,7 @@ impl Default for SamplingParams {
 }
 
 /// What [`Sampler::Argmax`](super::Sampler::Argmax) draws with: greedy, nothing else.
-pub(crate) static GREEDY: std::sync::LazyLock<SamplingParams> =
-    std::sync::LazyLock::new(SamplingParams::greedy);
+pub(crate) static GREEDY: SamplingParams = SamplingParams::GREEDY;
 
 impl SamplingParams {
     /// The defaults: temperature 1 and every other control off (its neutral value). A
@@ -101,12 +100,16 @@ impl SamplingParams {
         logit_bias: Vec::new(),
     };
 
+    /// Greedy decoding and nothing else, as a constant.
+    const GREEDY: Self = {
+        let mut greedy = Self::DEFAULT;
+        greedy.temperature = 0.0;
+        greedy
+    };
+
     /// Greedy decoding, nothing else.
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            ..Self::default()
-        }
+        Self::GREEDY
     }
 
     /// Checks every value against its range.

@@ -121,7 +121,7 @@ impl ChatTemplate {
 
     /// Renders `messages` (and `tools`, when the template takes them) into pieces:
     /// the template's own text and each message's content (see the
-    /// [module](self) documentation). `bos_token`/`eos_token` are the texts templates
+    /// module documentation). `bos_token`/`eos_token` are the texts templates
     /// write as `bos_token`/`eos_token`.
     ///
     /// # Errors

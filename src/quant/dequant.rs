@@ -13,6 +13,7 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use super::QuantFormat;
 use super::ggml::GgmlType;
 use crate::error::{LlamaError, Result};
 
@@ -57,25 +58,20 @@ pub(crate) fn dequantize_block(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
 }
 
 /// Decodes whole blocks of one type from `bytes` into `out`.
-type Decoder = fn(&[u8], &mut [f32]);
+pub(crate) type Decoder = fn(&[u8], &mut [f32]);
 
-/// The one list of the types this module decodes, with the routine for each.
+/// The types this module decodes, with the routine for each: the kept block formats'
+/// from their rows in the format table ([`QuantFormat`]), and the others here.
 fn decoder(ty: GgmlType) -> Option<Decoder> {
+    if let Some(format) = QuantFormat::from_ggml(ty) {
+        return Some(format.spec().dequantize);
+    }
     Some(match ty {
         GgmlType::F32 => f32_le,
         GgmlType::F16 => f16_le,
         GgmlType::BF16 => bf16_le,
         GgmlType::F64 => f64_le,
-        GgmlType::Q4_0 => q4_0,
-        GgmlType::Q4_1 => q4_1,
-        GgmlType::Q5_0 => q5_0,
-        GgmlType::Q5_1 => q5_1,
-        GgmlType::Q8_0 => q8_0,
         GgmlType::Q2_K => q2_k,
-        GgmlType::Q3_K => q3_k,
-        GgmlType::Q4_K => q4_k,
-        GgmlType::Q5_K => q5_k,
-        GgmlType::Q6_K => q6_k,
         GgmlType::Q8_K => q8_k,
         GgmlType::IQ4_NL => iq4_nl,
         GgmlType::IQ4_XS => iq4_xs,
@@ -160,7 +156,7 @@ fn f64_le(bytes: &[u8], out: &mut [f32]) {
 
 /// `Q4_0`: `d: f16, qs: [u8; 16]`; value `j` is the low nibble of `qs[j]`, value `j + 16`
 /// its high nibble, both offset by -8.
-fn q4_0(bytes: &[u8], out: &mut [f32]) {
+pub(super) fn q4_0(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<18>().0;
     let outs = out.as_chunks_mut::<32>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {
@@ -175,7 +171,7 @@ fn q4_0(bytes: &[u8], out: &mut [f32]) {
 }
 
 /// `Q4_1`: `d: f16, m: f16, qs: [u8; 16]`; `x = d * q + m` with the nibble order of `Q4_0`.
-fn q4_1(bytes: &[u8], out: &mut [f32]) {
+pub(super) fn q4_1(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<20>().0;
     let outs = out.as_chunks_mut::<32>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {
@@ -191,7 +187,7 @@ fn q4_1(bytes: &[u8], out: &mut [f32]) {
 }
 
 /// `Q5_0`: `d: f16, qh: u32, qs: [u8; 16]`; bit `j` of `qh` is the fifth bit of value `j`.
-fn q5_0(bytes: &[u8], out: &mut [f32]) {
+pub(super) fn q5_0(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<22>().0;
     let outs = out.as_chunks_mut::<32>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {
@@ -211,7 +207,7 @@ fn q5_0(bytes: &[u8], out: &mut [f32]) {
 }
 
 /// `Q5_1`: `d: f16, m: f16, qh: u32, qs: [u8; 16]`; `x = d * q + m`.
-fn q5_1(bytes: &[u8], out: &mut [f32]) {
+pub(super) fn q5_1(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<24>().0;
     let outs = out.as_chunks_mut::<32>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {
@@ -230,7 +226,7 @@ fn q5_1(bytes: &[u8], out: &mut [f32]) {
 }
 
 /// `Q8_0`: `d: f16, qs: [i8; 32]`.
-fn q8_0(bytes: &[u8], out: &mut [f32]) {
+pub(super) fn q8_0(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<34>().0;
     let outs = out.as_chunks_mut::<32>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {
@@ -274,7 +270,7 @@ fn q2_k(bytes: &[u8], out: &mut [f32]) {
 /// `Q3_K`: `hmask: [u8; 32], qs: [u8; 64], scales: [u8; 12], d: f16`. Sixteen 6-bit signed
 /// scales (offset 32); values are 2 low bits from `qs` plus a high bit from `hmask`
 /// (a clear bit subtracts 4).
-fn q3_k(bytes: &[u8], out: &mut [f32]) {
+pub(super) fn q3_k(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<110>().0;
     let outs = out.as_chunks_mut::<QK_K>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {
@@ -332,7 +328,7 @@ pub(crate) fn k_scales_mins(packed: &[u8]) -> ([u8; 8], [u8; 8]) {
 
 /// `Q4_K`: `d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]`. Eight 32-value groups;
 /// each 32-byte chunk of `qs` holds two groups (low nibbles, then high nibbles).
-fn q4_k(bytes: &[u8], out: &mut [f32]) {
+pub(super) fn q4_k(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<144>().0;
     let outs = out.as_chunks_mut::<QK_K>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {
@@ -356,7 +352,7 @@ fn q4_k(bytes: &[u8], out: &mut [f32]) {
 
 /// `Q5_K`: `d: f16, dmin: f16, scales: [u8; 12], qh: [u8; 32], qs: [u8; 128]`; like `Q4_K`
 /// with a fifth bit per value taken from `qh` (bit `g` of `qh[l]` for group `g`).
-fn q5_k(bytes: &[u8], out: &mut [f32]) {
+pub(super) fn q5_k(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<176>().0;
     let outs = out.as_chunks_mut::<QK_K>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {
@@ -385,7 +381,7 @@ fn q5_k(bytes: &[u8], out: &mut [f32]) {
 
 /// `Q6_K`: `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`. Values are 4 low bits
 /// from `ql` and 2 high bits from `qh`, offset by -32; one signed 8-bit scale per 16 values.
-fn q6_k(bytes: &[u8], out: &mut [f32]) {
+pub(super) fn q6_k(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<210>().0;
     let outs = out.as_chunks_mut::<QK_K>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {

@@ -1,6 +1,7 @@
 //! The ggml tensor types: one table of every type's id, name and block layout, which the
-//! GGUF reader ([`super::gguf`]) and the dequantizer ([`super::dequant`]) both use.
-//! What the dequantizer can decode is its own table, [`super::dequant`]'s `decoder`.
+//! GGUF reader (`loader::gguf`), the dequantizer ([`super::dequant`]) and the kept block
+//! formats ([`super::QuantFormat`]) all read. What the dequantizer can decode is its own
+//! list, [`super::dequant`]'s `decoder`.
 
 use std::fmt;
 
@@ -39,7 +40,7 @@ macro_rules! ggml_types {
             }
 
             /// `(values per block, bytes per block)`, or `None` for an unknown type.
-            fn layout(self) -> Option<(usize, usize)> {
+            pub(crate) const fn layout(self) -> Option<(usize, usize)> {
                 const K: usize = 256;
                 match self {
                     $(GgmlType::$variant => Some($layout),)*

@@ -2,149 +2,11 @@
 
 use super::pages::WeightBytes;
 use crate::error::{LlamaError, Result};
-use crate::loader::dequant::dequantize_block;
-use crate::loader::gguf::{GgmlType, GgufFile};
-
-/// The block formats the CPU kernels multiply without dequantizing the matrix: those of
-/// the demo model (Q4_1 projections, a Q8_0 embedding) and of the common Q4_K_M and Q8_0
-/// downloads. Other types are dequantized to f32 when loaded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[allow(non_camel_case_types)]
-pub enum QuantFormat {
-    /// 32 values: an f16 scale and 32 signed bytes.
-    Q8_0,
-    /// 32 values: an f16 scale and 32 nibbles offset by 8.
-    Q4_0,
-    /// 32 values: an f16 scale, an f16 minimum and 32 nibbles.
-    Q4_1,
-    /// 256 values: f16 scale and minimum, eight 6-bit sub-scales and minimums, nibbles.
-    Q4_K,
-    /// 256 values: 6-bit values, sixteen 8-bit sub-scales and an f16 scale.
-    Q6_K,
-    /// 32 values: an f16 scale, 32 fifth bits and 32 nibbles offset by 16.
-    Q5_0,
-    /// 32 values: an f16 scale, an f16 minimum, 32 fifth bits and 32 nibbles.
-    Q5_1,
-    /// 256 values: 2-bit values with a high-bit mask, sixteen 6-bit sub-scales, f16 scale.
-    Q3_K,
-    /// 256 values: as [`Q4_K`](Self::Q4_K) with a fifth bit per value.
-    Q5_K,
-}
-
-impl QuantFormat {
-    /// The format of a ggml type, if the kernels handle it.
-    pub fn from_ggml(ty: GgmlType) -> Option<Self> {
-        Some(match ty {
-            GgmlType::Q8_0 => Self::Q8_0,
-            GgmlType::Q4_0 => Self::Q4_0,
-            GgmlType::Q4_1 => Self::Q4_1,
-            GgmlType::Q4_K => Self::Q4_K,
-            GgmlType::Q6_K => Self::Q6_K,
-            GgmlType::Q5_0 => Self::Q5_0,
-            GgmlType::Q5_1 => Self::Q5_1,
-            GgmlType::Q3_K => Self::Q3_K,
-            GgmlType::Q5_K => Self::Q5_K,
-            _ => return None,
-        })
-    }
-
-    /// The ggml type this format is.
-    pub fn ggml(self) -> GgmlType {
-        match self {
-            Self::Q8_0 => GgmlType::Q8_0,
-            Self::Q4_0 => GgmlType::Q4_0,
-            Self::Q4_1 => GgmlType::Q4_1,
-            Self::Q4_K => GgmlType::Q4_K,
-            Self::Q6_K => GgmlType::Q6_K,
-            Self::Q5_0 => GgmlType::Q5_0,
-            Self::Q5_1 => GgmlType::Q5_1,
-            Self::Q3_K => GgmlType::Q3_K,
-            Self::Q5_K => GgmlType::Q5_K,
-        }
-    }
-
-    /// Every format, in declaration order.
-    pub const ALL: [QuantFormat; 9] = [
-        Self::Q8_0,
-        Self::Q4_0,
-        Self::Q4_1,
-        Self::Q4_K,
-        Self::Q6_K,
-        Self::Q5_0,
-        Self::Q5_1,
-        Self::Q3_K,
-        Self::Q5_K,
-    ];
-
-    /// Whether the `exact` precision's SIMD kernels decode this format in registers
-    /// (the first five); the others are dequantized into scratch rows by the loader's
-    /// routine, then multiplied as the rest.
-    pub(crate) fn simd_decoded(self) -> bool {
-        matches!(
-            self,
-            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Q4_K | Self::Q6_K
-        )
-    }
-
-    /// Values per block.
-    pub const fn block_values(self) -> usize {
-        match self {
-            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 => 32,
-            Self::Q4_K | Self::Q6_K | Self::Q3_K | Self::Q5_K => 256,
-        }
-    }
-
-    /// Bytes per block.
-    pub fn block_bytes(self) -> usize {
-        match self {
-            Self::Q8_0 => 34,
-            Self::Q4_0 => 18,
-            Self::Q4_1 => 20,
-            Self::Q4_K => 144,
-            Self::Q6_K => 210,
-            Self::Q5_0 => 22,
-            Self::Q5_1 => 24,
-            Self::Q3_K => 110,
-            Self::Q5_K => 176,
-        }
-    }
-}
-
-impl std::str::FromStr for QuantFormat {
-    type Err = LlamaError;
-
-    /// The ggml name, in either case (`Q8_0`, `q4_k`, ...).
-    fn from_str(s: &str) -> Result<Self> {
-        QuantFormat::ALL
-            .into_iter()
-            .find(|f| format!("{f:?}").eq_ignore_ascii_case(s))
-            .ok_or_else(|| LlamaError::invalid("quantization type", s, "not a kept ggml type"))
-    }
-}
+use crate::quant::QuantFormat;
+use crate::quant::dequant::dequantize_block;
 
 /// Rows of a [`QuantMatrix`] whose blocks are stored interleaved (see its layout).
 pub const GROUP_ROWS: usize = 8;
-
-impl QuantFormat {
-    /// Bytes at the start of a block that hold its scales (`d`, and `m` for Q4_1), which
-    /// the grouped layout stores apart from the quantized values; 0 for the K-quants,
-    /// whose blocks stay whole.
-    pub fn head_bytes(self) -> usize {
-        match self {
-            Self::Q8_0 | Self::Q4_0 => 2,
-            Self::Q4_1 => 4,
-            // The formats the SIMD kernels do not decode keep their blocks whole too.
-            Self::Q4_K | Self::Q6_K | Self::Q5_0 | Self::Q5_1 | Self::Q3_K | Self::Q5_K => 0,
-        }
-    }
-
-    /// Whether a full group's steps hold their eight blocks word-interleaved (see
-    /// [`QuantMatrix`]'s layout): the K-quants, whose `fast` kernels multiply eight
-    /// rows' 32-bit words side by side.
-    pub(crate) fn interleaves_words(self) -> bool {
-        matches!(self, Self::Q3_K | Self::Q4_K | Self::Q5_K | Self::Q6_K)
-    }
-}
 
 /// Stores `block` (`bb` bytes, ggml's) as row `i` of a word-interleaved step of eight
 /// blocks: its 32-bit word `w` at word `8 w + i` of the step, and its last `bb % 4`
@@ -181,7 +43,7 @@ pub(crate) fn get_interleaved(step: &[u8], i: usize, out: &mut [u8]) {
 /// instruction: 1-row decode went from 69 to 171 tokens/s with it (measured here, see
 /// docs/src/cpu-kernels.md).
 ///
-/// The K-quants ([`QuantFormat::interleaves_words`]) keep their blocks whole in a
+/// The K-quants (`QuantFormat::interleaves_words`) keep their blocks whole in a
 /// group of fewer than eight rows; in a full group each step interleaves its eight
 /// blocks by 32-bit words (word `w` of row `i` at word `8 w + i`, then the blocks' last
 /// `bb % 4` bytes row by row), so 32 bytes at word `8 w` are word `w` of the eight rows:
@@ -299,28 +161,6 @@ impl QuantMatrix {
         }
         m.data = grouped;
         Ok(m)
-    }
-
-    /// The tensor `name` of a GGUF file (its GGUF name) as a matrix of its rows, all but
-    /// the last dimension flattened into rows; `None` if its type is not one of
-    /// [`QuantFormat`]'s. No llama.cpp row permutation is undone (the model loader does
-    /// that for queries and keys).
-    ///
-    /// # Errors
-    ///
-    /// [`LlamaError::MissingTensor`] if the file has no such tensor, and what reading it
-    /// or [`new`](Self::new) reports.
-    pub fn from_gguf(gguf: &GgufFile, name: &str) -> Result<Option<Self>> {
-        let info = gguf
-            .tensor_info(name)
-            .ok_or_else(|| LlamaError::MissingTensor(name.to_string()))?;
-        let Some(format) = QuantFormat::from_ggml(info.ty) else {
-            return Ok(None);
-        };
-        let shape = info.shape();
-        let cols = shape.last().copied().unwrap_or(0);
-        let rows = shape[..shape.len().saturating_sub(1)].iter().product();
-        Self::new(format, rows, cols, gguf.read_tensor_bytes(info)?).map(Some)
     }
 
     /// The matrix in ggml's layout (row by row), as [`new`](Self::new) takes it.

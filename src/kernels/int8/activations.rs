@@ -1,0 +1,178 @@
+//! The activations of a `fast` product quantized to 8 bits: runs of 32-value blocks that
+//! share one scale, each block's scale and sums kept beside its values.
+
+use super::super::cpu::{SimdPath, on_simd_path};
+use super::QK;
+
+/// Activation rows quantized in runs of 32-value blocks that share one scale (a run of
+/// one block for the 32-value weight formats, as ggml's `Q8_0`; of eight for the
+/// K-quants, as `Q8_K`), each block's scale and sums kept per block.
+pub(crate) struct QuantizedRows {
+    /// Values per row.
+    pub(super) n_in: usize,
+    /// The quantized values, row-major.
+    pub(super) q: Vec<i8>,
+    /// Each block's scale.
+    pub(super) d: Vec<f32>,
+    /// Each block's scale times the sum of its values.
+    pub(super) sx: Vec<f32>,
+    /// The sums of each block's two 16-value halves.
+    pub(super) sum16: Vec<i32>,
+}
+
+impl QuantizedRows {
+    /// Quantizes `rows` rows of `n_in` values (a multiple of `32 * run`) as ggml's
+    /// `Q8_0` reference does, with the scale kept in f32, each run of `run` 32-value
+    /// blocks sharing the scale of its largest magnitude.
+    pub(crate) fn new(x: &[f32], rows: usize, n_in: usize, run: usize) -> Self {
+        let blocks = rows * n_in / QK;
+        let mut out = Self {
+            n_in,
+            q: vec![0; rows * n_in],
+            d: Vec::with_capacity(blocks),
+            sx: Vec::with_capacity(blocks),
+            sum16: Vec::with_capacity(2 * blocks),
+        };
+        for (xr, qr) in x
+            .chunks_exact(QK * run)
+            .zip(out.q.chunks_exact_mut(QK * run))
+        {
+            let amax = xr.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            for (xb, qb) in xr.chunks_exact(QK).zip(qr.chunks_exact_mut(QK)) {
+                for (q, &v) in qb.iter_mut().zip(xb) {
+                    *q = (v * id).round() as i8;
+                }
+                let half = |h: &[i8]| h.iter().map(|&q| i32::from(q)).sum::<i32>();
+                let (lo, hi) = (half(&qb[..16]), half(&qb[16..]));
+                out.d.push(d);
+                out.sx.push(d * (lo + hi) as f32);
+                out.sum16.extend([lo, hi]);
+            }
+        }
+        out
+    }
+
+    /// [`new`](Self::new) on `path`: the same bits, in the path's vectors (`round` is a
+    /// library call per value in plain Rust; here it is a truncation and a comparison of
+    /// the remainder, which gives its bits and vectorizes).
+    pub(crate) fn new_on(path: SimdPath, x: &[f32], rows: usize, n_in: usize, run: usize) -> Self {
+        let blocks = rows * n_in / QK;
+        let mut out = Self {
+            n_in,
+            q: vec![0; rows * n_in],
+            d: vec![0.0; blocks],
+            sx: vec![0.0; blocks],
+            sum16: vec![0; 2 * blocks],
+        };
+        // A prompt's rows are split between the pool's threads in runs of whole blocks
+        // (each run of blocks is quantized alone, so the split changes no bit); a decode
+        // step's few rows are not worth a split. The split's runs are whole runs of
+        // blocks (`PARALLEL_QUANTIZE_BLOCKS / 2` is a multiple of 8).
+        let per = if blocks >= PARALLEL_QUANTIZE_BLOCKS {
+            PARALLEL_QUANTIZE_BLOCKS / 2
+        } else {
+            blocks
+        };
+        let (q, d, sx, sum16) = (
+            super::super::pool::Disjoint::new(&mut out.q),
+            super::super::pool::Disjoint::new(&mut out.d),
+            super::super::pool::Disjoint::new(&mut out.sx),
+            super::super::pool::Disjoint::new(&mut out.sum16),
+        );
+        super::super::pool::for_each_run(blocks, per, &|first, end| {
+            let n = end - first;
+            let x = &x[first * QK..end * QK];
+            // SAFETY: this run alone writes blocks `first..end` of each buffer, all inside
+            // them (`end <= blocks`), and the buffers outlive the split.
+            let (q, d, sx, sum16) = unsafe {
+                (
+                    q.part(first * QK, n * QK),
+                    d.part(first, n),
+                    sx.part(first, n),
+                    sum16.part(2 * first, 2 * n),
+                )
+            };
+            on_simd_path!(path, quantize_blocks(
+                x: &[f32],
+                q: &mut [i8],
+                d: &mut [f32],
+                sx: &mut [f32],
+                sum16: &mut [i32],
+                run: usize,
+            ));
+        });
+        out
+    }
+
+    /// Sub-blocks per row.
+    pub(super) fn blocks(&self) -> usize {
+        self.n_in / QK
+    }
+}
+
+/// From this many 32-value blocks (64 Ki values: 32 rows of 2,048), the activations of a
+/// product are quantized by the pool's threads, in runs of half as many blocks; below it
+/// (a decode step) on the calling thread. A prompt of 150 tokens spent 7% of its
+/// projections' time quantizing on one thread while the other waited.
+const PARALLEL_QUANTIZE_BLOCKS: usize = 2048;
+
+/// [`QuantizedRows::new`]'s quantization of the 32-value blocks of `x` into `q`, each
+/// block's scale into `d`, scale times sum into `sx` and half sums into `sum16`, written
+/// so that the compiler vectorizes it: the maximum in 16 lanes (exact in any order), and
+/// `round` (half away from zero) as `t = trunc(y)`, plus `sign(y)` where `|y - t| >=
+/// 0.5` (`y - t` is exact).
+#[inline(always)]
+fn quantize_blocks(
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    sx: &mut [f32],
+    sum16: &mut [i32],
+    run: usize,
+) {
+    let runs = x
+        .chunks_exact(QK * run)
+        .zip(q.chunks_exact_mut(QK * run))
+        .zip(d.chunks_exact_mut(run).zip(sx.chunks_exact_mut(run)))
+        .zip(sum16.chunks_exact_mut(2 * run));
+    for (((xr, qr), (dr, sxr)), sums) in runs {
+        let mut lanes = [0f32; 16];
+        for part in xr.chunks_exact(16) {
+            for (m, v) in lanes.iter_mut().zip(part) {
+                *m = m.max(v.abs());
+            }
+        }
+        let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
+        let scale = amax / 127.0;
+        let id = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+        let blocks = xr
+            .chunks_exact(QK)
+            .zip(qr.chunks_exact_mut(QK))
+            .zip(dr.iter_mut().zip(sxr.iter_mut()))
+            .zip(sums.chunks_exact_mut(2));
+        for (((xb, qb), (d, sx)), sums) in blocks {
+            let mut ints = [0i32; QK];
+            for ((q, int), &v) in qb.iter_mut().zip(ints.iter_mut()).zip(xb) {
+                let y = v * id;
+                let t = y.trunc();
+                let r = if (y - t).abs() >= 0.5 {
+                    t + 1f32.copysign(y)
+                } else {
+                    t
+                };
+                // |r| <= 127 (or NaN, which both casts make 0).
+                *int = r as i32;
+                *q = *int as i8;
+            }
+            let (lo, hi) = (
+                ints[..16].iter().sum::<i32>(),
+                ints[16..].iter().sum::<i32>(),
+            );
+            *d = scale;
+            *sx = scale * (lo + hi) as f32;
+            sums.copy_from_slice(&[lo, hi]);
+        }
+    }
+}

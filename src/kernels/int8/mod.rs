@@ -1,0 +1,491 @@
+//! The `fast` precision's products: activations quantized to 8 bits in runs of 32-value
+//! blocks, multiplied with the weights' own integers, the sums exact in 32-bit integers.
+//!
+//! **What is computed.** Each activation row is cut into blocks of 32 values, in runs
+//! that share one scale: a run is one block for the 32-value weight formats (as ggml's
+//! `Q8_0` activations) and eight blocks, 256 values, for the K-quants (as ggml's `Q8_K`,
+//! which llama.cpp pairs with them). A run is quantized as ggml's `Q8_0` reference
+//! quantizes a block (`d = max|x| / 127` over the run, `q = round(x / d)`, with `d` kept
+//! in f32). Each weight format is read as 32-value sub-blocks of small integers
+//! `u = q + offset` (0..=255) with an integer scale for each 16-value half, a float scale
+//! `dw` (one per run) and, for the formats with a minimum, a float `m` (the format's integer
+//! form, one row per format in `crate::quant`'s table). Output `(r, c)` is then, over the row's sub-blocks `s`
+//! in order:
+//!
+//! ```text
+//! isum += sum over halves h of sc[h] * (sum of u * q over the half - offset * sum of q)
+//! at the end of each run (every sub-block, or every eighth for the K-quants):
+//! acc   = fma(isum as f32, dw * dx, acc); isum = 0   // dx: the run's activation scale
+//! acc   = fma(m, dx * sum of q, acc)             // formats with a minimum only
+//! ```
+//!
+//! For the 32-value formats (runs of one block) that is the same arithmetic, bit for bit,
+//! as before runs existed. The largest run sum, Q6_K's (8 sub-blocks, 2 halves of 16
+//! values of at most 32 * 127, scales of at most 128), is 1.3e8 < 2^31.
+//!
+//! A K-quant super-block's eight sub-blocks thus cost one conversion, one multiply and
+//! one fused multiply-add per output instead of eight each (the 16-lane kernel at 128
+//! rows of the 1B Q5_K_M file: 577-607 -> 500-528 ms for a step's projections).
+//!
+//! The integer sums are exact, so every kernel (portable, AVX-512 VNNI, AVX2) that
+//! computes them in any order and then takes the float steps in sub-block order gives
+//! the same bits: the `fast` precision's results are the same on every SIMD path, and a
+//! row's outputs depend only on its own values, whatever the batch, the chunking of a
+//! prompt or the number of threads.
+//!
+//! **How.** Sixteen weight rows at a time are decoded into a panel in which one 64-byte
+//! vector holds four consecutive values of each of the sixteen rows: `vpdpbusd` then
+//! multiplies them with four activation bytes broadcast to every lane, and a sub-block of
+//! sixteen outputs costs eight such instructions, one conversion and one or two fused
+//! multiply-adds, reused for every activation row of the product.
+
+//!
+//! **Where.** The formats' integer forms are theirs, in [`crate::quant`] (`int_form.rs`);
+//! here: the driver, the panel and the portable tile (this file), the activations'
+//! quantizer (`activations.rs`), the x86-64 kernels (`x86.rs`) and the plain reference
+//! (`reference.rs`). Which path runs is `cpu.rs`'s to say.
+
+mod activations;
+mod reference;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use super::cpu::has_integer_kernels;
+pub use reference::int8_reference;
+
+use super::cpu::{SimdPath, on_simd_path};
+use super::matrix::{GROUP_ROWS, QuantMatrix};
+use super::tiling::Columns;
+use crate::error::{LlamaError, Result};
+use crate::quant::{IntForm, QuantFormat};
+use activations::QuantizedRows;
+
+/// Values per activation block and per weight sub-block.
+pub(crate) use crate::quant::int_form::QK;
+
+/// Weight rows (outputs) per panel: one 16-lane vector of results.
+pub(crate) const LANES: usize = 16;
+
+/// Activation rows per register tile.
+const ROW_TILE: usize = 8;
+
+/// Activation rows per tile of the in-register group kernels (`x86.rs`).
+const GROUP_TILE: usize = 8;
+
+/// Sixteen weight rows in their integer form, sub-block by sub-block: `u[(s * 8 + t) *
+/// 16 + lane]` holds values `4t .. 4t + 4` of sub-block `s` of row `lane` as one little-
+/// endian word; `sc`, `d` and `m` hold each lane's scales (`sc` per half).
+#[derive(Default)]
+pub(crate) struct Panel {
+    u: Vec<u32>,
+    sc: Vec<i32>,
+    d: Vec<f32>,
+    m: Vec<f32>,
+}
+
+impl Panel {
+    /// Decodes rows `first .. first + n` of `w` (`n <= 16`, `first` a multiple of 8);
+    /// lanes past `n` hold zeros.
+    fn fill(&mut self, w: &QuantMatrix, first: usize, n: usize) {
+        let subs = w.cols() / QK;
+        self.u.clear();
+        self.u.resize(subs * 8 * LANES, 0);
+        self.sc.clear();
+        self.sc.resize(subs * 2 * LANES, 0);
+        self.d.clear();
+        self.d.resize(subs * LANES, 0.0);
+        self.m.clear();
+        self.m.resize(subs * LANES, 0.0);
+        let format = w.format();
+        let per_block = format.block_values() / QK;
+        let (bb, hb) = (format.block_bytes(), format.head_bytes());
+        let mut block = [0u8; 256];
+        let mut decoded = [crate::quant::int_form::Sub::default(); 8];
+        for g in (0..n).step_by(GROUP_ROWS) {
+            w.for_group_blocks(first + g, n - g, |c, b, head, values| {
+                block[..hb].copy_from_slice(head);
+                block[hb..bb].copy_from_slice(values);
+                (format.spec().int_decode)(&block[..bb], &mut decoded);
+                let lane = g + c;
+                for (i, sub) in decoded.iter().take(per_block).enumerate() {
+                    let s = b * per_block + i;
+                    for (t, word) in sub.u.chunks_exact(4).enumerate() {
+                        self.u[(s * 8 + t) * LANES + lane] =
+                            u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+                    }
+                    self.sc[(s * 2) * LANES + lane] = sub.sc[0];
+                    self.sc[(s * 2 + 1) * LANES + lane] = sub.sc[1];
+                    self.d[s * LANES + lane] = sub.d;
+                    self.m[s * LANES + lane] = sub.m;
+                }
+            });
+        }
+    }
+}
+
+/// `x @ W^T` in the `fast` precision for `x` row-major `[rows, w.cols()]`: `[rows,
+/// w.rows()]`, on `path`. The same bits on every path (see the module documentation).
+///
+/// # Errors
+///
+/// [`LlamaError::ShapeMismatch`] if `x` is not `rows` rows of `w.cols()` values, and
+/// [`LlamaError::InvalidParameter`] if this CPU cannot run `path`.
+pub fn matmul_transposed_int8_on(
+    path: SimdPath,
+    x: &[f32],
+    rows: usize,
+    w: &QuantMatrix,
+) -> Result<Vec<f32>> {
+    let (n_in, n_out) = (w.cols(), w.rows());
+    // Activations are quantized in runs of `run` blocks (see `IntForm::run`).
+    let run = w.format().int_form().run;
+    if Some(x.len()) != rows.checked_mul(n_in) || !n_in.is_multiple_of(QK * run) {
+        return Err(LlamaError::ShapeMismatch {
+            name: "quantized matmul input".into(),
+            expected: vec![rows, n_in],
+            actual: vec![x.len()],
+        });
+    }
+    if !path.is_supported() {
+        return Err(LlamaError::invalid(
+            "simd path",
+            path.name(),
+            "not supported by this CPU",
+        ));
+    }
+    if rows == 0 || n_out == 0 {
+        return Ok(Vec::new());
+    }
+    let acts = QuantizedRows::new_on(path, x, rows, n_in, run);
+    let threads = rayon::current_num_threads().max(1);
+    // Chunks of whole panels (16 outputs), guided: large first, small last.
+    let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
+    let mut out = vec![0f32; rows * n_out];
+    let target = Columns::new(&mut out, n_out);
+    let vnni = path.has_vnni();
+    let in_registers = vnni;
+    let avx2_registers = !vnni && path.has_avx2_integer();
+    super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
+        let (start, end) = (
+            bounds[chunk] * LANES,
+            (bounds[chunk + 1] * LANES).min(n_out),
+        );
+        PANEL.with_borrow_mut(|panel| {
+            for first in (start..end).step_by(LANES) {
+                let n = LANES.min(end - first);
+                #[cfg(target_arch = "x86_64")]
+                if n == LANES && ((in_registers && rows <= GROUP_TILE) || avx2_registers) {
+                    // Each group decoded in registers and multiplied at once: with VNNI
+                    // for few rows, on AVX2 (no 16-lane panel kernel) for every tile.
+                    for g in [first, first + GROUP_ROWS] {
+                        let group = w.group(g).0;
+                        for r in (0..rows).step_by(GROUP_TILE) {
+                            let tile = GROUP_TILE.min(rows - r);
+                            let mut res = [[0f32; GROUP_ROWS]; GROUP_TILE];
+                            // SAFETY: `in_registers` (`avx2_registers`) says this CPU
+                            // has AVX-512 with VNNI (AVX2, FMA and F16C) and the format
+                            // is one `group_tile` reads; the group is full (8 rows of
+                            // `w.cols()` values) and `r + tile <= rows`.
+                            unsafe {
+                                if in_registers {
+                                    x86::group_tile_vnni(
+                                        w.format(),
+                                        group,
+                                        &acts,
+                                        r,
+                                        tile,
+                                        &mut res,
+                                    )
+                                } else {
+                                    x86::group_tile_avx2(
+                                        w.format(),
+                                        group,
+                                        &acts,
+                                        r,
+                                        tile,
+                                        &mut res,
+                                    )
+                                }
+                            };
+                            for (i, row) in res.iter().take(tile).enumerate() {
+                                // SAFETY: row `r + i < rows`; columns `g .. g + 8` lie in
+                                // this chunk's `start..end`, which no other chunk writes.
+                                unsafe { target.write(r + i, g, row) };
+                            }
+                        }
+                    }
+                    continue;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if in_registers && n == LANES {
+                    // More rows: decoded once into the panel, reused for every row.
+                    // SAFETY: as above; `first` starts two full groups.
+                    unsafe { panel.fill_in_registers(w, first) };
+                } else {
+                    panel.fill(w, first, n);
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                panel.fill(w, first, n);
+                let mut r = 0;
+                while r < rows {
+                    let tile = ROW_TILE.min(rows - r);
+                    let mut res = [[0f32; LANES]; ROW_TILE];
+                    run_tile(path, vnni, panel, w.format(), &acts, r, tile, &mut res);
+                    for (i, row) in res.iter().take(tile).enumerate() {
+                        // SAFETY: row `r + i < rows`; columns `first .. first + n` lie in
+                        // this chunk's `start..end`, which no other chunk writes.
+                        unsafe { target.write(r + i, first, &row[..n]) };
+                    }
+                    r += tile;
+                }
+            }
+        });
+    });
+    Ok(out)
+}
+
+thread_local! {
+    /// Each worker thread's panel, kept between calls.
+    static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
+}
+
+/// Results of activation rows `r0 .. r0 + tile` against the panel's sixteen rows.
+#[allow(clippy::too_many_arguments)]
+fn run_tile(
+    path: SimdPath,
+    vnni: bool,
+    panel: &Panel,
+    format: QuantFormat,
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; LANES]; ROW_TILE],
+) {
+    let f = format.int_form();
+    #[cfg(target_arch = "x86_64")]
+    if vnni {
+        // SAFETY: `vnni` says this CPU has AVX-512 with VNNI; the panel and the rows
+        // were built for the same matrix and `r0 + tile <= rows`.
+        unsafe { x86::vnni_tile(panel, format, acts, r0, tile, out) };
+        return;
+    }
+    let _ = vnni;
+    on_simd_path!(path, plain_tile(
+        panel: &Panel,
+        f: IntForm,
+        acts: &QuantizedRows,
+        r0: usize,
+        tile: usize,
+        out: &mut [[f32; LANES]; ROW_TILE],
+    ));
+}
+
+/// The kernel in plain Rust, lanes innermost (the reference; other paths compile it for
+/// their vector width).
+#[inline(always)]
+fn plain_tile(
+    panel: &Panel,
+    f: IntForm,
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; LANES]; ROW_TILE],
+) {
+    let subs = acts.blocks();
+    for (i, acc) in out.iter_mut().enumerate().take(tile) {
+        let r = r0 + i;
+        *acc = [0f32; LANES];
+        let mut iacc = [0i32; LANES];
+        for s in 0..subs {
+            let xq = &acts.q[r * acts.n_in + s * QK..][..QK];
+            let mut half = [[0i32; LANES]; 2];
+            for t in 0..8 {
+                let x4 = &xq[4 * t..4 * t + 4];
+                let words = &panel.u[(s * 8 + t) * LANES..][..LANES];
+                for (h, &w) in half[t / 4].iter_mut().zip(words) {
+                    let w = w.to_le_bytes();
+                    *h += (0..4)
+                        .map(|k| i32::from(w[k]) * i32::from(x4[k]))
+                        .sum::<i32>();
+                }
+            }
+            let b = r * subs + s;
+            let dx = acts.d[b];
+            let corr = [
+                f.offset * acts.sum16[2 * b],
+                f.offset * acts.sum16[2 * b + 1],
+            ];
+            let end_of_run = (s + 1).is_multiple_of(f.run);
+            for l in 0..LANES {
+                iacc[l] += panel.sc[s * 2 * LANES + l] * (half[0][l] - corr[0])
+                    + panel.sc[(s * 2 + 1) * LANES + l] * (half[1][l] - corr[1]);
+                if end_of_run {
+                    acc[l] = (iacc[l] as f32).mul_add(panel.d[s * LANES + l] * dx, acc[l]);
+                    iacc[l] = 0;
+                }
+                if f.mins {
+                    acc[l] = panel.m[s * LANES + l].mul_add(acts.sx[b], acc[l]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::tests::random_matrix;
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    fn paths() -> Vec<SimdPath> {
+        SimdPath::ALL
+            .into_iter()
+            .filter(|p| p.is_supported())
+            .collect()
+    }
+
+    #[test]
+    fn the_integer_form_gives_the_dequantized_values() {
+        // sc * d * (u - offset) + m is the loader's value, to f32 rounding.
+        for format in QuantFormat::ALL {
+            let w = random_matrix(format, 3, 512, 5);
+            let dense = w.dequantize().unwrap();
+            let f = format.int_form();
+            let mut subs = [crate::quant::int_form::Sub::default(); 8];
+            for r in 0..3 {
+                let bytes = w.row_ggml_bytes(r).unwrap();
+                let bv = format.block_values();
+                for (blk, b) in bytes.chunks_exact(format.block_bytes()).enumerate() {
+                    (format.spec().int_decode)(b, &mut subs);
+                    for (i, sub) in subs.iter().take(bv / QK).enumerate() {
+                        for k in 0..QK {
+                            let v = sub.d
+                                * (sub.sc[k / 16] * (i32::from(sub.u[k]) - f.offset)) as f32
+                                + sub.m;
+                            let want = dense[r * 512 + blk * bv + i * QK + k];
+                            let terms = (sub.d
+                                * (sub.sc[k / 16] * (i32::from(sub.u[k]) - f.offset)) as f32)
+                                .abs()
+                                + sub.m.abs();
+                            assert!(
+                                (v - want).abs() <= 1e-6 * terms + 1e-12,
+                                "{format:?} row {r} block {blk} sub {i} value {k}: {v} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_path_quantizes_activations_as_the_plain_rule() {
+        // Ties (x / d = k + 0.5 exactly: the block's maximum is 127, so d = 1), values
+        // next to them, zeros, signed zeros, a NaN and an infinity.
+        let mut x = vec![127.0f32, -0.5, 0.5, 2.5, -2.5, 126.5, -126.5, 0.0, -0.0];
+        x.extend([
+            1.4999999, -1.4999999, 1.5000001, 63.5, -63.5, 0.49999997, 3.0,
+        ]);
+        x.extend((0..16).map(|i| i as f32 * 7.25 - 50.0));
+        x.extend([1e-30, -3e-31, f32::NAN, 2.0]);
+        x.extend((0..28).map(|i| (i as f32 * 0.37).sin()));
+        x.extend([f32::INFINITY, 1.0, -1.0, 0.25]);
+        x.extend((0..28).map(|i| (i as f32 * 1.37).cos() * 1e3));
+        let mut rng = StdRng::seed_from_u64(8);
+        x.extend((0..64 * 32).map(|_| rng.random_range(-3.0f32..3.0)));
+        let rows = x.len() / 256;
+        x.truncate(rows * 256);
+        // Runs of one block (the 32-value formats) and of eight (the K-quants).
+        for run in [1, 8] {
+            let want = QuantizedRows::new(&x, rows, 256, run);
+            for path in paths() {
+                let got = QuantizedRows::new_on(path, &x, rows, 256, run);
+                assert_eq!(got.q, want.q, "{path:?} {run}");
+                assert_eq!(got.sum16, want.sum16, "{path:?} {run}");
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got.d), bits(&want.d), "{path:?} {run}");
+                assert_eq!(bits(&got.sx), bits(&want.sx), "{path:?} {run}");
+            }
+            // A run's blocks share its scale.
+            assert!(
+                want.d
+                    .chunks(run)
+                    .all(|r| r.iter().all(|d| d.to_bits() == r[0].to_bits()))
+            );
+        }
+    }
+
+    #[test]
+    fn every_path_gives_the_reference_bits() {
+        for format in QuantFormat::ALL {
+            // 37 outputs: two full panels and a partial one.
+            let (n_out, n_in) = (37, 512);
+            let w = random_matrix(format, n_out, n_in, 17);
+            let mut rng = StdRng::seed_from_u64(4);
+            for rows in [1, 3, 4, 5, 9] {
+                let x: Vec<f32> = (0..rows * n_in)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect();
+                for path in paths() {
+                    let got = matmul_transposed_int8_on(path, &x, rows, &w).unwrap();
+                    for r in 0..rows {
+                        for j in 0..n_out {
+                            let want = int8_reference(
+                                format,
+                                &w.row_ggml_bytes(j).unwrap(),
+                                &x[r * n_in..(r + 1) * n_in],
+                            );
+                            assert_eq!(
+                                got[r * n_out + j].to_bits(),
+                                want.to_bits(),
+                                "{format:?} {path:?} rows {rows} ({r}, {j})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_is_bitwise_the_same_alone_and_in_any_batch() {
+        for format in QuantFormat::ALL {
+            let w = random_matrix(format, 50, 256, 3);
+            let mut rng = StdRng::seed_from_u64(9);
+            let x: Vec<f32> = (0..7 * 256)
+                .map(|_| rng.random_range(-2.0f32..2.0))
+                .collect();
+            for path in paths() {
+                let batch = matmul_transposed_int8_on(path, &x, 7, &w).unwrap();
+                for r in 0..7 {
+                    let alone =
+                        matmul_transposed_int8_on(path, &x[r * 256..(r + 1) * 256], 1, &w).unwrap();
+                    assert_eq!(alone, batch[r * 50..(r + 1) * 50], "{format:?} {path:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fast_is_close_to_exact() {
+        // 8-bit activations: about 1% of the products' scale at worst.
+        for format in QuantFormat::ALL {
+            let (n_out, n_in) = (9, 1024);
+            let w = random_matrix(format, n_out, n_in, 11);
+            let dense = w.dequantize().unwrap();
+            let mut rng = StdRng::seed_from_u64(2);
+            let x: Vec<f32> = (0..n_in).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let got = matmul_transposed_int8_on(SimdPath::Portable, &x, 1, &w).unwrap();
+            for j in 0..n_out {
+                let (mut exact, mut scale) = (0f64, 0f64);
+                for i in 0..n_in {
+                    let p = f64::from(dense[j * n_in + i]) * f64::from(x[i]);
+                    exact += p;
+                    scale += p.abs();
+                }
+                let err = (f64::from(got[j]) - exact).abs();
+                assert!(err <= 1e-2 * scale, "{format:?} {j}: {err} of {scale}");
+            }
+        }
+    }
+}

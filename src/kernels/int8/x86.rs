@@ -1,0 +1,967 @@
+//! The x86-64 integer kernels of the `fast` precision: one instruction layer ([`Isa`])
+//! for AVX-512 with VNNI and for AVX2, the in-register decoders of every block format's
+//! grouped layout, and the tile kernels that multiply them.
+
+use super::activations::QuantizedRows;
+use super::{GROUP_TILE, LANES, Panel, QK, ROW_TILE};
+use crate::kernels::matrix::{GROUP_ROWS, QuantMatrix};
+use crate::kernels::x86::{Avx2, Isa, Vnni, transpose8};
+use crate::quant::{IntForm, IntScales, QuantFormat, with_format};
+
+/// The format whose id is `id` (its place in [`QuantFormat::ALL`], which is its
+/// declaration order): the in-register kernels take their format as a const parameter
+/// (through `with_format!`), so every branch on it is decided at compile time.
+const fn format_at(id: u8) -> QuantFormat {
+    QuantFormat::ALL[id as usize]
+}
+
+/// Runs `$body` once for each listed value, with `$i` a constant equal to it: written
+/// out, not looped, so that what depends on `$i` (which vector, which shift) is decided
+/// at compile time. LLVM kept the decoders' loops over a super-block's sub-blocks as
+/// loops, with a branch per choice and the scales in memory.
+macro_rules! unrolled {
+    ($i:ident in [$($n:literal)*] => $body:block) => {
+        $({
+            #[allow(non_upper_case_globals)]
+            const $i: usize = $n;
+            $body
+        })*
+    };
+}
+
+/// Runs `$body` with `$i` = 0, 1, ... for each `$i < $t` (a constant, at most 8), written
+/// out rather than looped: with constant indices the accumulators stay in registers
+/// (LLVM keeps a loop of more than four such rows, and their accumulators on the stack).
+macro_rules! each_row {
+    ($t:expr, $i:ident => $body:block) => {
+        each_row!(@ $t, $i, $body, 0 1 2 3 4 5 6 7)
+    };
+    (@ $t:expr, $i:ident, $body:block, $($n:literal)*) => {
+        $(
+            if $n < $t {
+                let $i: usize = $n;
+                $body
+            }
+        )*
+    };
+}
+
+/// Evaluates `$call` with the constant `$t` equal to `$tile` (1 to 8): the tile kernels
+/// take their number of rows as a const parameter, so their accumulators are registers
+/// (with a runtime count they lived on the stack, and every fused multiply-add went
+/// through a store and a load: 35% of the 16-row kernel's time).
+macro_rules! with_tile {
+    ($tile:expr, $t:ident => $call:expr) => {{
+        debug_assert!((1..=8).contains(&$tile));
+        match $tile {
+            1 => {
+                const $t: usize = 1;
+                $call
+            }
+            2 => {
+                const $t: usize = 2;
+                $call
+            }
+            3 => {
+                const $t: usize = 3;
+                $call
+            }
+            4 => {
+                const $t: usize = 4;
+                $call
+            }
+            5 => {
+                const $t: usize = 5;
+                $call
+            }
+            6 => {
+                const $t: usize = 6;
+                $call
+            }
+            7 => {
+                const $t: usize = 7;
+                $call
+            }
+            _ => {
+                const $t: usize = 8;
+                $call
+            }
+        }
+    }};
+}
+
+/// Results of activation rows `r0 .. r0 + tile` against the eight rows of a full group,
+/// decoded in registers from the grouped layout (no panel): a block's eight rows of
+/// quantized values are transposed into vectors of four values per row (lanes = rows),
+/// then multiplied as [`vnni_tile`] does, with the same integer sums and float steps, so
+/// the same bits. Compiled for AVX-512 VNNI ([`group_tile_vnni`]) and AVX2
+/// ([`group_tile_avx2`]).
+///
+/// # Safety
+///
+/// The CPU has `I`'s features; [`registers_decode`] holds for `format`; `group` holds 8
+/// rows of `acts.n_in` values; `r0 + T` rows exist, `T <= GROUP_TILE`.
+#[inline(always)]
+unsafe fn group_tile<I: Isa, const T: usize, const F: u8>(
+    group: &[u8],
+    acts: &QuantizedRows,
+    r0: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: forwarded from this function's contract; `o` holds 8 floats.
+    unsafe {
+        let mut sink = Multiply::<I, T, F> {
+            acts,
+            r0,
+            acc: [_mm256_setzero_ps(); T],
+            iacc: [_mm256_setzero_si256(); T],
+            isa: std::marker::PhantomData,
+        };
+        decode_group::<I, F>(group, acts.blocks(), &mut sink);
+        for (o, a) in out.iter_mut().zip(sink.acc) {
+            _mm256_storeu_ps(o.as_mut_ptr(), a);
+        }
+    }
+}
+
+/// [`group_tile`] on AVX-512 with VNNI.
+///
+/// # Safety
+///
+/// As [`group_tile`], the CPU having AVX-512 F/BW/VL, VNNI, FMA, F16C and AVX2.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn group_tile_vnni(
+    format: QuantFormat,
+    group: &[u8],
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        with_format!(format, F => with_tile!(tile, T => group_tile::<Vnni, T, F>(group, acts, r0, out)))
+    }
+}
+
+/// [`group_tile`] on AVX2.
+///
+/// # Safety
+///
+/// As [`group_tile`], the CPU having AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn group_tile_avx2(
+    format: QuantFormat,
+    group: &[u8],
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        with_format!(format, F => with_tile!(tile, T => group_tile::<Avx2, T, F>(group, acts, r0, out)))
+    }
+}
+
+/// Decodes the `subs` sub-blocks of each row of a full group in registers, calling
+/// `sub(w, scales, s)` for each in order.
+///
+/// # Safety
+///
+/// The CPU has `I`'s features; [`registers_decode`] holds for `format`; `group` holds 8
+/// rows of `subs * 32` values.
+#[inline(always)]
+unsafe fn decode_group<I: Isa, const F: u8>(group: &[u8], subs: usize, sink: &mut impl SubSink) {
+    let format = format_at(F);
+    let bb = format.block_bytes();
+    let per_block = format.block_values() / QK;
+    debug_assert!(group.len() >= subs / per_block * GROUP_ROWS * bb);
+    for blk in 0..subs / per_block {
+        // SAFETY: block `blk` of the group is `8 * bb` bytes at `blk * 8 * bb`.
+        let step = unsafe { group.as_ptr().add(blk * GROUP_ROWS * bb) };
+        crate::kernels::tiling::prefetch_group_step(step, GROUP_ROWS * bb);
+        // SAFETY (each arm): `step` holds the format's eight blocks in the grouped layout.
+        unsafe {
+            match format {
+                QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+                    let (w, sc) = decode_step_32::<I>(format, step);
+                    sink.take(&w, &sc, blk);
+                }
+                QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+                    let (w, sc) = decode_step_q5::<I>(format, step);
+                    sink.take(&w, &sc, blk);
+                }
+                QuantFormat::Q4_K | QuantFormat::Q5_K => {
+                    decode_step_k4::<I>(format, step, blk * 8, sink)
+                }
+                QuantFormat::Q3_K => decode_step_q3k::<I>(step, blk * 8, sink),
+                _ => decode_step_q6k::<I>(step, blk * 8, sink),
+            }
+        }
+    }
+}
+
+impl Panel {
+    /// [`fill`](Self::fill) for sixteen rows of a format [`registers_decode`] takes,
+    /// decoded in registers and stored (lanes 0-7 from the first group, 8-15 from the
+    /// second): the same values.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512 F/BW/VL, F16C and AVX2; `first` starts two full groups of
+    /// `w`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
+    pub(super) unsafe fn fill_in_registers(&mut self, w: &QuantMatrix, first: usize) {
+        let subs = w.cols() / QK;
+        self.u.resize(subs * 8 * LANES, 0);
+        self.sc.resize(subs * 2 * LANES, 0);
+        self.d.resize(subs * LANES, 0.0);
+        self.m.resize(subs * LANES, 0.0);
+        for half in 0..2 {
+            let (group, _) = w.group(first + half * GROUP_ROWS);
+            let lane = half * GROUP_ROWS;
+            let mut sink = Store {
+                u: self.u.as_mut_ptr(),
+                sc: self.sc.as_mut_ptr(),
+                d: self.d.as_mut_ptr(),
+                m: self.m.as_mut_ptr(),
+                lane,
+            };
+            // SAFETY: the caller's contract; every store is inside the vectors sized
+            // above (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`).
+            unsafe {
+                with_format!(w.format(), F => decode_group::<Vnni, F>(group, subs, &mut sink))
+            };
+        }
+    }
+}
+
+/// What takes each decoded sub-block of a group in turn: a trait with an always-inlined
+/// method rather than a closure, because closures are compiled without the target
+/// features of the function that calls them, and each intrinsic inside one would become
+/// a call.
+trait SubSink {
+    /// Takes sub-block `s`: `w[t]` holds values `4t .. 4t + 4` of each of eight rows.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has the features of the kernel that decodes; `s` is a sub-block of the
+    /// rows.
+    unsafe fn take(&mut self, w: &[std::arch::x86_64::__m256i; 8], sc: &SubScales, s: usize);
+}
+
+/// Multiplies each sub-block with activation rows `r0 .. r0 + T` ([`multiply_sub`]).
+struct Multiply<'a, I, const T: usize, const F: u8> {
+    acts: &'a QuantizedRows,
+    r0: usize,
+    acc: [std::arch::x86_64::__m256; T],
+    /// The current run's integer sums (see [`IntForm::run`]).
+    iacc: [std::arch::x86_64::__m256i; T],
+    isa: std::marker::PhantomData<I>,
+}
+
+impl<I: Isa, const T: usize, const F: u8> SubSink for Multiply<'_, I, T, F> {
+    #[inline(always)]
+    unsafe fn take(&mut self, w: &[std::arch::x86_64::__m256i; 8], sc: &SubScales, s: usize) {
+        let f = format_at(F).int_form();
+        // SAFETY: forwarded; the tile's rows exist (`group_tile`'s contract).
+        unsafe {
+            multiply_sub::<I, T>(
+                w,
+                sc,
+                f,
+                self.acts,
+                s,
+                self.r0,
+                &mut self.acc,
+                &mut self.iacc,
+            )
+        }
+    }
+}
+
+/// Stores each sub-block into lanes `lane .. lane + 8` of a panel sized for the rows.
+struct Store {
+    u: *mut u32,
+    sc: *mut i32,
+    d: *mut f32,
+    m: *mut f32,
+    lane: usize,
+}
+
+impl SubSink for Store {
+    #[inline(always)]
+    unsafe fn take(&mut self, wv: &[std::arch::x86_64::__m256i; 8], scales: &SubScales, s: usize) {
+        use std::arch::x86_64::*;
+        let lane = self.lane;
+        // SAFETY: the panel holds sub-block `s` for sixteen lanes (`fill_in_registers`).
+        unsafe {
+            for (t, v) in wv.iter().enumerate() {
+                _mm256_storeu_si256(self.u.add((s * 8 + t) * LANES + lane).cast(), *v);
+            }
+            _mm256_storeu_si256(self.sc.add(s * 2 * LANES + lane).cast(), scales.sc0);
+            _mm256_storeu_si256(self.sc.add((s * 2 + 1) * LANES + lane).cast(), scales.sc1);
+            _mm256_storeu_ps(self.d.add(s * LANES + lane), scales.d);
+            _mm256_storeu_ps(self.m.add(s * LANES + lane), scales.m);
+        }
+    }
+}
+
+/// A sub-block's scales for eight rows (lanes = rows), as [`Panel`] holds them.
+struct SubScales {
+    sc0: std::arch::x86_64::__m256i,
+    sc1: std::arch::x86_64::__m256i,
+    d: std::arch::x86_64::__m256,
+    m: std::arch::x86_64::__m256,
+}
+
+/// `acc[i] += ` sub-block `s` of eight rows (`w[t]`: values `4t .. 4t + 4` of each row)
+/// times activation row `r0 + i`, for `i < T`: the integer sum and float steps of the
+/// module documentation.
+///
+/// # Safety
+///
+/// As [`group_tile`]; `s` is a sub-block of the rows.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn multiply_sub<I: Isa, const T: usize>(
+    w: &[std::arch::x86_64::__m256i; 8],
+    sc: &SubScales,
+    f: IntForm,
+    acts: &QuantizedRows,
+    s: usize,
+    r0: usize,
+    acc: &mut [std::arch::x86_64::__m256; T],
+    iacc: &mut [std::arch::x86_64::__m256i; T],
+) {
+    use std::arch::x86_64::*;
+    let subs = acts.blocks();
+    // SAFETY: `I`'s features (the caller's contract); row `r0 + i` exists and has
+    // `subs * 32` bytes, of which word `t < 8` of block `s` is read.
+    unsafe {
+        // Q8_0 where `dot4` takes small bytes: signed values, no offset to take back.
+        let signed = I::SMALL_BYTES && f.offset == 128;
+        // `|q|` as the unsigned operand, `sign(x, q)` as the signed one.
+        let mut wv = *w;
+        let mut q = *w;
+        if signed {
+            let flip = _mm256_set1_epi8(-128);
+            for (v, q) in wv.iter_mut().zip(q.iter_mut()) {
+                *q = _mm256_xor_si256(*v, flip);
+                *v = _mm256_abs_epi8(*q);
+            }
+        }
+        let offset = if signed { 0 } else { f.offset };
+        each_row!(T, i => {
+            let acc = &mut acc[i];
+            let iacc = &mut iacc[i];
+            let b = (r0 + i) * subs + s;
+            let xp = acts.q.as_ptr().add(b * QK).cast::<i32>();
+            let mut x = [_mm256_setzero_si256(); 8];
+            for (t, v) in x.iter_mut().enumerate() {
+                *v = _mm256_set1_epi32(xp.add(t).read_unaligned());
+            }
+            if signed {
+                for (x, q) in x.iter_mut().zip(&q) {
+                    *x = _mm256_sign_epi8(*x, *q);
+                }
+            }
+            // Block `b` of the quantized rows exists (the caller's contract).
+            let (lo, hi) = (
+                *acts.sum16.get_unchecked(2 * b),
+                *acts.sum16.get_unchecked(2 * b + 1),
+            );
+            let isum = if f.scales == IntScales::PerHalf {
+                let mut a = _mm256_set1_epi32(-offset * lo);
+                let mut c = _mm256_set1_epi32(-offset * hi);
+                for t in 0..4 {
+                    a = I::dot4(a, wv[t], x[t]);
+                    c = I::dot4(c, wv[t + 4], x[t + 4]);
+                }
+                _mm256_add_epi32(_mm256_mullo_epi32(a, sc.sc0), _mm256_mullo_epi32(c, sc.sc1))
+            } else {
+                let mut a = _mm256_set1_epi32(-offset * (lo + hi));
+                let mut c = _mm256_setzero_si256();
+                for t in 0..4 {
+                    a = I::dot4(a, wv[t], x[t]);
+                    c = I::dot4(c, wv[t + 4], x[t + 4]);
+                }
+                let a = _mm256_add_epi32(a, c);
+                if f.scales == IntScales::PerBlock {
+                    _mm256_mullo_epi32(a, sc.sc0)
+                } else {
+                    a
+                }
+            };
+            *iacc = if f.run == 1 { isum } else { _mm256_add_epi32(*iacc, isum) };
+            if (s + 1).is_multiple_of(f.run) {
+                let scale = _mm256_mul_ps(sc.d, _mm256_set1_ps(*acts.d.get_unchecked(b)));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(*iacc), scale, *acc);
+                *iacc = _mm256_setzero_si256();
+            }
+            if f.mins {
+                *acc = _mm256_fmadd_ps(sc.m, _mm256_set1_ps(*acts.sx.get_unchecked(b)), *acc);
+            }
+        });
+    }
+}
+
+/// Words `w .. w + 8` of the eight rows of a word-interleaved step (see
+/// `QuantMatrix`'s layout), one vector each (lanes = rows): what [`transpose8`] makes of
+/// the rows' bytes `4 w .. 4 w + 32`, loaded as stored.
+///
+/// # Safety
+///
+/// The CPU has AVX; the step holds at least `w + 8` interleaved words.
+#[inline(always)]
+unsafe fn words8(step: *const u8, w: usize) -> [std::arch::x86_64::__m256i; 8] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let mut v = [_mm256_setzero_si256(); 8];
+        for (j, v) in v.iter_mut().enumerate() {
+            *v = _mm256_loadu_si256(step.add(32 * (w + j)).cast());
+        }
+        v
+    }
+}
+
+/// Word `w` of the eight rows of a word-interleaved step (lanes = rows).
+///
+/// # Safety
+///
+/// The CPU has AVX; the step holds at least `w + 1` interleaved words.
+#[inline(always)]
+unsafe fn word8(step: *const u8, w: usize) -> std::arch::x86_64::__m256i {
+    // SAFETY: the caller's contract.
+    unsafe { std::arch::x86_64::_mm256_loadu_si256(step.add(32 * w).cast()) }
+}
+
+/// The eight rows' f16 scales kept after a word-interleaved step's words (Q3_K's and
+/// Q6_K's last two bytes, at word `words`), as f32 lanes.
+///
+/// # Safety
+///
+/// The CPU has AVX and F16C; 16 bytes are readable at word `words` of the step.
+#[inline(always)]
+unsafe fn tail_f16(step: *const u8, words: usize) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(step.add(32 * words).cast())) }
+}
+
+/// The f16 pair in each of eight rows' words (`heads`, lanes = rows: the low half, then
+/// the high half) as f32 lanes.
+///
+/// # Safety
+///
+/// The CPU has `I`'s features.
+#[inline(always)]
+unsafe fn f16_pair<I: Isa>(heads: std::arch::x86_64::__m256i) -> [std::arch::x86_64::__m256; 2] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        [
+            I::f16_low(heads),
+            I::f16_low(_mm256_srli_epi32::<16>(heads)),
+        ]
+    }
+}
+
+/// `-x`, every bit of it (the scalar decoder's negation, not `0 - x`).
+///
+/// # Safety
+///
+/// The CPU has AVX.
+#[inline(always)]
+unsafe fn negate(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe { _mm256_xor_ps(x, _mm256_set1_ps(-0.0)) }
+}
+
+/// One step of a Q8_0, Q4_0 or Q4_1 group (eight rows' block `b`): the values and scales.
+///
+/// # Safety
+///
+/// The CPU has `I`'s features; `step` holds the step in the grouped layout (eight heads,
+/// then eight payloads).
+#[inline(always)]
+unsafe fn decode_step_32<I: Isa>(
+    format: QuantFormat,
+    step: *const u8,
+) -> ([std::arch::x86_64::__m256i; 8], SubScales) {
+    use std::arch::x86_64::*;
+    let hb = format.head_bytes();
+    // SAFETY (loads): the step's heads are `8 * hb` bytes, its payloads follow.
+    unsafe {
+        let (d, m) = if hb == 4 {
+            let [d, m] = f16_pair::<I>(_mm256_loadu_si256(step.cast()));
+            (d, m)
+        } else {
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(step.cast())),
+                _mm256_setzero_ps(),
+            )
+        };
+        let one = _mm256_set1_epi32(1);
+        let scales = SubScales {
+            sc0: one,
+            sc1: one,
+            d,
+            m,
+        };
+        let payload = step.add(GROUP_ROWS * hb);
+        let mut w = [_mm256_setzero_si256(); 8];
+        if format == QuantFormat::Q8_0 {
+            let flip = _mm256_set1_epi8(-128);
+            let t = transpose8::<I>(|i| payload.add(32 * i));
+            for (v, t) in w.iter_mut().zip(t) {
+                *v = _mm256_xor_si256(t, flip);
+            }
+        } else {
+            let nibble = _mm256_set1_epi8(0x0F);
+            let mut rows = [_mm256_setzero_si256(); 4];
+            for (p, v) in rows.iter_mut().enumerate() {
+                // Eight payloads of 16 bytes, two per load.
+                *v = _mm256_loadu_si256(payload.add(32 * p).cast());
+            }
+            for (j, v) in I::transpose4(rows).into_iter().enumerate() {
+                w[j] = _mm256_and_si256(v, nibble);
+                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+            }
+        }
+        (w, scales)
+    }
+}
+
+/// The 32-bit word at byte `at` of each of eight rows `stride` bytes apart from `step`
+/// (lanes = rows): one gather, for fields too few or too scattered to transpose.
+///
+/// # Safety
+///
+/// The CPU has AVX2; four bytes are readable at `step + i * stride + at` for `i < 8`.
+#[inline(always)]
+unsafe fn row_words(step: *const u8, stride: usize, at: usize) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let s = stride as i32;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let rows = _mm256_setr_epi32(0, s, 2 * s, 3 * s, 4 * s, 5 * s, 6 * s, 7 * s);
+        _mm256_i32gather_epi32::<1>(step.wrapping_add(at).cast(), rows)
+    }
+}
+
+/// One step of a Q5_0 or Q5_1 group (eight rows' block `b`, kept whole): the values and
+/// scales. Each row's 32 fifth bits (`qh`) are one gathered word; four of them are spread
+/// to bit 4 of four bytes by one multiplication (`x * 0x0020_4081` puts bit `i` of a
+/// 4-bit `x` at bit `8i`, the partial products never overlapping).
+///
+/// # Safety
+///
+/// The CPU has `I`'s features; `step` holds eight whole blocks of the format.
+#[inline(always)]
+unsafe fn decode_step_q5<I: Isa>(
+    format: QuantFormat,
+    step: *const u8,
+) -> ([std::arch::x86_64::__m256i; 8], SubScales) {
+    use std::arch::x86_64::*;
+    let bb = format.block_bytes();
+    let head = if format == QuantFormat::Q5_1 { 4 } else { 2 };
+    let row = |i: usize| step.wrapping_add(i * bb);
+    // SAFETY (every read): row `i < 8`'s block is `bb` bytes at `row(i)`: `d` (and `m`)
+    // at 0, `qh` at `head`, 16 bytes of `qs` at `head + 4`.
+    unsafe {
+        let heads = row_words(step, bb, 0);
+        let qh = row_words(step, bb, head);
+        let [d, m] = f16_pair::<I>(heads);
+        let m = if format == QuantFormat::Q5_1 {
+            m
+        } else {
+            _mm256_setzero_ps()
+        };
+        let one = _mm256_set1_epi32(1);
+        let scales = SubScales {
+            sc0: one,
+            sc1: one,
+            d,
+            m,
+        };
+        let mut pairs = [_mm256_setzero_si256(); 4];
+        for (p, v) in pairs.iter_mut().enumerate() {
+            *v = _mm256_loadu2_m128i(
+                row(2 * p + 1).add(head + 4).cast(),
+                row(2 * p).add(head + 4).cast(),
+            );
+        }
+        let (nibble, low4, spread, bits) = (
+            _mm256_set1_epi8(0x0F),
+            _mm256_set1_epi32(0x0F),
+            _mm256_set1_epi32(0x0020_4081),
+            _mm256_set1_epi32(0x0101_0101),
+        );
+        let mut w = [_mm256_setzero_si256(); 8];
+        for (j, v) in I::transpose4(pairs).into_iter().enumerate() {
+            let halves = [
+                _mm256_and_si256(v, nibble),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble),
+            ];
+            for (h, low) in halves.into_iter().enumerate() {
+                let t = j + 4 * h;
+                let four =
+                    _mm256_and_si256(_mm256_srl_epi32(qh, _mm_cvtsi32_si128(4 * t as i32)), low4);
+                let fifth = _mm256_and_si256(_mm256_mullo_epi32(four, spread), bits);
+                w[t] = _mm256_or_si256(low, _mm256_slli_epi32::<4>(fifth));
+            }
+        }
+        (w, scales)
+    }
+}
+
+/// One step of a Q4_K or Q5_K group (eight rows' super-block, word-interleaved): calls
+/// `sub(w, scales, i)` for its eight sub-blocks in order. The scales and minimums are
+/// unpacked for the eight rows at once: word 0 holds `d | dmin << 16` of every row and
+/// words 1-3 the packed bytes, from which each 6-bit scale and minimum is shifts and
+/// masks.
+///
+/// # Safety
+///
+/// The CPU has `I`'s features; `step` holds eight blocks of the format, interleaved.
+#[inline(always)]
+unsafe fn decode_step_k4<I: Isa>(
+    format: QuantFormat,
+    step: *const u8,
+    first: usize,
+    sink: &mut impl SubSink,
+) {
+    use std::arch::x86_64::*;
+    let five = format == QuantFormat::Q5_K;
+    // The first word of the values (`qs`): bytes 48 (Q5_K) or 16 (Q4_K).
+    let qs = if five { 12 } else { 4 };
+    // SAFETY (every read): the step holds the blocks' 36 (Q4_K) or 44 (Q5_K) words.
+    unsafe {
+        let head = [
+            word8(step, 0),
+            word8(step, 1),
+            word8(step, 2),
+            word8(step, 3),
+        ];
+        let [d, dmin] = f16_pair::<I>(head[0]);
+        // ggml's packing of the eight 6-bit scales and minimums in 12 bytes `q`: for
+        // j < 4, scale j = q[j] & 63 and minimum j = q[j + 4] & 63; for j >= 4, the low
+        // four bits come from q[j + 4] (scale: low nibble, minimum: high nibble) and the
+        // top two from the top bits of q[j - 4] (scale) and q[j] (minimum).
+        let (a, b, c) = (head[1], head[2], head[3]);
+        let (six, four, two) = (
+            _mm256_set1_epi32(63),
+            _mm256_set1_epi32(15),
+            _mm256_set1_epi32(3),
+        );
+        let mut sc = [_mm256_setzero_si256(); 8];
+        let mut mn = [_mm256_setzero_ps(); 8];
+        unrolled!(j in [0 1 2 3] => {
+            let k = _mm_cvtsi32_si128(8 * j as i32);
+            let (k4, k6) = (
+                _mm_cvtsi32_si128(8 * j as i32 + 4),
+                _mm_cvtsi32_si128(8 * j as i32 + 6),
+            );
+            sc[j] = _mm256_and_si256(_mm256_srl_epi32(a, k), six);
+            let m = _mm256_and_si256(_mm256_srl_epi32(b, k), six);
+            sc[j + 4] = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srl_epi32(c, k), four),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srl_epi32(a, k6), two)),
+            );
+            let m4 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srl_epi32(c, k4), four),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srl_epi32(b, k6), two)),
+            );
+            mn[j] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
+            mn[j + 4] = negate(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m4)));
+        });
+        let high = if five {
+            words8(step, 4)
+        } else {
+            [_mm256_setzero_si256(); 8]
+        };
+        let (nibble, fifth) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
+        let mut w = [_mm256_setzero_si256(); 8];
+        unrolled!(chunk in [0 1 2 3] => {
+            let t = words8(step, qs + 8 * chunk);
+            unrolled!(half in [0 1] => {
+                let s = 2 * chunk + half;
+                for (k, v) in w.iter_mut().enumerate() {
+                    let q = if half == 0 {
+                        t[k]
+                    } else {
+                        _mm256_srli_epi16::<4>(t[k])
+                    };
+                    *v = if five {
+                        // Bit `s` of each `qh` byte moved to bit 4 (shifts in 16-bit
+                        // lanes: the mask drops what crosses a byte).
+                        let moved = if s <= 4 {
+                            _mm256_sll_epi16(high[k], _mm_cvtsi32_si128(4 - s as i32))
+                        } else {
+                            _mm256_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32 - 4))
+                        };
+                        I::and_or(q, nibble, _mm256_and_si256(moved, fifth))
+                    } else {
+                        _mm256_and_si256(q, nibble)
+                    };
+                }
+                let scales = SubScales {
+                    sc0: sc[s],
+                    sc1: sc[s],
+                    d,
+                    m: mn[s],
+                };
+                sink.take(&w, &scales, first + s);
+            });
+        });
+    }
+}
+
+/// One step of a Q3_K group (eight rows' super-block, word-interleaved): calls `sink` for
+/// its eight sub-blocks in order. Values: two bits from `qs` plus a third from `hmask`
+/// (set: 4 added); the sixteen 6-bit scales (less 32) of the eight rows are unpacked
+/// from three words per row, `d` from the step's tail.
+///
+/// # Safety
+///
+/// The CPU has `I`'s features; `step` holds eight Q3_K blocks, interleaved.
+#[inline(always)]
+unsafe fn decode_step_q3k<I: Isa>(step: *const u8, first: usize, sink: &mut impl SubSink) {
+    use std::arch::x86_64::*;
+    // SAFETY (every read): the step holds the blocks' 27 words, `hmask` at words 0-7,
+    // `qs` at 8-23 and the packed scales at 24-26, then the eight `d`.
+    unsafe {
+        let packed = [word8(step, 24), word8(step, 25), word8(step, 26)];
+        let d = tail_f16(step, 27);
+        // ggml's packing of sixteen 6-bit scales in 12 bytes `q`: the low four bits of
+        // scale i are q[i]'s low nibble (i < 8) or q[i - 8]'s high nibble; the top two are
+        // bits 2(i / 4) of q[8 + i % 4].
+        let (four, two, bias) = (
+            _mm256_set1_epi32(15),
+            _mm256_set1_epi32(3),
+            _mm256_set1_epi32(32),
+        );
+        let mut scale = [_mm256_setzero_si256(); 16];
+        for (i, v) in scale.iter_mut().enumerate() {
+            let j = i % 8;
+            let low_at = 8 * (j % 4) + if i < 8 { 0 } else { 4 };
+            let low = _mm256_and_si256(
+                _mm256_srl_epi32(packed[j / 4], _mm_cvtsi32_si128(low_at as i32)),
+                four,
+            );
+            let high_at = 8 * (i % 4) + 2 * (i / 4);
+            let high = _mm256_and_si256(
+                _mm256_srl_epi32(packed[2], _mm_cvtsi32_si128(high_at as i32)),
+                two,
+            );
+            *v = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32::<4>(high)), bias);
+        }
+        let hmask = words8(step, 0);
+        let (pair, third) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
+        let mut w = [_mm256_setzero_si256(); 8];
+        unrolled!(half in [0 1] => {
+            let qs = words8(step, 8 + 8 * half);
+            unrolled!(pass in [0 1 2 3] => {
+                let s = 4 * half + pass;
+                let low_shift = _mm_cvtsi32_si128(2 * pass as i32);
+                for (k, v) in w.iter_mut().enumerate() {
+                    // Bit `s` of each `hmask` byte moved to bit 2 (shifts in 16-bit
+                    // lanes: the mask drops what crosses a byte).
+                    let moved = if s <= 2 {
+                        _mm256_sll_epi16(hmask[k], _mm_cvtsi32_si128(2 - s as i32))
+                    } else {
+                        _mm256_srl_epi16(hmask[k], _mm_cvtsi32_si128(s as i32 - 2))
+                    };
+                    *v = I::and_or(
+                        _mm256_srl_epi16(qs[k], low_shift),
+                        pair,
+                        _mm256_and_si256(moved, third),
+                    );
+                }
+                let scales = SubScales {
+                    sc0: scale[2 * s],
+                    sc1: scale[2 * s + 1],
+                    d,
+                    m: _mm256_setzero_ps(),
+                };
+                sink.take(&w, &scales, first + s);
+            });
+        });
+    }
+}
+
+/// One step of a Q6_K group (eight rows' super-block, word-interleaved): calls
+/// `sub(w, scales, i)` for its eight sub-blocks in order. The sixteen signed 8-bit scales
+/// of the eight rows are words 48-51, each sign-extended with two shifts.
+///
+/// # Safety
+///
+/// The CPU has `I`'s features; `step` holds eight Q6_K blocks, interleaved.
+#[inline(always)]
+unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl SubSink) {
+    use std::arch::x86_64::*;
+    // SAFETY (every read): the step holds the blocks' 52 words (`ql` at 0-31, `qh` at
+    // 32-47, the scales at 48-51), then the eight `d`.
+    unsafe {
+        let d = tail_f16(step, 52);
+        let packed = [
+            word8(step, 48),
+            word8(step, 49),
+            word8(step, 50),
+            word8(step, 51),
+        ];
+        let mut scale = [_mm256_setzero_si256(); 16];
+        for (k, v) in scale.iter_mut().enumerate() {
+            let up = _mm256_sll_epi32(packed[k / 4], _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32));
+            *v = _mm256_srai_epi32::<24>(up);
+        }
+        let (nibble, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+        let mut w = [_mm256_setzero_si256(); 8];
+        unrolled!(half in [0 1] => {
+            let a = words8(step, 16 * half);
+            let b = words8(step, 16 * half + 8);
+            let h = words8(step, 32 + 8 * half);
+            unrolled!(j in [0 1 2 3] => {
+                let s = 4 * half + j;
+                let src = if j.is_multiple_of(2) { &a } else { &b };
+                for (k, v) in w.iter_mut().enumerate() {
+                    let low = if j < 2 {
+                        src[k]
+                    } else {
+                        _mm256_srli_epi16::<4>(src[k])
+                    };
+                    // Bits 2j, 2j + 1 of each `qh` byte moved to bits 4, 5 (shifts in
+                    // 16-bit lanes: the mask drops what crosses a byte).
+                    let moved = match j {
+                        0 => _mm256_slli_epi16::<4>(h[k]),
+                        1 => _mm256_slli_epi16::<2>(h[k]),
+                        2 => h[k],
+                        _ => _mm256_srli_epi16::<2>(h[k]),
+                    };
+                    *v = I::and_or(low, nibble, _mm256_and_si256(moved, top));
+                }
+                let scales = SubScales {
+                    sc0: scale[2 * s],
+                    sc1: scale[2 * s + 1],
+                    d,
+                    m: _mm256_setzero_ps(),
+                };
+                sink.take(&w, &scales, first + s);
+            });
+        });
+    }
+}
+
+/// The kernel with `vpdpbusd`: per sub-block, eight dot products of four bytes for all
+/// sixteen lanes of each activation row of the tile.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW/VL, VNNI and FMA; the panel and rows come from one matrix
+/// and `r0 + tile` rows exist.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+pub(super) unsafe fn vnni_tile(
+    panel: &Panel,
+    format: QuantFormat,
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; LANES]; ROW_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        with_format!(format, F => with_tile!(tile, T => vnni_tile_rows::<T, F>(panel, acts, r0, out)))
+    }
+}
+
+/// [`vnni_tile`] for `T` rows of the format whose id is `F` ([`format_at`]): its integer
+/// form is a constant, so the kernel has no branch on it; the integer sums and float
+/// steps are the module's, in its order.
+///
+/// # Safety
+///
+/// As [`vnni_tile`], with `T` for `tile`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
+    panel: &Panel,
+    acts: &QuantizedRows,
+    r0: usize,
+    out: &mut [[f32; LANES]; ROW_TILE],
+) {
+    use std::arch::x86_64::*;
+    let f = format_at(F).int_form();
+    let subs = acts.blocks();
+    debug_assert!(acts.q.len() >= (r0 + T) * acts.n_in && acts.d.len() >= (r0 + T) * subs);
+    let mut acc = [_mm512_setzero_ps(); T];
+    let mut iacc = [_mm512_setzero_si512(); T];
+    let (up, scp) = (panel.u.as_ptr(), panel.sc.as_ptr());
+    let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
+    // The activations' values and per-block data (block `b = r * subs + s` of row `r`).
+    let xq = acts.q.as_ptr();
+    let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
+    for s in 0..subs {
+        // SAFETY (every load): the panel holds `subs * 8 * 16` words, `subs * 2 * 16`
+        // scales and `subs * 16` of `d` and `m`; each activation row has `subs * 32`
+        // bytes, `subs` scales and sums `x * d`, and `2 * subs` half sums; rows
+        // `r0 .. r0 + T` exist.
+        unsafe {
+            let mut w = [_mm512_setzero_si512(); 8];
+            for (t, v) in w.iter_mut().enumerate() {
+                *v = _mm512_loadu_si512(up.add((s * 8 + t) * LANES).cast());
+            }
+            let sc0 = _mm512_loadu_si512(scp.add(s * 2 * LANES).cast());
+            let sc1 = _mm512_loadu_si512(scp.add((s * 2 + 1) * LANES).cast());
+            let dw = _mm512_loadu_ps(dp.add(s * LANES));
+            each_row!(T, i => {
+                let r = r0 + i;
+                let b = r * subs + s;
+                let xp = xq.add(r * acts.n_in + s * QK).cast::<i32>();
+                let x = |t: usize| _mm512_set1_epi32(xp.add(t).read_unaligned());
+                let (lo, hi) = (*asum.add(2 * b), *asum.add(2 * b + 1));
+                let isum = if f.scales == IntScales::PerHalf {
+                    let mut a = _mm512_set1_epi32(-f.offset * lo);
+                    let mut c = _mm512_set1_epi32(-f.offset * hi);
+                    for t in 0..4 {
+                        a = _mm512_dpbusd_epi32(a, w[t], x(t));
+                        c = _mm512_dpbusd_epi32(c, w[t + 4], x(t + 4));
+                    }
+                    _mm512_add_epi32(_mm512_mullo_epi32(a, sc0), _mm512_mullo_epi32(c, sc1))
+                } else {
+                    let mut a = _mm512_set1_epi32(-f.offset * (lo + hi));
+                    let mut c = _mm512_setzero_si512();
+                    for t in 0..4 {
+                        a = _mm512_dpbusd_epi32(a, w[t], x(t));
+                        c = _mm512_dpbusd_epi32(c, w[t + 4], x(t + 4));
+                    }
+                    let a = _mm512_add_epi32(a, c);
+                    if f.scales == IntScales::PerBlock {
+                        _mm512_mullo_epi32(a, sc0)
+                    } else {
+                        a
+                    }
+                };
+                iacc[i] = if f.run == 1 { isum } else { _mm512_add_epi32(iacc[i], isum) };
+                if (s + 1).is_multiple_of(f.run) {
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), scale, acc[i]);
+                    iacc[i] = _mm512_setzero_si512();
+                }
+                if f.mins {
+                    let m = _mm512_loadu_ps(mp.add(s * LANES));
+                    acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(b)), acc[i]);
+                }
+            });
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        // SAFETY: `o` holds 16 floats.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+    }
+}
