@@ -333,6 +333,14 @@ stage_tests() {
     # The demo model cannot be shipped (98 MB): its test runs only where it is cached.
     [[ -f $(demo_model) ]] || skip=(--skip the_gpu_gives_the_cpu_backend_tokens_and_logits)
     timed 150 "$BIN/gpu_backend" --test-threads 1 "${skip[@]}" >"$OUT/tests.log" 2>&1
+    # The half-precision runs of the demo model are ignored by default (a device's float
+    # type is fixed by its first tensor): each runs alone, in its own process, here.
+    if [[ -f $(demo_model) ]]; then
+        local t
+        for t in the_demo_model_in_bf16 the_demo_model_in_f16; do
+            timed 60 "$BIN/gpu_backend" --ignored --exact "$t" >>"$OUT/tests.log" 2>&1
+        done
+    fi
 }
 
 stage_torch() {

@@ -948,54 +948,89 @@ mod tests {
 
     #[test]
     fn refuses_wrong_types_and_values() {
-        assert!(
-            chat(r#"{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#).is_err()
-        );
-        assert!(chat(r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#).is_err());
-        assert!(chat(r#"{"messages":"hi"}"#).is_err());
-        assert!(
-            chat(
-                r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#
-            )
-            .is_err()
-        );
+        // Each refused body with the field its error must name (a 400 of OpenAI's
+        // `invalid_request_error`): every mismatch is listed, not only the first.
         let bad = [
-            r#"{"messages":[{"role":"user","content":"x"}],"temperature":2.5}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"top_p":0}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"n":0}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":0}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"stop":""}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":3}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"logprobs":3}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"frequency_penalty":2.5}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"presence_penalty":-3}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":101}}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"logit_bias":{"x":1}}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"top_k":-2}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"min_p":1.5}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"repetition_penalty":0}"#,
-            r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":3,"min_tokens":4}"#,
+            (r#""temperature":2.5"#, "temperature"),
+            (r#""top_p":0"#, "top_p"),
+            (r#""n":0"#, "n"),
+            (r#""max_tokens":0"#, "max_tokens"),
+            (r#""stop":["a","b","c","d","e"]"#, "stop"),
+            (r#""stop":"""#, "stop"),
+            (
+                r#""stream_options":{"include_usage":true}"#,
+                "stream_options",
+            ),
+            (r#""top_logprobs":3"#, "top_logprobs"),
+            (r#""logprobs":true,"top_logprobs":21"#, "top_logprobs"),
+            (r#""logprobs":3"#, "logprobs"),
+            (r#""frequency_penalty":2.5"#, "frequency_penalty"),
+            (r#""presence_penalty":-3"#, "presence_penalty"),
+            (r#""logit_bias":{"5":101}"#, "logit_bias"),
+            (r#""logit_bias":{"x":1}"#, "logit_bias"),
+            (r#""top_k":-2"#, "top_k"),
+            (r#""min_p":1.5"#, "min_p"),
+            (r#""repetition_penalty":0"#, "repetition_penalty"),
+            (r#""max_tokens":3,"min_tokens":4"#, "min_tokens"),
         ];
-        for json in bad {
-            let r = chat(json).unwrap();
-            assert!(
-                r.common
-                    .sampling(Endpoint::Chat, r.max_tokens(), 8)
-                    .is_err(),
-                "{json}"
-            );
+        let named = |e: &ApiError| {
+            (
+                e.status.as_u16(),
+                e.kind,
+                e.param.clone().unwrap_or_default(),
+            )
+        };
+        let mut wrong = Vec::new();
+        for (fields, param) in bad {
+            let json = format!(r#"{{"messages":[{{"role":"user","content":"x"}}],{fields}}}"#);
+            let got = match chat(&json) {
+                Err(e) => named(&e),
+                Ok(r) => match r.common.sampling(Endpoint::Chat, r.max_tokens(), 8) {
+                    Err(e) => named(&e),
+                    Ok(_) => (200, "", String::new()),
+                },
+            };
+            if got != (400, "invalid_request_error", param.to_string()) {
+                wrong.push(format!("{fields}: {got:?}, want 400 naming {param}"));
+            }
         }
-        for json in [
-            r#"{"messages":[]}"#,
-            r#"{"messages":[{"role":"robot","content":"x"}]}"#,
-            r#"{"messages":[{"role":"user","content":null}]}"#,
-            r#"{"messages":[{"role":"user","content":"x","tool_calls":[]}]}"#,
+        for (json, param) in [
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#,
+                "temperature",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#,
+                "max_tokens",
+            ),
+            (r#"{"messages":"hi"}"#, "messages"),
+            (
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
+                "messages[0].content",
+            ),
+            (r#"{"messages":[]}"#, "messages"),
+            (
+                r#"{"messages":[{"role":"robot","content":"x"}]}"#,
+                "messages[0].role",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":null}]}"#,
+                "messages[0].content",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":"x","tool_calls":[]}]}"#,
+                "messages[0].tool_calls",
+            ),
         ] {
-            assert!(chat(json).unwrap().conversation().is_err(), "{json}");
+            let got = match chat(json).map(|r| r.conversation()) {
+                Err(e) | Ok(Err(e)) => named(&e),
+                Ok(Ok(_)) => (200, "", String::new()),
+            };
+            if got != (400, "invalid_request_error", param.to_string()) {
+                wrong.push(format!("{json}: {got:?}, want 400 naming {param}"));
+            }
         }
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     }
 
     #[test]
@@ -1166,16 +1201,24 @@ mod tests {
             vec![PromptInput::Ids(vec![1, 2])]
         );
         assert_eq!(parse(r#"{"prompt":[[1],[2]]}"#).unwrap().len(), 2);
-        assert!(parse(r#"{"prompt":""}"#).is_err());
-        assert!(parse(r#"{"prompt":[]}"#).is_err());
+        let param = |r: Result<Vec<PromptInput>, ApiError>| r.unwrap_err().param;
+        assert_eq!(param(parse(r#"{"prompt":""}"#)).as_deref(), Some("prompt"));
+        assert_eq!(param(parse(r#"{"prompt":[]}"#)).as_deref(), Some("prompt"));
         assert!(parse(r#"{"prompt":"a","echo":true}"#).is_ok());
-        assert!(parse(r#"{"prompt":[1,2],"echo":true}"#).is_err());
+        assert_eq!(
+            param(parse(r#"{"prompt":[1,2],"echo":true}"#)).as_deref(),
+            Some("echo")
+        );
         assert!(parse(r#"{"prompt":"a","echo":false,"best_of":1}"#).is_ok());
-        assert!(parse_request::<CompletionRequest>(br#"{"prompt":5}"#).is_err());
+        let e = parse_request::<CompletionRequest>(br#"{"prompt":5}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
         let e = parse_request::<CompletionRequest>(br#"{"prompt":"a","top_p":"x"}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("top_p"));
-        assert!(parse_request::<CompletionRequest>(b"[1]").is_err());
-        assert!(parse_request::<CompletionRequest>(br#"{"prompt":"a"} x"#).is_err());
+        // Not an object, and trailing bytes: a 400 that names no field.
+        for body in [&b"[1]"[..], br#"{"prompt":"a"} x"#] {
+            let e = parse_request::<CompletionRequest>(body).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.param), (400, None), "{body:?}");
+        }
     }
 
     #[test]

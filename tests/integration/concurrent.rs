@@ -147,33 +147,54 @@ fn cancelling_one_job_leaves_the_others_unchanged() {
 #[test]
 fn invalid_requests_fail_their_job_and_the_service_keeps_serving() {
     let service = concurrent_service();
+    // Each bad request with the error it must get: its variant, and the parameter (or
+    // the context limit) it names.
     let bad = [
-        GenerateRequest::new(""),
-        GenerateRequest::new("x").with_max_tokens(0),
-        GenerateRequest::new("x").with_max_tokens(1 << 30),
-        GenerateRequest::new("x").with_temperature(f64::NAN),
-        GenerateRequest::new("x").with_temperature(-1.0),
-        GenerateRequest::new("x")
-            .with_temperature(0.5)
-            .with_top_p(0.0),
-        GenerateRequest::new("x")
-            .with_temperature(0.5)
-            .with_top_p(1.5),
-        GenerateRequest::new("word ".repeat(2000)),
+        (GenerateRequest::new(""), "EmptyPrompt"),
+        (
+            GenerateRequest::new("x").with_max_tokens(0),
+            "InvalidParameter(max_tokens)",
+        ),
+        (
+            GenerateRequest::new("x").with_max_tokens(1 << 30),
+            "InvalidParameter(max_tokens)",
+        ),
+        (
+            GenerateRequest::new("x").with_temperature(f64::NAN),
+            "InvalidParameter(temperature)",
+        ),
+        (
+            GenerateRequest::new("x").with_temperature(-1.0),
+            "InvalidParameter(temperature)",
+        ),
+        (
+            GenerateRequest::new("x")
+                .with_temperature(0.5)
+                .with_top_p(0.0),
+            "InvalidParameter(top_p)",
+        ),
+        (
+            GenerateRequest::new("x")
+                .with_temperature(0.5)
+                .with_top_p(1.5),
+            "InvalidParameter(top_p)",
+        ),
+        (
+            GenerateRequest::new("word ".repeat(2000)),
+            "PromptTooLong(max 1023)",
+        ),
     ];
-    for request in bad {
+    let named = |e: &LlamaError| match e {
+        LlamaError::EmptyPrompt => "EmptyPrompt".to_string(),
+        LlamaError::InvalidParameter { name, .. } => format!("InvalidParameter({name})"),
+        LlamaError::PromptTooLong { max, .. } => format!("PromptTooLong(max {max})"),
+        other => format!("{other:?}"),
+    };
+    for (request, want) in bad {
         let job = service.infer(request.clone()).spawn();
         assert_eq!(job.stream.iter().count(), 0);
         let err = job.join().unwrap_err();
-        assert!(
-            matches!(
-                err,
-                LlamaError::EmptyPrompt
-                    | LlamaError::InvalidParameter { .. }
-                    | LlamaError::PromptTooLong { .. }
-            ),
-            "{request:?}: {err}"
-        );
+        assert_eq!(named(&err), want, "{request:?}: {err}");
     }
     let ok = service
         .infer(GenerateRequest::new("Hello").with_max_tokens(3))

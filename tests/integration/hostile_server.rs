@@ -187,13 +187,16 @@ async fn metrics(http: &reqwest::Client, base: &str) -> String {
         .expect("metrics text")
 }
 
-/// The value of an unlabelled-except-model metric line.
+/// The value of an unlabelled-except-model metric line: the line whose name is exactly
+/// `name` (a longer name that starts with it is another metric). A metric that is
+/// missing or unreadable fails the test: a renamed gauge must not read as zero.
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
-        .find(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.split(['{', ' ']).next() == Some(name))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
+        .unwrap_or_else(|| panic!("metric {name} missing or unreadable in:\n{text}"))
 }
 
 /// Posts a raw body; returns the status and the error's `param`.

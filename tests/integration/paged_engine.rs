@@ -42,6 +42,9 @@ fn a_long_request_among_short_ones_stays_within_the_pool() {
     // one. The old engine's rectangle made every row pay for the longest.
     let llama = demo(2048);
     let block_bytes = 30 * 2 * 3 * 64 * 16 * 4;
+    // The long request's own blocks of 16 positions: its prompt and 400 tokens.
+    let long_prompt = llama.encode_prompt("Tell me a long story.").unwrap().len();
+    let own_blocks = (long_prompt + 400).div_ceil(16);
     let config = ContinuousConfig::default().with_kv_budget_tokens(2048);
     let engine: Engine = ContinuousEngine::start(llama, config).unwrap();
     let pool = engine.metrics().kv_pool_bytes;
@@ -81,9 +84,15 @@ fn a_long_request_among_short_ones_stays_within_the_pool() {
     rest(last).1.unwrap();
     assert_eq!(long.len(), 400);
     let m = engine.metrics();
-    // Alone at the end the long request held only its own blocks: prompt + 400 tokens.
-    assert!(m.peak_kv_bytes_used <= pool);
+    // Alone at the end (the short ones were done) the long request held only its own
+    // blocks, prompt + 400 tokens, and grew to them block by block; the engine's peak
+    // saw at least that.
+    assert!(
+        peak <= own_blocks * block_bytes,
+        "the long request alone held {peak} bytes, its own blocks are {own_blocks}"
+    );
     assert!(peak >= 26 * block_bytes, "the long row grew block by block");
+    assert!(m.peak_kv_bytes_used >= peak && m.peak_kv_bytes_used <= pool);
     assert_eq!(m.kv_blocks_used, 0);
 }
 

@@ -75,6 +75,13 @@ fn fast_precision_mostly_agrees_with_the_reference() {
     let mut llama = demo(512).with_precision(Precision::Fast);
     let reference = reference();
     let (mut agree, mut total, mut worst) = (0, 0, 0f32);
+    // Teacher-forced: the next-token choice at every position of the reference's greedy
+    // continuation, the context being the reference's own tokens (no divergence
+    // compounds): 187 of 192 measured (97%; on a wider set, 564 of 576, where
+    // llama.cpp's Q4_1 gets 561). A bug in an integer kernel, which changes most choices,
+    // falls far below the floor. The greedy runs' agreement up to their first
+    // difference (27 of 192) is printed only: one early difference ends a run's count.
+    let (mut forced_agree, mut forced_total) = (0usize, 0usize);
     for case in reference["prompts"].as_array().expect("prompts") {
         let prompt_ids = ids(&case["prompt_ids"]);
         let expected = ids(&case["greedy_ids"]);
@@ -94,6 +101,22 @@ fn fast_precision_mostly_agrees_with_the_reference() {
             .count();
         agree += same;
         total += expected.len();
+        let mut forced: Vec<u32> = prompt_ids.clone();
+        forced.extend_from_slice(&expected[..expected.len() - 1]);
+        let rows = llama.logits(&forced).expect("forced logits");
+        for (k, want) in expected.iter().enumerate() {
+            let row = &rows[prompt_ids.len() - 1 + k];
+            let best = row
+                .iter()
+                .enumerate()
+                .fold(
+                    (0, f32::MIN),
+                    |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) },
+                )
+                .0;
+            forced_agree += usize::from(best as u32 == *want);
+            forced_total += 1;
+        }
         let logits = llama.logits(&prompt_ids).expect("logits");
         let row = &logits[prompt_ids.len() - 1];
         let top = &case["topk"]["0"];
@@ -108,7 +131,12 @@ fn fast_precision_mostly_agrees_with_the_reference() {
         }
     }
     eprintln!(
-        "fast precision: greedy tokens equal to the reference's (up to each prompt's first difference): {agree} of {total}; largest top-5 logit difference {worst:.4} of the logits' range"
+        "fast precision: greedy tokens equal to the reference's (up to each prompt's first difference): {agree} of {total}; next-token choices with the reference's context: {forced_agree} of {forced_total}; largest top-5 logit difference {worst:.4} of the logits' range"
+    );
+    assert!(
+        forced_agree * 100 >= forced_total * 95,
+        "fast precision's next-token choices agree with the fp32 reference's at \
+         {forced_agree} of {forced_total} positions (floor: 95%)"
     );
     assert!(
         worst <= 0.05,

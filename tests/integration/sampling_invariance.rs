@@ -251,11 +251,18 @@ fn score_and_prompt_logprobs_agree_with_generation() {
         assert!((s - g).abs() < 1e-3, "{s} vs {g}");
     }
     assert!(score.logprob < 0.0);
-    // Another continuation is not greedy and less likely.
+    // Another continuation is not greedy, and its first token (where only it differs
+    // from the greedy one) is less likely than the greedy first token.
     let mut other = continuation.clone();
     other[0] = (other[0] + 1) % 1000;
     let worse = llama.score_ids(&context, &other).unwrap();
     assert!(!worse.is_greedy);
+    assert!(
+        worse.token_logprobs[0] < score.token_logprobs[0],
+        "{} vs the greedy {}",
+        worse.token_logprobs[0],
+        score.token_logprobs[0]
+    );
     // The prompt's log-probabilities: none for the first token; the sum over the
     // continuation's positions is the score.
     let all: Vec<u32> = context.iter().chain(&continuation).copied().collect();
@@ -275,12 +282,22 @@ fn score_and_prompt_logprobs_agree_with_generation() {
             .iter()
             .all(|lp| lp.as_ref().unwrap().top.len() == 2)
     );
-    // Text in, same answer: the context as a prompt, the continuation as plain text.
+    // Text in, same answer: the context as a prompt, the continuation as plain text,
+    // score exactly as their ids do.
     let text = llama.score("The capital of France is", " Paris").unwrap();
-    assert!(text.logprob < 0.0 && !text.tokens.is_empty());
+    let paris = llama.tokenizer.encode(" Paris", false, false).unwrap();
+    let by_ids = llama.score_ids(&context, &paris).unwrap();
+    assert!(!text.tokens.is_empty());
+    assert_eq!(text.tokens, by_ids.tokens);
+    assert_eq!(text.logprob.to_bits(), by_ids.logprob.to_bits());
+    assert_eq!(text.is_greedy, by_ids.is_greedy);
+    assert!(text.logprob < 0.0);
     assert!(matches!(
         llama.score("", " Paris"),
         Err(llama_burn::LlamaError::EmptyPrompt)
     ));
-    assert!(llama.prompt_logprobs(&all, 21).is_err());
+    assert!(matches!(
+        llama.prompt_logprobs(&all, 21),
+        Err(llama_burn::LlamaError::InvalidParameter { .. })
+    ));
 }

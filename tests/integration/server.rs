@@ -311,7 +311,12 @@ async fn n_choices_are_separate_requests() {
     }
     // The prompt counts once, completions of all three.
     let usage = &whole["usage"];
-    let single = post(&url, chat_body(question, 8)).await.1;
+    let (single_status, single) = post(&url, chat_body(question, 8)).await;
+    assert_eq!(single_status, 200, "{single}");
+    assert!(
+        single["usage"]["prompt_tokens"].as_u64().unwrap_or(0) > 0,
+        "{single}"
+    );
     assert_eq!(usage["prompt_tokens"], single["usage"]["prompt_tokens"]);
     assert_eq!(
         usage["completion_tokens"].as_u64().unwrap(),
@@ -332,9 +337,12 @@ async fn n_choices_are_separate_requests() {
                "seed": seed, "n": n})
     };
     let url = format!("{}/v1/completions", base());
-    let two = post(&url, sampled(7, 2)).await.1;
-    let one = post(&url, sampled(8, 1)).await.1;
-    assert_eq!(two["choices"][1]["text"], one["choices"][0]["text"]);
+    let (two_status, two) = post(&url, sampled(7, 2)).await;
+    let (one_status, one) = post(&url, sampled(8, 1)).await;
+    assert_eq!((two_status, one_status), (200, 200), "{two} {one}");
+    let text = &one["choices"][0]["text"];
+    assert!(text.as_str().is_some_and(|t| !t.is_empty()), "{one}");
+    assert_eq!(two["choices"][1]["text"], *text);
 }
 
 #[tokio::test]
@@ -831,14 +839,26 @@ fn serve_guarded(server: &Server) -> std::net::SocketAddr {
 /// Sends `bytes` on a fresh connection and reads until the server closes it (at most
 /// 30 s); returns what it answered.
 fn raw_exchange(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
+    raw_exchange_closing(addr, bytes).0
+}
+
+/// [`raw_exchange`], and whether the server closed the connection (within 30 s: a read
+/// that times out is a connection the server kept open).
+fn raw_exchange_closing(addr: std::net::SocketAddr, bytes: &[u8]) -> (String, bool) {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(30)))
         .expect("timeout");
     s.write_all(bytes).expect("write");
     let mut answer = Vec::new();
-    let _ = s.read_to_end(&mut answer);
-    String::from_utf8_lossy(&answer).into_owned()
+    let closed = match s.read_to_end(&mut answer) {
+        Ok(_) => true,
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+    };
+    (String::from_utf8_lossy(&answer).into_owned(), closed)
 }
 
 #[tokio::test]
@@ -865,11 +885,17 @@ async fn slow_bodies_and_headers_time_out_and_limits_name_their_flag() {
     .expect("exchange");
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains("--body-timeout"), "{answer}");
-    // Half a header: closed without an answer after --header-timeout.
-    let answer =
-        tokio::task::spawn_blocking(move || raw_exchange(addr, b"GET /health HTTP/1.1\r\nHo"))
-            .await
-            .expect("exchange");
+    // Half a header: closed without an answer after --header-timeout (a connection
+    // still open after 30 s fails).
+    let (answer, closed) = tokio::task::spawn_blocking(move || {
+        raw_exchange_closing(addr, b"GET /health HTTP/1.1\r\nHo")
+    })
+    .await
+    .expect("exchange");
+    assert!(
+        closed,
+        "the half header's connection was kept open: {answer:?}"
+    );
     assert!(!answer.contains("200 OK"), "{answer}");
 
     let http = client();

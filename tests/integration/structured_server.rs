@@ -109,11 +109,16 @@ fn response_format_and_structured_outputs_over_http() {
         let content = body["choices"][0]["message"]["content"]
             .as_str()
             .expect("content");
-        if body["choices"][0]["finish_reason"] == "stop" {
-            let v: Value = serde_json::from_str(content).expect("valid JSON");
-            assert!(v.is_object(), "{content}");
-        } else {
-            assert!(content.starts_with('{'), "{content}");
+        // Whole, it is an object; cut by max_tokens, it is the start of one: JSON that
+        // is valid as far as it goes (the parser runs out of input, it finds no error).
+        let finish = &body["choices"][0]["finish_reason"];
+        match serde_json::from_str::<Value>(content) {
+            Ok(v) => assert!(v.is_object(), "{content}"),
+            Err(e) => {
+                assert_eq!(finish, "length", "stopped on invalid JSON: {e}: {content}");
+                assert!(e.is_eof(), "not the start of a JSON value: {e}: {content}");
+                assert!(content.trim_start().starts_with('{'), "{content}");
+            }
         }
 
         // vLLM's structured_outputs: a choice and a regex, on both endpoints.

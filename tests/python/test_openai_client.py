@@ -101,12 +101,27 @@ class OpenAIClientTest(unittest.TestCase):
         self.assertEqual(usage.completion_tokens, whole.usage.completion_tokens)
 
     def test_3_n_and_stop(self):
-        # A stop string that never appears changes nothing.
+        messages = [{"role": "user", "content": "Say hello."}]
+        plain = self.client.chat.completions.create(
+            model=MODEL, max_tokens=8, temperature=0, messages=messages)
+        text = plain.choices[0].message.content
+        self.assertTrue(text)
+        # A stop string that never appears changes nothing: both choices are the answer
+        # without `stop`.
         out = self.client.chat.completions.create(
             model=MODEL, n=2, max_tokens=8, temperature=0, stop=["never there"],
-            messages=[{"role": "user", "content": "Say hello."}])
+            messages=messages)
         self.assertEqual([c.index for c in out.choices], [0, 1])
-        self.assertEqual(out.choices[0].message.content, out.choices[1].message.content)
+        self.assertEqual([c.message.content for c in out.choices], [text, text])
+        # A stop string that does appear cuts the answer just before it, with
+        # finish_reason "stop".
+        words = text.split()
+        self.assertGreaterEqual(len(words), 2, text)
+        stop = words[1]
+        cut = self.client.chat.completions.create(
+            model=MODEL, max_tokens=8, temperature=0, stop=[stop], messages=messages)
+        self.assertEqual(cut.choices[0].message.content, text[:text.index(stop)])
+        self.assertEqual(cut.choices[0].finish_reason, "stop")
 
     def test_4_errors(self):
         bad = openai.OpenAI(base_url=self.base + "/v1", api_key="wrong", max_retries=0)
