@@ -2,10 +2,13 @@
 # Speculative decoding on the demo model at one row, alternated with plain decoding:
 # a copy-heavy task (reproduce a paragraph with two edits), greedy chat, and sampled chat.
 # Usage: bench/speculative.sh [ROUNDS] [DRAFT_TOKENS]   (prints one JSON line per run,
-# then the median tokens/s ratios and acceptance rates).
+# then the median tokens/s ratios and acceptance rates). MAX_TOKENS (200) sets each
+# answer's length; CI runs one short round for the tokens' identity, which fails the run
+# (exit 1) when speculation changes a token.
 set -euo pipefail
 ROUNDS=${ROUNDS:-${1:-5}}
 K=${2:-8}
+MAX_TOKENS=${MAX_TOKENS:-200}
 BIN=${GENERATE:-${CARGO_TARGET_DIR:-target}/release/examples/generate}
 DIR=$(mktemp -d)
 cat > "$DIR/copy.txt" <<'TXT'
@@ -24,7 +27,7 @@ for round in $(seq "$ROUNDS"); do
       # tends to loop, which prompt lookup predicts well).
       [ "$task" = sampled ] && extra+=(--temperature 0.7 --seed 3)
       file=$task; [ "$task" = sampled ] && file=sampled
-      "$BIN" --chat --prompt-file "$DIR/$file.txt" --max-tokens 200 --json \
+      "$BIN" --chat --prompt-file "$DIR/$file.txt" --max-tokens "$MAX_TOKENS" --json \
         --precision "${PRECISION:-fast}" "${extra[@]}" 2>/dev/null |
         python3 -c "import json,sys; d=json.load(sys.stdin); print(json.dumps({'round':$round,'task':'$task','mode':'$mode','tps':d['decode_tokens_per_s'],'draft':d['draft_tokens'],'accepted':d['accepted_draft_tokens'],'tokens':len(d['tokens']),'hash':hash(tuple(d['tokens']))}))"
     done
@@ -38,7 +41,7 @@ for task in ("copy", "chat", "sampled"):
     for r in sorted({x["round"] for x in runs}):
         p = next(x for x in runs if x["round"] == r and x["task"] == task and x["mode"] == "plain")
         s = next(x for x in runs if x["round"] == r and x["task"] == task and x["mode"] == "ngram")
-        assert p["hash"] == s["hash"], "tokens differ"
+        assert p["hash"] == s["hash"], f"round {r}, {task}: speculation changed the tokens"
         ratios.append(s["tps"] / p["tps"])
         acc.append(s["accepted"] / max(s["draft"], 1))
     print(f"{task}: median speedup {statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)}), "

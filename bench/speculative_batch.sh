@@ -2,9 +2,13 @@
 # Speculative decoding in the continuous engine's batches, alternated with plain decoding:
 # 16 requests of 128 tokens, every one speculating or 8 of them beside 8 plain ones,
 # greedy and at temperature 1. Usage: bench/speculative_batch.sh [ROUNDS] (prints one
-# JSON line per run, then median throughput ratios and acceptance).
+# JSON line per run, then median throughput ratios and acceptance). REQUESTS (16) and
+# MAX_TOKENS (128) set the size; CI runs one small round for the outputs' identity, which
+# fails the run (exit 1) when speculation changes an output.
 set -euo pipefail
 ROUNDS=${1:-3}
+REQUESTS=${REQUESTS:-16}
+MAX_TOKENS=${MAX_TOKENS:-128}
 BIN=${BENCH:-${CARGO_TARGET_DIR:-target}/release/examples/benchmark_concurrency}
 OUT=$(mktemp)
 for round in $(seq "$ROUNDS"); do
@@ -15,10 +19,10 @@ for round in $(seq "$ROUNDS"); do
       for mode in $order; do
         extra=()
         [ "$mode" = ngram ] && extra=(--speculative ngram --draft-tokens 8)
-        [ "$mode" = ngram ] && [ "$mix" = half ] && extra+=(--speculative-requests 8)
-        "$BIN" --requests 16 --max-tokens 128 --strategies continuous --temperature "$temp" \
+        [ "$mode" = ngram ] && [ "$mix" = half ] && extra+=(--speculative-requests $((REQUESTS / 2)))
+        "$BIN" --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" --strategies continuous --temperature "$temp" \
           --json "${extra[@]}" 2>/dev/null |
-          python3 -c "import hashlib,json,sys; d=json.load(sys.stdin); r=d['results'][0]; print(json.dumps({'round':$round,'temp':$temp,'mix':'$mix','mode':'$mode','tps':r['tokens_per_s'],'draft':r['draft_tokens'],'accepted':r['accepted_draft_tokens'],'hash':hashlib.sha256(str(r['outputs']).encode()).hexdigest()[:16]}))"
+          python3 -c "import hashlib,json,sys; d=json.load(sys.stdin); r=d['results'][0]; print(json.dumps({'round':$round,'requests':$REQUESTS,'temp':$temp,'mix':'$mix','mode':'$mode','tps':r['tokens_per_s'],'draft':r['draft_tokens'],'accepted':r['accepted_draft_tokens'],'hash':hashlib.sha256(str(r['outputs']).encode()).hexdigest()[:16]}))"
       done
     done
   done
@@ -33,10 +37,11 @@ for temp in (0, 1):
         for rnd in sorted({r["round"] for r in sel}):
             p = next(r for r in sel if r["round"] == rnd and r["mode"] == "plain")
             s = next(r for r in sel if r["round"] == rnd and r["mode"] == "ngram")
-            assert p["hash"] == s["hash"], "outputs differ"
+            assert p["hash"] == s["hash"], f"round {rnd}, t={temp}, {mix}: speculation changed the outputs"
             ratios.append(s["tps"] / p["tps"]); plain.append(p["tps"]); spec.append(s["tps"])
             acc.append(f"{s['accepted']}/{s['draft']}")
-        rows = "16 speculating" if mix == "all" else "8 speculating + 8 plain"
+        n = max(r["requests"] for r in sel)
+        rows = f"{n} speculating" if mix == "all" else f"{n // 2} speculating + {n - n // 2} plain"
         print(f"t={temp}, {rows}: {statistics.median(spec):.0f} vs {statistics.median(plain):.0f} tokens/s, "
               f"median ratio {statistics.median(ratios):.2f} (rounds {', '.join(f'{x:.2f}' for x in ratios)}), "
               f"accepted/proposed {', '.join(acc)}; identical outputs in every pair")

@@ -154,3 +154,25 @@ impl LlamaError {
         }
     }
 }
+
+/// Asserts that a `Result` is an `Err` matching a pattern, with an optional guard:
+/// `assert_err!(r, LlamaError::InvalidParameter { name: "top_p", .. })` or
+/// `assert_err!(r, LlamaError::InvalidFormat(m) if m.contains("block"))`. Otherwise it
+/// panics with the error it got (`{:?}`) or with "got Ok" (the `Ok` type need not be
+/// `Debug`).
+#[cfg(test)]
+macro_rules! assert_err {
+    ($result:expr, $pattern:pat $(if $guard:expr)? $(,)?) => {
+        match $result {
+            Err($pattern) $(if $guard)? => {}
+            Err(other) => panic!(
+                "expected Err({}), got Err({:?})",
+                stringify!($pattern $(if $guard)?),
+                other
+            ),
+            Ok(_) => panic!("expected Err({}), got Ok", stringify!($pattern $(if $guard)?)),
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use assert_err;

@@ -251,6 +251,53 @@ mod tests {
     }
 
     #[test]
+    fn the_peak_is_the_most_granted_at_once() {
+        let ledger = KvLedger::new(4, 1000);
+        let a = ledger.reserve(1, 300).expect("fits");
+        let b = ledger.reserve(1, 500).expect("fits");
+        // Refused, whichever limit: counted as refused, never as reserved, not even in
+        // the peak.
+        crate::error::assert_err!(
+            ledger.reserve(1, 201),
+            LlamaError::Overloaded {
+                resource: "KV cache bytes",
+                requested: 201,
+                ..
+            }
+        );
+        ledger.set_limits(2, 1000);
+        crate::error::assert_err!(
+            ledger.reserve(1, 1),
+            LlamaError::Overloaded {
+                resource: "requests holding a KV cache",
+                ..
+            }
+        );
+        let usage = ledger.usage();
+        assert_eq!(
+            (usage.bytes, usage.peak_bytes, usage.refused),
+            (800, 800, 2)
+        );
+        // The peak outlives what is given back, and is the most at once, not a sum.
+        drop(b);
+        ledger.set_limits(4, 1000);
+        let c = ledger.reserve(1, 400).expect("fits");
+        assert_eq!(
+            (ledger.usage().bytes, ledger.usage().peak_bytes),
+            (700, 800)
+        );
+        let d = ledger.reserve(1, 300).expect("fits exactly");
+        assert_eq!(ledger.usage().peak_bytes, 1000);
+        drop((a, c, d));
+        // A reset starts from what is held now.
+        let e = ledger.reserve(1, 100).expect("fits");
+        ledger.reset_peak();
+        assert_eq!(ledger.usage().peak_bytes, 100);
+        drop(e);
+        assert_eq!((ledger.usage().bytes, ledger.usage().peak_bytes), (0, 100));
+    }
+
+    #[test]
     fn shrinking_returns_the_difference() {
         let ledger = KvLedger::new(8, 1000);
         let mut batch = ledger.reserve(4, 800).expect("fits");

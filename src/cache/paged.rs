@@ -264,6 +264,7 @@ pub(crate) fn gather_blocks<B: Backend>(
 mod tests {
     use super::*;
     use crate::backend::{DefaultBackend as B, default_device};
+    use crate::error::assert_err;
 
     fn values(tokens: usize, width: usize, base: f32) -> Tensor<B, 2> {
         let data: Vec<f32> = (0..tokens * width).map(|i| base + i as f32).collect();
@@ -321,6 +322,12 @@ mod tests {
 
     #[test]
     fn a_zero_block_pool_is_an_error() {
-        assert!(PagedKvCache::<B>::new(1, 0, 16, 1, 1, &default_device()).is_err());
+        assert_err!(
+            PagedKvCache::<B>::new(1, 0, 16, 1, 1, &default_device()),
+            LlamaError::InvalidParameter {
+                name: "kv_budget",
+                ..
+            }
+        );
     }
 }

@@ -48,11 +48,15 @@ pub const MAX_CHOICES: usize = 4096;
 /// What a constrained request's output must be.
 ///
 /// ```
+/// use llama_burn::LlamaError;
 /// use llama_burn::constraints::Constraint;
 ///
 /// let c = Constraint::Choice(vec!["yes".into(), "no".into()]);
 /// assert!(c.validate().is_ok());
-/// assert!(Constraint::Choice(vec![]).validate().is_err());
+/// assert!(matches!(
+///     Constraint::Choice(vec![]).validate(),
+///     Err(LlamaError::InvalidConstraint(m)) if m.contains("at least one string")
+/// ));
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub enum Constraint {

@@ -154,10 +154,14 @@ impl GenerateRequest {
     /// A request that continues token ids as they are (no BOS is added).
     ///
     /// ```
+    /// use llama_burn::LlamaError;
     /// use llama_burn::inference::GenerateRequest;
     ///
     /// assert!(GenerateRequest::from_ids(vec![1, 2, 3]).validate(2048).is_ok());
-    /// assert!(GenerateRequest::from_ids(vec![]).validate(2048).is_err());
+    /// assert!(matches!(
+    ///     GenerateRequest::from_ids(vec![]).validate(2048),
+    ///     Err(LlamaError::EmptyPrompt)
+    /// ));
     /// ```
     pub fn from_ids(prompt_ids: Vec<u32>) -> Self {
         Self {
@@ -234,10 +238,14 @@ impl GenerateRequest {
     /// Asks for each generated token's log-probability and `n` alternatives (`0..=20`).
     ///
     /// ```
+    /// use llama_burn::LlamaError;
     /// use llama_burn::inference::GenerateRequest;
     ///
     /// assert!(GenerateRequest::new("Hi").with_logprobs(5).validate(2048).is_ok());
-    /// assert!(GenerateRequest::new("Hi").with_logprobs(21).validate(2048).is_err());
+    /// assert!(matches!(
+    ///     GenerateRequest::new("Hi").with_logprobs(21).validate(2048),
+    ///     Err(LlamaError::InvalidParameter { name: "logprobs", .. })
+    /// ));
     /// ```
     #[must_use]
     pub fn with_logprobs(mut self, n: usize) -> Self {
@@ -249,10 +257,14 @@ impl GenerateRequest {
     /// delivered with the first generated token.
     ///
     /// ```
+    /// use llama_burn::LlamaError;
     /// use llama_burn::inference::GenerateRequest;
     ///
     /// assert!(GenerateRequest::new("Hi").with_prompt_logprobs(1).validate(2048).is_ok());
-    /// assert!(GenerateRequest::new("Hi").with_prompt_logprobs(21).validate(2048).is_err());
+    /// assert!(matches!(
+    ///     GenerateRequest::new("Hi").with_prompt_logprobs(21).validate(2048),
+    ///     Err(LlamaError::InvalidParameter { name: "prompt_logprobs", .. })
+    /// ));
     /// ```
     #[must_use]
     pub fn with_prompt_logprobs(mut self, n: usize) -> Self {

@@ -740,6 +740,7 @@ pub fn exp(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
     use rand::{Rng, SeedableRng, rngs::StdRng};
 
     fn random(n: usize, rng: &mut StdRng) -> Vec<f32> {
@@ -843,7 +844,10 @@ mod tests {
         }
         assert_eq!(exp(0.0), 1.0);
         assert_eq!(exp(-1000.0), exp(-87.0));
-        assert!(attention(&q, &k[1..], &v, None, shape).is_err());
+        assert_err!(
+            attention(&q, &k[1..], &v, None, shape),
+            LlamaError::ShapeMismatch { name, .. } if name == "attention keys"
+        );
 
         // Keys and values read in place from a larger cache (3 spare columns, and an
         // offset) give the same bits as contiguous copies.
@@ -865,7 +869,10 @@ mod tests {
             data: &kb[..5 + (keys - 1) * dim],
             ..view(&kb)
         };
-        assert!(attention_strided(&q, short, view(&vb), None, shape).is_err());
+        assert_err!(
+            attention_strided(&q, short, view(&vb), None, shape),
+            LlamaError::ShapeMismatch { name, .. } if name == "attention keys"
+        );
     }
 
     #[test]
@@ -927,8 +934,9 @@ mod tests {
             }
         }
         let bad = QueryLayout::TokenMajor { seq: 4, groups };
-        assert!(
-            attention_laid_out(&tokens, bad, contiguous(&k), contiguous(&v), None, shape).is_err()
+        assert_err!(
+            attention_laid_out(&tokens, bad, contiguous(&k), contiguous(&v), None, shape),
+            LlamaError::ShapeMismatch { name, .. } if name == "attention query layout"
         );
     }
 
@@ -1076,14 +1084,26 @@ mod tests {
             start: 7,
             blocks: &[1, 2],
         }];
-        assert!(paged_attention(&q[..2 * n_heads * dim], n_heads, pool, &short).is_err());
+        assert_err!(
+            paged_attention(&q[..2 * n_heads * dim], n_heads, pool, &short),
+            LlamaError::InvalidBatch(m) if m.contains("2 blocks in a pool of 12 cannot hold 9 tokens")
+        );
         let outside = [PagedSeq {
             tokens: 1,
             start: 0,
             blocks: &[12],
         }];
-        assert!(paged_attention(&q[..n_heads * dim], n_heads, pool, &outside).is_err());
-        assert!(paged_attention(&q[1..], n_heads, pool, &seqs).is_err());
-        assert!(paged_attention(&q, 4, pool, &seqs).is_err());
+        assert_err!(
+            paged_attention(&q[..n_heads * dim], n_heads, pool, &outside),
+            LlamaError::InvalidBatch(m) if m.contains("1 blocks in a pool of 12 cannot hold 1 tokens")
+        );
+        assert_err!(
+            paged_attention(&q[1..], n_heads, pool, &seqs),
+            LlamaError::ShapeMismatch { name, .. } if name == "paged attention queries"
+        );
+        assert_err!(
+            paged_attention(&q, 4, pool, &seqs),
+            LlamaError::InvalidBatch(m) if m.contains("4 query heads over 3")
+        );
     }
 }

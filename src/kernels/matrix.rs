@@ -383,6 +383,7 @@ impl QuantMatrix {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     #[test]
     fn the_grouped_layout_gives_back_the_ggml_bytes() {
@@ -404,8 +405,14 @@ mod tests {
     #[test]
     fn shapes_are_checked() {
         assert!(QuantMatrix::new(QuantFormat::Q4_1, 2, 32, vec![0; 40]).is_ok());
-        assert!(QuantMatrix::new(QuantFormat::Q4_1, 2, 32, vec![0; 39]).is_err());
-        assert!(QuantMatrix::new(QuantFormat::Q4_1, 2, 48, vec![0; 60]).is_err());
+        assert_err!(
+            QuantMatrix::new(QuantFormat::Q4_1, 2, 32, vec![0; 39]),
+            LlamaError::InvalidFormat(m) if m.contains("39 given")
+        );
+        assert_err!(
+            QuantMatrix::new(QuantFormat::Q4_1, 2, 48, vec![0; 60]),
+            LlamaError::InvalidFormat(m) if m.contains("not a whole number of 32-value blocks")
+        );
         assert!(QuantMatrix::new(QuantFormat::Q6_K, 1, 256, vec![0; 210]).is_ok());
         let a = QuantMatrix::new(QuantFormat::Q8_0, 1, 32, vec![1; 34]).unwrap();
         let b = QuantMatrix::new(QuantFormat::Q8_0, 2, 32, vec![2; 68]).unwrap();
@@ -414,6 +421,9 @@ mod tests {
         assert_eq!(s.row_ggml_bytes(0).unwrap(), a.row_ggml_bytes(0).unwrap());
         assert_eq!(s.row_ggml_bytes(2).unwrap(), vec![2; 34]);
         let c = QuantMatrix::new(QuantFormat::Q4_0, 1, 32, vec![0; 18]).unwrap();
-        assert!(QuantMatrix::stack(&[a, c]).is_err());
+        assert_err!(
+            QuantMatrix::stack(&[a, c]),
+            LlamaError::InvalidFormat(m) if m.contains("differ in format")
+        );
     }
 }

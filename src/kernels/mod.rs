@@ -59,6 +59,7 @@ pub use matrix::{GROUP_ROWS, QuantMatrix};
 pub(crate) mod tests {
     use super::cpu::dot_reference_on;
     use super::*;
+    use crate::error::{LlamaError, assert_err};
     use rand::{Rng, SeedableRng, rngs::StdRng};
 
     /// Random but valid blocks: finite f16 scales of moderate size, any quant bits.
@@ -197,8 +198,13 @@ pub(crate) mod tests {
     #[test]
     fn bad_shapes_are_errors() {
         let w = random_matrix(QuantFormat::Q4_1, 4, 64, 1);
-        assert!(matmul_transposed(&[0.0; 63], 1, &w).is_err());
-        assert!(matmul_transposed(&[0.0; 128], 1, &w).is_err());
+        for n in [63, 128] {
+            assert_err!(
+                matmul_transposed(&vec![0.0; n], 1, &w),
+                LlamaError::ShapeMismatch { name, actual, .. }
+                    if name == "quantized matmul input" && actual == [n]
+            );
+        }
         assert_eq!(matmul_transposed(&[], 0, &w).unwrap(), Vec::<f32>::new());
     }
 }

@@ -1121,6 +1121,7 @@ impl QuantMatrix {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     /// A minimal GGUF writer for tests.
     #[derive(Default)]
@@ -1251,7 +1252,13 @@ mod tests {
         let mut arr = 8u32.to_le_bytes().to_vec();
         arr.extend_from_slice(&(1u64 << 60).to_le_bytes());
         b.kv_raw("arr", 9, &arr);
-        assert!(parse(&b.build()).is_err());
+        assert_err!(
+            parse(&b.build()),
+            ParseError {
+                kind: ParseErrorKind::Truncated,
+                msg,
+            } if msg.contains("array of 1152921504606846976 elements")
+        );
 
         let mut bytes = b"GGUF".to_vec();
         bytes.extend_from_slice(&3u32.to_le_bytes());
@@ -1276,7 +1283,13 @@ mod tests {
         // The offset field is the last 8 bytes of the single tensor info.
         let off_pos = 24 + 8 + 1 + 4 + 8 + 4;
         bytes[off_pos] = 4;
-        assert!(parse(&bytes).is_err());
+        assert_err!(
+            parse(&bytes),
+            ParseError {
+                kind: ParseErrorKind::Invalid,
+                msg,
+            } if msg.contains("offset 4 which is not a multiple of the alignment")
+        );
 
         let mut b = Builder::default();
         b.tensor("a", &[8], 0, &[0u8; 32])
@@ -1285,14 +1298,26 @@ mod tests {
         // Point b at a's data.
         let b_off = 24 + (8 + 1 + 4 + 8 + 4 + 8) + (8 + 1 + 4 + 8 + 4);
         bytes[b_off] = 0;
-        assert!(parse(&bytes).is_err());
+        assert_err!(
+            parse(&bytes),
+            ParseError {
+                kind: ParseErrorKind::Invalid,
+                msg,
+            } if msg.contains("tensors `a` and `b` overlap")
+        );
     }
 
     #[test]
     fn rejects_versions_and_big_endian() {
         let mut bytes = sample();
         bytes[4..8].copy_from_slice(&1u32.to_le_bytes());
-        assert!(parse(&bytes).is_err());
+        assert_err!(
+            parse(&bytes),
+            ParseError {
+                kind: ParseErrorKind::Invalid,
+                msg,
+            } if msg.contains("version 1 is not supported")
+        );
         bytes[4..8].copy_from_slice(&3u32.to_be_bytes());
         let err = parse(&bytes).err().map(|e| e.msg).unwrap_or_default();
         assert!(err.contains("big-endian"), "{err}");

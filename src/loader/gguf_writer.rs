@@ -327,6 +327,7 @@ fn put_value(out: &mut Vec<u8>, v: &GgufValue) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
     use crate::loader::gguf::GgufFile;
 
     fn meta() -> Vec<(String, GgufValue)> {
@@ -368,10 +369,16 @@ mod tests {
             .unwrap();
         let block: Vec<u8> = (0..68u8).collect();
         // Past the end of the tensor: refused.
-        assert!(w.write(&[block.clone(), vec![0]].concat()).is_err());
+        assert_err!(
+            w.write(&[block.clone(), vec![0]].concat()),
+            LlamaError::InvalidFormat(m) if m.contains("tensor `m` takes 68 bytes; 69 more")
+        );
         w.write(&block[..10]).unwrap();
         w.write(&block[10..]).unwrap();
-        assert!(w.write(&[0]).is_err());
+        assert_err!(
+            w.write(&[0]),
+            LlamaError::InvalidFormat(m) if m.contains("after the last tensor")
+        );
         w.finish().unwrap();
 
         let f = GgufFile::open(&path).unwrap();
@@ -390,19 +397,38 @@ mod tests {
     fn bad_plans_and_short_data_are_errors() {
         let sink = Vec::new();
         let q = |shape: &[usize]| vec![TensorPlan::new("q", shape, GgmlType::Q4_K)];
-        assert!(GgufWriter::new(sink.clone(), "x", &[], q(&[2, 128])).is_err());
-        assert!(GgufWriter::new(sink.clone(), "x", &[], q(&[1, 1, 1, 1, 256])).is_err());
+        assert_err!(
+            GgufWriter::new(sink.clone(), "x", &[], q(&[2, 128])),
+            LlamaError::InvalidFormat(m) if m.contains("rows are not a whole number")
+        );
+        // Both refusals share a message; the shape in it tells which tensor fired.
+        assert_err!(
+            GgufWriter::new(sink.clone(), "x", &[], q(&[1, 1, 1, 1, 256])),
+            LlamaError::InvalidFormat(m) if m.contains("[1, 1, 1, 1, 256]: more than 4 dimensions")
+        );
         let twice = [q(&[256]), q(&[256])].concat();
-        assert!(GgufWriter::new(sink.clone(), "x", &[], twice).is_err());
+        assert_err!(
+            GgufWriter::new(sink.clone(), "x", &[], twice),
+            LlamaError::InvalidFormat(m) if m.contains("`q` of shape [256]: more than 4 dimensions, or a name used twice")
+        );
         let mixed = vec![(
             "k".to_string(),
             GgufValue::Array(vec![GgufValue::U8(1), GgufValue::I8(1)]),
         )];
-        assert!(GgufWriter::new(sink.clone(), "x", &mixed, vec![]).is_err());
+        assert_err!(
+            GgufWriter::new(sink.clone(), "x", &mixed, vec![]),
+            LlamaError::InvalidFormat(m) if m.contains("mixes")
+        );
         let align = vec![("general.alignment".to_string(), GgufValue::U32(3))];
-        assert!(GgufWriter::new(sink.clone(), "x", &align, vec![]).is_err());
+        assert_err!(
+            GgufWriter::new(sink.clone(), "x", &align, vec![]),
+            LlamaError::InvalidFormat(m) if m.contains("general.alignment = 3")
+        );
         let mut w = GgufWriter::new(sink, "x", &[], q(&[256])).unwrap();
         w.write(&[0; 100]).unwrap();
-        assert!(w.finish().is_err());
+        assert_err!(
+            w.finish(),
+            LlamaError::InvalidFormat(m) if m.contains("`q` was not written whole (100 of 144 bytes)")
+        );
     }
 }

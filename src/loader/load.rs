@@ -431,6 +431,7 @@ struct HfConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     #[test]
     fn hf_config_parses_and_rejects_bad_values() {
@@ -450,6 +451,9 @@ mod tests {
             LlamaConfig::from_hf_json(&other),
             Err(LlamaError::Config(_))
         ));
-        assert!(LlamaConfig::from_hf_json("{").is_err());
+        assert_err!(
+            LlamaConfig::from_hf_json("{"),
+            LlamaError::Config(m) if m.contains("config.json: EOF while parsing")
+        );
     }
 }

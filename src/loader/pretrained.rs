@@ -363,6 +363,7 @@ pub(super) fn load_llama3<B: LlamaBackend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     #[test]
     fn sharded_repo_requests_its_files_then_each_shard_once() {
@@ -387,7 +388,10 @@ mod tests {
             ]
         );
         // The index is required for a sharded checkpoint, ignored for a single file.
-        assert!(LLAMA3_2_3B_INSTRUCT.all_files(None).is_err());
+        assert_err!(
+            LLAMA3_2_3B_INSTRUCT.all_files(None),
+            LlamaError::InvalidFormat(m) if m.contains("the shard index")
+        );
         assert_eq!(
             TINY_LLAMA_1_1B_CHAT.all_files(Some(index)).unwrap(),
             [

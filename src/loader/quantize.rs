@@ -77,6 +77,7 @@ impl TensorSource for QuantizingSource<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     #[test]
     fn blocks_dequantize_close_to_their_values() {
@@ -101,10 +102,22 @@ mod tests {
 
     #[test]
     fn partial_blocks_are_errors() {
-        assert!(quantize(QuantFormat::Q4_K, &[0.0; 128]).is_err());
-        assert!(QuantMatrix::quantize(QuantFormat::Q6_K, 2, 128, &[0.0; 256]).is_err());
-        assert!(quantize(QuantFormat::Q8_0, &[0.0; 33]).is_err());
-        assert!(QuantMatrix::quantize(QuantFormat::Q8_0, 2, 32, &[0.0; 32]).is_err());
+        assert_err!(
+            quantize(QuantFormat::Q4_K, &[0.0; 128]),
+            LlamaError::InvalidParameter { name: "quantize", value, .. } if value == "128"
+        );
+        assert_err!(
+            QuantMatrix::quantize(QuantFormat::Q6_K, 2, 128, &[0.0; 256]),
+            LlamaError::InvalidFormat(m) if m.contains("256 values are not 2 rows of 128")
+        );
+        assert_err!(
+            quantize(QuantFormat::Q8_0, &[0.0; 33]),
+            LlamaError::InvalidParameter { name: "quantize", value, .. } if value == "33"
+        );
+        assert_err!(
+            QuantMatrix::quantize(QuantFormat::Q8_0, 2, 32, &[0.0; 32]),
+            LlamaError::InvalidFormat(m) if m.contains("32 values are not 2 rows of 32")
+        );
         // An all-zero block has scale 0 and zero values.
         assert_eq!(
             quantize(QuantFormat::Q8_0, &[0.0; 32]).unwrap(),

@@ -410,6 +410,7 @@ pub fn write_random_llama(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     #[test]
     fn presets_follow_llama_quantize() {
@@ -434,9 +435,19 @@ mod tests {
             WeightTypes::parse("F16", false).unwrap().embed,
             GgmlType::F16
         );
-        assert!(WeightTypes::parse("Q4_K_M", true).is_err());
-        assert!(WeightTypes::parse("IQ2_XS", false).is_err());
-        assert!(shape("2b", 10).is_err());
+        assert_err!(
+            WeightTypes::parse("Q4_K_M", true),
+            LlamaError::InvalidParameter { name: "type", reason, .. }
+                if reason == "a mixed preset cannot be pure"
+        );
+        assert_err!(
+            WeightTypes::parse("IQ2_XS", false),
+            LlamaError::InvalidParameter { name: "type", value, .. } if value == "IQ2_XS"
+        );
+        assert_err!(
+            shape("2b", 10),
+            LlamaError::InvalidParameter { name: "shape", .. }
+        );
     }
 
     #[test]

@@ -461,6 +461,7 @@ fn iq4_xs(bytes: &[u8], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     #[test]
     fn length_mismatches_are_errors() {
@@ -479,7 +480,10 @@ mod tests {
             Err(LlamaError::InvalidFormat(_))
         ));
         let mut out = [0.0f32; 3];
-        assert!(dequantize_into(GgmlType::F16, &[0u8; 4], &mut out).is_err());
+        assert_err!(
+            dequantize_into(GgmlType::F16, &[0u8; 4], &mut out),
+            LlamaError::InvalidFormat(m) if m.contains("take 6 bytes, but 4 bytes were given")
+        );
         assert!(dequantize(GgmlType::F32, &[], 0).is_ok_and(|v| v.is_empty()));
     }
 

@@ -170,6 +170,7 @@ pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> Result<TokenLogpr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     #[test]
     fn matches_a_plain_log_softmax() {
@@ -195,8 +196,17 @@ mod tests {
         }
         let mass: f64 = logits.iter().map(|&l| (l as f64 - z).exp()).sum();
         assert!((mass - 1.0).abs() < 1e-9);
-        assert!(token_logprobs(&logits, 17, 21).is_err());
-        assert!(token_logprobs(&logits, 1000, 1).is_err());
+        assert_err!(
+            token_logprobs(&logits, 17, 21),
+            LlamaError::InvalidParameter {
+                name: "top_logprobs",
+                ..
+            }
+        );
+        assert_err!(
+            token_logprobs(&logits, 1000, 1),
+            LlamaError::InvalidParameter { name: "token", .. }
+        );
     }
 
     #[test]

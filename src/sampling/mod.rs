@@ -412,6 +412,7 @@ pub fn apply_repetition_penalty(logits: &mut [f32], history: &[u32], penalty: f3
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     /// The plain scan `argmax` must agree with: first index on ties, NaN never chosen
     /// over a number (all NaN: the last index).
@@ -460,7 +461,10 @@ mod tests {
         );
         logits[37] = f32::NEG_INFINITY;
         assert!(check_logits(&logits).is_ok());
-        assert!(check_logits(&[f32::NEG_INFINITY; 35]).is_err());
+        assert_err!(
+            check_logits(&[f32::NEG_INFINITY; 35]),
+            LlamaError::InvalidLogits(m) if m.contains("every logit is -inf")
+        );
     }
 
     #[test]
@@ -513,7 +517,10 @@ mod tests {
                 Err(LlamaError::InvalidParameter { name: "top_p", .. })
             ));
         }
-        assert!(Sampler::TopK(TopK::new(0, 0)).validate().is_err());
+        assert_err!(
+            Sampler::TopK(TopK::new(0, 0)).validate(),
+            LlamaError::InvalidParameter { name: "top_k", .. }
+        );
     }
 
     #[test]

@@ -46,11 +46,15 @@ const BUCKETS: usize = 64;
 /// temperature 1 and every other control off.
 ///
 /// ```
+/// use llama_burn::LlamaError;
 /// use llama_burn::sampling::SamplingParams;
 ///
 /// let params = SamplingParams { temperature: 0.8, top_k: 40, min_p: 0.05, ..Default::default() };
 /// assert!(params.validate().is_ok());
-/// assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
+/// assert!(matches!(
+///     SamplingParams { top_p: 0.0, ..Default::default() }.validate(),
+///     Err(LlamaError::InvalidParameter { name: "top_p", .. })
+/// ));
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {

@@ -206,6 +206,12 @@ async fn get_model(State(shared): AppState, Path(id): Path<String>) -> Response 
 /// arrive within `--body-timeout`.
 async fn read_body(shared: &Shared, body: Body) -> Result<Bytes, ApiError> {
     let limit = shared.config.max_body_bytes;
+    // A body whose declared length (`Content-Length`) is over the limit is refused before
+    // a byte of it is read: the client learns it at once, and the connection is not held
+    // while megabytes arrive only to be dropped.
+    if axum::body::HttpBody::size_hint(&body).lower() > limit as u64 {
+        return Err(ApiError::too_large(limit));
+    }
     let timeout = shared.config.body_timeout;
     match tokio::time::timeout(timeout, axum::body::to_bytes(body, limit)).await {
         Err(_) => Err(ApiError::body_timeout(timeout)),

@@ -424,6 +424,7 @@ pub fn verify<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
     use crate::sampling::{History, Pipeline, SamplingParams};
 
     #[test]
@@ -518,15 +519,29 @@ mod tests {
     #[test]
     fn configs_are_checked() {
         assert!(SpeculationConfig::ngram(4).validate().is_ok());
-        assert!(SpeculationConfig::ngram(0).validate().is_err());
-        assert!(SpeculationConfig::ngram(17).validate().is_err());
+        for n in [0, 17] {
+            assert_err!(
+                SpeculationConfig::ngram(n).validate(),
+                LlamaError::InvalidParameter { name: "draft_tokens", value, .. } if value == n.to_string()
+            );
+        }
         let bad = SpeculationConfig::ngram(4).with_ngram_range(3, 2);
-        assert!(bad.validate().is_err());
-        assert!(speculator(&SpeculationConfig::draft_model(4), None).is_err());
+        assert_err!(
+            bad.validate(),
+            LlamaError::InvalidParameter { name: "ngram", value, .. } if value == "3..=2"
+        );
+        assert_err!(
+            speculator(&SpeculationConfig::draft_model(4), None),
+            LlamaError::InvalidParameter { name: "speculative", reason, .. }
+                if reason.contains("no draft model is loaded")
+        );
         assert_eq!(
             "ngram".parse::<SpeculationMethod>().ok(),
             Some(SpeculationMethod::NGram)
         );
-        assert!("eagle".parse::<SpeculationMethod>().is_err());
+        assert_err!(
+            "eagle".parse::<SpeculationMethod>(),
+            LlamaError::InvalidParameter { name: "speculative", value, .. } if value == "eagle"
+        );
     }
 }

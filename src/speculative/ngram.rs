@@ -55,6 +55,7 @@ impl Proposer for NGramProposer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     fn propose(p: &mut NGramProposer, history: &[u32], k: usize) -> Vec<u32> {
         let mut out = Vec::new();
@@ -77,7 +78,11 @@ mod tests {
         assert!(propose(&mut p, &[1, 2, 3], 4).is_empty());
         let mut p = NGramProposer::new(2, 2).unwrap();
         assert!(propose(&mut p, &[1, 2, 3, 9, 3], 4).is_empty());
-        assert!(NGramProposer::new(0, 2).is_err());
-        assert!(NGramProposer::new(2, 9).is_err());
+        for (min, max) in [(0, 2), (2, 9)] {
+            assert_err!(
+                NGramProposer::new(min, max),
+                LlamaError::InvalidParameter { name: "ngram", value, .. } if value == format!("{min}..={max}")
+            );
+        }
     }
 }

@@ -493,6 +493,7 @@ pub(crate) fn byte_to_char(b: u8) -> char {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     #[test]
     fn byte_alphabet_round_trips() {
@@ -571,7 +572,10 @@ mod tests {
         assert_eq!(tok.token_bytes(id_of(&tok, "Ġw")), Some(b" w".to_vec()));
         assert_eq!(tok.token_bytes(2), Some(b"<|im_end|>".to_vec()));
         assert_eq!(tok.token_bytes(100_000), None);
-        assert!(tok.decode(&[100_000]).is_err());
+        assert_err!(
+            tok.decode(&[100_000]),
+            LlamaError::Tokenizer(m) if m.contains("token id 100000 is outside")
+        );
     }
 
     #[test]
@@ -630,26 +634,38 @@ mod tests {
 
         let mut data = tiny_data(None);
         data.merges.push("nospace".into());
-        assert!(GgufBpeTokenizer::from_gguf_data(data).is_err());
+        assert_err!(
+            GgufBpeTokenizer::from_gguf_data(data),
+            LlamaError::Tokenizer(m) if m.contains("malformed BPE merge `nospace`")
+        );
 
         let mut data = tiny_data(None);
         data.merges.push("q zz".into());
-        assert!(GgufBpeTokenizer::from_gguf_data(data).is_err());
+        assert_err!(
+            GgufBpeTokenizer::from_gguf_data(data),
+            LlamaError::Tokenizer(m) if m.contains("cannot build the BPE model")
+        );
 
         let mut data = tiny_data(None);
         data.eos_id = Some(1 << 20);
-        assert!(GgufBpeTokenizer::from_gguf_data(data).is_err());
+        assert_err!(
+            GgufBpeTokenizer::from_gguf_data(data),
+            LlamaError::Tokenizer(m) if m.contains("eos token id 1048576 is outside")
+        );
 
         let mut data = tiny_data(None);
         data.token_types.pop();
-        assert!(GgufBpeTokenizer::from_gguf_data(data).is_err());
+        assert_err!(
+            GgufBpeTokenizer::from_gguf_data(data),
+            LlamaError::Tokenizer(m) if m.contains("token types for")
+        );
 
-        assert!(
+        assert_err!(
             GgufBpeTokenizer::from_gguf_data(GgufTokenizerData {
                 model: "gpt2".into(),
                 ..Default::default()
-            })
-            .is_err()
+            }),
+            LlamaError::Tokenizer(m) if m.contains("has no tokens")
         );
     }
 

@@ -403,6 +403,7 @@ impl Tokenizer for HfTokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
     use crate::tokenizer::StreamDecoder;
     use serde_json::json;
 
@@ -497,7 +498,10 @@ mod tests {
         assert_eq!(tok.token_bytes(3 + 0xF0), Some(vec![0xF0]));
         assert_eq!(tok.token_bytes(1), Some(b"<s>".to_vec()));
         assert_eq!(tok.token_bytes(9999), None);
-        assert!(tok.decode(&[9999]).is_err());
+        assert_err!(
+            tok.decode(&[9999]),
+            LlamaError::Tokenizer(m) if m.contains("token id 9999 is outside")
+        );
 
         // Streaming keeps the emoji whole; the text is the decode with its leading space.
         let mut decoder = StreamDecoder::new();
@@ -559,7 +563,10 @@ mod tests {
         assert_eq!(tok.bos_id(), None);
         assert_eq!(tok.eos_id(), Some(259));
         assert!(!tok.add_bos_by_default());
-        assert!(tok.encode("hi", true, false).is_err());
+        assert_err!(
+            tok.encode("hi", true, false),
+            LlamaError::Tokenizer(m) if m.contains("a BOS token was requested")
+        );
         let text = "hi hi 🦀👍🏽<|endoftext|>";
         let ids = tok.encode(text, false, false).unwrap();
         assert_eq!(ids[..4], [256, 257, 32, 258]);
@@ -631,7 +638,10 @@ mod tests {
             HfTokenizer::from_dir(&dir),
             Err(LlamaError::Tokenizer(_))
         ));
-        assert!(HfTokenizer::from_file(dir.join("tokenizer.json")).is_err());
+        assert_err!(
+            HfTokenizer::from_file(dir.join("tokenizer.json")),
+            LlamaError::Tokenizer(m) if m.contains("tokenizer.json: ")
+        );
         std::fs::write(dir.join("tokenizer.json"), sentencepiece_json().to_string()).unwrap();
         std::fs::write(dir.join("config.json"), "[").unwrap();
         assert!(matches!(

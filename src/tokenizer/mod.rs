@@ -437,6 +437,7 @@ pub(crate) fn collect_stop_ids(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     #[test]
     fn wrap_adds_requested_ids() {
@@ -444,8 +445,14 @@ mod tests {
         assert_eq!(ids, vec![1, 5, 6, 2]);
         let ids = wrap_bos_eos(vec![5], false, false, None, None).unwrap();
         assert_eq!(ids, vec![5]);
-        assert!(wrap_bos_eos(vec![5], true, false, None, Some(2)).is_err());
-        assert!(wrap_bos_eos(vec![5], false, true, Some(1), None).is_err());
+        assert_err!(
+            wrap_bos_eos(vec![5], true, false, None, Some(2)),
+            LlamaError::Tokenizer(m) if m.contains("a BOS token was requested")
+        );
+        assert_err!(
+            wrap_bos_eos(vec![5], false, true, Some(1), None),
+            LlamaError::Tokenizer(m) if m.contains("an EOS token was requested")
+        );
     }
 
     #[test]

@@ -226,6 +226,7 @@ impl Tokenizer for Llama3Tokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::assert_err;
 
     /// A tokenizer.model with the 256 single bytes and a few merges.
     fn tiny_model() -> String {
@@ -266,23 +267,26 @@ mod tests {
             "<|begin_of_text|>hello world<|eot_id|>"
         );
         assert_eq!(tok.token_bytes(260), Some(b" w".to_vec()));
-        assert!(tok.decode(&[100_000]).is_err());
+        assert_err!(
+            tok.decode(&[100_000]),
+            LlamaError::Tokenizer(m) if m.contains("token id 100000 is outside")
+        );
     }
 
     #[test]
     fn malformed_models_are_rejected() {
-        for bad in [
-            "",
-            "aGk=",
-            "aGk= x",
-            "!!! 0",
-            "aGk= 1",
-            "aGk= 0\naGk= 1",
-            "aGk= 0\naQ== 0",
+        for (bad, why) in [
+            ("", "is empty"),
+            ("aGk=", "expected `<base64 token> <rank>`"),
+            ("aGk= x", "invalid rank"),
+            ("!!! 0", "invalid base64"),
+            ("aGk= 1", "no token of rank 0"),
+            ("aGk= 0\naGk= 1", "line 2: duplicate token"),
+            ("aGk= 0\naQ== 0", "line 2: duplicate rank"),
         ] {
-            assert!(
-                Llama3Tokenizer::from_bytes(bad.as_bytes()).is_err(),
-                "{bad:?}"
+            assert_err!(
+                Llama3Tokenizer::from_bytes(bad.as_bytes()),
+                LlamaError::Tokenizer(m) if m.contains(why)
             );
         }
     }

@@ -180,5 +180,13 @@ fn malformed_batches_are_errors() {
         llama.generate_batched_single_token(&mut state, 0.0, &mut [Sampler::Argmax]),
         Err(LlamaError::InvalidBatch(_))
     ));
-    assert!(generate_batch(&mut llama, &["x"], 4, 0.5, 1.5, 0).is_err());
+    let top_p = generate_batch(&mut llama, &["x"], 4, 0.5, 1.5, 0);
+    assert!(
+        matches!(
+            top_p,
+            Err(LlamaError::InvalidParameter { name: "top_p", .. })
+        ),
+        "{:?}",
+        top_p.err()
+    );
 }

@@ -117,10 +117,15 @@ fn seeded_sampling_reproduces_and_greedy_matches_state_api() {
     }
     assert_eq!(tokens, greedy.tokens);
     assert_eq!(text, greedy.text);
+    // A finished generation refuses another step, naming its state.
+    let after = llama.generate_single_token(&mut state, 0.0, &mut Sampler::Argmax);
     assert!(
-        llama
-            .generate_single_token(&mut state, 0.0, &mut Sampler::Argmax)
-            .is_err()
+        matches!(
+            after,
+            Err(llama_burn::LlamaError::InvalidParameter { name: "state", .. })
+        ),
+        "{:?}",
+        after.err()
     );
 }
 

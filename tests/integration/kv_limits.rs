@@ -181,6 +181,14 @@ fn concurrent_jobs_over_the_budget_are_refused_and_the_rest_are_unchanged() {
     let service = InferenceBuilder::new()
         .with_model(limited(4, 100))
         .build(concurrent_streaming_handler);
+    let (per_token, prompt_len) = service
+        .with_model_blocking(|llama| {
+            (
+                llama.kv_bytes_per_token(),
+                llama.encode_prompt(PROMPT).unwrap().len(),
+            )
+        })
+        .unwrap();
     // Something else holds most of the budget.
     let held = service
         .with_model_blocking(|llama| llama.create_generation_state(PROMPT, 80))
@@ -195,7 +203,22 @@ fn concurrent_jobs_over_the_budget_are_refused_and_the_rest_are_unchanged() {
             ..
         })
     ));
+    // The refused job took nothing, not even for a moment: the peak is the held state.
+    let usage = service
+        .with_model_blocking(|llama| llama.kv_usage())
+        .unwrap();
+    assert_eq!(
+        (usage.bytes, usage.peak_bytes, usage.refused),
+        (
+            (prompt_len + 80) * per_token,
+            (prompt_len + 80) * per_token,
+            1
+        )
+    );
     drop(held);
+    service
+        .with_model_blocking(|llama| llama.reset_kv_peak())
+        .unwrap();
 
     // With the budget back, four jobs at once complete exactly as alone.
     let jobs: Vec<_> = (0..4)
@@ -210,5 +233,14 @@ fn concurrent_jobs_over_the_budget_are_refused_and_the_rest_are_unchanged() {
         .with_model_blocking(|llama| llama.kv_usage())
         .unwrap();
     assert_eq!((usage.requests, usage.bytes), (0, 0));
-    assert!(usage.peak_bytes <= usage.budget_bytes);
+    // Since the reset, the most held at once is one to four jobs' caches (how many ran
+    // at once depends on the interleaving), each its prompt and 12 tokens: whole
+    // reservations, each counted once and given back.
+    let one = (prompt_len + 12) * per_token;
+    assert!(
+        usage.peak_bytes.is_multiple_of(one) && (1..=4).contains(&(usage.peak_bytes / one)),
+        "peak {} bytes, jobs of {one}",
+        usage.peak_bytes
+    );
+    assert_eq!(usage.refused, 1);
 }

@@ -117,6 +117,10 @@ fn preemption_under_a_tiny_pool_with_cancellations_gives_solo_tokens() {
             (p, r, rng.random_bool(0.15))
         })
         .collect();
+    let prompt_len: Vec<usize> = prompts
+        .iter()
+        .map(|p| llama.encode_prompt(p).unwrap().len())
+        .collect();
     // Solo runs, one per distinct (prompt, sampling) at the full length.
     let mut expected = std::collections::HashMap::new();
     for (p, r, _) in &specs {
@@ -132,6 +136,12 @@ fn preemption_under_a_tiny_pool_with_cancellations_gives_solo_tokens() {
         ..ContinuousConfig::default()
     };
     let engine: Engine = ContinuousEngine::start(llama, config).unwrap();
+    let block_bytes = 30 * 2 * 3 * 64 * 16 * 4;
+    assert_eq!(
+        engine.metrics().kv_pool_bytes,
+        40 * block_bytes,
+        "the pool is the budget"
+    );
     let jobs: Vec<_> = specs
         .iter()
         .map(|(p, r, cancel)| {
@@ -143,11 +153,24 @@ fn preemption_under_a_tiny_pool_with_cancellations_gives_solo_tokens() {
         })
         .collect();
     let mut completed = 0;
+    // The most KV bytes seen in use, and the blocks a completed request must have been
+    // seen holding.
+    let (mut seen, mut must_have_held) = (0, 0);
     for (p, r, cancel, job) in jobs {
         let (ids, result) = rest(job);
+        let m = engine.metrics();
+        assert_eq!(m.kv_bytes_used, m.kv_blocks_used * block_bytes);
+        seen = seen.max(m.kv_bytes_used);
         match result {
             Ok(()) => {
                 completed += 1;
+                // After the step that sampled its next-to-last token (and before the
+                // last), a request of `m >= 2` tokens had computed its prompt and
+                // `m - 2` tokens, held their blocks, and the engine published that.
+                if r.max_tokens >= 2 {
+                    let positions = prompt_len[p] + r.max_tokens - 2;
+                    must_have_held = must_have_held.max(positions.div_ceil(16));
+                }
                 let full = &expected[&(p, r.sampling.temperature.to_bits(), r.seed)];
                 assert_eq!(ids, full[..r.max_tokens], "prompt {p}, {r:?}");
             }
@@ -164,7 +187,19 @@ fn preemption_under_a_tiny_pool_with_cancellations_gives_solo_tokens() {
     assert_eq!(m.completed + m.cancelled, 256);
     assert_eq!((m.kv_blocks_used, m.kv_bytes_used), (0, 0));
     assert_eq!((m.running, m.prefilling, m.waiting), (0, 0, 0));
-    assert!(m.peak_kv_bytes_used <= m.kv_pool_bytes);
+    // The peak is the most in use at once: at least what this test saw and what the
+    // longest request completed must have held (one of the long prompt's, with more
+    // than one token: a third of the pool and more).
+    let long_prompt_blocks = prompt_len.iter().max().unwrap().div_ceil(16);
+    assert!(
+        must_have_held >= long_prompt_blocks,
+        "{must_have_held} blocks, the long prompt's {long_prompt_blocks}"
+    );
+    assert!(
+        m.peak_kv_bytes_used >= seen.max(must_have_held * block_bytes),
+        "peak {} bytes; seen {seen}, a request held {must_have_held} blocks of {block_bytes}",
+        m.peak_kv_bytes_used
+    );
 }
 
 #[test]
