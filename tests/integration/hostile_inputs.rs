@@ -255,9 +255,9 @@ fn tiktoken_single_byte_tokens(path: &std::path::Path) -> [bool; 256] {
 /// training text: the demo model's has none for six control characters and for 0xF1 and
 /// 0xF2 (the lead bytes of U+40000..U+BFFFF, unassigned code points). Such bytes are
 /// dropped (there is no token to give them), so only the characters that survive on
-/// their own are expected to round-trip. Which those are comes from the vocabulary file (`has_byte`: the bytes
-/// with a token of their own), not from the tokenizer under test: a character is
-/// spellable iff every byte of its UTF-8 form is.
+/// their own are expected to round-trip. Which those are comes from the vocabulary file
+/// (`has_byte`: the bytes with a token of their own), not from the tokenizer under test:
+/// a character is spellable iff every byte of its UTF-8 form is.
 fn round_trips<T: Tokenizer>(tok: &T, has_byte: &[bool; 256], seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
     let spellable = |c: char| c.to_string().bytes().all(|b| has_byte[usize::from(b)]);

@@ -8,6 +8,26 @@ use crate::kernels::matrix::{GROUP_ROWS, QuantMatrix};
 use crate::kernels::x86::{Avx2, Isa, Vnni, transpose8};
 use crate::quant::{IntForm, IntScales, QuantFormat, with_format};
 
+/// The first format (by id) with the integer form of format `id`: the kernels that
+/// read a format only through its integer form are compiled once per form (Q5_1 runs
+/// Q4_1's, Q5_K Q4_K's), not once per format.
+const fn same_form(id: u8) -> u8 {
+    let f = format_at(id).int_form();
+    let mut i = 0;
+    while i < id {
+        let g = format_at(i).int_form();
+        if g.offset == f.offset
+            && g.scales as u8 == f.scales as u8
+            && g.mins == f.mins
+            && g.run == f.run
+        {
+            return i;
+        }
+        i += 1;
+    }
+    id
+}
+
 /// The format whose id is `id` (its place in [`QuantFormat::ALL`], which is its
 /// declaration order): the in-register kernels take their format as a const parameter
 /// (through `with_format!`), so every branch on it is decided at compile time.
@@ -38,7 +58,8 @@ macro_rules! each_row {
     };
     (@ $t:expr, $i:ident, $body:block, $($n:literal)*) => {
         $(
-            if $n < $t {
+            // A constant condition: the rows past `$t` are not even compiled.
+            if const { $n < $t } {
                 let $i: usize = $n;
                 $body
             }
@@ -142,8 +163,28 @@ pub(super) unsafe fn group_tile_vnni(
 ) {
     // SAFETY: forwarded.
     unsafe {
-        with_format!(format, F => with_tile!(tile, T => group_tile::<Vnni, T, F>(group, acts, r0, out)))
+        with_format!(format, F => with_tile!(tile, T => group_tile_vnni_of::<T, F>(group, acts, r0, out)))
     }
+}
+
+/// [`group_tile_vnni`] for `T` rows of format `F`: one function per tile and format,
+/// never inlined into the dispatcher. Inlined, the 72 variants made one function whose
+/// loops LLVM's loop passes took minutes over (most of the crate's compile time, measured
+/// with `-Zllvm-time-trace`); a call per group tile costs nothing measurable.
+///
+/// # Safety
+///
+/// As [`group_tile_vnni`], with `T` for `tile` and `F` for `format`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2")]
+#[inline(never)]
+unsafe fn group_tile_vnni_of<const T: usize, const F: u8>(
+    group: &[u8],
+    acts: &QuantizedRows,
+    r0: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe { group_tile::<Vnni, T, F>(group, acts, r0, out) }
 }
 
 /// [`group_tile`] on AVX2.
@@ -163,8 +204,28 @@ pub(super) unsafe fn group_tile_avx2(
 ) {
     // SAFETY: forwarded.
     unsafe {
-        with_format!(format, F => with_tile!(tile, T => group_tile::<Avx2, T, F>(group, acts, r0, out)))
+        with_format!(format, F => with_tile!(tile, T => group_tile_avx2_of::<T, F>(group, acts, r0, out)))
     }
+}
+
+/// [`group_tile_avx2`] for `T` rows of format `F`: one function per tile and format,
+/// never inlined into the dispatcher. Inlined, the 72 variants made one function whose
+/// loops LLVM's loop passes took minutes over (most of the crate's compile time, measured
+/// with `-Zllvm-time-trace`); a call per group tile costs nothing measurable.
+///
+/// # Safety
+///
+/// As [`group_tile_avx2`], with `T` for `tile` and `F` for `format`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(never)]
+unsafe fn group_tile_avx2_of<const T: usize, const F: u8>(
+    group: &[u8],
+    acts: &QuantizedRows,
+    r0: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe { group_tile::<Avx2, T, F>(group, acts, r0, out) }
 }
 
 /// Decodes the `subs` sub-blocks of each row of a full group in registers, calling
@@ -185,23 +246,50 @@ unsafe fn decode_group<I: Isa, const F: u8>(group: &[u8], subs: usize, sink: &mu
         let step = unsafe { group.as_ptr().add(blk * GROUP_ROWS * bb) };
         crate::kernels::tiling::prefetch_group_step(step, GROUP_ROWS * bb);
         // SAFETY (each arm): `step` holds the format's eight blocks in the grouped layout.
+        // Each condition is a constant (`const` blocks, evaluated per `F`), so only the
+        // format's own decoder is compiled for it: a `match` on `format` compiled every
+        // decoder for every format, tile and instruction set (145 copies of the K-quant
+        // decoders, a quarter of the crate's code before optimization).
         unsafe {
-            match format {
-                QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
-                    let (w, sc) = decode_step_32::<I>(format, step);
-                    sink.take(&w, &sc, blk);
-                }
-                QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
-                    let (w, sc) = decode_step_q5::<I>(format, step);
-                    sink.take(&w, &sc, blk);
-                }
-                QuantFormat::Q4_K | QuantFormat::Q5_K => {
-                    decode_step_k4::<I>(format, step, blk * 8, sink)
-                }
-                QuantFormat::Q3_K => decode_step_q3k::<I>(step, blk * 8, sink),
-                _ => decode_step_q6k::<I>(step, blk * 8, sink),
+            if const { matches!(decoder_of(format_at(F)), Decoder::Block32) } {
+                let (w, sc) = decode_step_32::<I>(format, step);
+                sink.take(&w, &sc, blk);
+            } else if const { matches!(decoder_of(format_at(F)), Decoder::Q5) } {
+                let (w, sc) = decode_step_q5::<I>(format, step);
+                sink.take(&w, &sc, blk);
+            } else if const { matches!(decoder_of(format_at(F)), Decoder::K4) } {
+                decode_step_k4::<I>(format, step, blk * 8, sink)
+            } else if const { matches!(decoder_of(format_at(F)), Decoder::Q3K) } {
+                decode_step_q3k::<I>(step, blk * 8, sink)
+            } else {
+                decode_step_q6k::<I>(step, blk * 8, sink)
             }
         }
+    }
+}
+
+/// Which in-register decoder a format's grouped steps take.
+enum Decoder {
+    /// Q8_0, Q4_0, Q4_1: one 32-value block a step.
+    Block32,
+    /// Q5_0, Q5_1: 32-value blocks with a fifth bit.
+    Q5,
+    /// Q4_K, Q5_K: super-blocks with packed 6-bit scales and minimums.
+    K4,
+    /// Q3_K.
+    Q3K,
+    /// Q6_K.
+    Q6K,
+}
+
+/// The decoder of `format`'s grouped steps.
+const fn decoder_of(format: QuantFormat) -> Decoder {
+    match format {
+        QuantFormat::Q8_0 | QuantFormat::Q4_0 | QuantFormat::Q4_1 => Decoder::Block32,
+        QuantFormat::Q5_0 | QuantFormat::Q5_1 => Decoder::Q5,
+        QuantFormat::Q4_K | QuantFormat::Q5_K => Decoder::K4,
+        QuantFormat::Q3_K => Decoder::Q3K,
+        _ => Decoder::Q6K,
     }
 }
 
@@ -877,7 +965,7 @@ pub(super) unsafe fn vnni_tile(
 ) {
     // SAFETY: forwarded.
     unsafe {
-        with_format!(format, F => with_tile!(tile, T => vnni_tile_rows::<T, F>(panel, acts, r0, out)))
+        with_format!(format, F => with_tile!(tile, T => vnni_tile_rows::<T, { same_form(F) }>(panel, acts, r0, out)))
     }
 }
 
@@ -896,7 +984,8 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
     out: &mut [[f32; LANES]; ROW_TILE],
 ) {
     use std::arch::x86_64::*;
-    let f = format_at(F).int_form();
+    // Constant per format: each `if const` below keeps only the format's own steps.
+    let f = const { format_at(F).int_form() };
     let subs = acts.blocks();
     debug_assert!(acts.q.len() >= (r0 + T) * acts.n_in && acts.d.len() >= (r0 + T) * subs);
     let mut acc = [_mm512_setzero_ps(); T];
@@ -925,7 +1014,7 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
                 let xp = xq.add(r * acts.n_in + s * QK).cast::<i32>();
                 let x = |t: usize| _mm512_set1_epi32(xp.add(t).read_unaligned());
                 let (lo, hi) = (*asum.add(2 * b), *asum.add(2 * b + 1));
-                let isum = if f.scales == IntScales::PerHalf {
+                let isum = if const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) } {
                     let mut a = _mm512_set1_epi32(-f.offset * lo);
                     let mut c = _mm512_set1_epi32(-f.offset * hi);
                     for t in 0..4 {
@@ -941,19 +1030,19 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
                         c = _mm512_dpbusd_epi32(c, w[t + 4], x(t + 4));
                     }
                     let a = _mm512_add_epi32(a, c);
-                    if f.scales == IntScales::PerBlock {
+                    if const { matches!(format_at(F).int_form().scales, IntScales::PerBlock) } {
                         _mm512_mullo_epi32(a, sc0)
                     } else {
                         a
                     }
                 };
-                iacc[i] = if f.run == 1 { isum } else { _mm512_add_epi32(iacc[i], isum) };
+                iacc[i] = if const { format_at(F).int_form().run == 1 } { isum } else { _mm512_add_epi32(iacc[i], isum) };
                 if (s + 1).is_multiple_of(f.run) {
                     let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), scale, acc[i]);
                     iacc[i] = _mm512_setzero_si512();
                 }
-                if f.mins {
+                if const { format_at(F).int_form().mins } {
                     let m = _mm512_loadu_ps(mp.add(s * LANES));
                     acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(b)), acc[i]);
                 }
