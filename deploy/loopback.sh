@@ -89,7 +89,7 @@ start_replica() {
   [ -x "$bin" ] || { log "no server binary at $bin (cargo build --release --features server)"; exit 1; }
   # shellcheck disable=SC2086
   "$bin" --host 127.0.0.1 --port "$(replica_port "$n")" \
-    --served-model-name llama-burn-demo $SERVER_ARGS "$@" \
+    --served-model-name llama-burn-demo --trust-forwarded-for $SERVER_ARGS "$@" \
     >>"$LB_DIR/replica$n.log" 2>&1 &
   echo $! >"$LB_DIR/replica$n.pid"
   log "replica $n: pid $!, http://127.0.0.1:$(replica_port "$n"), log $LB_DIR/replica$n.log"

@@ -891,6 +891,18 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// As [`score_ids`](Self::score_ids), and [`LlamaError::InvalidParameter`] for
     /// `n > 20`.
     pub fn prompt_logprobs(&self, ids: &[u32], n: usize) -> Result<Vec<Option<TokenLogprobs>>> {
+        self.prompt_logprobs_until(ids, n, || false)
+    }
+
+    /// [`prompt_logprobs`](Self::prompt_logprobs), stopped with
+    /// [`LlamaError::Cancelled`] when `cancelled()` turns true (asked after each chunk of
+    /// positions, so a client that went away costs at most one more chunk).
+    pub(crate) fn prompt_logprobs_until(
+        &self,
+        ids: &[u32],
+        n: usize,
+        cancelled: impl Fn() -> bool,
+    ) -> Result<Vec<Option<TokenLogprobs>>> {
         if ids.is_empty() {
             return Err(LlamaError::EmptyPrompt);
         }
@@ -910,6 +922,9 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         }
         let mut out = vec![None];
         self.for_each_logits_row(ids, |position, row| {
+            if position % SCORE_CHUNK == 0 && cancelled() {
+                return Err(LlamaError::Cancelled);
+            }
             let Some(&token) = ids.get(position + 1) else {
                 return Ok(());
             };

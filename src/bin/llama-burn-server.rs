@@ -51,7 +51,9 @@ struct Args {
     /// lines and lines starting with `#` are skipped.
     #[arg(long)]
     api_keys_file: Option<PathBuf>,
-    /// Require `Authorization: Bearer KEY` on /metrics (API keys do not open it).
+    /// Require `Authorization: Bearer KEY` on /metrics (API keys do not open it). Without
+    /// it /metrics is open, for scrapers, and does not name tenants (their per-tenant
+    /// counters are shown only behind this key).
     #[arg(long, env = "LLAMA_BURN_METRICS_KEY", hide_env_values = true)]
     metrics_key: Option<String>,
     /// Most choices (`n`) per request.
@@ -63,9 +65,19 @@ struct Args {
     /// Most choices (prompts x n) in one request: its most slots of the waiting queue.
     #[arg(long, default_value_t = 64)]
     max_choices: usize,
-    /// Most choices one tenant may have in flight at once (more get 429).
+    /// Most choices one tenant may have in flight at once (more get 429). A tenant is an
+    /// API key, or without keys a client address (see --trust-forwarded-for).
     #[arg(long, default_value_t = 128)]
     max_choices_per_tenant: usize,
+    /// Most requests of one tenant in the tokenizer queue at once (more get 429).
+    #[arg(long, default_value_t = 16)]
+    max_tokenizing_per_tenant: usize,
+    /// Without API keys, take a request's client address (its tenant) from the last
+    /// entry of the X-Forwarded-For header instead of the connection's peer. Only behind
+    /// a proxy that adds that header (HAProxy's `option forwardfor`): a client could
+    /// otherwise write it.
+    #[arg(long)]
+    trust_forwarded_for: bool,
     /// Most stop strings per request (at most 4, OpenAI's limit).
     #[arg(long, default_value_t = 4)]
     max_stop_strings: usize,
@@ -305,7 +317,16 @@ fn seconds(name: &str, value: f64) -> Result<Duration, String> {
 /// The tenants: every `--api-key` (`key-1`, ...), then the keys file's.
 fn tenants(args: &Args) -> Result<Vec<(String, String)>, String> {
     let mut keys: Vec<(String, String)> = Vec::new();
-    for key in args.api_key.iter().filter(|k| !k.is_empty()) {
+    for key in &args.api_key {
+        // An empty key would turn authentication off without a word (an unset secret
+        // in a container's environment, say): refused instead.
+        if key.trim().is_empty() {
+            return Err(
+                "--api-key (or LLAMA_BURN_API_KEY) is empty: give a key, or leave \
+                        it out to serve without authentication"
+                    .into(),
+            );
+        }
         keys.push((format!("key-{}", keys.len() + 1), key.clone()));
     }
     if let Some(path) = &args.api_keys_file {
@@ -328,6 +349,13 @@ fn tenants(args: &Args) -> Result<Vec<(String, String)>, String> {
             if keys.iter().any(|(n, _)| *n == name) {
                 return Err(format!("{}: tenant `{name}` appears twice", path.display()));
             }
+            if let Some((other, _)) = keys.iter().find(|(_, k)| *k == key) {
+                return Err(format!(
+                    "{}: tenant `{name}` has the key of tenant `{other}` (each key is \
+                     one tenant)",
+                    path.display()
+                ));
+            }
             keys.push((name, key));
         }
     }
@@ -337,11 +365,22 @@ fn tenants(args: &Args) -> Result<Vec<(String, String)>, String> {
 fn server_config(args: &Args, name: String) -> Result<ServerConfig, String> {
     let mut config = ServerConfig::new(name).with_max_body_bytes(args.max_body_bytes);
     config.tenants = tenants(args)?;
-    config.metrics_key = args.metrics_key.clone().filter(|k| !k.is_empty());
+    config.metrics_key = match &args.metrics_key {
+        Some(key) if key.trim().is_empty() => {
+            return Err(
+                "--metrics-key (or LLAMA_BURN_METRICS_KEY) is empty: give a key, or \
+                        leave it out"
+                    .into(),
+            );
+        }
+        key => key.clone(),
+    };
     config.max_n = args.max_n;
     config.max_prompts = args.max_prompts;
     config.max_choices = args.max_choices;
     config.max_choices_per_tenant = args.max_choices_per_tenant;
+    config.max_tokenizing_per_tenant = args.max_tokenizing_per_tenant;
+    config.trust_forwarded_for = args.trust_forwarded_for;
     config.max_stop_strings = args.max_stop_strings;
     config.max_stop_bytes = args.max_stop_bytes;
     config.max_messages = args.max_messages;

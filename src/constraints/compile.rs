@@ -17,6 +17,46 @@ use crate::error::{LlamaError, Result};
 /// a limit of [`ConstraintLimits`](super::ConstraintLimits)).
 pub fn compile(vocab: &Arc<ConstraintVocab>, constraint: &Constraint) -> Result<ConstraintState> {
     constraint.validate()?;
+    let capacity = vocab.limits().compiled_cache_entries;
+    if capacity == 0 {
+        return compile_fresh(vocab, constraint);
+    }
+    // The cache's key is the constraint's kind and text; a constraint that fails to
+    // compile is not kept (it fails again, in bounded time).
+    let key = cache_key(constraint);
+    {
+        let mut cache = vocab.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = cache.iter().position(|(k, _)| *k == key) {
+            let entry = cache.remove(i);
+            let state = entry.1.fork();
+            cache.push(entry);
+            return Ok(state);
+        }
+    }
+    let state = compile_fresh(vocab, constraint)?;
+    let mut cache = vocab.compiled.lock().unwrap_or_else(|e| e.into_inner());
+    if !cache.iter().any(|(k, _)| *k == key) {
+        if cache.len() >= capacity {
+            cache.remove(0);
+        }
+        cache.push((key, state.fork()));
+    }
+    Ok(state)
+}
+
+/// The text a compiled constraint is cached under: its kind and its content.
+fn cache_key(constraint: &Constraint) -> String {
+    let text = match constraint {
+        Constraint::JsonSchema(schema) => schema.to_string(),
+        Constraint::Regex(regex) => regex.clone(),
+        Constraint::Grammar(lark) => lark.clone(),
+        Constraint::Choice(choices) => serde_json::Value::from(choices.clone()).to_string(),
+    };
+    format!("{}\n{text}", constraint.kind())
+}
+
+/// Compiles `constraint` (already validated) without the cache.
+fn compile_fresh(vocab: &Arc<ConstraintVocab>, constraint: &Constraint) -> Result<ConstraintState> {
     let grammar = match constraint {
         Constraint::JsonSchema(schema) => TopLevelGrammar::from_json_schema(with_layout(schema)),
         Constraint::Regex(regex) => TopLevelGrammar::from_regex(regex),

@@ -40,6 +40,16 @@ impl ConstraintState {
         }
     }
 
+    /// An independent copy of a fresh state (the compiled-constraint cache's entries):
+    /// the parser and its lexer caches cloned, nothing shared that either one changes.
+    pub(crate) fn fork(&self) -> Self {
+        Self {
+            matcher: self.matcher.deep_clone(),
+            vocab: self.vocab.clone(),
+            accepted: self.accepted,
+        }
+    }
+
     /// Tokens accepted so far (stop tokens are not counted: they end the output).
     pub fn accepted(&self) -> usize {
         self.accepted

@@ -28,6 +28,10 @@ pub struct ConstraintLimits {
     pub max_items_in_row: usize,
     /// Lexer states kept per request (1 to 2 kB each).
     pub max_lexer_states: usize,
+    /// Compiled constraints kept for reuse (least recently used dropped first; 0 keeps
+    /// none): a request repeating a schema, a regex or a grammar, or the `n` choices
+    /// of one request, compile it once.
+    pub compiled_cache_entries: usize,
 }
 
 impl Default for ConstraintLimits {
@@ -39,6 +43,7 @@ impl Default for ConstraintLimits {
             step_max_items: 50_000,
             max_items_in_row: 2_000,
             max_lexer_states: 32_768,
+            compiled_cache_entries: 64,
         }
     }
 }
@@ -70,6 +75,9 @@ pub struct ConstraintVocab {
     pub(crate) eos: u32,
     vocab_size: usize,
     limits: ConstraintLimits,
+    /// Compiled constraints by their text, most recently used last (at most
+    /// `limits.compiled_cache_entries`).
+    pub(crate) compiled: std::sync::Mutex<Vec<(String, super::ConstraintState)>>,
 }
 
 impl std::fmt::Debug for ConstraintVocab {
@@ -126,6 +134,7 @@ impl ConstraintVocab {
             eos,
             vocab_size,
             limits,
+            compiled: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -137,6 +146,14 @@ impl ConstraintVocab {
     /// Its limits.
     pub fn limits(&self) -> &ConstraintLimits {
         &self.limits
+    }
+
+    /// How many compiled constraints the cache holds now (at most
+    /// [`ConstraintLimits::compiled_cache_entries`]).
+    pub fn cached_constraints(&self) -> usize {
+        self.compiled
+            .lock()
+            .map_or_else(|e| e.into_inner().len(), |c| c.len())
     }
 
     /// Whether `id` is one of the model's stop tokens.

@@ -43,7 +43,7 @@ pub fn constrained_sampler<B: LlamaBackend, T: Tokenizer>(
     request: &GenerateRequest,
 ) -> Result<Sampler> {
     let pipeline = Pipeline::unchecked(request.sampling.clone(), request.seed);
-    Ok(Sampler::Pipeline(match &request.constraint {
+    Ok(Sampler::Pipeline(match request.constraint.as_deref() {
         Some(constraint) => pipeline.with_constraint(llama.compile_constraint(constraint)?),
         None => pipeline,
     }))

@@ -82,8 +82,9 @@ pub struct GenerateRequest {
     /// nothing. Costs one more forward pass over the prompt.
     pub prompt_logprobs: Option<usize>,
     /// What the output must be (a JSON Schema, a regex, a Lark grammar, a choice), or
-    /// `None` (the default) for free text. See [`crate::constraints`].
-    pub constraint: Option<Constraint>,
+    /// `None` (the default) for free text. See [`crate::constraints`]. Shared, not
+    /// copied, by the requests made from one (a server's choices).
+    pub constraint: Option<std::sync::Arc<Constraint>>,
     /// Speculative decoding ([`crate::speculative`]), or `None` (the default). The
     /// tokens are the same with it and without it; it only changes the speed.
     pub speculation: Option<SpeculationConfig>,
@@ -300,7 +301,7 @@ impl GenerateRequest {
     /// ```
     #[must_use]
     pub fn with_constraint(mut self, constraint: Constraint) -> Self {
-        self.constraint = Some(constraint);
+        self.constraint = Some(std::sync::Arc::new(constraint));
         self
     }
 
@@ -338,9 +339,10 @@ impl GenerateRequest {
         }
     }
 
-    /// Whether this request decodes greedily (temperature exactly zero).
+    /// Whether this request decodes greedily (temperature 0, or below
+    /// [`MIN_SAMPLED_TEMPERATURE`](crate::sampling::MIN_SAMPLED_TEMPERATURE)).
     pub fn is_greedy(&self) -> bool {
-        self.sampling.temperature == 0.0
+        crate::sampling::greedy_at(self.sampling.temperature)
     }
 
     /// Checks every field against its valid range for a model whose context holds

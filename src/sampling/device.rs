@@ -56,7 +56,7 @@ impl DeviceDraw {
         let uniform = (self.uniform as f32)
             .min(f32::from_bits(0x3f7f_ffff))
             .max(0.0);
-        let inv_t = if self.temperature > 0.0 {
+        let inv_t = if self.is_sampled() {
             (1.0 / self.temperature) as f32
         } else {
             1.0
@@ -67,7 +67,7 @@ impl DeviceDraw {
             0
         };
         [
-            i32::from(self.temperature == 0.0),
+            i32::from(!self.is_sampled()),
             bits(uniform),
             bits(inv_t),
             i32::try_from(top_k).unwrap_or(0),
@@ -80,9 +80,10 @@ impl DeviceDraw {
         ]
     }
 
-    /// Whether the draw reads a random number (temperature above 0).
+    /// Whether the draw reads a random number (temperature at or above
+    /// [`MIN_SAMPLED_TEMPERATURE`](super::MIN_SAMPLED_TEMPERATURE)).
     pub fn is_sampled(&self) -> bool {
-        self.temperature > 0.0
+        !super::greedy_at(self.temperature)
     }
 }
 

@@ -58,6 +58,17 @@ pub use device::{DeviceDraw, DeviceToken, MAX_DEVICE_TOP_LOGPROBS};
 pub use logprobs::{MAX_TOP_LOGPROBS, TokenLogprob, TokenLogprobs, token_logprobs};
 pub use pipeline::{History, Pipeline, SamplingParams, reference_distribution};
 
+/// Temperatures below this decode greedily, as vLLM's do: their inverse (by which the
+/// logits are scaled) overflows `f32` somewhere below it (a temperature of `1e-300` gave
+/// every weight `NaN`), and long before that the draw is the greedy token in all but
+/// exact ties. [`greedy_at`] is the one place that reads it.
+pub const MIN_SAMPLED_TEMPERATURE: f64 = 1e-5;
+
+/// Whether `temperature` decodes greedily (below [`MIN_SAMPLED_TEMPERATURE`], 0 included).
+pub fn greedy_at(temperature: f64) -> bool {
+    temperature < MIN_SAMPLED_TEMPERATURE
+}
+
 use crate::error::{LlamaError, Result};
 use pipeline::{GREEDY, Scratch};
 
@@ -230,7 +241,7 @@ impl Sampler {
     /// ([`LlamaBackend::greedy_tokens`](crate::backend::LlamaBackend::greedy_tokens)).
     pub(crate) fn is_plain_greedy(&self) -> bool {
         let params = self.params();
-        params.temperature == 0.0 && !params.modifies() && self.constraint().is_none()
+        greedy_at(params.temperature) && !params.modifies() && self.constraint().is_none()
     }
 
     /// Picks a token from `logits` at `temperature` (0 = greedy).

@@ -58,8 +58,9 @@ const BUCKETS: usize = 64;
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
-    /// Temperature, finite and `>= 0`; 0 is greedy (the largest logit after bias,
-    /// penalties and bans).
+    /// Temperature, finite and `>= 0`; 0 (and anything below
+    /// [`MIN_SAMPLED_TEMPERATURE`](super::MIN_SAMPLED_TEMPERATURE)) is greedy (the largest
+    /// logit after bias, penalties and bans).
     pub temperature: f64,
     /// Keep the `top_k` largest logits (ties with the last one kept too); 0 is off.
     pub top_k: usize,
@@ -151,6 +152,15 @@ impl SamplingParams {
                 "logit_bias",
                 format!("{} entries", self.logit_bias.len()),
                 "at most 1024 entries",
+            ));
+        }
+        let mut ids: Vec<u32> = self.logit_bias.iter().map(|&(id, _)| id).collect();
+        ids.sort_unstable();
+        if let Some(pair) = ids.windows(2).find(|w| w[0] == w[1]) {
+            return Err(LlamaError::invalid(
+                "logit_bias",
+                format!("token {} twice", pair[0]),
+                "one bias per token id",
             ));
         }
         if let Some(&(_, bias)) = self
@@ -394,7 +404,7 @@ pub(crate) fn sample(
     let modified = params.modifies() || !history.banned.is_empty();
     // The sampled path without modifications checks for NaN in its weight pass instead of
     // a pass of its own.
-    if modified || params.temperature == 0.0 {
+    if modified || super::greedy_at(params.temperature) {
         check_logits(logits)?;
     }
     let work: &[f32] = if modified {
@@ -404,7 +414,7 @@ pub(crate) fn sample(
     } else {
         logits
     };
-    if params.temperature == 0.0 {
+    if super::greedy_at(params.temperature) {
         return Ok(argmax(work));
     }
     let u: f64 = rng.random();
@@ -934,6 +944,52 @@ mod tests {
         assert!(matches!(
             greedy.sample(&logits, all),
             Err(LlamaError::InvalidLogits(_))
+        ));
+    }
+
+    #[test]
+    fn one_bias_per_token() {
+        // Two entries for one token would add up past the +-100 limit.
+        let twice = SamplingParams {
+            logit_bias: vec![(1, 100.0), (4, 1.0), (1, 100.0)],
+            ..Default::default()
+        };
+        assert!(matches!(
+            twice.validate(),
+            Err(LlamaError::InvalidParameter { name: "logit_bias", value, .. })
+                if value == "token 1 twice"
+        ));
+        let once = SamplingParams {
+            logit_bias: vec![(1, 100.0), (4, 1.0)],
+            ..Default::default()
+        };
+        once.validate().unwrap();
+    }
+
+    #[test]
+    fn temperatures_too_small_to_invert_draw_the_greedy_token() {
+        // 1e-300's inverse overflows f32: every weight was NaN and the draw an error
+        // (a 500 from the server). Below MIN_SAMPLED_TEMPERATURE the draw is greedy.
+        let logits = logits();
+        let greedy = argmax(&logits);
+        for t in [1e-300, f64::MIN_POSITIVE, 1e-39, 1e-6, 0.0] {
+            let params = SamplingParams {
+                temperature: t,
+                ..Default::default()
+            };
+            params.validate().unwrap();
+            let mut pipeline = Pipeline::new(params, 7).unwrap();
+            for _ in 0..50 {
+                assert_eq!(
+                    pipeline.sample(&logits, History::default()).unwrap(),
+                    greedy,
+                    "temperature {t}"
+                );
+            }
+        }
+        // At the threshold the draw samples (and reads the generator).
+        assert!(!super::super::greedy_at(
+            super::super::MIN_SAMPLED_TEMPERATURE
         ));
     }
 

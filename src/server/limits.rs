@@ -54,6 +54,125 @@ pub(crate) fn check_depth(body: &[u8], max: usize) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Refuses a body that gives one key twice in an object, at any depth: parsers disagree
+/// on which copy counts (the limits below would read one and the request parser serve
+/// the other, or a constraint, tool list or salt be silently dropped), so such a body
+/// gets a 400 naming the key and where it is. One streaming pass over a body that passed
+/// [`check_depth`]; it keeps only the keys of the objects open at the moment (at most
+/// the body's bytes). Malformed JSON is left to the parser.
+pub(crate) fn check_unique_keys(body: &[u8]) -> Result<(), ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let mut walk = Walk::default();
+    let result = de::DeserializeSeed::deserialize(UniqueKeys { walk: &mut walk }, &mut de);
+    match (result, walk.repeated) {
+        (Err(_), true) => {
+            let mut path = walk.path;
+            let key = path.pop().unwrap_or_default();
+            let at = if path.is_empty() {
+                "the body".to_string()
+            } else {
+                format!("`{}`", path.join("."))
+            };
+            let param = if path.is_empty() {
+                key.clone()
+            } else {
+                format!("{}.{key}", path.join("."))
+            };
+            Err(ApiError::invalid(
+                format!("{at} gives the key `{key}` more than once"),
+                Some(&param),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Where [`UniqueKeys`] is, and whether it found a repeat.
+#[derive(Default)]
+struct Walk {
+    /// Keys and array indices down to the value being read.
+    path: Vec<String>,
+    /// A key was repeated: `path` ends with it.
+    repeated: bool,
+}
+
+/// Walks a value checking that no object repeats a key; on a repeat it fails with the
+/// walk marked `repeated` and its path ending with the key.
+struct UniqueKeys<'a> {
+    walk: &'a mut Walk,
+}
+
+impl<'de> de::DeserializeSeed<'de> for UniqueKeys<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for UniqueKeys<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let mut index = 0usize;
+        loop {
+            self.walk.path.push(index.to_string());
+            if seq
+                .next_element_seed(UniqueKeys { walk: self.walk })?
+                .is_none()
+            {
+                self.walk.path.pop();
+                return Ok(());
+            }
+            self.walk.path.pop();
+            index += 1;
+        }
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            let repeated = !seen.insert(key.clone());
+            self.walk.path.push(key.into_owned());
+            if repeated {
+                self.walk.repeated = true;
+                return Err(de::Error::custom("a repeated key"));
+            }
+            map.next_value_seed(UniqueKeys { walk: self.walk })?;
+            self.walk.path.pop();
+        }
+        Ok(())
+    }
+}
+
 /// What a value looks like, without keeping it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 enum Probe {
@@ -291,6 +410,43 @@ mod tests {
         let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
         let e = check_depth(deep.as_bytes(), 32).unwrap_err();
         assert!(e.message.contains("--max-json-depth"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_repeated_key_is_refused_wherever_it_is() {
+        for (body, param) in [
+            (r#"{"prompt":"a","prompt":"b"}"#, "prompt"),
+            (r#"{"n":1,"stop":"x","n":64}"#, "n"),
+            (
+                r#"{"messages":[{"role":"user","content":"x","role":"system"}]}"#,
+                "messages.0.role",
+            ),
+            (
+                r#"{"response_format":{"type":"json_schema","json_schema":{"schema":{},"schema":{}}}}"#,
+                "response_format.json_schema.schema",
+            ),
+            (
+                r#"{"tools":[],"user":"a","cache_salt":"s","cache_salt":"t"}"#,
+                "cache_salt",
+            ),
+            // Escapes spell the same key.
+            (r#"{"prompt":"a","pr\u006fmpt":"b"}"#, "prompt"),
+        ] {
+            let e = check_unique_keys(body.as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+            assert!(e.message.contains("more than once"), "{}", e.message);
+        }
+        // The same key in two objects, or as a string value, is no repeat; malformed
+        // JSON is the parser's to name.
+        for body in [
+            r#"{"messages":[{"role":"user"},{"role":"user"}],"role":"role"}"#,
+            r#"{"a":{"b":1},"b":{"a":1}}"#,
+            r#"{"prompt":"a","#,
+            r#"{"a":[{"b":1},{"c":"#,
+            "[1,2]",
+        ] {
+            assert!(check_unique_keys(body.as_bytes()).is_ok(), "{body}");
+        }
     }
 
     #[test]

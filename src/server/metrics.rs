@@ -220,8 +220,9 @@ impl ServerMetrics {
     }
 
     /// The Prometheus text exposition, with gauges and engine counters from `engine`
-    /// (none while the model loads).
-    pub fn render(&self, engine: Option<&EngineMetrics>) -> String {
+    /// (none while the model loads); the per-tenant counters only with `tenants` (the
+    /// server shows them only behind its metrics key).
+    pub fn render(&self, engine: Option<&EngineMetrics>, tenants: bool) -> String {
         if let Some(m) = engine {
             self.with(|| {
                 metrics::gauge!(NUM_REQUESTS_RUNNING).set((m.running + m.prefilling) as f64);
@@ -243,7 +244,18 @@ impl ServerMetrics {
         }
         let handle = self.recorder.handle();
         handle.run_upkeep();
-        handle.render()
+        let text = handle.render();
+        if tenants {
+            return text;
+        }
+        // The per-tenant family, its HELP and TYPE lines included, left out.
+        text.lines()
+            .filter(|line| !line.contains(TENANT_REQUESTS_TOTAL))
+            .fold(String::with_capacity(text.len()), |mut out, line| {
+                out.push_str(line);
+                out.push('\n');
+                out
+            })
     }
 }
 
@@ -272,7 +284,11 @@ mod tests {
             preemptions: 3,
             ..Default::default()
         };
-        let text = m.render(Some(&engine));
+        m.tenant_request("acme", true);
+        let named = m.render(Some(&engine), true);
+        assert!(named.contains("tenant=\"acme\""), "{named}");
+        let text = m.render(Some(&engine), false);
+        assert!(!text.contains("tenant"), "{text}");
         for expected in [
             "llama_burn:num_requests_running{model_name=\"smol\"} 3",
             "llama_burn:num_requests_waiting{model_name=\"smol\"} 4",

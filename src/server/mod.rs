@@ -151,7 +151,8 @@ pub struct ServerConfig {
     /// More API keys, each a tenant: `(tenant name, key)`.
     pub tenants: Vec<(String, String)>,
     /// When set, `/metrics` requires `Authorization: Bearer <metrics_key>` (API keys do
-    /// not open it).
+    /// not open it) and shows the per-tenant counters. Unset, `/metrics` is open (for
+    /// scrapers) and does not name tenants.
     pub metrics_key: Option<String>,
     /// Largest request body in bytes (larger ones get 413).
     pub max_body_bytes: usize,
@@ -195,6 +196,19 @@ pub struct ServerConfig {
     pub write_timeout: Duration,
     /// [`Server::serve`]: most open connections; more wait in the kernel's accept queue.
     pub max_connections: usize,
+    /// Most requests of one tenant in the tokenizer pool at once (tokenizing or waiting
+    /// for a thread); more get 429, so one tenant cannot fill the pool's queue and lock
+    /// the others out. Not applied to requests with no tenant (see
+    /// [`trust_forwarded_for`](Self::trust_forwarded_for)).
+    pub max_tokenizing_per_tenant: usize,
+    /// Without API keys a request's tenant is its connection's peer address (a tenant per
+    /// client machine; the `user` field does not make tenants: a client picks it
+    /// freely). Behind a reverse proxy every request comes from the proxy: set this to
+    /// take the peer from the last address of the last `X-Forwarded-For` header (the
+    /// one the proxy adds), and only behind a proxy that adds it (HAProxy's
+    /// `option forwardfor`). A router served other than by [`Server::serve`] knows no
+    /// peer: its requests without a key share one uncapped tenant, `anonymous`.
+    pub trust_forwarded_for: bool,
     /// `max_tokens` when a request gives none (`None`: up to the context length).
     /// `/v1/completions` defaults to 16, as OpenAI's does.
     pub default_max_tokens: Option<usize>,
@@ -209,8 +223,9 @@ impl ServerConfig {
     /// `n` up to 16, 64 prompts and 64 choices per request, 128 choices per tenant, 4
     /// stop strings of 1024 bytes together, 512 messages, JSON nesting 32, 30 s for the
     /// body, 1024 unsent events, keep-alive comments every 15 s, 2 tokenizer threads and
-    /// 64 requests waiting for them, 10 s for headers (and idle keep-alive), 30 s
-    /// blocked writes, 1024 connections, chat answers up to the context length.
+    /// 64 requests waiting for them (16 of one tenant), 10 s for headers (and idle
+    /// keep-alive), 30 s blocked writes, 1024 connections, chat answers up to the
+    /// context length, tenants by connection peer without API keys.
     pub fn new(served_model_name: impl Into<String>) -> Self {
         Self {
             served_model_name: served_model_name.into(),
@@ -236,6 +251,8 @@ impl ServerConfig {
             max_connections: 1024,
             default_max_tokens: None,
             max_constraint_bytes: 64 * 1024,
+            max_tokenizing_per_tenant: 16,
+            trust_forwarded_for: false,
         }
     }
 
@@ -281,6 +298,8 @@ pub(crate) struct Shared {
     /// Choices in flight per tenant (entries leave at 0, so the map holds only tenants
     /// with requests in flight).
     tenants: Mutex<HashMap<String, usize>>,
+    /// Requests in the tokenizer pool per tenant (entries leave at 0).
+    tokenizing: Mutex<HashMap<String, usize>>,
     metrics: ServerMetrics,
     /// Where prompts are tokenized.
     tokenizer: tokenize::TokenizerPool,
@@ -339,27 +358,71 @@ impl Shared {
         } else {
             usize::MAX
         };
-        let mut tenants = self
-            .tenants
+        self.take(Ledger::Choices, tenant, choices, limit)
+    }
+
+    /// Takes a place of `tenant` in the tokenizer pool, or 429 past
+    /// [`ServerConfig::max_tokenizing_per_tenant`] (unless not `capped`).
+    fn enter_tokenizer(
+        self: &Arc<Self>,
+        tenant: &str,
+        capped: bool,
+    ) -> std::result::Result<TenantSlot, ApiError> {
+        let limit = if capped {
+            self.config.max_tokenizing_per_tenant
+        } else {
+            usize::MAX
+        };
+        self.take(Ledger::Tokenizing, tenant, 1, limit)
+    }
+
+    fn ledger(&self, ledger: Ledger) -> &Mutex<HashMap<String, usize>> {
+        match ledger {
+            Ledger::Choices => &self.tenants,
+            Ledger::Tokenizing => &self.tokenizing,
+        }
+    }
+
+    fn take(
+        self: &Arc<Self>,
+        ledger: Ledger,
+        tenant: &str,
+        count: usize,
+        limit: usize,
+    ) -> std::result::Result<TenantSlot, ApiError> {
+        let mut counts = self
+            .ledger(ledger)
             .lock()
             .map_err(|_| ApiError::internal("the tenant table is poisoned"))?;
-        let in_flight = tenants.get(tenant).copied().unwrap_or(0);
-        if in_flight + choices > limit {
+        let in_flight = counts.get(tenant).copied().unwrap_or(0);
+        if in_flight.saturating_add(count) > limit {
+            let (resource, param) = match ledger {
+                Ledger::Choices => (
+                    "choices in flight of this tenant (--max-choices-per-tenant)",
+                    "n",
+                ),
+                Ledger::Tokenizing => (
+                    "requests of this tenant waiting for tokenization \
+                     (--max-tokenizing-per-tenant)",
+                    "prompt",
+                ),
+            };
             return Err(ApiError::from_llama(
                 &LlamaError::Overloaded {
-                    resource: "choices in flight of this tenant (--max-choices-per-tenant)",
+                    resource,
                     in_use: in_flight,
-                    requested: choices,
+                    requested: count,
                     limit,
                 },
-                "n",
+                param,
             ));
         }
-        tenants.insert(tenant.to_string(), in_flight + choices);
+        counts.insert(tenant.to_string(), in_flight + count);
         Ok(TenantSlot {
             shared: self.clone(),
+            ledger,
             tenant: tenant.to_string(),
-            choices,
+            choices: count,
         })
     }
 
@@ -375,13 +438,23 @@ impl Shared {
 /// A tenant's share taken by one API request; given back when dropped.
 pub(crate) struct TenantSlot {
     shared: Arc<Shared>,
+    ledger: Ledger,
     tenant: String,
     choices: usize,
 }
 
+/// What a [`TenantSlot`] holds a share of.
+#[derive(Debug, Clone, Copy)]
+enum Ledger {
+    /// Choices in flight.
+    Choices,
+    /// Requests in the tokenizer pool.
+    Tokenizing,
+}
+
 impl Drop for TenantSlot {
     fn drop(&mut self) {
-        if let Ok(mut tenants) = self.shared.tenants.lock()
+        if let Ok(mut tenants) = self.shared.ledger(self.ledger).lock()
             && let Some(n) = tenants.get_mut(&self.tenant)
         {
             *n = n.saturating_sub(self.choices);
@@ -437,6 +510,10 @@ impl Server {
             ("max_prompts", config.max_prompts),
             ("max_choices", config.max_choices),
             ("max_choices_per_tenant", config.max_choices_per_tenant),
+            (
+                "max_tokenizing_per_tenant",
+                config.max_tokenizing_per_tenant,
+            ),
             ("max_messages", config.max_messages),
             ("max_json_depth", config.max_json_depth),
             ("max_unsent_events", config.max_unsent_events),
@@ -467,8 +544,22 @@ impl Server {
                 return Err(LlamaError::invalid(name, 0, "must be positive"));
             }
         }
-        if config.keys().any(|(_, key)| key.is_empty()) {
+        if config.keys().any(|(_, key)| key.is_empty()) || config.metrics_key.as_deref() == Some("")
+        {
             return Err(LlamaError::invalid("api_key", "\"\"", "must not be empty"));
+        }
+        // A key names one tenant: the same key for two would make the second
+        // unreachable (its requests counted, capped and cached as the first's). One
+        // tenant may have several keys (a key being rotated).
+        let keys: Vec<(&str, &str)> = config.keys().collect();
+        for (i, &(name, key)) in keys.iter().enumerate() {
+            if let Some(&(other, _)) = keys[..i].iter().find(|&&(_, k)| k == key) {
+                return Err(LlamaError::invalid(
+                    "tenants",
+                    format!("`{name}` and `{other}` with one key"),
+                    "each API key must be one tenant's",
+                ));
+            }
         }
         let metrics = ServerMetrics::new(&config.served_model_name)?;
         let tokenizer =
@@ -482,6 +573,7 @@ impl Server {
                 in_flight: AtomicUsize::new(0),
                 running: Mutex::new(HashMap::new()),
                 tenants: Mutex::new(HashMap::new()),
+                tokenizing: Mutex::new(HashMap::new()),
                 metrics,
                 tokenizer,
                 created: unix_now(),
@@ -568,4 +660,38 @@ pub fn router(engine: Arc<dyn Engine>, config: ServerConfig) -> Result<axum::Rou
     let server = Server::new(config)?;
     server.set_engine(engine)?;
     Ok(server.router())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(config: ServerConfig) -> (&'static str, String) {
+        match Server::new(config) {
+            Err(LlamaError::InvalidParameter { name, value, .. }) => (name, value),
+            Err(e) => panic!("another error: {e}"),
+            Ok(_) => panic!("accepted"),
+        }
+    }
+
+    #[test]
+    fn empty_and_shared_keys_are_refused() {
+        let base = || ServerConfig::new("m");
+        // An empty key would turn authentication off (or open /metrics) silently.
+        assert_eq!(refused(base().with_api_key("")).0, "api_key");
+        assert_eq!(refused(base().with_tenant("a", "")).0, "api_key");
+        let mut metrics = base();
+        metrics.metrics_key = Some(String::new());
+        assert_eq!(refused(metrics).0, "api_key");
+        // One key, two tenants: the second could never be told apart.
+        let (name, value) = refused(base().with_tenant("a", "k1").with_tenant("b", "k1"));
+        assert_eq!(
+            (name, value.as_str()),
+            ("tenants", "`b` and `a` with one key")
+        );
+        let (_, value) = refused(base().with_api_key("k1").with_tenant("b", "k1"));
+        assert_eq!(value, "`b` and `default` with one key");
+        // One tenant with two keys (a key being rotated) is fine.
+        Server::new(base().with_tenant("a", "k1").with_tenant("a", "k2")).unwrap();
+    }
 }

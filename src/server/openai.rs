@@ -286,7 +286,7 @@ pub struct Sampling {
     pub prompt_only: bool,
     /// The structured-output constraint (`response_format`, `structured_outputs`, or a
     /// forced tool call).
-    pub constraint: Option<crate::constraints::Constraint>,
+    pub constraint: Option<std::sync::Arc<crate::constraints::Constraint>>,
     /// The field a constraint that does not compile is blamed on.
     pub constraint_param: &'static str,
     /// Tools shown to the model (chat).
@@ -329,12 +329,21 @@ fn logit_bias(bias: &serde_json::Map<String, Value>) -> Result<Vec<(u32, f32)>, 
     let mut entries = bias
         .iter()
         .map(|(key, value)| {
-            let id: u32 = key.parse().map_err(|_| {
-                ApiError::invalid(
-                    format!("`logit_bias` key `{key}` is not a token id"),
-                    Some("logit_bias"),
-                )
-            })?;
+            // Only the canonical decimal form: "01" and "+1" would otherwise be token 1
+            // again, each with its own bias, adding up past the +-100 limit.
+            let id: u32 = key
+                .parse()
+                .ok()
+                .filter(|id: &u32| id.to_string() == *key)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        format!(
+                            "`logit_bias` key `{key}` is not a token id (a decimal number \
+                             without sign or leading zeros)"
+                        ),
+                        Some("logit_bias"),
+                    )
+                })?;
             let value = value.as_f64().ok_or_else(|| {
                 ApiError::invalid(
                     format!("`logit_bias[{key}]` must be a number"),
@@ -1086,6 +1095,13 @@ mod tests {
         ] {
             let e = completions(json).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{json}");
+        }
+        // One token under three spellings would add three biases up past +-100.
+        for key in ["01", "+1", " 1", "1.0", "4294967296"] {
+            let body = format!(r#"{{"prompt":"a","logit_bias":{{"1":100,"{key}":100}}}}"#);
+            let e = completions(&body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("logit_bias"), "{body}");
+            assert!(e.message.contains(&format!("`{key}`")), "{}", e.message);
         }
         let many: serde_json::Map<String, Value> =
             (0..1025).map(|i| (i.to_string(), Value::from(1))).collect();

@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use super::Shared;
 use super::error::ApiError;
 use super::generation::{ChoiceSpec, Generation, Update};
-use super::limits::{check_counts, check_depth};
+use super::limits::{check_counts, check_depth, check_unique_keys};
 use super::openai::{
     ChatCompletionRequest, CompletionRequest, Endpoint, OpenAiRequest, PromptInput, Sampling,
     Usage, chat_delta_choice, chat_tool_choice, parse_request, tool_delta,
@@ -111,10 +111,35 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .map(|(_, token)| token.trim())
 }
 
-/// The tenant an API key names (`None` when the server has no keys: tenants then come
-/// from the `user` field).
+/// Who a request is for: the tenant its API key names, else its connection's peer
+/// (see [`ServerConfig::trust_forwarded_for`](super::ServerConfig::trust_forwarded_for)),
+/// else nobody (a router served without [`Server::serve`](super::Server::serve)).
 #[derive(Clone)]
-struct Tenant(Option<String>);
+enum Tenant {
+    /// An API key's tenant.
+    Key(String),
+    /// No API keys: the peer's address.
+    Peer(std::net::IpAddr),
+    /// No API keys and no known peer.
+    Anonymous,
+}
+
+/// The address a connection comes from ([`Server::serve`](super::Server::serve) adds it
+/// to every request of the connection).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Peer(pub std::net::IpAddr);
+
+/// The last address of the last `X-Forwarded-For` header: the one the proxy in front
+/// added (earlier ones are the client's to write).
+fn forwarded_for(headers: &HeaderMap) -> Option<std::net::IpAddr> {
+    headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .next_back()
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.rsplit(',').next())
+        .and_then(|a| a.trim().parse().ok())
+}
 
 /// `/v1/*`: checks the API key and notes its tenant. Every key is compared (in
 /// constant time), so the time taken does not tell which key was nearly right.
@@ -131,11 +156,20 @@ async fn authorize(State(shared): AppState, mut request: Request, next: Next) ->
         let Some(name) = found else {
             return ApiError::unauthorized().into_response();
         };
-        Some(name)
+        Tenant::Key(name)
     } else {
-        None
+        let peer = request.extensions().get::<Peer>().map(|p| p.0);
+        let forwarded = shared
+            .config
+            .trust_forwarded_for
+            .then(|| forwarded_for(request.headers()))
+            .flatten();
+        match forwarded.or(peer) {
+            Some(ip) => Tenant::Peer(ip),
+            None => Tenant::Anonymous,
+        }
     };
-    request.extensions_mut().insert(Tenant(tenant));
+    request.extensions_mut().insert(tenant);
     next.run(request).await
 }
 
@@ -171,12 +205,15 @@ async fn metrics(State(shared): AppState, headers: HeaderMap) -> Response {
     shared
         .metrics
         .prompts_tokenized(shared.tokenizer.prompts_tokenized());
+    // Tenants are named only to whoever holds the metrics key: an open /metrics (the
+    // default, for scrapers) would otherwise tell anyone who the API's customers are.
+    let tenants = shared.config.metrics_key.is_some();
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        shared.metrics.render(engine.as_ref()),
+        shared.metrics.render(engine.as_ref(), tenants),
     )
         .into_response()
 }
@@ -236,7 +273,8 @@ async fn read_body(shared: &Shared, body: Body) -> Result<Bytes, ApiError> {
     }
 }
 
-/// Fields read apart from the endpoint's own: the tenant's `user` and `cache_salt`.
+/// Fields read apart from the endpoint's own: `user` (checked, not used: it does not
+/// make tenants) and `cache_salt`.
 #[derive(Default, serde::Deserialize)]
 struct Extras {
     user: Option<String>,
@@ -255,6 +293,9 @@ fn parse_body<T: OpenAiRequest>(
     body: &[u8],
 ) -> Result<(T, Extras), ApiError> {
     check_depth(body, shared.config.max_json_depth)?;
+    // Every later read of the body (the counts, the request, the constraint, the tools,
+    // the tenant's fields) then sees the one copy of each key.
+    check_unique_keys(body)?;
     check_counts(body, endpoint, &shared.config)?;
     let request = parse_request(body)?;
     let extras: Extras = serde_json::from_slice(body).unwrap_or_default();
@@ -296,11 +337,14 @@ async fn chat_completions(
         request
             .common
             .sampling(Endpoint::Chat, request.max_tokens(), shared.config.max_n)?;
-    sampling.constraint = constraint;
+    sampling.constraint = constraint.map(Arc::new);
     if let Some(tool_request) = tool_request {
         with_tools(&shared, &mut sampling, tool_request)?;
     }
     let default_max = shared.config.default_max_tokens;
+    // What the generation needs was taken out above: the parsed body (messages as
+    // sent, `response_format` and whatever else it held) is not kept while it runs.
+    drop(request);
     run(
         shared,
         Endpoint::Chat,
@@ -335,7 +379,8 @@ fn with_tools(
     }
     if sampling.constraint.is_none() {
         sampling.constraint =
-            tool_constraint(&request.tools, &request.choice, request.parallel, format);
+            tool_constraint(&request.tools, &request.choice, request.parallel, format)
+                .map(Arc::new);
         if sampling.constraint.is_some() {
             sampling.constraint_param = "tools";
         }
@@ -372,9 +417,10 @@ async fn completions(
             .sampling(Endpoint::Completions, max_tokens, shared.config.max_n)?;
     sampling.echo = echo;
     sampling.prompt_only = prompt_only;
-    sampling.constraint = constraint;
+    sampling.constraint = constraint.map(Arc::new);
     // OpenAI's default for legacy completions.
     let default_max = Some(shared.config.default_max_tokens.unwrap_or(16));
+    drop(request);
     run(
         shared,
         Endpoint::Completions,
@@ -387,13 +433,13 @@ async fn completions(
     .await
 }
 
-/// Who a request is for: its tenant (the API key's, else `user`, else `anonymous`) and
-/// its prefix-cache partition.
+/// Who a request is for: its tenant (the API key's, else its peer's, else `anonymous`)
+/// and its prefix-cache partition.
 struct TenantOf {
     name: String,
     scope: Scope,
-    /// Whether the tenant's share applies (not to `anonymous`: without an API key or a
-    /// `user` there is nobody to tell apart).
+    /// Whether the tenant's shares apply (not to `anonymous`: without an API key or a
+    /// known peer there is nobody to tell apart).
     capped: bool,
 }
 
@@ -402,12 +448,13 @@ impl TenantOf {
     /// another no hits) and, within it, by `cache_salt`. Without API keys and without a
     /// `cache_salt` requests share partition 0.
     fn new(tenant: Tenant, extras: Extras) -> Self {
-        let keyed = tenant.0.is_some();
-        let capped = keyed || extras.user.is_some();
-        let name = tenant
-            .0
-            .or(extras.user)
-            .unwrap_or_else(|| "anonymous".into());
+        let keyed = matches!(tenant, Tenant::Key(_));
+        let capped = !matches!(tenant, Tenant::Anonymous);
+        let name = match tenant {
+            Tenant::Key(name) => name,
+            Tenant::Peer(ip) => format!("peer {ip}"),
+            Tenant::Anonymous => "anonymous".into(),
+        };
         let salt = if keyed || extras.cache_salt.is_some() {
             use std::hash::{Hash, Hasher};
             let half = |lead: u64| {
@@ -599,11 +646,13 @@ async fn run(
     // context is refused here.
     let base = base_request(&sampling, max_tokens);
     let (requests, plans) = prompt_requests(prompts, &base, &sampling);
+    let tokenizing = shared.enter_tokenizer(&tenant.name, tenant.capped)?;
     let ids = shared
         .tokenizer
         .encode(shared.engine()?, requests)
         .await
         .map_err(|e| ApiError::from_llama(&e, endpoint.prompt_param()))?;
+    drop(tokenizing);
     let specs = choice_specs(ids.into_iter().zip(plans).collect(), &base, &sampling, seed);
     let envelope = Envelope {
         endpoint,

@@ -24,6 +24,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::time::Sleep;
+use tower::Layer;
 
 use super::Server;
 
@@ -60,9 +61,9 @@ impl Server {
                 permit = permits.clone().acquire_owned() => permit.map_err(io::Error::other)?,
                 () = &mut shutdown => break,
             };
-            let stream = tokio::select! {
+            let (stream, peer) = tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
+                    Ok(accepted) => accepted,
                     Err(e) => {
                         // Out of file descriptors, or a connection reset before it was
                         // accepted: wait a little rather than spin.
@@ -75,7 +76,11 @@ impl Server {
             };
             let _ = stream.set_nodelay(true);
             let io = TokioIo::new(WriteTimeout::new(stream, write_timeout));
-            let service = TowerToHyperService::new(app.clone());
+            // Every request of the connection knows its peer (the tenant of requests
+            // without an API key).
+            let service = TowerToHyperService::new(
+                axum::Extension(super::routes::Peer(peer.ip())).layer(app.clone()),
+            );
             let conn = builder.serve_connection(io, service);
             let mut close = close_rx.clone();
             tokio::spawn(async move {

@@ -57,6 +57,7 @@ fn batch_logits(llama: &Demo, rows: &[Vec<u32>], next: &[u32]) -> (Vec<Vec<f32>>
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn logits_are_bitwise_equal_alone_in_a_batch_of_seven_and_chunked() {
     let mut llama = demo(1024);
     for precision in precisions() {
@@ -112,6 +113,7 @@ fn alone_batched_and_chunked(llama: &Demo) {
 /// One prompt's logits (prompt and one decode step) alone on a one-thread pool, and as
 /// row 0 of left-padded batches of 2, 5, 16 and 32 different prompts on every core.
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn a_row_is_the_same_in_batches_of_2_to_32_and_on_one_thread() {
     let mut llama = demo(1024);
     let base = prompts();

@@ -127,6 +127,7 @@ fn requests() -> Vec<GenerateRequest> {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn json_schema_output_is_valid_and_the_same_in_every_strategy() {
     let mut llama = demo(1024);
     let requests = requests();
@@ -246,6 +247,7 @@ fn regex_and_choice_are_honoured() {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn bad_and_hostile_constraints_get_typed_errors() {
     let llama = demo(256);
     let refused = |c: Constraint| match llama.compile_constraint(&c) {
@@ -295,9 +297,36 @@ fn bad_and_hostile_constraints_get_typed_errors() {
         Err(LlamaError::InvalidConstraint(m)) => assert!(m.contains("too big"), "{m}"),
         other => panic!("a 10,000-value enum passed a 20,000-fuel limit: {other:?}"),
     }
+    // A refused constraint is not cached; compiled ones are, once each, within the
+    // configured number of entries (least recently used dropped).
+    assert_eq!(vocab.cached_constraints(), 0);
+    let two = std::sync::Arc::new(
+        ConstraintVocab::new(
+            &llama.tokenizer,
+            llama.config().vocab_size,
+            ConstraintLimits {
+                compiled_cache_entries: 2,
+                ..ConstraintLimits::default()
+            },
+        )
+        .expect("vocab"),
+    );
+    let compile = |c: &Constraint| llama_burn::constraints::compile::compile(&two, c).unwrap();
+    let digits = Constraint::Regex("[0-9]{1,3}".into());
+    compile(&digits);
+    compile(&digits);
+    assert_eq!(two.cached_constraints(), 1, "one schema, one entry");
+    compile(&Constraint::Choice(vec!["a".into(), "b".into()]));
+    compile(&Constraint::JsonSchema(json!({"type": "integer"})));
+    assert_eq!(
+        two.cached_constraints(),
+        2,
+        "bounded by compiled_cache_entries"
+    );
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn the_engine_refuses_a_bad_constraint_and_keeps_serving() {
     let llama = demo(512);
     let engine: ContinuousEngine<B, DynTokenizer> =

@@ -32,6 +32,7 @@ fn take(job: &EngineJob, n: usize) -> Vec<u32> {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn staggered_arrivals_and_chunked_prompts_match_solo_runs() {
     let mut llama = demo(1024);
     let prompts = prompts();
@@ -81,6 +82,7 @@ fn staggered_arrivals_and_chunked_prompts_match_solo_runs() {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn a_newcomer_gets_its_first_token_while_eight_others_run() {
     let llama = demo(1024);
     let engine: Engine = ContinuousEngine::start(llama, ContinuousConfig::default()).unwrap();
@@ -115,6 +117,7 @@ fn a_newcomer_gets_its_first_token_while_eight_others_run() {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn cancelling_frees_the_cache_at_once_and_a_full_queue_overloads() {
     let mut llama = demo(1024);
     let keep_prompt = "Once upon a time";
@@ -181,6 +184,7 @@ fn cancelling_frees_the_cache_at_once_and_a_full_queue_overloads() {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn many_requests_with_random_lengths_and_cancellations() {
     let mut llama = demo(1024);
     let prompts = prompts();
@@ -256,6 +260,7 @@ fn many_requests_with_random_lengths_and_cancellations() {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn the_job_api_switches_to_continuous_batching_in_one_line() {
     let mut llama = demo(1024);
     let expected = solo(&mut llama, "The capital of France is", 8);

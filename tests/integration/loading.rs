@@ -271,6 +271,7 @@ fn raw16(shape: Vec<usize>, dtype: Dtype, bits: &[u16]) -> Raw {
 /// Face directory from the GGUF, checks the logits against the GGUF model, and then
 /// damages the directory to check the errors that need a real checkpoint.
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn hf_directory_gives_the_gguf_logits_and_typed_errors() {
     let device = default_device();
     let path = demo_path();
@@ -709,6 +710,7 @@ fn max_seq_len_out_of_range_is_invalid_parameter() {
 /// into the checkpoint, and quantizing them back gives ggml's bytes), and its logits
 /// stay within Q8_0's error of the f32 load's.
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn a_safetensors_checkpoint_quantized_at_load_keeps_ggml_s_blocks() {
     use llama_burn::kernels::QuantFormat;
     use llama_burn::model::VocabMatrix;

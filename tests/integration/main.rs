@@ -2,10 +2,13 @@
 //! its own binary, and linking 23 binaries against the crate and Burn took most of a
 //! first `cargo test`.
 //!
-//! Select a concern with a filter on its module's name, e.g. the whole-model checks:
+//! Tests that take more than a few seconds (most whole-model and server tests) are
+//! `#[ignore]`d, so that the README's `cargo test` is quick; `-- --include-ignored` runs
+//! them too, and CI does. Select a concern with a filter on its module's name, e.g. the
+//! whole-model checks:
 //!
 //! ```sh
-//! cargo test --release --features llama3,server --test integration -- reference:: batch_invariance::
+//! cargo test --release --features llama3,server --test integration -- --include-ignored reference:: batch_invariance::
 //! ```
 //!
 //! The fast ones (no model run): `gguf_format:: quantize:: tokenizers:: hostile_inputs::

@@ -40,6 +40,7 @@ fn chunk_and_steps(llama: &Demo, prompt: &[u32], tokens: &[u32]) -> (Vec<Vec<f32
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn a_verification_chunk_gives_each_position_the_bits_of_a_decode_step() {
     let mut llama = demo(1024);
     for precision in PRECISIONS {
@@ -112,6 +113,7 @@ use llama_burn::sampling::{Sampler, TopP};
 use llama_burn::speculative::SpeculationConfig;
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn greedy_tokens_with_prompt_lookup_equal_tokens_without() {
     let mut llama = demo(1024);
     let copy = copy_prompt(&llama);
@@ -148,6 +150,7 @@ fn greedy_tokens_with_prompt_lookup_equal_tokens_without() {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn sampled_tokens_with_speculation_equal_tokens_without_for_every_seed() {
     let mut llama = demo(1024);
     let copy = copy_prompt(&llama);
@@ -163,6 +166,7 @@ fn sampled_tokens_with_speculation_equal_tokens_without_for_every_seed() {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn the_demo_model_drafting_for_itself_gives_the_plain_tokens_and_is_always_right() {
     let mut llama = demo(1024);
     llama.set_draft_model(demo(1024)).unwrap();
@@ -199,6 +203,7 @@ fn the_demo_model_drafting_for_itself_gives_the_plain_tokens_and_is_always_right
 /// proposals take blocks and rejected ones give them back): every row's tokens equal
 /// its solo run without speculation, and every block comes back.
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn engine_rows_that_speculate_beside_rows_that_do_not_equal_their_solo_runs() {
     use crate::common::rest;
     use llama_burn::inference::{ContinuousConfig, ContinuousEngine, GenerateRequest};

@@ -71,6 +71,7 @@ async fn metric(http: &reqwest::Client, base: &str, name: &str) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 async fn speculating_servers_answer_exactly_as_the_plain_one() {
     let http = reqwest::Client::new();
     let plain = {

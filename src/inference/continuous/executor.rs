@@ -143,6 +143,10 @@ pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     speculation: Option<crate::speculative::SpeculationConfig>,
     /// Proposed and accepted tokens, all requests together.
     spec_stats: SpeculationStats,
+    /// The last prompt's log-probabilities `(ids, alternatives, result)`, kept while one
+    /// batch of submissions is taken: the `n` choices of an API request arrive together
+    /// and share them, so the forward pass over their prompt runs once, not `n` times.
+    last_prompt_logprobs: Option<(Vec<u32>, usize, Vec<Option<crate::sampling::TokenLogprobs>>)>,
 }
 
 /// Marks the engine gone when dropped, however its thread ends: submissions are refused
@@ -215,6 +219,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             steps: 0,
             speculation: config.speculation,
             spec_stats: SpeculationStats::default(),
+            last_prompt_logprobs: None,
         };
         worker.publish();
         Ok(worker)
@@ -267,7 +272,10 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 Some(sub) => sub,
                 None => match self.queue.try_recv() {
                     Ok(sub) => sub,
-                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => return true,
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => {
+                        self.last_prompt_logprobs = None;
+                        return true;
+                    }
                 },
             };
             // A panic that escapes this loop ends the thread; `sub` is dropped after this
@@ -328,7 +336,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
     /// any) of a request its submitter has validated and tokenized already (the engine
     /// thread never tokenizes, and checks none of those values again: the sampler reads
     /// the request's [`sampling`](crate::inference::GenerateRequest::sampling) as it is).
-    fn prepare(&self, sub: &Submission) -> Result<(GenerationState<B>, Sampler)> {
+    fn prepare(&mut self, sub: &Submission) -> Result<(GenerationState<B>, Sampler)> {
         let request = &sub.request;
         let ids = &sub.prompt;
         let mut state = GenerationState::new(ids.clone(), request.max_tokens).with_request(request);
@@ -343,8 +351,28 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             ));
         }
         // Prompt log-probabilities (asked for rarely) take one forward pass over the
-        // prompt here, on the engine thread.
-        let state = self.llama.with_prompt_logprobs(state, request)?;
+        // prompt here, on the engine thread: once for the choices of one request (they
+        // arrive together), and stopped after a chunk once the client has gone.
+        if let Some(n) = request.prompt_logprobs {
+            let hit = self
+                .last_prompt_logprobs
+                .as_ref()
+                .filter(|(prompt, top, _)| prompt == ids && *top == n)
+                .map(|(_, _, lp)| lp.clone());
+            let logprobs = match hit {
+                Some(lp) => lp,
+                None => {
+                    self.last_prompt_logprobs = None;
+                    let cancel = &sub.cancel;
+                    let lp = self
+                        .llama
+                        .prompt_logprobs_until(ids, n, || cancel.is_cancelled())?;
+                    self.last_prompt_logprobs = Some((ids.clone(), n, lp.clone()));
+                    lp
+                }
+            };
+            state.prompt_logprobs = Some(logprobs);
+        }
         // The constraint (if any) is compiled here, once: its state lives in the sampler
         // and, like the random generator, survives preemption (a recompute keeps the
         // generated tokens the state has accepted).
