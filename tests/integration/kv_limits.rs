@@ -74,6 +74,7 @@ fn states_reserve_their_cache_and_give_it_back() {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn the_request_limit_and_the_whole_budget_are_enforced() {
     let llama = limited(2, 1000);
     let _a = llama.create_generation_state(PROMPT, 10).unwrap();
@@ -116,6 +117,7 @@ fn the_request_limit_and_the_whole_budget_are_enforced() {
 }
 
 #[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
 fn a_batch_reserves_its_rectangle_and_shrinks_as_rows_end() {
     let mut llama = limited(8, 400);
     let per_token = llama.kv_bytes_per_token();
