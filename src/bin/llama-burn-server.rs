@@ -349,13 +349,6 @@ fn tenants(args: &Args) -> Result<Vec<(String, String)>, String> {
             if keys.iter().any(|(n, _)| *n == name) {
                 return Err(format!("{}: tenant `{name}` appears twice", path.display()));
             }
-            if let Some((other, _)) = keys.iter().find(|(_, k)| *k == key) {
-                return Err(format!(
-                    "{}: tenant `{name}` has the key of tenant `{other}` (each key is \
-                     one tenant)",
-                    path.display()
-                ));
-            }
             keys.push((name, key));
         }
     }

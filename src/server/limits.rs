@@ -68,15 +68,9 @@ pub(crate) fn check_unique_keys(body: &[u8]) -> Result<(), ApiError> {
         (Err(_), true) => {
             let mut path = walk.path;
             let key = path.pop().unwrap_or_default();
-            let at = if path.is_empty() {
-                "the body".to_string()
-            } else {
-                format!("`{}`", path.join("."))
-            };
-            let param = if path.is_empty() {
-                key.clone()
-            } else {
-                format!("{}.{key}", path.join("."))
+            let (at, param) = match path.join(".") {
+                parent if parent.is_empty() => ("the body".to_string(), key.clone()),
+                parent => (format!("`{parent}`"), format!("{parent}.{key}")),
             };
             Err(ApiError::invalid(
                 format!("{at} gives the key `{key}` more than once"),

@@ -353,12 +353,7 @@ impl Shared {
         choices: usize,
         capped: bool,
     ) -> std::result::Result<TenantSlot, ApiError> {
-        let limit = if capped {
-            self.config.max_choices_per_tenant
-        } else {
-            usize::MAX
-        };
-        self.take(Ledger::Choices, tenant, choices, limit)
+        self.take(Ledger::Choices, tenant, choices, capped)
     }
 
     /// Takes a place of `tenant` in the tokenizer pool, or 429 past
@@ -368,12 +363,7 @@ impl Shared {
         tenant: &str,
         capped: bool,
     ) -> std::result::Result<TenantSlot, ApiError> {
-        let limit = if capped {
-            self.config.max_tokenizing_per_tenant
-        } else {
-            usize::MAX
-        };
-        self.take(Ledger::Tokenizing, tenant, 1, limit)
+        self.take(Ledger::Tokenizing, tenant, 1, capped)
     }
 
     fn ledger(&self, ledger: Ledger) -> &Mutex<HashMap<String, usize>> {
@@ -383,13 +373,20 @@ impl Shared {
         }
     }
 
+    /// Takes `count` of `tenant`'s share of `ledger`: its configured limit when `capped`,
+    /// none otherwise.
     fn take(
         self: &Arc<Self>,
         ledger: Ledger,
         tenant: &str,
         count: usize,
-        limit: usize,
+        capped: bool,
     ) -> std::result::Result<TenantSlot, ApiError> {
+        let limit = match (capped, ledger) {
+            (false, _) => usize::MAX,
+            (true, Ledger::Choices) => self.config.max_choices_per_tenant,
+            (true, Ledger::Tokenizing) => self.config.max_tokenizing_per_tenant,
+        };
         let mut counts = self
             .ledger(ledger)
             .lock()

@@ -99,6 +99,18 @@ fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
 
+/// Sends `body` as it is (malformed or repeating keys, which `json()` could not send).
+fn post_raw(
+    url: &str,
+    body: String,
+) -> impl std::future::Future<Output = reqwest::Result<reqwest::Response>> {
+    client()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+}
+
 async fn post(url: &str, body: Value) -> (u16, Value) {
     let response = client().post(url).json(&body).send().await.unwrap();
     let status = response.status().as_u16();
@@ -527,13 +539,7 @@ async fn expect_error(response: reqwest::Response, status: u16) -> Value {
 #[tokio::test]
 async fn invalid_requests_get_400() {
     let url = format!("{}/v1/chat/completions", base());
-    let send = |body: String| {
-        client()
-            .post(&url)
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-    };
+    let send = |body: String| post_raw(&url, body);
     for bad in [
         "{not json",
         "",
@@ -597,13 +603,7 @@ async fn invalid_requests_get_400() {
 #[tokio::test]
 async fn repeated_keys_are_refused_and_tiny_temperatures_are_greedy() {
     let url = format!("{}/v1/chat/completions", base());
-    let raw = |body: String| {
-        client()
-            .post(&url)
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-    };
+    let raw = |body: String| post_raw(&url, body);
     // Two copies of a field: the limits read one, the request parser the other (or a
     // constraint or salt was dropped). Refused, naming the key.
     let message = r#"{"role":"user","content":"Hi"}"#;
