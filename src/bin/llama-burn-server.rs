@@ -33,6 +33,10 @@ use tracing_subscriber::EnvFilter;
     about = "An OpenAI-compatible server for a Llama-family model"
 )]
 struct Args {
+    /// Print the server's OpenAPI 3.1 description (what `/openapi.json` serves) and exit,
+    /// without loading a model.
+    #[arg(long)]
+    print_openapi: bool,
     /// A .gguf file or a Hugging Face model directory (default: the demo model).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -475,6 +479,18 @@ fn main() -> ExitCode {
         .with_target(false)
         .init();
     let args = Args::parse();
+    if args.print_openapi {
+        return match llama_burn::server::openapi().to_pretty_json() {
+            Ok(text) => {
+                println!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                tracing::error!("cannot write the OpenAPI description: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -26,14 +26,14 @@ pub struct ApiError {
 }
 
 /// The JSON body of an error.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ErrorBody<'a> {
     /// The error object.
     pub error: ErrorObject<'a>,
 }
 
 /// OpenAI's error object.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ErrorObject<'a> {
     /// Human-readable message.
     pub message: &'a str,

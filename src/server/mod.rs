@@ -44,6 +44,8 @@ mod generation;
 mod limits;
 pub mod metrics;
 pub mod openai;
+mod openapi;
+pub mod responses;
 mod routes;
 mod serve;
 mod stop;
@@ -58,6 +60,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub use error::ApiError;
 pub use metrics::ServerMetrics;
+pub use openapi::openapi;
 pub use stop::{StopMatcher, StopOutput};
 
 use crate::backend::LlamaBackend;

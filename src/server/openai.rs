@@ -14,8 +14,13 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use super::error::ApiError;
+use super::responses::{
+    AssistantMessage, ChatChoice, ChatDelta, ChatLogprobs, ChatTokenLogprob, DeltaFunction,
+    DeltaToolCall, FunctionCallObject, TextLogprobs, ToolCallObject, TopLogprob,
+};
 use crate::inference::request::MAX_STOP_TOKEN_IDS;
 use crate::sampling::{SamplingParams, TokenLogprob, TokenLogprobs};
 use crate::tokenizer::ChatMessage;
@@ -26,7 +31,7 @@ use crate::tools::parse::ToolCallEvent;
 pub const MAX_STOP_STRINGS: usize = 4;
 
 /// `stop`: one string or a list.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum StopField {
     /// One stop string.
@@ -36,7 +41,7 @@ pub enum StopField {
 }
 
 /// `stream_options`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, ToSchema)]
 pub struct StreamOptions {
     /// Send a last chunk with `choices: []` and the request's usage.
     #[serde(default)]
@@ -44,21 +49,24 @@ pub struct StreamOptions {
 }
 
 /// The sampling and output fields `/v1/chat/completions` and `/v1/completions` share.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct CommonFields {
     /// The model to use; must be the served one when given.
     pub model: Option<String>,
     /// Most tokens to generate.
     pub max_tokens: Option<u64>,
     /// Sampling temperature in `[0, 2]` (default 1); 0 is greedy.
+    #[schema(minimum = 0.0, maximum = 2.0)]
     pub temperature: Option<f64>,
     /// Nucleus-sampling mass in `(0, 1]` (default 1).
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
     pub top_p: Option<f64>,
     /// Seed of the sampler; choice `i` uses `seed + i`.
     pub seed: Option<i64>,
     /// Stop strings.
     pub stop: Option<StopField>,
     /// Number of choices (each its own request to the engine).
+    #[schema(minimum = 1)]
     pub n: Option<u64>,
     /// Stream the answer as server-sent events.
     pub stream: Option<bool>,
@@ -70,20 +78,28 @@ pub struct CommonFields {
     /// alternatives per token, 0-5.
     pub logprobs: Option<Value>,
     /// Chat: alternatives per token, 0-20 (needs `logprobs: true`).
+    #[schema(maximum = 20)]
     pub top_logprobs: Option<u64>,
     /// In `[-2, 2]`: lowers a token's logit by this much per time it was generated.
+    #[schema(minimum = -2.0, maximum = 2.0)]
     pub frequency_penalty: Option<f64>,
     /// In `[-2, 2]`: lowers a token's logit by this much once it was generated.
+    #[schema(minimum = -2.0, maximum = 2.0)]
     pub presence_penalty: Option<f64>,
     /// Token id (as a string) to a bias in `[-100, 100]`, at most 1024 entries.
+    #[schema(value_type = Option<std::collections::HashMap<String, f64>>)]
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// vLLM: keep the `top_k` most likely tokens; -1 or 0 is off.
+    #[schema(minimum = -1)]
     pub top_k: Option<i64>,
     /// vLLM: keep tokens at least `min_p` times as likely as the most likely, `[0, 1]`.
+    #[schema(minimum = 0.0, maximum = 1.0)]
     pub min_p: Option<f64>,
     /// vLLM: CTRL's repetition penalty over prompt and output, `(0, 2]`; 1 is off.
+    #[schema(exclusive_minimum = 0.0, maximum = 2.0)]
     pub repetition_penalty: Option<f64>,
     /// vLLM: token ids that also end a choice (at most 256).
+    #[schema(max_items = 256)]
     pub stop_token_ids: Option<Vec<u32>>,
     /// vLLM: keep generating past the model's stop tokens.
     pub ignore_eos: Option<bool>,
@@ -92,7 +108,7 @@ pub struct CommonFields {
 }
 
 /// A message's `content`: a string, a list of parts, or null.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum MessageContent {
     /// Plain text.
@@ -102,7 +118,7 @@ pub enum MessageContent {
 }
 
 /// One content part.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContentPart {
     /// A text part.
@@ -113,9 +129,10 @@ pub enum ContentPart {
 }
 
 /// One message of `messages`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 pub struct RequestMessage {
     /// `system`, `developer` (read as `system`), `user`, `assistant` or `tool`.
+    #[schema(pattern = "^(system|developer|user|assistant|tool)$")]
     pub role: String,
     /// The content (null only for an assistant message).
     pub content: Option<MessageContent>,
@@ -126,7 +143,7 @@ pub struct RequestMessage {
 }
 
 /// One call of an assistant message's `tool_calls`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 pub struct RequestToolCall {
     /// The call's id.
     pub id: Option<String>,
@@ -138,7 +155,7 @@ pub struct RequestToolCall {
 }
 
 /// The function of a [`RequestToolCall`].
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 pub struct RequestFunctionCall {
     /// Its name.
     pub name: String,
@@ -147,7 +164,8 @@ pub struct RequestFunctionCall {
 }
 
 /// The body of `POST /v1/chat/completions`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[schema(as = ChatCompletionFields)]
 pub struct ChatCompletionRequest {
     /// The conversation.
     pub messages: Vec<RequestMessage>,
@@ -155,6 +173,7 @@ pub struct ChatCompletionRequest {
     pub max_completion_tokens: Option<u64>,
     /// `text`, `json_object` or `json_schema` (read into a constraint by the server's
     /// structured-outputs module).
+    #[schema(value_type = Option<Object>)]
     pub response_format: Option<Value>,
     /// The shared fields (read by [`parse_request`]).
     #[serde(skip)]
@@ -162,7 +181,7 @@ pub struct ChatCompletionRequest {
 }
 
 /// `prompt`: a string, a list of strings, a list of token ids or a list of such lists.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum PromptField {
     /// One prompt.
@@ -176,7 +195,8 @@ pub enum PromptField {
 }
 
 /// The body of `POST /v1/completions`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[schema(as = CompletionFields)]
 pub struct CompletionRequest {
     /// What to continue.
     pub prompt: PromptField,
@@ -671,7 +691,7 @@ impl CompletionRequest {
 }
 
 /// Token counts of a request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Usage {
     /// Prompt tokens (each prompt counted once, whatever `n`).
     pub prompt_tokens: usize,
@@ -722,203 +742,143 @@ impl Endpoint {
             Endpoint::Completions => "text_completion",
         }
     }
+}
 
-    /// A finished choice of a whole response (`logprobs`: from
-    /// [`logprobs`](Self::logprobs), or null).
-    pub fn choice(self, index: usize, text: &str, finish_reason: &str, logprobs: Value) -> Value {
-        match self {
-            Endpoint::Chat => serde_json::json!({
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }),
-            Endpoint::Completions => serde_json::json!({
-                "index": index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }),
-        }
-    }
-
-    /// The `logprobs` object of a choice or chunk, shaped as OpenAI shapes it. Chat:
-    /// `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`. Completions:
-    /// `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`
-    /// (`text_offset`: each token's character offset in the choice's text). A
-    /// log-probability of `-inf` is written -9999.0, as OpenAI writes it.
-    pub fn logprobs(self, entries: &[(TokenLogprobs, usize)]) -> Value {
-        let number = |lp: f32| {
-            if lp.is_finite() {
-                f64::from(lp)
-            } else {
-                -9999.0
-            }
-        };
-        let text = |t: &TokenLogprob| String::from_utf8_lossy(&t.bytes).into_owned();
-        match self {
-            Endpoint::Chat => {
-                let content: Vec<Value> = entries
-                    .iter()
-                    .map(|(lp, _)| {
-                        let top: Vec<Value> = lp
-                            .top
-                            .iter()
-                            .map(|t| {
-                                serde_json::json!({
-                                    "token": text(t),
-                                    "logprob": number(t.logprob),
-                                    "bytes": t.bytes,
-                                })
-                            })
-                            .collect();
-                        serde_json::json!({
-                            "token": text(&lp.chosen),
-                            "logprob": number(lp.chosen.logprob),
-                            "bytes": lp.chosen.bytes,
-                            "top_logprobs": top,
-                        })
-                    })
-                    .collect();
-                serde_json::json!({ "content": content, "refusal": null })
-            }
-            Endpoint::Completions => {
-                let tokens: Vec<String> = entries.iter().map(|(lp, _)| text(&lp.chosen)).collect();
-                let token_logprobs: Vec<Value> = entries
-                    .iter()
-                    .map(|(lp, _)| {
-                        // The first prompt token of an echo has no log-probability.
-                        if lp.chosen.logprob.is_nan() {
-                            Value::Null
-                        } else {
-                            number(lp.chosen.logprob).into()
-                        }
-                    })
-                    .collect();
-                let top: Vec<Value> = entries
-                    .iter()
-                    .map(|(lp, _)| {
-                        if lp.chosen.logprob.is_nan() {
-                            return Value::Null;
-                        }
-                        let map: serde_json::Map<String, Value> = lp
-                            .top
-                            .iter()
-                            .map(|t| (text(t), number(t.logprob).into()))
-                            .collect();
-                        Value::Object(map)
-                    })
-                    .collect();
-                let offsets: Vec<usize> = entries.iter().map(|&(_, o)| o).collect();
-                serde_json::json!({
-                    "tokens": tokens,
-                    "token_logprobs": token_logprobs,
-                    "top_logprobs": top,
-                    "text_offset": offsets,
-                })
-            }
-        }
-    }
-
-    /// A choice of a stream chunk: new text and, on the last one, why it finished.
-    /// `first` marks a chat choice's first chunk (it carries the role).
-    pub fn chunk_choice(
-        self,
-        index: usize,
-        text: Option<&str>,
-        first: bool,
-        finish_reason: Option<&str>,
-        logprobs: Value,
-    ) -> Value {
-        match self {
-            Endpoint::Chat => {
-                let mut delta = serde_json::Map::new();
-                if first {
-                    delta.insert("role".into(), "assistant".into());
-                }
-                if let Some(text) = text {
-                    delta.insert("content".into(), text.into());
-                }
-                serde_json::json!({
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                })
-            }
-            Endpoint::Completions => serde_json::json!({
-                "index": index,
-                "text": text.unwrap_or(""),
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }),
-        }
+/// A log-probability as OpenAI writes it: -9999.0 for minus infinity.
+fn wire_logprob(lp: f32) -> f64 {
+    if lp.is_finite() {
+        f64::from(lp)
+    } else {
+        -9999.0
     }
 }
 
-/// A chat choice of a whole response whose answer holds tool calls: `content` null
-/// unless there is text besides them.
-pub fn chat_tool_choice(
-    index: usize,
-    content: &str,
-    calls: &[ToolCall],
-    finish_reason: &str,
-    logprobs: Value,
-) -> Value {
-    let calls: Vec<Value> = calls
-        .iter()
-        .map(|c| {
-            serde_json::json!({
-                "id": c.id,
-                "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments},
+/// A token's text (invalid UTF-8 replaced).
+fn token_text(t: &TokenLogprob) -> String {
+    String::from_utf8_lossy(&t.bytes).into_owned()
+}
+
+/// A chat choice's `logprobs`: each token's text, log-probability, bytes and top
+/// alternatives.
+pub fn chat_logprobs(entries: &[(TokenLogprobs, usize)]) -> ChatLogprobs {
+    let top = |t: &TokenLogprob| TopLogprob {
+        token: token_text(t),
+        logprob: wire_logprob(t.logprob),
+        bytes: t.bytes.clone(),
+    };
+    ChatLogprobs {
+        content: entries
+            .iter()
+            .map(|(lp, _)| ChatTokenLogprob {
+                token: token_text(&lp.chosen),
+                logprob: wire_logprob(lp.chosen.logprob),
+                bytes: lp.chosen.bytes.clone(),
+                top_logprobs: lp.top.iter().map(top).collect(),
             })
+            .collect(),
+        refusal: None,
+    }
+}
+
+/// A text choice's `logprobs` in the legacy shape: `tokens`, `token_logprobs`,
+/// `top_logprobs` (`{token: logprob}`) and `text_offset` (each token's character offset
+/// in the choice's text). The first token of an echoed prompt has none (null).
+pub fn text_logprobs(entries: &[(TokenLogprobs, usize)]) -> TextLogprobs {
+    let known = |lp: &TokenLogprobs| !lp.chosen.logprob.is_nan();
+    TextLogprobs {
+        tokens: entries
+            .iter()
+            .map(|(lp, _)| token_text(&lp.chosen))
+            .collect(),
+        token_logprobs: entries
+            .iter()
+            .map(|(lp, _)| known(lp).then(|| wire_logprob(lp.chosen.logprob)))
+            .collect(),
+        top_logprobs: entries
+            .iter()
+            .map(|(lp, _)| {
+                known(lp).then(|| {
+                    lp.top
+                        .iter()
+                        .map(|t| (token_text(t), wire_logprob(t.logprob).into()))
+                        .collect()
+                })
+            })
+            .collect(),
+        text_offset: entries.iter().map(|&(_, o)| o).collect(),
+    }
+}
+
+/// A chat choice of a whole response: its text, or its tool calls (`content` then null
+/// unless there is text besides them).
+pub fn chat_choice(
+    index: usize,
+    text: &str,
+    calls: &[ToolCall],
+    finish_reason: &'static str,
+    logprobs: Option<ChatLogprobs>,
+) -> ChatChoice {
+    let content = match calls.is_empty() || !text.trim().is_empty() {
+        true => Some(text.to_string()),
+        false => None,
+    };
+    let tool_calls = calls
+        .iter()
+        .map(|c| ToolCallObject {
+            id: c.id.clone(),
+            kind: "function",
+            function: FunctionCallObject {
+                name: c.name.clone(),
+                arguments: c.arguments.clone(),
+            },
         })
         .collect();
-    let content = match content.trim().is_empty() {
-        true => Value::Null,
-        false => content.into(),
-    };
-    serde_json::json!({
-        "index": index,
-        "message": {"role": "assistant", "content": content, "tool_calls": calls},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    })
+    ChatChoice {
+        index,
+        message: AssistantMessage {
+            role: "assistant",
+            content,
+            tool_calls,
+        },
+        logprobs,
+        finish_reason,
+    }
 }
 
 /// The chat delta of one [`ToolCallEvent`]: text as `content`; a call's start as its
 /// index, id, type and name (with empty arguments); then argument fragments, as OpenAI
 /// streams `tool_calls`.
-pub fn tool_delta(event: &ToolCallEvent) -> Value {
-    match event {
-        ToolCallEvent::Content(text) => serde_json::json!({"content": text}),
-        ToolCallEvent::Start { index, id, name } => serde_json::json!({"tool_calls": [{
-            "index": index,
-            "id": id,
-            "type": "function",
-            "function": {"name": name, "arguments": ""},
-        }]}),
-        ToolCallEvent::Arguments { index, fragment } => serde_json::json!({"tool_calls": [{
-            "index": index,
-            "function": {"arguments": fragment},
-        }]}),
+pub fn tool_delta(event: &ToolCallEvent) -> ChatDelta {
+    let call = match event {
+        ToolCallEvent::Content(text) => {
+            return ChatDelta {
+                content: Some(text.clone()),
+                ..ChatDelta::default()
+            };
+        }
+        ToolCallEvent::Start { index, id, name } => DeltaToolCall {
+            index: *index,
+            id: Some(id.clone()),
+            kind: Some("function"),
+            function: DeltaFunction {
+                name: Some(name.clone()),
+                arguments: String::new(),
+            },
+        },
+        ToolCallEvent::Arguments { index, fragment } => DeltaToolCall {
+            index: *index,
+            id: None,
+            kind: None,
+            function: DeltaFunction {
+                name: None,
+                arguments: fragment.clone(),
+            },
+        },
+    };
+    ChatDelta {
+        tool_calls: vec![call],
+        ..ChatDelta::default()
     }
-}
-
-/// A chat chunk's choice with this `delta`.
-pub fn chat_delta_choice(
-    index: usize,
-    delta: Value,
-    finish_reason: Option<&str>,
-    logprobs: Value,
-) -> Value {
-    serde_json::json!({
-        "index": index,
-        "delta": delta,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    })
 }
 
 #[cfg(test)]
@@ -1179,12 +1139,13 @@ mod tests {
                 },
             ],
         };
-        let chat = Endpoint::Chat.logprobs(&[(entry.clone(), 0)]);
+        let chat = serde_json::to_value(chat_logprobs(&[(entry.clone(), 0)])).unwrap();
         assert_eq!(chat["content"][0]["token"], "hi");
         assert_eq!(chat["content"][0]["logprob"], -0.5);
         assert_eq!(chat["content"][0]["bytes"], serde_json::json!([104, 105]));
         assert_eq!(chat["content"][0]["top_logprobs"][1]["logprob"], -9999.0);
-        let c = Endpoint::Completions.logprobs(&[(entry, 0)]);
+        assert!(chat["refusal"].is_null());
+        let c = serde_json::to_value(text_logprobs(&[(entry, 0)])).unwrap();
         assert_eq!(c["tokens"], serde_json::json!(["hi"]));
         assert_eq!(c["token_logprobs"], serde_json::json!([-0.5]));
         assert_eq!(c["top_logprobs"][0][" x"], -9999.0);
@@ -1238,13 +1199,66 @@ mod tests {
     }
 
     #[test]
-    fn chunk_shapes() {
-        let c = Endpoint::Chat.chunk_choice(1, Some("hi"), true, None, Value::Null);
-        assert_eq!(c["delta"]["role"], "assistant");
-        assert_eq!(c["delta"]["content"], "hi");
-        assert!(c["finish_reason"].is_null());
-        let c = Endpoint::Completions.chunk_choice(0, None, false, Some("stop"), Value::Null);
-        assert_eq!(c["text"], "");
-        assert_eq!(c["finish_reason"], "stop");
+    fn choice_and_delta_shapes() {
+        let json = |v: &dyn erased::Json| v.json();
+        // A plain answer: text content and no `tool_calls` key.
+        let c = json(&chat_choice(1, "hi", &[], "stop", None));
+        assert_eq!(c["message"]["content"], "hi");
+        assert!(c["message"].get("tool_calls").is_none());
+        assert!(c["logprobs"].is_null());
+        // Calls alone: null content; text besides them stays.
+        let call = ToolCall {
+            id: "call_1".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        };
+        let c = json(&chat_choice(
+            0,
+            " ",
+            std::slice::from_ref(&call),
+            "tool_calls",
+            None,
+        ));
+        assert!(c["message"]["content"].is_null());
+        assert_eq!(c["message"]["tool_calls"][0]["type"], "function");
+        assert_eq!(c["message"]["tool_calls"][0]["function"]["arguments"], "{}");
+        let c = json(&chat_choice(0, "x", &[call], "tool_calls", None));
+        assert_eq!(c["message"]["content"], "x");
+        // Deltas: a call's start has id, type and name; its fragments only arguments.
+        let start = ToolCallEvent::Start {
+            index: 0,
+            id: "call_1".into(),
+            name: "f".into(),
+        };
+        let d = json(&tool_delta(&start));
+        assert_eq!(d["tool_calls"][0]["function"]["name"], "f");
+        assert_eq!(d["tool_calls"][0]["function"]["arguments"], "");
+        assert!(d.get("content").is_none());
+        let fragment = ToolCallEvent::Arguments {
+            index: 0,
+            fragment: "{\"a\"".into(),
+        };
+        let d = json(&tool_delta(&fragment));
+        assert_eq!(
+            d,
+            serde_json::json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\""}}]})
+        );
+        assert_eq!(
+            json(&tool_delta(&ToolCallEvent::Content("t".into()))),
+            serde_json::json!({"content": "t"})
+        );
+        assert_eq!(json(&ChatDelta::default()), serde_json::json!({}));
+    }
+
+    /// Serializes the typed answers for the shape checks.
+    mod erased {
+        pub trait Json {
+            fn json(&self) -> serde_json::Value;
+        }
+        impl<T: serde::Serialize> Json for T {
+            fn json(&self) -> serde_json::Value {
+                serde_json::to_value(self).unwrap()
+            }
+        }
     }
 }

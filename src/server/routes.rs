@@ -17,15 +17,20 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json};
 use futures_util::stream::{self, Stream};
-use serde_json::{Value, json};
 
 use super::Shared;
-use super::error::ApiError;
+use super::error::{ApiError, ErrorBody};
 use super::generation::{ChoiceSpec, Generation, Update};
 use super::limits::{check_counts, check_depth, check_unique_keys};
 use super::openai::{
     ChatCompletionRequest, CompletionRequest, Endpoint, OpenAiRequest, PromptInput, Sampling,
-    Usage, chat_delta_choice, chat_tool_choice, parse_request, tool_delta,
+    Usage, chat_choice, chat_logprobs, parse_request, text_logprobs, tool_delta,
+};
+use super::openapi::{ChatCompletionBody, CompletionBody};
+use super::responses::{
+    ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs, Health,
+    ModelList, ModelObject, ResponseHead, TextChoice, TextCompletion, TextCompletionChunk,
+    TextLogprobs,
 };
 use super::structured;
 use super::tools;
@@ -46,6 +51,7 @@ pub(super) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/models/{*id}", get(get_model))
         .route_layer(middleware::from_fn_with_state(shared.clone(), authorize))
         .route("/health", get(health))
+        .route("/openapi.json", get(super::openapi::openapi_json))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
@@ -82,7 +88,7 @@ async fn log_request(mut request: Request, next: Next) -> Response {
 /// The client's well-formed `X-Request-Id`, if any ([`client_request_id`]), as the
 /// logging middleware found it.
 #[derive(Clone)]
-struct ClientRequestId(Option<String>);
+pub(super) struct ClientRequestId(Option<String>);
 
 /// The client's `X-Request-Id`, if it is 1 to 128 characters of `[A-Za-z0-9._:-]` (so
 /// that it is safe to log and to send back). A balancer or gateway that sets it can match
@@ -115,7 +121,7 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 /// (see [`ServerConfig::trust_forwarded_for`](super::ServerConfig::trust_forwarded_for)),
 /// else nobody (a router served without [`Server::serve`](super::Server::serve)).
 #[derive(Clone)]
-enum Tenant {
+pub(super) enum Tenant {
     /// An API key's tenant.
     Key(String),
     /// No API keys: the peer's address.
@@ -177,7 +183,12 @@ async fn not_found(request: Request) -> ApiError {
     ApiError::route_not_found(request.uri().path())
 }
 
-async fn health(State(shared): AppState) -> Response {
+/// Whether the server can take requests.
+#[utoipa::path(get, path = "/health", tag = "operations", responses(
+    (status = 200, description = "The engine is running", body = Health),
+    (status = 503, description = "Loading, shutting down, or the engine stopped", body = Health),
+))]
+pub(super) async fn health(State(shared): AppState) -> Response {
     let status = if shared.shutting_down.load(Ordering::Acquire) {
         "shutting_down"
     } else if shared.engine.get().is_none() {
@@ -185,16 +196,17 @@ async fn health(State(shared): AppState) -> Response {
     } else if shared.engine.get().is_some_and(|e| !e.is_alive()) {
         "engine_stopped"
     } else {
-        return Json(json!({"status": "ok"})).into_response();
+        return Json(Health { status: "ok" }).into_response();
     };
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        Json(json!({ "status": status })),
-    )
-        .into_response()
+    (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status })).into_response()
 }
 
-async fn metrics(State(shared): AppState, headers: HeaderMap) -> Response {
+/// Prometheus metrics (behind `--metrics-key` when one is set).
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses(
+    (status = 200, description = "Prometheus text format", body = String, content_type = "text/plain"),
+    (status = 401, description = "The metrics key is missing or wrong", body = ErrorBody),
+), security((), ("bearer" = [])))]
+pub(super) async fn metrics(State(shared): AppState, headers: HeaderMap) -> Response {
     if let Some(key) = &shared.config.metrics_key {
         let given = bearer(&headers).unwrap_or("");
         if !constant_time_eq(given.as_bytes(), key.as_bytes()) {
@@ -218,20 +230,39 @@ async fn metrics(State(shared): AppState, headers: HeaderMap) -> Response {
         .into_response()
 }
 
-fn model_object(shared: &Shared) -> Value {
-    json!({
-        "id": shared.config.served_model_name,
-        "object": "model",
-        "created": shared.created,
-        "owned_by": "llama-burn",
+fn model_object(shared: &Shared) -> ModelObject {
+    ModelObject {
+        id: shared.config.served_model_name.clone(),
+        object: "model",
+        created: shared.created,
+        owned_by: "llama-burn",
+    }
+}
+
+/// The served model.
+#[utoipa::path(get, path = "/v1/models", tag = "models", responses(
+    (status = 200, description = "The served model", body = ModelList),
+    (status = 401, description = "The API key is missing or wrong", body = ErrorBody),
+), security((), ("bearer" = [])))]
+pub(super) async fn list_models(State(shared): AppState) -> Response {
+    Json(ModelList {
+        object: "list",
+        data: vec![model_object(&shared)],
     })
+    .into_response()
 }
 
-async fn list_models(State(shared): AppState) -> Response {
-    Json(json!({"object": "list", "data": [model_object(&shared)]})).into_response()
-}
-
-async fn get_model(State(shared): AppState, Path(id): Path<String>) -> Response {
+/// One model, by id.
+#[utoipa::path(get, path = "/v1/models/{id}", tag = "models",
+    params(("id" = String, Path, description = "The model's id")),
+    responses(
+        (status = 200, description = "The served model", body = ModelObject),
+        (status = 401, description = "The API key is missing or wrong", body = ErrorBody),
+        (status = 404, description = "No model has this id", body = ErrorBody),
+    ),
+    security((), ("bearer" = [])),
+)]
+pub(super) async fn get_model(State(shared): AppState, Path(id): Path<String>) -> Response {
     if id == shared.config.served_model_name {
         Json(model_object(&shared)).into_response()
     } else {
@@ -274,10 +305,14 @@ async fn read_body(shared: &Shared, body: Body) -> Result<Bytes, ApiError> {
 }
 
 /// Fields read apart from the endpoint's own: `user` (checked, not used: it does not
-/// make tenants) and `cache_salt`.
-#[derive(Default, serde::Deserialize)]
-struct Extras {
+/// make tenants) and `cache_salt` (shown in `/openapi.json` as `CacheFields`).
+#[derive(Default, serde::Deserialize, utoipa::ToSchema)]
+#[schema(as = CacheFields)]
+pub(super) struct Extras {
+    /// An end-user id, at most 256 bytes: accepted and ignored.
     user: Option<String>,
+    /// At most 256 bytes: prompts with different salts share no cached prefix (so one
+    /// tenant cannot time another's cache hits).
     cache_salt: Option<String>,
 }
 
@@ -320,7 +355,26 @@ fn check_model(shared: &Shared, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
-async fn chat_completions(
+/// A chat answer: whole, or streamed as server-sent events (`stream: true`), each
+/// `data:` line a `ChatCompletionChunk`, then `data: [DONE]`.
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "completions",
+    request_body(content = ChatCompletionBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The answer", content(
+            (ChatCompletion = "application/json"),
+            (String = "text/event-stream"),
+        )),
+        (status = 400, description = "A field is invalid (`param` names it)", body = ErrorBody),
+        (status = 401, description = "The API key is missing or wrong", body = ErrorBody),
+        (status = 404, description = "`model` is not the served model", body = ErrorBody),
+        (status = 408, description = "The body did not arrive in time", body = ErrorBody),
+        (status = 413, description = "The body is over the size limit", body = ErrorBody),
+        (status = 429, description = "Over a limit of the tenant or the server (`Retry-After`)", body = ErrorBody),
+        (status = 503, description = "Loading, shutting down, or the engine stopped", body = ErrorBody),
+    ),
+    security((), ("bearer" = [])),
+)]
+pub(super) async fn chat_completions(
     State(shared): AppState,
     Extension(ClientRequestId(request_id)): Extension<ClientRequestId>,
     Extension(tenant): Extension<Tenant>,
@@ -390,7 +444,26 @@ fn with_tools(
     Ok(())
 }
 
-async fn completions(
+/// A text completion: whole, or streamed as server-sent events (`stream: true`), each
+/// `data:` line a `TextCompletionChunk`, then `data: [DONE]`.
+#[utoipa::path(post, path = "/v1/completions", tag = "completions",
+    request_body(content = CompletionBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The completion", content(
+            (TextCompletion = "application/json"),
+            (String = "text/event-stream"),
+        )),
+        (status = 400, description = "A field is invalid (`param` names it)", body = ErrorBody),
+        (status = 401, description = "The API key is missing or wrong", body = ErrorBody),
+        (status = 404, description = "`model` is not the served model", body = ErrorBody),
+        (status = 408, description = "The body did not arrive in time", body = ErrorBody),
+        (status = 413, description = "The body is over the size limit", body = ErrorBody),
+        (status = 429, description = "Over a limit of the tenant or the server (`Retry-After`)", body = ErrorBody),
+        (status = 503, description = "Loading, shutting down, or the engine stopped", body = ErrorBody),
+    ),
+    security((), ("bearer" = [])),
+)]
+pub(super) async fn completions(
     State(shared): AppState,
     Extension(ClientRequestId(request_id)): Extension<ClientRequestId>,
     Extension(tenant): Extension<Tenant>,
@@ -590,34 +663,52 @@ impl Envelope {
         self.seed as i64
     }
 
-    fn fingerprint(&self) -> String {
-        format!("llama-burn-seed-{}", self.client_seed())
-    }
-
-    /// A choice's `logprobs` value: null unless asked for.
-    fn logprobs(&self, entries: &[(TokenLogprobs, usize)]) -> Value {
-        if self.logprobs {
-            self.endpoint.logprobs(entries)
-        } else {
-            Value::Null
+    /// The fields every answer and chunk of this request starts with.
+    fn head(&self, object: &'static str) -> ResponseHead {
+        ResponseHead {
+            id: self.id.clone(),
+            object,
+            created: self.created,
+            model: self.model.clone(),
+            system_fingerprint: format!("llama-burn-seed-{}", self.client_seed()),
+            seed: self.client_seed(),
         }
     }
 
-    fn chunk(&self, choices: Vec<Value>, usage: Option<Option<Usage>>) -> Value {
-        let mut chunk = json!({
-            "id": self.id,
-            "object": self.endpoint.chunk_object(),
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.fingerprint(),
-            "seed": self.client_seed(),
-            "choices": choices,
-        });
-        if let (Some(usage), Some(object)) = (usage, chunk.as_object_mut()) {
-            object.insert("usage".into(), json!(usage));
-        }
-        chunk
+    /// A chat choice's `logprobs`: none unless asked for.
+    fn chat_logprobs(&self, entries: &[(TokenLogprobs, usize)]) -> Option<ChatLogprobs> {
+        self.logprobs.then(|| chat_logprobs(entries))
     }
+
+    /// A text choice's `logprobs`: none unless asked for.
+    fn text_logprobs(&self, entries: &[(TokenLogprobs, usize)]) -> Option<TextLogprobs> {
+        self.logprobs.then(|| text_logprobs(entries))
+    }
+
+    /// A stream event of this request's endpoint with these choices.
+    fn chunk(&self, choices: ChunkChoices, usage: Option<Option<Usage>>) -> Event {
+        let head = self.head(self.endpoint.chunk_object());
+        let data = match choices {
+            ChunkChoices::Chat(choices) => serde_json::to_string(&ChatCompletionChunk {
+                head,
+                choices,
+                usage,
+            }),
+            ChunkChoices::Text(choices) => serde_json::to_string(&TextCompletionChunk {
+                head,
+                choices,
+                usage,
+            }),
+        };
+        // Serializing these types cannot fail (string keys, finite numbers).
+        Event::default().data(data.unwrap_or_default())
+    }
+}
+
+/// The choices of one stream chunk, of either endpoint.
+enum ChunkChoices {
+    Chat(Vec<ChatChunkChoice>),
+    Text(Vec<TextChoice>),
 }
 
 async fn run(
@@ -729,34 +820,51 @@ async fn whole_response(
             Update::Failed(error) => return Err(error),
         }
     }
-    let endpoint = envelope.endpoint;
-    let choices: Vec<Value> = (0..n)
-        .map(|i| {
-            let logprobs = envelope.logprobs(&logprobs[i]);
-            if let Some(format) = envelope.tool_format {
-                let mut parser = ToolCallParser::new(format);
-                let mut events = parser.push(&texts[i]);
-                events.extend(parser.finish());
-                let (content, calls) = collect(events);
-                if !calls.is_empty() {
-                    let reason = tool_finish_reason(reasons[i]);
-                    return chat_tool_choice(i, &content, &calls, reason, logprobs);
-                }
-            }
-            endpoint.choice(i, &texts[i], reasons[i], logprobs)
-        })
-        .collect();
-    Ok(Json(json!({
-        "id": envelope.id,
-        "object": endpoint.object(),
-        "created": envelope.created,
-        "model": envelope.model,
-        "system_fingerprint": envelope.fingerprint(),
-        "seed": envelope.client_seed(),
-        "choices": choices,
-        "usage": generation.usage(),
-    }))
-    .into_response())
+    let usage = generation.usage();
+    let head = envelope.head(envelope.endpoint.object());
+    let response = match envelope.endpoint {
+        Endpoint::Chat => {
+            let choices = (0..n)
+                .map(|i| {
+                    let logprobs = envelope.chat_logprobs(&logprobs[i]);
+                    if let Some(format) = envelope.tool_format {
+                        let mut parser = ToolCallParser::new(format);
+                        let mut events = parser.push(&texts[i]);
+                        events.extend(parser.finish());
+                        let (content, calls) = collect(events);
+                        if !calls.is_empty() {
+                            let reason = tool_finish_reason(reasons[i]);
+                            return chat_choice(i, &content, &calls, reason, logprobs);
+                        }
+                    }
+                    chat_choice(i, &texts[i], &[], reasons[i], logprobs)
+                })
+                .collect();
+            Json(ChatCompletion {
+                head,
+                choices,
+                usage,
+            })
+            .into_response()
+        }
+        Endpoint::Completions => {
+            let choices = (0..n)
+                .map(|i| TextChoice {
+                    index: i,
+                    text: std::mem::take(&mut texts[i]),
+                    logprobs: envelope.text_logprobs(&logprobs[i]),
+                    finish_reason: Some(reasons[i]),
+                })
+                .collect();
+            Json(TextCompletion {
+                head,
+                choices,
+                usage,
+            })
+            .into_response()
+        }
+    };
+    Ok(response)
 }
 
 /// `tool_calls` for an answer with calls that ended by itself (`length` stays).
@@ -778,13 +886,40 @@ struct StreamState {
 }
 
 impl StreamState {
-    fn push(&mut self, value: &Value) {
-        self.queue
-            .push_back(Event::default().data(value.to_string()));
+    /// Queues a chunk with these choices (`usage` null when it was asked for).
+    fn push(&mut self, choices: ChunkChoices) {
+        let usage = self.include_usage.then_some(None);
+        let event = self.envelope.chunk(choices, usage);
+        self.queue.push_back(event);
     }
 
-    fn usage_field(&self) -> Option<Option<Usage>> {
-        self.include_usage.then_some(None)
+    /// Queues one chunk of choice `index` with new text (chat: as `content`), the
+    /// finish reason on the last, and log-probabilities when asked for (`None`: none).
+    fn push_text(
+        &mut self,
+        index: usize,
+        text: Option<String>,
+        finish_reason: Option<&'static str>,
+        entries: Option<&[(TokenLogprobs, usize)]>,
+    ) {
+        let choices = match self.envelope.endpoint {
+            Endpoint::Chat => ChunkChoices::Chat(vec![ChatChunkChoice {
+                index,
+                delta: ChatDelta {
+                    content: text,
+                    ..ChatDelta::default()
+                },
+                logprobs: entries.and_then(|e| self.envelope.chat_logprobs(e)),
+                finish_reason,
+            }]),
+            Endpoint::Completions => ChunkChoices::Text(vec![TextChoice {
+                index,
+                text: text.unwrap_or_default(),
+                logprobs: entries.and_then(|e| self.envelope.text_logprobs(e)),
+                finish_reason,
+            }]),
+        };
+        self.push(choices);
     }
 
     /// One chunk per tool-call event of choice `index` (the log-probabilities on the
@@ -794,19 +929,26 @@ impl StreamState {
         &mut self,
         index: usize,
         events: Vec<ToolCallEvent>,
-        mut logprobs: Value,
-        finish: Option<&str>,
+        mut logprobs: Option<ChatLogprobs>,
+        finish: Option<&'static str>,
     ) {
         for event in &events {
-            let lp = std::mem::take(&mut logprobs);
-            let choice = chat_delta_choice(index, tool_delta(event), None, lp);
-            let chunk = self.envelope.chunk(vec![choice], self.usage_field());
-            self.push(&chunk);
+            let choice = ChatChunkChoice {
+                index,
+                delta: tool_delta(event),
+                logprobs: logprobs.take(),
+                finish_reason: None,
+            };
+            self.push(ChunkChoices::Chat(vec![choice]));
         }
-        if finish.is_some() || !logprobs.is_null() {
-            let choice = chat_delta_choice(index, json!({}), finish, logprobs);
-            let chunk = self.envelope.chunk(vec![choice], self.usage_field());
-            self.push(&chunk);
+        if finish.is_some() || logprobs.is_some() {
+            let choice = ChatChunkChoice {
+                index,
+                delta: ChatDelta::default(),
+                logprobs,
+                finish_reason: finish,
+            };
+            self.push(ChunkChoices::Chat(vec![choice]));
         }
     }
 }
@@ -836,9 +978,18 @@ fn sse_events(
     if state.envelope.endpoint == Endpoint::Chat {
         // The first chunk of each choice names the role, as OpenAI's do.
         for index in 0..state.generation.len() {
-            let choice = Endpoint::Chat.chunk_choice(index, Some(""), true, None, Value::Null);
-            let chunk = state.envelope.chunk(vec![choice], state.usage_field());
-            state.push(&chunk);
+            let delta = ChatDelta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+                ..ChatDelta::default()
+            };
+            let choice = ChatChunkChoice {
+                index,
+                delta,
+                logprobs: None,
+                finish_reason: None,
+            };
+            state.push(ChunkChoices::Chat(vec![choice]));
         }
     }
     stream::unfold(state, |mut state| async move {
@@ -849,14 +1000,13 @@ fn sse_events(
             if state.done {
                 return None;
             }
-            let endpoint = state.envelope.endpoint;
             match state.generation.next().await {
                 Some(Update::Text {
                     index,
                     text,
                     logprobs,
                 }) if !state.parsers.is_empty() => {
-                    let logprobs = state.envelope.logprobs(&logprobs);
+                    let logprobs = state.envelope.chat_logprobs(&logprobs);
                     let events = match state.parsers.get_mut(index) {
                         Some(parser) => parser.push(&text),
                         None => Vec::new(),
@@ -870,8 +1020,8 @@ fn sse_events(
                     logprobs,
                 }) if !state.parsers.is_empty() => {
                     let logprobs = match logprobs.is_empty() {
-                        true => Value::Null,
-                        false => state.envelope.logprobs(&logprobs),
+                        true => None,
+                        false => state.envelope.chat_logprobs(&logprobs),
                     };
                     let (events, calls) = match state.parsers.get_mut(index) {
                         Some(parser) => {
@@ -891,38 +1041,32 @@ fn sse_events(
                     index,
                     text,
                     logprobs,
-                }) => {
-                    let logprobs = state.envelope.logprobs(&logprobs);
-                    let choice = endpoint.chunk_choice(index, Some(&text), false, None, logprobs);
-                    let chunk = state.envelope.chunk(vec![choice], state.usage_field());
-                    state.push(&chunk);
-                }
+                }) => state.push_text(index, Some(text), None, Some(&logprobs)),
                 Some(Update::Finished {
                     index,
                     text,
                     reason,
                     logprobs,
                 }) => {
-                    let text = (!text.is_empty()).then_some(text.as_str());
-                    let logprobs = match logprobs.is_empty() {
-                        true => Value::Null,
-                        false => state.envelope.logprobs(&logprobs),
-                    };
-                    let choice = endpoint.chunk_choice(index, text, false, Some(reason), logprobs);
-                    let chunk = state.envelope.chunk(vec![choice], state.usage_field());
-                    state.push(&chunk);
+                    let text = (!text.is_empty()).then_some(text);
+                    let entries = (!logprobs.is_empty()).then_some(&logprobs[..]);
+                    state.push_text(index, text, Some(reason), entries);
                 }
                 Some(Update::Failed(error)) => {
                     // Headers are sent: the error travels as an event, and the stream ends.
-                    let body = error.body();
-                    state.push(&body);
+                    let body = error.body().to_string();
+                    state.queue.push_back(Event::default().data(body));
                     state.done = true;
                 }
                 None => {
                     if state.include_usage {
                         let usage = state.generation.usage();
-                        let chunk = state.envelope.chunk(Vec::new(), Some(Some(usage)));
-                        state.push(&chunk);
+                        let choices = match state.envelope.endpoint {
+                            Endpoint::Chat => ChunkChoices::Chat(Vec::new()),
+                            Endpoint::Completions => ChunkChoices::Text(Vec::new()),
+                        };
+                        let event = state.envelope.chunk(choices, Some(Some(usage)));
+                        state.queue.push_back(event);
                     }
                     state.queue.push_back(Event::default().data("[DONE]"));
                     state.done = true;

@@ -18,10 +18,18 @@ use serde_json::{Value, json};
 use super::error::ApiError;
 use crate::constraints::Constraint;
 
-/// The two fields, read from the body on their own.
-#[derive(Debug, Default, Deserialize)]
-struct Fields {
+/// The two fields, read from the body on their own (shown in `/openapi.json` as
+/// `StructuredOutputFields`).
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[schema(as = StructuredOutputFields)]
+pub(crate) struct Fields {
+    /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
+    /// "json_schema": {"name", "schema", "strict"}}`.
+    #[schema(value_type = Option<Object>)]
     response_format: Option<Value>,
+    /// vLLM's: exactly one of `json` (a schema, or its JSON text), `regex`, `grammar`
+    /// (Lark), `choice` (a list of strings) or `json_object: true`.
+    #[schema(value_type = Option<Object>)]
     structured_outputs: Option<Value>,
 }
 

@@ -32,10 +32,21 @@ pub(crate) struct ToolRequest {
     pub parallel: bool,
 }
 
-#[derive(Debug, Default, Deserialize)]
-struct Fields {
+/// The tool fields of a chat request, read from the body on their own (and shown in
+/// `/openapi.json` as `ChatToolFields`).
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[schema(as = ChatToolFields)]
+pub(crate) struct Fields {
+    /// Functions the model may call: `{"type": "function", "function": {"name",
+    /// "description", "parameters" (a JSON Schema), "strict"}}`, at most 128.
+    #[schema(value_type = Option<Vec<Object>>)]
     tools: Option<Value>,
+    /// `none`, `auto` (the default with tools), `required`, or
+    /// `{"type": "function", "function": {"name"}}` to force one.
+    #[schema(value_type = Option<Object>)]
     tool_choice: Option<Value>,
+    /// Whether an answer may hold several calls (default true).
+    #[schema(value_type = Option<bool>)]
     parallel_tool_calls: Option<Value>,
 }
 
