@@ -8,6 +8,8 @@ pub mod config;
 pub mod constraints;
 pub mod demo;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 #[cfg(feature = "cubecl-kernels")]
 #[cfg_attr(
     docsrs,

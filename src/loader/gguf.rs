@@ -706,6 +706,43 @@ fn parse_header<R: Read>(reader: R, len: u64) -> PResult<Header> {
     })
 }
 
+/// Parses `bytes` as a whole GGUF file's header, metadata and tensor infos, as
+/// [`GgufFile::open`] does, and formats what it read; the number of metadata entries and
+/// tensors. For [`crate::fuzzing`].
+pub(crate) fn check_header_bytes(bytes: &[u8]) -> Result<(usize, usize)> {
+    let header =
+        parse_header(bytes, bytes.len() as u64).map_err(|e| e.into_llama(Path::new("<memory>")))?;
+    for (key, value) in &header.metadata {
+        // Every accessor of a value, and its display (what errors and `short` show).
+        let _ = (key.len(), value.type_name(), value.to_string().len());
+        let _ = (
+            value.as_u64(),
+            value.as_i64(),
+            value.as_f32(),
+            value.as_bool(),
+        );
+        let _ = (value.as_str(), value.as_array().map(<[GgufValue]>::len));
+        let _ = short(value);
+    }
+    for info in &header.tensors {
+        let _ = (info.shape(), info.n_elements(), info.n_bytes());
+        // The data [`GgufFile::read_tensor_f32`] would read (it lies inside `bytes`:
+        // checked above), dequantized as it would be.
+        let Some(size) = info.n_bytes() else { continue };
+        if !info.ty.can_dequantize() {
+            continue;
+        }
+        let range = usize::try_from(info.offset)
+            .ok()
+            .zip(usize::try_from(size).ok())
+            .and_then(|(start, size)| bytes.get(start..start.checked_add(size)?));
+        if let Some(data) = range {
+            let _ = dequant::dequantize(info.ty, data, info.n_elements())?;
+        }
+    }
+    Ok((header.metadata.len(), header.tensors.len()))
+}
+
 /// Checks a freshly read tensor info: element count, block divisibility, offset alignment.
 fn validate_tensor_shape(info: &GgufTensorInfo, alignment: u64) -> PResult<()> {
     let name = &info.name;

@@ -70,6 +70,21 @@ use crate::inference::{
 };
 use crate::tokenizer::Tokenizer;
 
+/// Runs `body` through every check a POST to the chat (`chat`) or completions endpoint
+/// passes before any work is done (the handlers' own code: limits, parse, constraint,
+/// tools, model name, conversation or prompts, sampling settings). For
+/// [`crate::fuzzing`].
+pub(crate) fn check_body(
+    config: &ServerConfig,
+    chat: bool,
+    body: &[u8],
+) -> std::result::Result<(), ApiError> {
+    match chat {
+        true => routes::read_chat(config, body).map(drop),
+        false => routes::read_completion(config, body).map(drop),
+    }
+}
+
 /// What the server needs from an engine. [`ContinuousEngine`] implements it whatever
 /// its backend and tokenizer, so the router is not generic.
 pub trait Engine: Send + Sync + 'static {

@@ -18,7 +18,6 @@ use axum::routing::{get, post};
 use axum::{Extension, Json};
 use futures_util::stream::{self, Stream};
 
-use super::Shared;
 use super::error::{ApiError, ErrorBody};
 use super::generation::{ChoiceSpec, Generation, Update};
 use super::limits::{check_counts, check_depth, check_unique_keys};
@@ -34,8 +33,10 @@ use super::responses::{
 };
 use super::structured;
 use super::tools;
+use super::{ServerConfig, Shared};
 use crate::inference::{GenerateRequest, Scope};
 use crate::sampling::TokenLogprobs;
+use crate::tokenizer::ChatMessage;
 use crate::tools::ToolChoice;
 use crate::tools::grammar::tool_constraint;
 use crate::tools::parse::{ToolCallEvent, ToolCallParser, collect};
@@ -323,15 +324,15 @@ const MAX_SALT_BYTES: usize = 256;
 /// (nesting, then the counts of prompts, choices, stop strings and messages): 400 for
 /// one of those, malformed JSON or a field of the wrong type (naming the field).
 fn parse_body<T: OpenAiRequest>(
-    shared: &Shared,
+    config: &ServerConfig,
     endpoint: Endpoint,
     body: &[u8],
 ) -> Result<(T, Extras), ApiError> {
-    check_depth(body, shared.config.max_json_depth)?;
+    check_depth(body, config.max_json_depth)?;
     // Every later read of the body (the counts, the request, the constraint, the tools,
     // the tenant's fields) then sees the one copy of each key.
     check_unique_keys(body)?;
-    check_counts(body, endpoint, &shared.config)?;
+    check_counts(body, endpoint, config)?;
     let request = parse_request(body)?;
     let extras: Extras = serde_json::from_slice(body).unwrap_or_default();
     for (name, value) in [("user", &extras.user), ("cache_salt", &extras.cache_salt)] {
@@ -345,14 +346,88 @@ fn parse_body<T: OpenAiRequest>(
     Ok((request, extras))
 }
 
-fn check_model(shared: &Shared, model: Option<&str>) -> Result<(), ApiError> {
+fn check_model(config: &ServerConfig, model: Option<&str>) -> Result<(), ApiError> {
     match model {
-        Some(m) if m != shared.config.served_model_name => Err(ApiError::model_not_found(
-            m,
-            &shared.config.served_model_name,
-        )),
+        Some(m) if m != config.served_model_name => {
+            Err(ApiError::model_not_found(m, &config.served_model_name))
+        }
         _ => Ok(()),
     }
+}
+
+/// A chat body read and checked: what its handler needs besides the engine.
+pub(super) struct CheckedChat {
+    messages: Vec<ChatMessage>,
+    sampling: Sampling,
+    tool_request: Option<tools::ToolRequest>,
+    extras: Extras,
+}
+
+/// Every check a chat body passes before any work is done: the limits, the parse, the
+/// constraint, the tools, the model name, the conversation and the sampling settings.
+/// The body is dropped once read (what the generation needs was taken out of it).
+pub(super) fn read_chat(
+    config: &ServerConfig,
+    body: impl AsRef<[u8]>,
+) -> Result<CheckedChat, ApiError> {
+    let bytes = body.as_ref();
+    let (request, extras): (ChatCompletionRequest, _) = parse_body(config, Endpoint::Chat, bytes)?;
+    let constraint = structured::constraint(bytes, config.max_constraint_bytes)?;
+    let tool_request = tools::read(bytes, config.max_constraint_bytes)?;
+    drop(body);
+    check_model(config, request.common.model.as_deref())?;
+    let messages = request.conversation()?;
+    let mut sampling =
+        request
+            .common
+            .sampling(Endpoint::Chat, request.max_tokens(), config.max_n)?;
+    sampling.constraint = constraint.map(Arc::new);
+    Ok(CheckedChat {
+        messages,
+        sampling,
+        tool_request,
+        extras,
+    })
+}
+
+/// A completions body read and checked: what its handler needs besides the engine.
+pub(super) struct CheckedCompletion {
+    prompts: Vec<PromptInput>,
+    sampling: Sampling,
+    extras: Extras,
+}
+
+/// Every check a completions body passes before any work is done (see [`read_chat`]).
+pub(super) fn read_completion(
+    config: &ServerConfig,
+    body: impl AsRef<[u8]>,
+) -> Result<CheckedCompletion, ApiError> {
+    let bytes = body.as_ref();
+    let (request, extras): (CompletionRequest, _) =
+        parse_body(config, Endpoint::Completions, bytes)?;
+    let constraint = structured::constraint(bytes, config.max_constraint_bytes)?;
+    drop(body);
+    check_model(config, request.common.model.as_deref())?;
+    let prompts = request.prompts()?;
+    let echo = request.echo.unwrap_or(false);
+    // `max_tokens: 0` with `echo` asks for the prompt alone: one token is generated and
+    // left out.
+    let prompt_only = echo && request.common.max_tokens == Some(0);
+    let max_tokens = match prompt_only {
+        true => Some(1),
+        false => request.common.max_tokens,
+    };
+    let mut sampling = request
+        .common
+        .sampling(Endpoint::Completions, max_tokens, config.max_n)?;
+    sampling.echo = echo;
+    sampling.prompt_only = prompt_only;
+    sampling.constraint = constraint.map(Arc::new);
+    Ok(CheckedCompletion {
+        prompts,
+        sampling,
+        extras,
+    })
 }
 
 /// A chat answer: whole, or streamed as server-sent events (`stream: true`), each
@@ -381,24 +456,18 @@ pub(super) async fn chat_completions(
     body: Body,
 ) -> Result<Response, ApiError> {
     let body = read_body(&shared, body).await?;
-    let (request, extras): (ChatCompletionRequest, _) = parse_body(&shared, Endpoint::Chat, &body)?;
-    let constraint = structured::constraint(&body, shared.config.max_constraint_bytes)?;
-    let tool_request = tools::read(&body, shared.config.max_constraint_bytes)?;
-    drop(body);
-    check_model(&shared, request.common.model.as_deref())?;
-    let messages = request.conversation()?;
-    let mut sampling =
-        request
-            .common
-            .sampling(Endpoint::Chat, request.max_tokens(), shared.config.max_n)?;
-    sampling.constraint = constraint.map(Arc::new);
+    // What the generation needs is taken out: the parsed body (messages as sent,
+    // `response_format` and whatever else it held) is not kept while it runs.
+    let CheckedChat {
+        messages,
+        mut sampling,
+        tool_request,
+        extras,
+    } = read_chat(&shared.config, body)?;
     if let Some(tool_request) = tool_request {
         with_tools(&shared, &mut sampling, tool_request)?;
     }
     let default_max = shared.config.default_max_tokens;
-    // What the generation needs was taken out above: the parsed body (messages as
-    // sent, `response_format` and whatever else it held) is not kept while it runs.
-    drop(request);
     run(
         shared,
         Endpoint::Chat,
@@ -470,30 +539,13 @@ pub(super) async fn completions(
     body: Body,
 ) -> Result<Response, ApiError> {
     let body = read_body(&shared, body).await?;
-    let (request, extras): (CompletionRequest, _) =
-        parse_body(&shared, Endpoint::Completions, &body)?;
-    let constraint = structured::constraint(&body, shared.config.max_constraint_bytes)?;
-    drop(body);
-    check_model(&shared, request.common.model.as_deref())?;
-    let prompts = request.prompts()?;
-    let echo = request.echo.unwrap_or(false);
-    // `max_tokens: 0` with `echo` asks for the prompt alone: one token is generated and
-    // left out.
-    let prompt_only = echo && request.common.max_tokens == Some(0);
-    let max_tokens = match prompt_only {
-        true => Some(1),
-        false => request.common.max_tokens,
-    };
-    let mut sampling =
-        request
-            .common
-            .sampling(Endpoint::Completions, max_tokens, shared.config.max_n)?;
-    sampling.echo = echo;
-    sampling.prompt_only = prompt_only;
-    sampling.constraint = constraint.map(Arc::new);
+    let CheckedCompletion {
+        prompts,
+        sampling,
+        extras,
+    } = read_completion(&shared.config, body)?;
     // OpenAI's default for legacy completions.
     let default_max = Some(shared.config.default_max_tokens.unwrap_or(16));
-    drop(request);
     run(
         shared,
         Endpoint::Completions,

@@ -181,8 +181,9 @@ impl ToolCallParser {
                 ToolFormat::Hermes => {
                     if let Some(at) = self.buf.find(OPEN) {
                         let before: String = self.buf.drain(..at + OPEN.len()).collect();
+                        // Whitespace before the opener stays held: dropped if a call
+                        // follows (`start_call`), sent if the block is not one.
                         self.content(out, &before[..at]);
-                        self.held.clear();
                         self.state = State::Header;
                         return true;
                     }
@@ -518,6 +519,26 @@ mod tests {
             .count();
         let (content, calls) = collect(events);
         (content, calls, starts)
+    }
+
+    #[test]
+    fn whitespace_before_a_block_that_is_not_a_call_is_kept() {
+        // Found by the fuzz target `tool_call_parser`: the newline before an opener was
+        // dropped even when the block turned out not to be a call.
+        let text = "See\n<tool_call>not json</tool_call>";
+        for step in [1, 3, 1000] {
+            let (content, calls, _) = run(ToolFormat::Hermes, text, step);
+            assert_eq!(content, text, "step {step}");
+            assert!(calls.is_empty());
+        }
+        // Before a call it is still dropped.
+        let (content, calls, _) = run(
+            ToolFormat::Hermes,
+            "Sure.\n<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>",
+            2,
+        );
+        assert_eq!(content, "Sure.");
+        assert_eq!(calls.len(), 1);
     }
 
     #[test]

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Builds the fuzz targets once (cargo-fuzz, libFuzzer, nightly) and runs each for
+# SECONDS_PER_TARGET (default 20) from a copy of its committed seeds, after replaying
+# its regression inputs; prints the inputs each target tried and fails when one crashes
+# (a panic, an input that runs past -timeout, one allocation over -malloc_limit_mb or
+# memory over -rss_limit_mb). New corpus entries go to a scratch directory, never into
+# the repository; a crashing input is left there (the path is printed).
+#
+#   fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]
+#
+# FUZZ_TARGET_DIR: the build directory (default ~/.cache/llama-burn/fuzz-target).
+# FUZZ_SCRATCH: where the corpora and crash inputs go (default: a new temporary dir).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+seconds="${1:-20}"
+shift || true
+if [ $# -gt 0 ]; then
+  targets=("$@")
+else
+  targets=()
+  for file in fuzz_targets/*.rs; do
+    name="${file##*/}"
+    targets+=("${name%.rs}")
+  done
+fi
+
+# libFuzzer's instrumentation needs a nightly compiler (any recent one).
+rustup run nightly rustc --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
+# cargo-fuzz from crates.io, pinned, once per machine.
+cargo_fuzz_version=0.13.1
+if [ "$(cargo fuzz --version 2>/dev/null)" != "cargo-fuzz $cargo_fuzz_version" ]; then
+  cargo install cargo-fuzz --locked --version "$cargo_fuzz_version" --quiet
+fi
+
+export CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$HOME/.cache/llama-burn/fuzz-target}"
+# Release with debug assertions and overflow checks (cargo-fuzz's default). No address
+# sanitizer: the targets run safe Rust (ASan finds memory errors in unsafe code, which
+# these paths do not reach) and it lengthens the build and slows every run.
+# 16 codegen units: the crate and Burn compile in parallel, for slightly slower runs.
+build=(--sanitizer none --codegen-units 16 --target-dir "$CARGO_TARGET_DIR")
+start=$(date +%s)
+cargo +nightly fuzz build "${build[@]}" --fuzz-dir . >&2
+echo "fuzz: built in $(( $(date +%s) - start ))s" >&2
+bin="$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release"
+
+scratch="${FUZZ_SCRATCH:-$(mktemp -d -t llama-burn-fuzz.XXXXXX)}"
+failed=()
+for target in "${targets[@]}"; do
+  dir="$scratch/$target"
+  mkdir -p "$dir/corpus" "$dir/artifacts"
+  cp corpus/"$target"/* "$dir/corpus/"
+  # A fixed seed (a run is repeatable on one build); a 10 s limit per input; memory
+  # bounds that a real input never nears (the inputs are at most 16 KiB), so that an
+  # allocation sized by a count an input claims fails the run.
+  flags=(-seed=1 -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=256 -max_len=16384
+         -print_final_stats=1 -artifact_prefix="$dir/artifacts/")
+  log="$dir/log"
+  status=0
+  if compgen -G "regressions/$target/*" >/dev/null; then
+    "$bin/$target" "${flags[@]}" regressions/"$target"/* >"$log" 2>&1 || status=$?
+  fi
+  if [ "$status" -eq 0 ]; then
+    "$bin/$target" "${flags[@]}" -max_total_time="$seconds" "$dir/corpus" >>"$log" 2>&1 || status=$?
+  fi
+  runs=$(awk '/stat::number_of_executed_units/ {n = $2} END {print n + 0}' "$log")
+  if [ "$status" -ne 0 ]; then
+    failed+=("$target")
+    echo "fuzz: $target FAILED (exit $status) after $runs inputs; log $log, input in $dir/artifacts/"
+    tail -n 40 "$log"
+  else
+    echo "fuzz: $target: $runs inputs in ${seconds}s"
+  fi
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz: crashed: ${failed[*]}"
+  exit 1
+fi
