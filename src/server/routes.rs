@@ -430,6 +430,33 @@ pub(super) fn read_completion(
     })
 }
 
+/// The errors both generation endpoints answer with, for their OpenAPI description.
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)] // Only described, never built: the handlers answer with `ApiError`.
+pub(super) enum GenerationErrors {
+    /// A field is invalid (`param` names it)
+    #[response(status = 400)]
+    Invalid(ErrorBody<'static>),
+    /// The API key is missing or wrong
+    #[response(status = 401)]
+    Unauthorized(ErrorBody<'static>),
+    /// `model` is not the served model
+    #[response(status = 404)]
+    ModelNotFound(ErrorBody<'static>),
+    /// The body did not arrive in time
+    #[response(status = 408)]
+    BodyTimeout(ErrorBody<'static>),
+    /// The body is over the size limit
+    #[response(status = 413)]
+    TooLarge(ErrorBody<'static>),
+    /// Over a limit of the tenant or the server (`Retry-After`)
+    #[response(status = 429)]
+    TooMany(ErrorBody<'static>),
+    /// Loading, shutting down, or the engine stopped
+    #[response(status = 503)]
+    Unavailable(ErrorBody<'static>),
+}
+
 /// A chat answer: whole, or streamed as server-sent events (`stream: true`), each
 /// `data:` line a `ChatCompletionChunk`, then `data: [DONE]`.
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "completions",
@@ -439,13 +466,7 @@ pub(super) fn read_completion(
             (ChatCompletion = "application/json"),
             (String = "text/event-stream"),
         )),
-        (status = 400, description = "A field is invalid (`param` names it)", body = ErrorBody),
-        (status = 401, description = "The API key is missing or wrong", body = ErrorBody),
-        (status = 404, description = "`model` is not the served model", body = ErrorBody),
-        (status = 408, description = "The body did not arrive in time", body = ErrorBody),
-        (status = 413, description = "The body is over the size limit", body = ErrorBody),
-        (status = 429, description = "Over a limit of the tenant or the server (`Retry-After`)", body = ErrorBody),
-        (status = 503, description = "Loading, shutting down, or the engine stopped", body = ErrorBody),
+        GenerationErrors,
     ),
     security((), ("bearer" = [])),
 )]
@@ -522,13 +543,7 @@ fn with_tools(
             (TextCompletion = "application/json"),
             (String = "text/event-stream"),
         )),
-        (status = 400, description = "A field is invalid (`param` names it)", body = ErrorBody),
-        (status = 401, description = "The API key is missing or wrong", body = ErrorBody),
-        (status = 404, description = "`model` is not the served model", body = ErrorBody),
-        (status = 408, description = "The body did not arrive in time", body = ErrorBody),
-        (status = 413, description = "The body is over the size limit", body = ErrorBody),
-        (status = 429, description = "Over a limit of the tenant or the server (`Retry-After`)", body = ErrorBody),
-        (status = 503, description = "Loading, shutting down, or the engine stopped", body = ErrorBody),
+        GenerationErrors,
     ),
     security((), ("bearer" = [])),
 )]
