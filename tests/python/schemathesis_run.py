@@ -23,12 +23,13 @@ served one, a prompt over the context).
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+from local_server import free_port, peak_rss_mib
 
 BINARY = sys.argv[1]
 MAX_EXAMPLES = sys.argv[2] if len(sys.argv) > 2 else "25"
@@ -45,20 +46,6 @@ CHECKS = ",".join([
     "response_schema_conformance",
     "negative_data_rejection",
 ])
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def peak_rss_mib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def main():

@@ -29,6 +29,8 @@ import threading
 import time
 import urllib.request
 
+from local_server import free_port, peak_rss_mib
+
 BINARY = sys.argv[1]
 SECONDS = float(sys.argv[2]) if len(sys.argv) > 2 and not sys.argv[2].startswith("--") else 180.0
 AS_JSON = "--json" in sys.argv
@@ -40,12 +42,6 @@ PROMPTS = [
     "List three prime numbers.",
     "Explain what a tokenizer does in one sentence.",
 ]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Soak:
@@ -237,13 +233,6 @@ class Soak:
         if 429 not in statuses:
             self.fail("a burst over the tenant's share got no 429")
 
-    def peak_rss_mib(self):
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-        return 0.0
-
     def run(self):
         self.start()
         try:
@@ -268,7 +257,7 @@ class Soak:
             result = {
                 "seconds": round(time.time() - started, 1),
                 "process_deaths": 0 if alive else 1,
-                "peak_rss_mib": round(self.peak_rss_mib(), 1) if alive else None,
+                "peak_rss_mib": round(peak_rss_mib(self.proc.pid), 1) if alive else None,
                 **dict(sorted(self.counts.items())),
             }
             result.setdefault("good_differ", 0)

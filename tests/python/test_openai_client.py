@@ -15,7 +15,6 @@ import math
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +24,11 @@ import urllib.request
 
 import openai
 
+from local_server import free_port
+
 BINARY = None
 MODEL = "smollm2-test"
 KEY = "test-key"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OpenAIClientTest(unittest.TestCase):
