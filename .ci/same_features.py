@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Fails when the README's first two commands would build a shared dependency twice.
+"""Fails when the README's first two commands, or the fuzz targets' build, would build a
+shared dependency twice.
 
 `cargo run --release --example chat` (default features) and `cargo test --release
 --features llama3,server` must compile every crate they both use with the same
 features, or the second command rebuilds most of the tree. Cargo.toml's dev-dependencies
 add the server's features to example builds; this compares `cargo tree`'s feature sets.
+The fuzz targets (`fuzz/run.sh`, package `llama-burn-fuzz`) list the same
+dev-dependencies so that their build reuses the test command's: checked the same way.
 """
 import subprocess
 import sys
@@ -24,14 +27,25 @@ def features(*args):
     return seen
 
 
+def compare(name_a, a, name_b, b):
+    """The crates `a` and `b` both build with different features (this crate aside)."""
+    return [
+        f"{p}: {name_a} builds [{' | '.join(sorted(a[p]))}], {name_b} [{' | '.join(sorted(b[p]))}]"
+        for p in sorted(a.keys() & b.keys())
+        if a[p] != b[p] and not p.startswith("llama-burn ")
+    ]
+
+
 chat, test = features(), features("--features", "llama3,server")
-differ = [
-    f"{p}: chat builds [{' | '.join(sorted(chat[p]))}], tests [{' | '.join(sorted(test[p]))}]"
-    for p in sorted(chat.keys() & test.keys())
-    if chat[p] != test[p] and not p.startswith("llama-burn ")
-]
-if differ:
-    print("crates the README's chat and test commands build with different features:")
-    print("\n".join(differ))
-    sys.exit(1)
-print(f"{len(chat.keys() & test.keys())} shared crates, the same features in both builds")
+fuzz = features("-p", "llama-burn-fuzz")
+failed = False
+for name, other in [("the chat command", chat), ("the fuzz targets", fuzz)]:
+    differ = compare(name, other, "the tests", test)
+    if differ:
+        print(f"crates {name} and the test command build with different features:")
+        print("\n".join(differ))
+        failed = True
+    else:
+        print(f"{name} and the tests: {len(other.keys() & test.keys())} shared crates, "
+              "the same features in both builds")
+sys.exit(1 if failed else 0)

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Builds the fuzz targets once (cargo-fuzz, libFuzzer, nightly) and runs each for
-# SECONDS_PER_TARGET (default 20) from a copy of its committed seeds, after replaying
-# its regression inputs; prints the inputs each target tried and fails when one crashes
-# (a panic, an input that runs past -timeout, one allocation over -malloc_limit_mb or
-# memory over -rss_limit_mb). New corpus entries go to a scratch directory, never into
-# the repository; a crashing input is left there (the path is printed).
+# Builds the fuzz targets (libFuzzer) and runs each for SECONDS_PER_TARGET (default 20)
+# from a copy of its committed seeds, after replaying its regression inputs; prints the
+# inputs each target tried and fails when one crashes (a panic, an input that runs past
+# -timeout, one allocation over -malloc_limit_mb or memory over -rss_limit_mb). New
+# corpus entries go to a scratch directory, never into the repository; a crashing input
+# is left there (the path is printed).
 #
 #   fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]
 #
-# FUZZ_TARGET_DIR: the build directory (default ~/.cache/llama-burn/fuzz-target).
+# CARGO_TARGET_DIR: the build directory (default ~/.cache/llama-burn/target, the test
+# command's: the targets reuse its dependencies).
 # FUZZ_SCRATCH: where the corpora and crash inputs go (default: a new temporary dir).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -25,24 +26,20 @@ else
   done
 fi
 
-# libFuzzer's instrumentation needs a nightly compiler (any recent one).
-rustup run nightly rustc --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
-# cargo-fuzz from crates.io, pinned, once per machine.
-cargo_fuzz_version=0.13.1
-if [ "$(cargo fuzz --version 2>/dev/null)" != "cargo-fuzz $cargo_fuzz_version" ]; then
-  cargo install cargo-fuzz --locked --version "$cargo_fuzz_version" --quiet
-fi
-
-export CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$HOME/.cache/llama-burn/fuzz-target}"
-# Release with debug assertions and overflow checks (cargo-fuzz's default). No address
-# sanitizer: the targets run safe Rust (ASan finds memory errors in unsafe code, which
-# these paths do not reach) and it lengthens the build and slows every run.
-# 16 codegen units: the crate and Burn compile in parallel, for slightly slower runs.
-build=(--sanitizer none --codegen-units 16 --target-dir "$CARGO_TARGET_DIR")
+# The stable toolchain and plain cargo, not cargo-fuzz on nightly: `instrument.sh` adds
+# libFuzzer's coverage instrumentation (stable rustc flags) to this workspace's crates
+# only, so every dependency is the README's test command's build, reused as it is. A
+# cold CI machine compiles the instrumented library and libFuzzer (minutes) instead of
+# the whole tree again with cargo-fuzz's flags (42 minutes). No address sanitizer: the
+# targets run safe Rust (ASan finds memory errors in unsafe code, which these paths do
+# not reach), and it needs nightly and an instrumented standard library.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/llama-burn/target}"
 start=$(date +%s)
-cargo +nightly fuzz build "${build[@]}" --fuzz-dir . >&2
+RUSTC_WORKSPACE_WRAPPER="$PWD/instrument.sh" \
+  cargo build --release -p llama-burn-fuzz --bins --message-format=short 2>&1 \
+  | tee /dev/stderr | awk '/^ *Compiling/ {n++; names = names " " $2} END {print "fuzz: compiled " n + 0 " crates:" names}' >&2
 echo "fuzz: built in $(( $(date +%s) - start ))s" >&2
-bin="$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release"
+bin="$CARGO_TARGET_DIR/release"
 
 scratch="${FUZZ_SCRATCH:-$(mktemp -d -t llama-burn-fuzz.XXXXXX)}"
 failed=()

@@ -8,6 +8,7 @@ pub mod config;
 pub mod constraints;
 pub mod demo;
 pub mod error;
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 #[cfg(feature = "cubecl-kernels")]

@@ -709,6 +709,7 @@ fn parse_header<R: Read>(reader: R, len: u64) -> PResult<Header> {
 /// Parses `bytes` as a whole GGUF file's header, metadata and tensor infos, as
 /// [`GgufFile::open`] does, and formats what it read; the number of metadata entries and
 /// tensors. For [`crate::fuzzing`].
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn check_header_bytes(bytes: &[u8]) -> Result<(usize, usize)> {
     let header =
         parse_header(bytes, bytes.len() as u64).map_err(|e| e.into_llama(Path::new("<memory>")))?;

@@ -74,6 +74,7 @@ use crate::tokenizer::Tokenizer;
 /// passes before any work is done (the handlers' own code: limits, parse, constraint,
 /// tools, model name, conversation or prompts, sampling settings). For
 /// [`crate::fuzzing`].
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn check_body(
     config: &ServerConfig,
     chat: bool,
