@@ -457,8 +457,9 @@ pub struct Llama<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
     /// The account of per-request KV caches against their limits.
     kv_ledger: Arc<KvLedger>,
     /// The constraint engine's view of the vocabulary, built on first use
-    /// (`crate::constraints::model`).
-    pub(crate) constraint_vocab: std::sync::OnceLock<Arc<crate::constraints::ConstraintVocab>>,
+    /// (`crate::constraints::model`); shared with the continuous engine's submitters,
+    /// which compile constraints off the engine thread.
+    pub(crate) constraint_vocab: crate::constraints::model::VocabCell,
     /// The draft model of draft-model speculation ([`Llama::set_draft_model`]).
     draft: Option<Transformer<B>>,
 }
@@ -488,7 +489,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             tokenizer,
             device,
             kv_ledger,
-            constraint_vocab: std::sync::OnceLock::new(),
+            constraint_vocab: Default::default(),
             draft: None,
         })
     }
@@ -799,6 +800,37 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
 /// Positions per forward pass when scoring ([`Llama::score`], [`Llama::prompt_logprobs`]).
 const SCORE_CHUNK: usize = 64;
 
+/// A prompt's log-probabilities in the making ([`Llama::prompt_scorer`]): the positions
+/// scored so far, their results and the cache the next chunk reads.
+pub(crate) struct PromptScorer<B: LlamaBackend> {
+    /// The prompt.
+    ids: Vec<u32>,
+    /// Alternatives per position.
+    top: usize,
+    /// Positions run through the model so far.
+    scored: usize,
+    /// One entry per scored position that has a successor, after a `None` for the first.
+    logprobs: Vec<Option<TokenLogprobs>>,
+    cache: KvCache<B>,
+}
+
+impl<B: LlamaBackend> PromptScorer<B> {
+    /// The prompt being scored.
+    pub(crate) fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// The alternatives asked per position.
+    pub(crate) fn top(&self) -> usize {
+        self.top
+    }
+
+    /// The result, once [`Llama::score_next_chunk`] has said the prompt is scored.
+    pub(crate) fn into_logprobs(self) -> Vec<Option<TokenLogprobs>> {
+        self.logprobs
+    }
+}
+
 /// The result of [`Llama::score`]: how likely the model finds a continuation of a
 /// context.
 #[derive(Debug, Clone, PartialEq)]
@@ -891,18 +923,20 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// As [`score_ids`](Self::score_ids), and [`LlamaError::InvalidParameter`] for
     /// `n > 20`.
     pub fn prompt_logprobs(&self, ids: &[u32], n: usize) -> Result<Vec<Option<TokenLogprobs>>> {
-        self.prompt_logprobs_until(ids, n, || false)
+        let mut scorer = self.prompt_scorer(ids.to_vec(), n)?;
+        while !self.score_next_chunk(&mut scorer)? {}
+        Ok(scorer.logprobs)
     }
 
-    /// [`prompt_logprobs`](Self::prompt_logprobs), stopped with
-    /// [`LlamaError::Cancelled`] when `cancelled()` turns true (asked after each chunk of
-    /// positions, so a client that went away costs at most one more chunk).
-    pub(crate) fn prompt_logprobs_until(
-        &self,
-        ids: &[u32],
-        n: usize,
-        cancelled: impl Fn() -> bool,
-    ) -> Result<Vec<Option<TokenLogprobs>>> {
+    /// A scorer of `ids`' log-probabilities with `n` alternatives each, for
+    /// [`score_next_chunk`](Self::score_next_chunk): what
+    /// [`prompt_logprobs`](Self::prompt_logprobs) runs to the end at once and the
+    /// continuous engine runs a chunk per step, between the steps of its other requests.
+    ///
+    /// # Errors
+    ///
+    /// As [`prompt_logprobs`](Self::prompt_logprobs).
+    pub(crate) fn prompt_scorer(&self, ids: Vec<u32>, n: usize) -> Result<PromptScorer<B>> {
         if ids.is_empty() {
             return Err(LlamaError::EmptyPrompt);
         }
@@ -912,7 +946,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
                 max: self.config().max_seq_len,
             });
         }
-        self.config().check_token_ids(ids)?;
+        self.config().check_token_ids(&ids)?;
         if n > crate::sampling::MAX_TOP_LOGPROBS {
             return Err(LlamaError::invalid(
                 "prompt_logprobs",
@@ -920,22 +954,46 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
                 "must be in [0, 20]",
             ));
         }
-        let mut out = vec![None];
-        self.for_each_logits_row(ids, |position, row| {
-            if position % SCORE_CHUNK == 0 && cancelled() {
-                return Err(LlamaError::Cancelled);
+        let mut logprobs = Vec::with_capacity(ids.len());
+        logprobs.push(None);
+        Ok(PromptScorer {
+            cache: self.model.new_cache(vec![0], ids.len()),
+            ids,
+            top: n,
+            scored: 0,
+            logprobs,
+        })
+    }
+
+    /// Runs the next [`SCORE_CHUNK`] positions of `scorer` through the model (the chunks
+    /// of [`prompt_logprobs`](Self::prompt_logprobs), so the numbers are the same) and
+    /// returns whether the whole prompt is scored.
+    ///
+    /// # Errors
+    ///
+    /// A failed forward pass.
+    pub(crate) fn score_next_chunk(&self, scorer: &mut PromptScorer<B>) -> Result<bool> {
+        let len = scorer.ids.len();
+        let start = scorer.scored;
+        if start < len {
+            let end = (start + SCORE_CHUNK).min(len);
+            let chunk = &scorer.ids[start..end];
+            let logits =
+                logits_to_vec(self.model.forward(chunk, &mut scorer.cache, Logits::All)?)?;
+            for (i, row) in logits.chunks(self.config().vocab_size).enumerate() {
+                // Row `position` predicts token `position + 1`.
+                let Some(&token) = scorer.ids.get(start + i + 1) else {
+                    continue;
+                };
+                let mut lp = token_logprobs(row, token, scorer.top)?;
+                for t in std::iter::once(&mut lp.chosen).chain(&mut lp.top) {
+                    t.bytes = self.tokenizer.token_bytes(t.token_id).unwrap_or_default();
+                }
+                scorer.logprobs.push(Some(lp));
             }
-            let Some(&token) = ids.get(position + 1) else {
-                return Ok(());
-            };
-            let mut lp = token_logprobs(row, token, n)?;
-            for t in std::iter::once(&mut lp.chosen).chain(&mut lp.top) {
-                t.bytes = self.tokenizer.token_bytes(t.token_id).unwrap_or_default();
-            }
-            out.push(Some(lp));
-            Ok(())
-        })?;
-        Ok(out)
+            scorer.scored = end;
+        }
+        Ok(scorer.scored >= len)
     }
 
     /// Runs `ids` through the model in chunks of [`SCORE_CHUNK`] positions (so the logits

@@ -33,7 +33,7 @@
 //! ```
 
 pub mod compile;
-mod model;
+pub(crate) mod model;
 pub mod state;
 pub mod vocab;
 

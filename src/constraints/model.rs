@@ -1,12 +1,34 @@
 //! A model's constraint vocabulary, cached, and compiling constraints against it.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::{Constraint, ConstraintLimits, ConstraintState, ConstraintVocab, compile};
 use crate::backend::LlamaBackend;
 use crate::error::Result;
 use crate::llama::Llama;
 use crate::tokenizer::Tokenizer;
+
+/// Where a model keeps its constraint vocabulary once built: shared (an `Arc`) between
+/// the model and whoever compiles constraints for it on other threads.
+pub(crate) type VocabCell = Arc<OnceLock<Arc<ConstraintVocab>>>;
+
+/// The vocabulary in `cell`, built from `tokenizer` with the default limits if it is not
+/// there yet.
+pub(crate) fn vocab_in<T: Tokenizer + ?Sized>(
+    cell: &VocabCell,
+    tokenizer: &T,
+    vocab_size: usize,
+) -> Result<Arc<ConstraintVocab>> {
+    if let Some(vocab) = cell.get() {
+        return Ok(vocab.clone());
+    }
+    let vocab = Arc::new(ConstraintVocab::new(
+        tokenizer,
+        vocab_size,
+        ConstraintLimits::default(),
+    )?);
+    Ok(cell.get_or_init(|| vocab).clone())
+}
 
 impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// The constraint engine's view of this model's vocabulary, built on first use with
@@ -18,15 +40,11 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// [`LlamaError::InvalidConstraint`](crate::LlamaError::InvalidConstraint) when the
     /// tokenizer has no stop token.
     pub fn constraint_vocab(&self) -> Result<Arc<ConstraintVocab>> {
-        if let Some(vocab) = self.constraint_vocab.get() {
-            return Ok(vocab.clone());
-        }
-        let vocab = Arc::new(ConstraintVocab::new(
+        vocab_in(
+            &self.constraint_vocab,
             &self.tokenizer,
             self.config().vocab_size,
-            ConstraintLimits::default(),
-        )?);
-        Ok(self.constraint_vocab.get_or_init(|| vocab).clone())
+        )
     }
 
     /// Sets the constraint engine's limits (builds its vocabulary now; once set, they

@@ -622,6 +622,16 @@ impl TenantOf {
     }
 }
 
+/// A constraint that does not compile (found by the tokenizer pool, which compiles it, or
+/// by the engine) is blamed on the field that asked for it: `response_format`,
+/// `structured_outputs` or, for a forced tool call, `tools`.
+fn blame_constraint(mut e: ApiError, sampling: &Sampling) -> ApiError {
+    if e.code == Some("invalid_constraint") {
+        e.param = Some(sampling.constraint_param.to_string());
+    }
+    e
+}
+
 /// The engine request every choice of an API request starts from: its settings, no
 /// prompt yet.
 fn base_request(sampling: &Sampling, max_tokens: usize) -> GenerateRequest {
@@ -809,7 +819,9 @@ async fn run(
         .tokenizer
         .encode(shared.engine()?, requests)
         .await
-        .map_err(|e| ApiError::from_llama(&e, endpoint.prompt_param()))?;
+        .map_err(|e| {
+            blame_constraint(ApiError::from_llama(&e, endpoint.prompt_param()), &sampling)
+        })?;
     drop(tokenizing);
     let specs = choice_specs(ids.into_iter().zip(plans).collect(), &base, &sampling, seed);
     let envelope = Envelope {
@@ -828,12 +840,7 @@ async fn run(
     let keep_alive = shared.config.sse_keep_alive;
     let generation = Generation::start(shared, endpoint, specs, request_id, tenant.scope, slot)
         .await
-        .map_err(|mut e| {
-            if e.code == Some("invalid_constraint") {
-                e.param = Some(sampling.constraint_param.to_string());
-            }
-            e
-        })?;
+        .map_err(|e| blame_constraint(e, &sampling))?;
     let mut response = if sampling.stream {
         let events = sse_events(generation, envelope, sampling.include_usage);
         Sse::new(events)

@@ -347,3 +347,96 @@ fn submitters_tokenize_and_shutdown_returns_the_model() {
     let mut llama = engine.shutdown().unwrap();
     assert_eq!(solo(&mut llama, prompt, 6), expected);
 }
+
+/// A prompt's log-probabilities are scored a chunk of positions per engine step, between
+/// the steps of the running requests: a request streaming already gets tokens while a
+/// long prompt is scored for another (that pass used to stop every stream for its whole
+/// length), and the scored request gets the numbers of `Llama::prompt_logprobs`.
+#[test]
+#[ignore = "slow: the default run skips it; `-- --include-ignored` runs it (CI does)"]
+fn prompt_scoring_runs_between_the_steps_of_running_requests() {
+    use std::sync::{Arc, Mutex};
+    let llama = demo(1024);
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(30);
+    let ids = llama.encode_prompt(&long).unwrap();
+    let chunks = ids.len().div_ceil(64);
+    assert!(chunks >= 5, "{} tokens", ids.len());
+    let want = llama.prompt_logprobs(&ids, 2).unwrap();
+    let engine: Engine = ContinuousEngine::start(llama, ContinuousConfig::default()).unwrap();
+
+    // One log, in the engine's order: the streaming request's tokens, and when the
+    // scored request was submitted and admitted.
+    let log = Arc::new(Mutex::new(Vec::<&str>::new()));
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let streaming = {
+        let (log, done) = (log.clone(), done_tx.clone());
+        move |event| {
+            match event {
+                EngineEvent::Token(_) => log.lock().unwrap().push("token"),
+                EngineEvent::Done(r) => done.send(("streaming", r.is_ok(), None)).unwrap(),
+                EngineEvent::Accepted { .. } => {}
+            }
+            true
+        }
+    };
+    let request = GenerateRequest::new("Once upon a time")
+        .with_max_tokens(200)
+        .with_ignore_eos(true);
+    let cancel = llama_burn::inference::CancelToken::new();
+    engine.submit_to(request, cancel, streaming).unwrap();
+    while !log.lock().unwrap().contains(&"token") {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+
+    let scored = {
+        let (log, done) = (log.clone(), done_tx);
+        let logprobs = Mutex::new(None);
+        move |event| {
+            match event {
+                EngineEvent::Accepted { .. } => log.lock().unwrap().push("admitted"),
+                EngineEvent::Token(t) => {
+                    if t.prompt_logprobs.is_some() {
+                        *logprobs.lock().unwrap() = t.prompt_logprobs;
+                    }
+                }
+                EngineEvent::Done(r) => {
+                    let lp = logprobs.lock().unwrap().take();
+                    done.send(("scored", r.is_ok(), lp)).unwrap()
+                }
+            }
+            true
+        }
+    };
+    log.lock().unwrap().push("submitted");
+    let request = GenerateRequest::from_ids(ids)
+        .with_max_tokens(1)
+        .with_prompt_logprobs(2);
+    let cancel = llama_burn::inference::CancelToken::new();
+    engine.submit_to(request, cancel, scored).unwrap();
+    let mut got = None;
+    for _ in 0..2 {
+        let (who, ok, lp) = done_rx.recv().unwrap();
+        assert!(ok, "{who} failed");
+        if who == "scored" {
+            got = lp;
+        }
+    }
+    assert_eq!(
+        got.as_ref(),
+        Some(&want),
+        "the scored prompt's log-probabilities"
+    );
+
+    let log = log.lock().unwrap();
+    let at = |what| log.iter().position(|e| *e == what).unwrap();
+    let between = log[at("submitted")..at("admitted")]
+        .iter()
+        .filter(|e| **e == "token")
+        .count();
+    // One chunk per step: the streaming request decodes at least once per chunk after
+    // the first (the whole pass in one step gave it at most the step under way).
+    assert!(
+        between >= chunks - 1,
+        "{between} tokens streamed while {chunks} chunks were scored"
+    );
+}

@@ -1,7 +1,7 @@
 //! The engine thread: takes submissions, asks the scheduler what to run, runs the model
 //! once per step over the paged KV cache, samples and streams.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -12,13 +12,13 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 use super::scheduler::{RequestId, Scheduler, SchedulerLimits, StepPlan};
 use super::{ContinuousConfig, Outcome, RequestMetrics, Shared, Sink, Submission};
 use crate::cache::{BlockManager, PagedKvCache};
+use crate::constraints::ConstraintState;
 use crate::error::{LlamaError, Result};
 use crate::inference::TokenOutput;
-use crate::inference::handlers::constrained_sampler;
 use crate::inference::runtime::CancelToken;
-use crate::llama::{GenerationState, Llama, StopReason, logits_to_vec};
+use crate::llama::{GenerationState, Llama, PromptScorer, StopReason, logits_to_vec};
 use crate::model::PagedRow;
-use crate::sampling::{DeviceDraw, DeviceToken, Sampler};
+use crate::sampling::{DeviceDraw, DeviceToken, Pipeline, Sampler};
 use crate::speculative::SpeculationStats;
 use crate::tokenizer::Tokenizer;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -143,11 +143,20 @@ pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     speculation: Option<crate::speculative::SpeculationConfig>,
     /// Proposed and accepted tokens, all requests together.
     spec_stats: SpeculationStats,
-    /// The last prompt's log-probabilities `(ids, alternatives, result)`, kept while one
-    /// batch of submissions is taken: the `n` choices of an API request arrive together
-    /// and share them, so the forward pass over their prompt runs once, not `n` times.
-    last_prompt_logprobs: Option<(Vec<u32>, usize, Vec<Option<crate::sampling::TokenLogprobs>>)>,
+    /// Submissions that asked for their prompt's log-probabilities, waiting for them in
+    /// arrival order ([`score_prompts`](Self::score_prompts)).
+    scoring: VecDeque<Submission>,
+    /// The scoring of the first of them, a chunk of positions further each step.
+    scorer: Option<PromptScorer<B>>,
+    /// The last scored prompt's log-probabilities `(ids, alternatives, result)`, kept
+    /// while submissions wait for scoring: the `n` choices of an API request arrive
+    /// together and share them, so the forward pass over their prompt runs once, not `n`
+    /// times.
+    last_prompt_logprobs: Option<(Vec<u32>, usize, PromptLogprobs)>,
 }
+
+/// A prompt's log-probabilities, a `None` for its first token.
+type PromptLogprobs = Vec<Option<crate::sampling::TokenLogprobs>>;
 
 /// Marks the engine gone when dropped, however its thread ends: submissions are refused
 /// from then on and the engine's gauges read zero (nothing waits or runs any more).
@@ -219,6 +228,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             steps: 0,
             speculation: config.speculation,
             spec_stats: SpeculationStats::default(),
+            scoring: VecDeque::new(),
+            scorer: None,
             last_prompt_logprobs: None,
         };
         worker.publish();
@@ -240,6 +251,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             if !self.take_submissions() {
                 break;
             }
+            self.score_prompts();
             self.drop_cancelled();
             self.propose();
             let plan = self.scheduler.schedule();
@@ -253,11 +265,12 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         self.llama
     }
 
-    /// Moves new submissions into the scheduler (validating them). Waits for one when the
-    /// engine is idle. Returns false when the engine should stop.
+    /// Moves new submissions into the scheduler (validating them), or into the queue of
+    /// those waiting for their prompt's log-probabilities. Waits for one when the engine
+    /// is idle. Returns false when the engine should stop.
     fn take_submissions(&mut self) -> bool {
         let mut first = None;
-        if self.scheduler.is_idle() {
+        if self.scheduler.is_idle() && self.scoring.is_empty() {
             if self.shared.drain.load(Ordering::Acquire) && self.queue.is_empty() {
                 return false;
             }
@@ -272,111 +285,202 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 Some(sub) => sub,
                 None => match self.queue.try_recv() {
                     Ok(sub) => sub,
-                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => {
-                        self.last_prompt_logprobs = None;
-                        return true;
-                    }
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => return true,
                 },
             };
-            // A panic that escapes this loop ends the thread; `sub` is dropped after this
-            // guard, so its submitter learns of the end only once the engine reads gone.
-            let _gone_first = GoneOnUnwind(self.shared.clone());
             if sub.fault.exit {
                 // Test-only (`exit_marker`): a bug that no step contains ends the thread.
+                // `sub` is dropped after this guard, so its submitter learns of the end
+                // only once the engine reads gone.
+                let _gone_first = GoneOnUnwind(self.shared.clone());
                 panic!("fault injected: the engine thread ends (exit_marker)");
             }
-            // A panic while preparing the request's state fails this request only.
-            let prepared =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.prepare(&sub)))
-                    .unwrap_or_else(|_| {
-                        Err(LlamaError::StepFailed(
-                            "preparing the request panicked; other requests go on".into(),
-                        ))
-                    });
-            match prepared {
-                Ok((state, sampler)) => {
-                    let ids = sub.prompt;
-                    if !sub.sink.accepted(ids.len()) {
-                        // Nobody listens any more.
-                        self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
-                        self.record(Outcome::Cancelled, None);
-                        sub.sink.done(Err(LlamaError::Cancelled));
-                        continue;
-                    }
-                    self.scheduler
-                        .add_for(sub.id, ids, sub.scope.salt, sub.scope.tenant);
-                    let poisoned = sub.fault.step_panic;
-                    self.requests.insert(
-                        sub.id,
-                        Active {
-                            sampler,
-                            sink: sub.sink,
-                            cancel: sub.cancel,
-                            submitted: sub.submitted,
-                            admitted: None,
-                            first_token: None,
-                            last_token: None,
-                            prefix_hit_tokens: 0,
-                            preemptions: 0,
-                            poisoned,
-                            state,
-                        },
-                    );
+            if sub.request.prompt_logprobs.is_some() {
+                // Checked before any scoring is spent on it.
+                match self.check_fits(&sub) {
+                    Ok(()) => self.scoring.push_back(sub),
+                    Err(e) => self.refuse(sub, e),
                 }
-                Err(e) => {
-                    self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
-                    self.record(Outcome::Failed, None);
-                    sub.sink.done(Err(e));
-                }
+            } else {
+                self.admit(sub, None);
             }
         }
     }
 
-    /// Prepares the generation state and the sampler (with its compiled constraint, if
-    /// any) of a request its submitter has validated and tokenized already (the engine
-    /// thread never tokenizes, and checks none of those values again: the sampler reads
-    /// the request's [`sampling`](crate::inference::GenerateRequest::sampling) as it is).
-    fn prepare(&mut self, sub: &Submission) -> Result<(GenerationState<B>, Sampler)> {
+    /// Runs one chunk of positions of the first waiting prompt's log-probabilities (so a
+    /// long prompt delays the running streams by a chunk per step, not by the whole
+    /// pass; vLLM's chunked prefill, for scoring) and admits the submissions whose
+    /// prompt is scored: those of one prompt (the `n` choices of an API request) share
+    /// one pass. A submission whose client has gone leaves the queue, its scoring
+    /// stopped.
+    fn score_prompts(&mut self) {
+        let mut i = 0;
+        while i < self.scoring.len() {
+            if self.scoring[i].cancel.is_cancelled() {
+                if i == 0 {
+                    self.scorer = None;
+                }
+                if let Some(sub) = self.scoring.remove(i) {
+                    self.refuse(sub, LlamaError::Cancelled);
+                }
+            } else {
+                i += 1;
+            }
+        }
+        let mut chunks = 1;
+        while let Some(sub) = self.scoring.front() {
+            let top = sub.request.prompt_logprobs.unwrap_or(0);
+            let scored = self
+                .last_prompt_logprobs
+                .as_ref()
+                .filter(|(ids, n, _)| *ids == sub.prompt && *n == top)
+                .map(|(_, _, logprobs)| logprobs.clone());
+            if let Some(logprobs) = scored {
+                if let Some(sub) = self.scoring.pop_front() {
+                    self.admit(sub, Some(logprobs));
+                }
+                continue;
+            }
+            if chunks == 0 {
+                break;
+            }
+            chunks -= 1;
+            let (llama, scorer) = (&self.llama, &mut self.scorer);
+            // A panic while scoring fails this request only.
+            let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut current = match scorer.take() {
+                    Some(current) => current,
+                    None => llama.prompt_scorer(sub.prompt.clone(), top)?,
+                };
+                let done = llama.score_next_chunk(&mut current)?;
+                Ok((done, current))
+            }))
+            .unwrap_or_else(|_| {
+                Err(LlamaError::StepFailed(
+                    "scoring the prompt panicked; other requests go on".into(),
+                ))
+            });
+            match step {
+                Ok((false, current)) => self.scorer = Some(current),
+                Ok((true, current)) => {
+                    let (ids, top) = (current.ids().to_vec(), current.top());
+                    self.last_prompt_logprobs = Some((ids, top, current.into_logprobs()));
+                }
+                Err(e) => {
+                    if let Some(sub) = self.scoring.pop_front() {
+                        self.refuse(sub, e);
+                    }
+                }
+            }
+        }
+        if self.scoring.is_empty() {
+            self.last_prompt_logprobs = None;
+        }
+    }
+
+    /// Prepares a submission (with its prompt's log-probabilities, if it asked for them)
+    /// and hands it to the scheduler, or ends it with the reason it cannot run.
+    fn admit(&mut self, mut sub: Submission, prompt_logprobs: Option<PromptLogprobs>) {
+        // A panic that escapes this function ends the thread; `sub` is dropped after this
+        // guard, so its submitter learns of the end only once the engine reads gone.
+        let _gone_first = GoneOnUnwind(self.shared.clone());
+        let constraint = sub.constraint.take();
+        // A panic while preparing the request's state fails this request only.
+        let prepared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.prepare(&sub, constraint, prompt_logprobs)
+        }))
+        .unwrap_or_else(|_| {
+            Err(LlamaError::StepFailed(
+                "preparing the request panicked; other requests go on".into(),
+            ))
+        });
+        let (state, sampler) = match prepared {
+            Ok(prepared) => prepared,
+            Err(e) => return self.refuse(sub, e),
+        };
+        let ids = sub.prompt;
+        if !sub.sink.accepted(ids.len()) {
+            // Nobody listens any more.
+            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+            self.record(Outcome::Cancelled, None);
+            sub.sink.done(Err(LlamaError::Cancelled));
+            return;
+        }
+        self.scheduler
+            .add_for(sub.id, ids, sub.scope.salt, sub.scope.tenant);
+        self.requests.insert(
+            sub.id,
+            Active {
+                sampler,
+                sink: sub.sink,
+                cancel: sub.cancel,
+                submitted: sub.submitted,
+                admitted: None,
+                first_token: None,
+                last_token: None,
+                prefix_hit_tokens: 0,
+                preemptions: 0,
+                poisoned: sub.fault.step_panic,
+                state,
+            },
+        );
+    }
+
+    /// Ends a submission that never ran with `error`.
+    fn refuse(&mut self, sub: Submission, error: LlamaError) {
+        self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+        let outcome = match error {
+            LlamaError::Cancelled => Outcome::Cancelled,
+            _ => Outcome::Failed,
+        };
+        self.record(outcome, None);
+        sub.sink.done(Err(error));
+    }
+
+    /// Whether the engine's KV budget can ever hold the submission's prompt and
+    /// `max_tokens`.
+    fn check_fits(&self, sub: &Submission) -> Result<()> {
+        if self
+            .scheduler
+            .fits(sub.prompt.len() + sub.request.max_tokens)
+        {
+            Ok(())
+        } else {
+            Err(LlamaError::invalid(
+                "max_tokens",
+                sub.request.max_tokens,
+                "prompt plus max_tokens exceeds the engine's KV cache budget",
+            ))
+        }
+    }
+
+    /// Prepares the generation state and the sampler (with its constraint, compiled by
+    /// the submitter, and its prompt's log-probabilities, scored already) of a request its
+    /// submitter has validated and tokenized already (the engine thread never tokenizes
+    /// or compiles, and checks none of those values again: the sampler reads the
+    /// request's [`sampling`](crate::inference::GenerateRequest::sampling) as it is).
+    fn prepare(
+        &mut self,
+        sub: &Submission,
+        constraint: Option<ConstraintState>,
+        prompt_logprobs: Option<PromptLogprobs>,
+    ) -> Result<(GenerationState<B>, Sampler)> {
         let request = &sub.request;
         let ids = &sub.prompt;
         let mut state = GenerationState::new(ids.clone(), request.max_tokens).with_request(request);
         if let Some(config) = request.speculation.or(self.speculation) {
             state = self.llama.with_speculation(state, &config)?;
         }
-        if !self.scheduler.fits(ids.len() + request.max_tokens) {
-            return Err(LlamaError::invalid(
-                "max_tokens",
-                request.max_tokens,
-                "prompt plus max_tokens exceeds the engine's KV cache budget",
-            ));
-        }
-        // Prompt log-probabilities (asked for rarely) take one forward pass over the
-        // prompt here, on the engine thread: once for the choices of one request (they
-        // arrive together), and stopped after a chunk once the client has gone.
-        if let Some(n) = request.prompt_logprobs {
-            let hit = self
-                .last_prompt_logprobs
-                .as_ref()
-                .filter(|(prompt, top, _)| prompt == ids && *top == n)
-                .map(|(_, _, lp)| lp.clone());
-            let logprobs = match hit {
-                Some(lp) => lp,
-                None => {
-                    self.last_prompt_logprobs = None;
-                    let cancel = &sub.cancel;
-                    let lp = self
-                        .llama
-                        .prompt_logprobs_until(ids, n, || cancel.is_cancelled())?;
-                    self.last_prompt_logprobs = Some((ids.clone(), n, lp.clone()));
-                    lp
-                }
-            };
-            state.prompt_logprobs = Some(logprobs);
-        }
-        // The constraint (if any) is compiled here, once: its state lives in the sampler
-        // and, like the random generator, survives preemption (a recompute keeps the
-        // generated tokens the state has accepted).
-        let sampler = constrained_sampler(&self.llama, request)?;
+        self.check_fits(sub)?;
+        state.prompt_logprobs = prompt_logprobs;
+        // The constraint's state lives in the sampler and, like the random generator,
+        // survives preemption (a recompute keeps the generated tokens the state has
+        // accepted).
+        let pipeline = Pipeline::unchecked(request.sampling.clone(), request.seed);
+        let sampler = Sampler::Pipeline(match constraint {
+            Some(state) => pipeline.with_constraint(state),
+            None => pipeline,
+        });
         Ok((state, sampler))
     }
 
@@ -756,7 +860,9 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         for id in left {
             self.end(id, Err(why()));
         }
-        while let Ok(sub) = self.queue.try_recv() {
+        self.scorer = None;
+        let waiting: Vec<Submission> = self.scoring.drain(..).collect();
+        for sub in waiting.into_iter().chain(self.queue.try_iter()) {
             self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
             self.record(Outcome::Cancelled, None);
             sub.sink.done(Err(why()));

@@ -63,6 +63,9 @@ use super::runtime::{
     ModelDevice, OutStream,
 };
 pub use crate::cache::KvBudget;
+use crate::constraints::ConstraintState;
+use crate::constraints::compile;
+use crate::constraints::model::{VocabCell, vocab_in};
 use crate::error::{LlamaError, Result};
 use crate::llama::{Llama, PromptEncoder, StopReason};
 use crate::tokenizer::{DynTokenizer, Tokenizer};
@@ -381,6 +384,9 @@ struct Submission {
     request: GenerateRequest,
     /// The prompt's token ids.
     prompt: Vec<u32>,
+    /// The request's constraint, compiled by the submitter (the engine thread never
+    /// compiles one).
+    constraint: Option<ConstraintState>,
     /// Test-only faults this request injects.
     fault: Fault,
     sink: Sink,
@@ -432,6 +438,8 @@ struct Frontend<T> {
     /// The engine's tokenizer, shared with the engine thread (which decodes with it);
     /// gone once that thread has ended.
     tokenizer: Weak<T>,
+    /// The model's constraint vocabulary (built by whichever side needs it first).
+    constraints: VocabCell,
     max_seq_len: usize,
     vocab_size: usize,
     panic_marker: Option<String>,
@@ -465,6 +473,19 @@ impl<T: Tokenizer> Frontend<T> {
         .encode_request(request)
     }
 
+    /// Compiles the request's constraint, if any, against the model's vocabulary. Once a
+    /// constraint compiled, the model's cache of compiled constraints holds it, so the
+    /// choices of one request and repeated schemas compile once; what is returned is a
+    /// fresh state of their own.
+    fn compile(&self, request: &GenerateRequest) -> Result<Option<ConstraintState>> {
+        let Some(constraint) = request.constraint.as_deref() else {
+            return Ok(None);
+        };
+        let tokenizer = self.tokenizer()?;
+        let vocab = vocab_in(&self.constraints, &*tokenizer, self.vocab_size)?;
+        compile::compile(&vocab, constraint).map(Some)
+    }
+
     /// The checks that need no tokens: every field, and the ids it names.
     fn check_request(&self, request: &GenerateRequest) -> Result<()> {
         request.validate(self.max_seq_len)?;
@@ -495,13 +516,16 @@ impl<T: Tokenizer> Frontend<T> {
                 None => self.tokenize(request)?,
             };
             self.check_prompt(&ids)?;
+            // Compiled here, on the caller's thread, for the cache: the submissions of
+            // these ids then find it compiled.
+            self.compile(request)?;
             Ok(ids)
         })
     }
 
     /// Validates `request` and takes its prompt out as token ids (tokenizing it unless
     /// it has ids), leaving no prompt text behind in it.
-    fn prepare(&self, request: &mut GenerateRequest) -> Result<(Vec<u32>, Fault)> {
+    fn prepare(&self, request: &mut GenerateRequest) -> Result<Prepared> {
         Self::guarded(|| {
             self.check_request(request)?;
             let ids = match request.prompt_ids.take() {
@@ -509,11 +533,12 @@ impl<T: Tokenizer> Frontend<T> {
                 None => self.tokenize(request)?,
             };
             self.check_prompt(&ids)?;
+            let constraint = self.compile(request)?;
             request.prompt = String::new();
             request.messages = None;
             request.tools = Vec::new();
             let fault = self.fault(&ids);
-            Ok((ids, fault))
+            Ok((ids, constraint, fault))
         })
     }
 
@@ -534,6 +559,10 @@ impl<T: Tokenizer> Frontend<T> {
         }
     }
 }
+
+/// A request made ready by its submitter: its prompt's ids, its compiled constraint and
+/// its test-only faults.
+type Prepared = (Vec<u32>, Option<ConstraintState>, Fault);
 
 /// The submitting side of an engine; cheap to clone.
 struct EngineClient<T> {
@@ -597,7 +626,7 @@ impl<T: Tokenizer> EngineClient<T> {
         } else {
             self.frontend.prepare(&mut request)
         };
-        let (prompt, fault) = match prepared {
+        let (prompt, constraint, fault) = match prepared {
             Ok(prepared) => prepared,
             Err(error) => {
                 self.shared.unwait();
@@ -615,6 +644,7 @@ impl<T: Tokenizer> EngineClient<T> {
             id,
             request,
             prompt,
+            constraint,
             fault,
             sink,
             cancel,
@@ -726,6 +756,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         let llama = llama.map_tokenizer(Arc::new);
         let frontend = Arc::new(Frontend {
             tokenizer: Arc::downgrade(&llama.tokenizer),
+            constraints: llama.constraint_vocab.clone(),
             max_seq_len,
             vocab_size,
             panic_marker: config.panic_marker.clone(),
