@@ -16,6 +16,51 @@ use super::ServerConfig;
 use super::error::ApiError;
 use super::openai::Endpoint;
 
+/// How many times its size limit a field's JSON text may be as sent (spaces, line breaks
+/// and escapes included) before it is parsed into a tree; the limit itself is checked on
+/// the parsed value, whose compact form is what it bounds.
+const AS_SENT_SLACK: usize = 4;
+
+/// A field read as its JSON text (`raw`, borrowed from the body), parsed into a tree only
+/// when that text is at most [`AS_SENT_SLACK`] times `max` bytes (plus 4 KiB): a tree
+/// takes 10 to 40 times the bytes of the JSON it holds, so a field far over its limit
+/// costs no more than its bytes, which the body holds already. `None` for a missing or
+/// `null` field.
+///
+/// # Errors
+///
+/// A 400 naming `name` and `flag` for a field over that bound, or malformed.
+pub(crate) fn bounded_value(
+    raw: Option<&serde_json::value::RawValue>,
+    name: &str,
+    max: usize,
+    flag: &str,
+) -> Result<Option<serde_json::Value>, ApiError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    let text = raw.get();
+    let bound = max.saturating_mul(AS_SENT_SLACK).saturating_add(4096);
+    if text.len() > bound {
+        return Err(ApiError::invalid(
+            format!(
+                "`{name}` is {} bytes as sent, more than {bound} ({AS_SENT_SLACK} times \
+                 {max}, the limit of its content, and 4 KiB; limit: {flag})",
+                text.len()
+            ),
+            Some(name),
+        ));
+    }
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Null) => Ok(None),
+        Ok(value) => Ok(Some(value)),
+        Err(e) => Err(ApiError::invalid(
+            format!("`{name}` is not valid JSON: {e}"),
+            Some(name),
+        )),
+    }
+}
+
 /// Refuses a body nested deeper than `max` objects and arrays, in one pass over its
 /// bytes (brackets inside strings do not count). Malformed JSON is left to the parser.
 pub(crate) fn check_depth(body: &[u8], max: usize) -> Result<(), ApiError> {

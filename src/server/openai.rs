@@ -22,6 +22,7 @@ use super::responses::{
     DeltaToolCall, FunctionCallObject, TextLogprobs, ToolCallObject, TopLogprob,
 };
 use crate::inference::request::MAX_STOP_TOKEN_IDS;
+use crate::sampling::pipeline::MAX_LOGIT_BIAS;
 use crate::sampling::{SamplingParams, TokenLogprob, TokenLogprobs};
 use crate::tokenizer::ChatMessage;
 use crate::tools::ToolCall;
@@ -76,6 +77,7 @@ pub struct CommonFields {
     pub user: Option<String>,
     /// Chat: `true` to get each token's log-probability. Completions: the number of
     /// alternatives per token, 0-5.
+    #[serde(default, deserialize_with = "scalar_only")]
     pub logprobs: Option<Value>,
     /// Chat: alternatives per token, 0-20 (needs `logprobs: true`).
     #[schema(maximum = 20)]
@@ -88,6 +90,7 @@ pub struct CommonFields {
     pub presence_penalty: Option<f64>,
     /// Token id (as a string) to a bias in `[-100, 100]`, at most 1024 entries.
     #[schema(value_type = Option<std::collections::HashMap<String, f64>>)]
+    #[serde(default, deserialize_with = "bounded_map")]
     pub logit_bias: Option<serde_json::Map<String, Value>>,
     /// vLLM: keep the `top_k` most likely tokens; -1 or 0 is off.
     #[schema(minimum = -1)]
@@ -174,7 +177,7 @@ pub struct ChatCompletionRequest {
     /// `text`, `json_object` or `json_schema` (read into a constraint by the server's
     /// structured-outputs module).
     #[schema(value_type = Option<Object>)]
-    pub response_format: Option<Value>,
+    pub response_format: Option<serde::de::IgnoredAny>,
     /// The shared fields (read by [`parse_request`]).
     #[serde(skip)]
     pub common: CommonFields,
@@ -206,8 +209,10 @@ pub struct CompletionRequest {
     /// log-likelihoods. Text prompts only.
     pub echo: Option<bool>,
     /// Unsupported: must be absent or null.
+    #[serde(default, deserialize_with = "scalar_only")]
     pub suffix: Option<Value>,
     /// Unsupported: must be absent, null or 1.
+    #[serde(default, deserialize_with = "scalar_only")]
     pub best_of: Option<Value>,
     /// The shared fields (read by [`parse_request`]).
     #[serde(skip)]
@@ -232,9 +237,11 @@ impl OpenAiRequest for CompletionRequest {
     }
 }
 
-/// Deserializes `value` as `T`; an error names the field at fault.
-fn read<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
+/// Deserializes `body` (valid JSON) as `T`, straight from its bytes (the fields `T` does
+/// not have are skipped, not kept); an error names the field at fault.
+fn read<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         if path == "." {
             ApiError::invalid(format!("invalid request body: {}", e.inner()), None)
@@ -251,13 +258,15 @@ fn read<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
 /// known field of the wrong type (the error's `param` names it). Unknown fields are
 /// ignored.
 pub fn parse_request<T: OpenAiRequest>(body: &[u8]) -> Result<T, ApiError> {
-    let value: Value = serde_json::from_slice(body)
+    // No tree of the whole body: its syntax is checked by a pass that keeps nothing, then
+    // each part's fields are read from the bytes.
+    serde_json::from_slice::<serde::de::IgnoredAny>(body)
         .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-    if !value.is_object() {
+    if body.trim_ascii_start().first() != Some(&b'{') {
         return Err(ApiError::invalid("the body must be a JSON object", None));
     }
-    let mut request: T = read(&value)?;
-    *request.common_mut() = read(&value)?;
+    let mut request: T = read(body)?;
+    *request.common_mut() = read(body)?;
     Ok(request)
 }
 
@@ -340,6 +349,81 @@ fn refuse_unsupported(
             Some(name),
         ))
     }
+}
+
+/// Reads a field that only a scalar can satisfy (`logprobs`, `suffix`, `best_of`): an
+/// array or an object is read past without being kept (a million-element array in the
+/// body costs nothing) and stands as an empty object, which every check of these fields
+/// refuses as it would the original.
+fn scalar_only<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    use serde::de::{IgnoredAny, MapAccess, SeqAccess};
+    struct Scalar;
+    impl<'de> serde::de::Visitor<'de> for Scalar {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(Value::Object(serde_json::Map::new()))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(Value::Object(serde_json::Map::new()))
+        }
+    }
+    d.deserialize_any(Scalar).map(Some)
+}
+
+/// A JSON object read into a map of at most [`MAX_LOGIT_BIAS`] entries: the read stops
+/// at the first entry past that, so a body of a million keys never becomes a map of them.
+fn bounded_map<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<serde_json::Map<String, Value>>, D::Error> {
+    struct Bounded;
+    impl<'de> serde::de::Visitor<'de> for Bounded {
+        type Value = Option<serde_json::Map<String, Value>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "an object of at most {MAX_LOGIT_BIAS} entries")
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = serde_json::Map::new();
+            while let Some((key, value)) = map.next_entry::<String, Value>()? {
+                if out.len() == MAX_LOGIT_BIAS {
+                    return Err(serde::de::Error::custom(format!(
+                        "more than {MAX_LOGIT_BIAS} entries (at most {MAX_LOGIT_BIAS})"
+                    )));
+                }
+                out.insert(key, value);
+            }
+            Ok(Some(out))
+        }
+    }
+    d.deserialize_any(Bounded)
 }
 
 /// `logit_bias` as the engine takes it: `(token id, bias)` sorted by id (the map's order
@@ -1066,10 +1150,9 @@ mod tests {
         let many: serde_json::Map<String, Value> =
             (0..1025).map(|i| (i.to_string(), Value::from(1))).collect();
         let body = serde_json::json!({"prompt": "a", "logit_bias": many}).to_string();
-        assert_eq!(
-            completions(&body).unwrap_err().param.as_deref(),
-            Some("logit_bias")
-        );
+        // Refused while the body is read (the map stops at its limit).
+        let e = parse_request::<CompletionRequest>(body.as_bytes()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logit_bias"));
     }
 
     #[test]
@@ -1116,6 +1199,53 @@ mod tests {
                 .unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{json}");
         }
+    }
+
+    #[test]
+    fn large_fields_are_refused_without_being_kept() {
+        // Fields that only a scalar satisfies: a large array is read past and refused as
+        // the value itself would be.
+        let many = format!("[{}0]", "0,".repeat(100_000));
+        for (field, message) in [
+            ("best_of", "not supported"),
+            ("suffix", "not supported"),
+            ("logprobs", "`logprobs`"),
+        ] {
+            let body = format!(r#"{{"prompt":"a","{field}":{many}}}"#);
+            let r = parse_request::<CompletionRequest>(body.as_bytes()).unwrap();
+            let e = match field {
+                "logprobs" => r
+                    .common
+                    .sampling(Endpoint::Completions, r.common.max_tokens, 8)
+                    .unwrap_err(),
+                _ => r.prompts().unwrap_err(),
+            };
+            assert_eq!(e.param.as_deref(), Some(field), "{}", e.message);
+            assert!(e.message.contains(message), "{}", e.message);
+        }
+        // `logit_bias`: read up to its limit, refused at the first key past it.
+        let keys = |n: usize| {
+            (0..n)
+                .map(|i| format!(r#""{i}":1"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let body = format!(r#"{{"prompt":"a","logit_bias":{{{}}}}}"#, keys(1024));
+        let r = parse_request::<CompletionRequest>(body.as_bytes()).unwrap();
+        assert_eq!(r.common.logit_bias.map(|b| b.len()), Some(1024));
+        let body = format!(r#"{{"prompt":"a","logit_bias":{{{}}}}}"#, keys(200_000));
+        let e = parse_request::<CompletionRequest>(body.as_bytes()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logit_bias"));
+        assert!(
+            e.message.contains("more than 1024 entries"),
+            "{}",
+            e.message
+        );
+        // The body's own errors are unchanged.
+        let e = parse_request::<CompletionRequest>(b"[1]").unwrap_err();
+        assert!(e.message.contains("must be a JSON object"), "{}", e.message);
+        let e = parse_request::<CompletionRequest>(br#"{"prompt":"a","#).unwrap_err();
+        assert!(e.message.contains("not valid JSON"), "{}", e.message);
     }
 
     #[test]

@@ -13,7 +13,10 @@
 //! ([`LlamaError::InvalidConstraint`](crate::LlamaError::InvalidConstraint)).
 
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
+
+use super::limits::bounded_value;
 
 use super::error::ApiError;
 use crate::constraints::Constraint;
@@ -26,11 +29,11 @@ pub(crate) struct Fields {
     /// `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema",
     /// "json_schema": {"name", "schema", "strict"}}`.
     #[schema(value_type = Option<Object>)]
-    response_format: Option<Value>,
+    response_format: Option<Box<RawValue>>,
     /// vLLM's: exactly one of `json` (a schema, or its JSON text), `regex`, `grammar`
     /// (Lark), `choice` (a list of strings) or `json_object: true`.
     #[schema(value_type = Option<Object>)]
-    structured_outputs: Option<Value>,
+    structured_outputs: Option<Box<RawValue>>,
 }
 
 fn invalid(param: &str, message: impl Into<String>) -> ApiError {
@@ -45,12 +48,25 @@ fn invalid(param: &str, message: impl Into<String>) -> ApiError {
 /// A 400 naming the field that is malformed, too large, or given with the other one.
 pub(crate) fn constraint(body: &[u8], max_bytes: usize) -> Result<Option<Constraint>, ApiError> {
     let fields: Fields = serde_json::from_slice(body).unwrap_or_default();
-    let from_format = match &fields.response_format {
-        None | Some(Value::Null) => None,
+    let flag = "--max-constraint-bytes";
+    let format = bounded_value(
+        fields.response_format.as_deref(),
+        "response_format",
+        max_bytes,
+        flag,
+    )?;
+    let outputs = bounded_value(
+        fields.structured_outputs.as_deref(),
+        "structured_outputs",
+        max_bytes,
+        flag,
+    )?;
+    let from_format = match &format {
+        None => None,
         Some(format) => response_format(format)?,
     };
-    let from_vllm = match &fields.structured_outputs {
-        None | Some(Value::Null) => None,
+    let from_vllm = match &outputs {
+        None => None,
         Some(outputs) => Some(structured_outputs(outputs)?),
     };
     let (constraint, param) = match (from_format, from_vllm) {
@@ -301,5 +317,28 @@ mod tests {
         let e = parse(json!({"structured_outputs": {"regex": long}})).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("structured_outputs"));
         assert!(e.message.contains("2000 bytes"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_field_far_over_its_limit_is_refused_as_sent() {
+        // 4 times the limit and 4 KiB, as sent: refused before any tree is built, even
+        // for a `text` format that would ignore the payload.
+        let payload = vec![0; 5000];
+        for field in ["response_format", "structured_outputs"] {
+            let e = parse(json!({field: {"type": "text", "junk": payload}})).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field));
+            assert!(
+                e.message.contains("bytes as sent") && e.message.contains("--max-constraint-bytes"),
+                "{}",
+                e.message
+            );
+        }
+        // Spaces count as sent, up to the slack: a pretty-printed schema within its limit
+        // is read.
+        let body = format!(
+            r#"{{"response_format": {{"type": "json_object"{}}}}}"#,
+            " ".repeat(4000)
+        );
+        assert!(constraint(body.as_bytes(), 1024).unwrap().is_some());
     }
 }

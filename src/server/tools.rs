@@ -40,7 +40,7 @@ pub(crate) struct Fields {
     /// Functions the model may call: `{"type": "function", "function": {"name",
     /// "description", "parameters" (a JSON Schema), "strict"}}`, at most 128.
     #[schema(value_type = Option<Vec<Object>>)]
-    tools: Option<Value>,
+    tools: Option<Box<serde_json::value::RawValue>>,
     /// `none`, `auto` (the default with tools), `required`, or
     /// `{"type": "function", "function": {"name"}}` to force one.
     #[schema(value_type = Option<Object>)]
@@ -71,8 +71,14 @@ pub(crate) fn read(body: &[u8], max_bytes: usize) -> Result<Option<ToolRequest>,
             ));
         }
     };
-    let entries = match &fields.tools {
-        None | Some(Value::Null) => &[][..],
+    let tools = super::limits::bounded_value(
+        fields.tools.as_deref(),
+        "tools",
+        max_bytes,
+        "--max-constraint-bytes",
+    )?;
+    let entries = match &tools {
+        None => &[][..],
         Some(Value::Array(items)) => &items[..],
         Some(_) => return Err(invalid("tools", "`tools` must be a list")),
     };
