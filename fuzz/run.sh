@@ -35,9 +35,18 @@ fi
 # not reach), and it needs nightly and an instrumented standard library.
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/llama-burn/target}"
 start=$(date +%s)
-RUSTC_WORKSPACE_WRAPPER="$PWD/instrument.sh" \
-  cargo build --release -p llama-burn-fuzz --bins --message-format=short 2>&1 \
-  | tee /dev/stderr | awk '/^ *Compiling/ {n++; names = names " " $2} END {print "fuzz: compiled " n + 0 " crates:" names}' >&2
+# The build's output goes to a file (not through `tee /dev/stderr`, which reopens a log
+# file that stderr is and truncates it), printed whole if the build fails.
+echo "fuzz: building the instrumented library and the targets (minutes when the crate changed)" >&2
+build_log="$(mktemp -t llama-burn-fuzz-build.XXXXXX)"
+if ! RUSTC_WORKSPACE_WRAPPER="$PWD/instrument.sh" \
+  cargo build --release -p llama-burn-fuzz --bins --message-format=short >"$build_log" 2>&1; then
+  cat "$build_log" >&2
+  echo "fuzz: the build failed" >&2
+  exit 1
+fi
+awk '/^ *Compiling/ {n++; names = names " " $2} END {print "fuzz: compiled " n + 0 " crates:" names}' "$build_log" >&2
+rm -f "$build_log"
 echo "fuzz: built in $(( $(date +%s) - start ))s" >&2
 bin="$CARGO_TARGET_DIR/release"
 
