@@ -30,7 +30,7 @@ import time
 from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
-from local_server import free_port, peak_rss_mib  # noqa: E402
+from local_server import free_port, peak_rss_mib, resident_mib, stop  # noqa: E402
 
 ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 BINARY = ARGS[0] if ARGS else os.path.expanduser(
@@ -261,14 +261,6 @@ def at_once(port, path, body, key, n):
     return results
 
 
-def resident_mib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def start(flags):
     port = free_port()
     log = tempfile.TemporaryFile()
@@ -336,13 +328,7 @@ def run_case(klass, name, path, body, expected, text, flags, concurrency, requir
         elif after[0] != 200:
             problems.append(f"a good request afterwards got {after[0]}")
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, 30)
         log.close()
     return {
         "class": klass, "case": name, "path": path, "body_bytes": len(body),

@@ -815,19 +815,10 @@ pub(crate) struct PromptScorer<B: LlamaBackend> {
 }
 
 impl<B: LlamaBackend> PromptScorer<B> {
-    /// The prompt being scored.
-    pub(crate) fn ids(&self) -> &[u32] {
-        &self.ids
-    }
-
-    /// The alternatives asked per position.
-    pub(crate) fn top(&self) -> usize {
-        self.top
-    }
-
-    /// The result, once [`Llama::score_next_chunk`] has said the prompt is scored.
-    pub(crate) fn into_logprobs(self) -> Vec<Option<TokenLogprobs>> {
-        self.logprobs
+    /// The prompt, the alternatives asked per position, and the result, once
+    /// [`Llama::score_next_chunk`] has said the prompt is scored.
+    pub(crate) fn into_parts(self) -> (Vec<u32>, usize, Vec<Option<TokenLogprobs>>) {
+        (self.ids, self.top, self.logprobs)
     }
 }
 

@@ -42,11 +42,24 @@ pub fn constrained_sampler<B: LlamaBackend, T: Tokenizer>(
     llama: &Llama<B, T>,
     request: &GenerateRequest,
 ) -> Result<Sampler> {
+    let constraint = match request.constraint.as_deref() {
+        Some(constraint) => Some(llama.compile_constraint(constraint)?),
+        None => None,
+    };
+    Ok(sampler_with(request, constraint))
+}
+
+/// The sampler of `request` with `constraint`, its constraint compiled already (by
+/// [`constrained_sampler`], or by the continuous engine's submitter).
+pub(crate) fn sampler_with(
+    request: &GenerateRequest,
+    constraint: Option<crate::constraints::ConstraintState>,
+) -> Sampler {
     let pipeline = Pipeline::unchecked(request.sampling.clone(), request.seed);
-    Ok(Sampler::Pipeline(match request.constraint.as_deref() {
-        Some(constraint) => pipeline.with_constraint(llama.compile_constraint(constraint)?),
+    Sampler::Pipeline(match constraint {
+        Some(state) => pipeline.with_constraint(state),
         None => pipeline,
-    }))
+    })
 }
 
 /// Validates `request` against the model (once: nothing downstream checks its values

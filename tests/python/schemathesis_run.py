@@ -29,7 +29,7 @@ import tempfile
 import time
 import urllib.request
 
-from local_server import free_port, peak_rss_mib
+from local_server import free_port, peak_rss_mib, stop
 
 BINARY = sys.argv[1]
 MAX_EXAMPLES = sys.argv[2] if len(sys.argv) > 2 else "25"
@@ -110,12 +110,7 @@ def main():
             return 1
         return 0
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(proc, 40)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import threading
 import time
 import urllib.request
 
-from local_server import free_port, peak_rss_mib
+from local_server import free_port, peak_rss_mib, stop
 
 BINARY = sys.argv[1]
 SECONDS = float(sys.argv[2]) if len(sys.argv) > 2 and not sys.argv[2].startswith("--") else 180.0
@@ -270,12 +270,7 @@ class Soak:
                   and result["peak_rss_mib"] <= MAX_RSS_MIB)
             return 0 if ok else 1
         finally:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=40)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
+            stop(self.proc, 40)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ use crate::cache::{BlockManager, PagedKvCache};
 use crate::constraints::ConstraintState;
 use crate::error::{LlamaError, Result};
 use crate::inference::TokenOutput;
+use crate::inference::handlers::sampler_with;
 use crate::inference::runtime::CancelToken;
 use crate::llama::{GenerationState, Llama, PromptScorer, StopReason, logits_to_vec};
 use crate::model::PagedRow;
-use crate::sampling::{DeviceDraw, DeviceToken, Pipeline, Sampler};
+use crate::sampling::{DeviceDraw, DeviceToken, Sampler};
 use crate::speculative::SpeculationStats;
 use crate::tokenizer::Tokenizer;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -362,10 +363,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             });
             match step {
                 Ok((false, current)) => self.scorer = Some(current),
-                Ok((true, current)) => {
-                    let (ids, top) = (current.ids().to_vec(), current.top());
-                    self.last_prompt_logprobs = Some((ids, top, current.into_logprobs()));
-                }
+                Ok((true, current)) => self.last_prompt_logprobs = Some(current.into_parts()),
                 Err(e) => {
                     if let Some(sub) = self.scoring.pop_front() {
                         self.refuse(sub, e);
@@ -398,16 +396,12 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             Ok(prepared) => prepared,
             Err(e) => return self.refuse(sub, e),
         };
-        let ids = sub.prompt;
-        if !sub.sink.accepted(ids.len()) {
+        if !sub.sink.accepted(sub.prompt.len()) {
             // Nobody listens any more.
-            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
-            self.record(Outcome::Cancelled, None);
-            sub.sink.done(Err(LlamaError::Cancelled));
-            return;
+            return self.refuse(sub, LlamaError::Cancelled);
         }
         self.scheduler
-            .add_for(sub.id, ids, sub.scope.salt, sub.scope.tenant);
+            .add_for(sub.id, sub.prompt, sub.scope.salt, sub.scope.tenant);
         self.requests.insert(
             sub.id,
             Active {
@@ -476,12 +470,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         // The constraint's state lives in the sampler and, like the random generator,
         // survives preemption (a recompute keeps the generated tokens the state has
         // accepted).
-        let pipeline = Pipeline::unchecked(request.sampling.clone(), request.seed);
-        let sampler = Sampler::Pipeline(match constraint {
-            Some(state) => pipeline.with_constraint(state),
-            None => pipeline,
-        });
-        Ok((state, sampler))
+        Ok((state, sampler_with(request, constraint)))
     }
 
     /// Asks every decoding request that speculates for its proposals, and hands them to
