@@ -139,6 +139,14 @@ pub trait LlamaBackend: Backend {
         None
     }
 
+    /// Whether the paged KV cache may be stored in the encoded
+    /// [`KvCacheType`](crate::cache::KvCacheType)s (f16, bf16, `q8_0`, `q4_0`), on the
+    /// host, read by our CPU attention kernel. The default is `false`: the cache is the
+    /// backend's own tensors in its float type. The CPU backend says `true`.
+    fn encodes_kv_cache() -> bool {
+        false
+    }
+
     /// `x @ W^T` for activations `x` `[rows, in]` and a quantized `W` `[out, in]`:
     /// `[rows, out]`, in `precision` where the backend has both. The default dequantizes
     /// `W` and uses Burn's matmul (the backend's own float precision, whatever
@@ -688,6 +696,10 @@ where
 #[cfg(feature = "flex")]
 impl LlamaBackend for burn::backend::Flex {
     fn keeps_quantized_weights() -> bool {
+        true
+    }
+
+    fn encodes_kv_cache() -> bool {
         true
     }
 

@@ -1,7 +1,9 @@
 //! The paged KV cache: per layer one pool of fixed-size blocks, allocated once.
 //!
 //! Keys and values of layer `l` live in two tensors shaped
-//! `[num_blocks, n_kv_heads, block_size, head_dim]`. A request's tokens sit in the blocks
+//! `[num_blocks, n_kv_heads, block_size, head_dim]` in the activations' float type, or,
+//! for the other [`KvCacheType`]s, in two host buffers of encoded rows in the same order
+//! (one row per token and head, encoded when written; see [`super::kv_type`]). A request's tokens sit in the blocks
 //! of its block table (token `i` in block `table[i / block_size]`, slot
 //! `i % block_size`); which block belongs to whom is the
 //! [`BlockManager`](super::blocks::BlockManager)'s business, not this type's. The memory
@@ -9,7 +11,8 @@
 //! and nothing is copied when requests join or leave a batch.
 //!
 //! Attention reads a step's rows through their block tables: on the CPU backend our
-//! kernel reads the pool in place ([`paged_attention`](crate::kernels::attention::paged_attention));
+//! kernel reads the pool in place (an encoded pool too, decoding 64 keys at a time into
+//! a buffer that stays in L1: [`paged_attention_encoded`](crate::kernels::attention::paged_attention_encoded)) ([`paged_attention`](crate::kernels::attention::paged_attention));
 //! elsewhere `gather_blocks` copies the blocks of a group of rows into one
 //! `[rows, n_kv_heads, blocks * block_size, head_dim]` tensor for the backend's fused
 //! attention, and that copy is dropped when the layer's attention returns.
@@ -23,8 +26,10 @@ use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 use rayon::prelude::*;
 
 use super::blocks::BlockId;
+use super::kv_type::{KvCacheType, KvCacheTypes};
 use crate::backend::LlamaBackend;
 use crate::error::{LlamaError, Result};
+use crate::kernels::pages::WeightBytes;
 use crate::model::paged_batch::PagedBatch;
 
 /// Where one token's keys and values go: `(block, slot within the block)`.
@@ -32,15 +37,67 @@ pub type Slot = (BlockId, usize);
 
 /// Keys and values of one layer, `[num_blocks, n_kv_heads, block_size, head_dim]` each.
 #[derive(Debug, Clone)]
-struct LayerPool<B: Backend> {
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
+enum LayerPool<B: Backend> {
+    /// In the activations' float type ([`KvCacheType::F32`] keys and values).
+    Float { k: Tensor<B, 4>, v: Tensor<B, 4> },
+    /// Encoded on the host (any other types).
+    Encoded { k: EncodedPool, v: EncodedPool },
+}
+
+/// Keys or values of one layer encoded in a [`KvCacheType`], on the host: one row of
+/// `row_bytes` per `(block, head, slot)`, in that order.
+#[derive(Debug, Clone)]
+pub(crate) struct EncodedPool {
+    pub(crate) ty: KvCacheType,
+    pub(crate) row_bytes: usize,
+    pub(crate) bytes: WeightBytes,
+}
+
+impl EncodedPool {
+    fn new(ty: KvCacheType, rows: usize, head_dim: usize) -> Result<Self> {
+        let row_bytes = ty.row_bytes(head_dim)?;
+        let len = rows.checked_mul(row_bytes).ok_or_else(|| {
+            LlamaError::invalid("kv_budget", rows, "the KV pool does not fit in memory")
+        })?;
+        Ok(Self {
+            ty,
+            row_bytes,
+            bytes: WeightBytes::zeroed(len),
+        })
+    }
+
+    /// Encodes the rows of `values` (`[tokens, kv_heads * head_dim]`) into `slots`.
+    fn write<B: Backend>(
+        &mut self,
+        values: &Tensor<B, 2>,
+        slots: &[Slot],
+        kv_heads: usize,
+        block_size: usize,
+    ) -> Result<()> {
+        let head_dim = values.dims()[1] / kv_heads.max(1);
+        let Self {
+            ty,
+            row_bytes,
+            bytes,
+        } = self;
+        super::host::with_rows(values, |rows| {
+            for (i, &(block, slot)) in slots.iter().enumerate().take(rows.len()) {
+                let row = rows.row(i);
+                for (h, x) in row.chunks_exact(head_dim).enumerate() {
+                    let at = ((block as usize * kv_heads + h) * block_size + slot) * *row_bytes;
+                    ty.encode(x, &mut bytes[at..at + *row_bytes]);
+                }
+            }
+        })
+        .ok_or_else(|| LlamaError::Runtime("the KV rows could not be read on the host".into()))
+    }
 }
 
 /// The block pool of every layer.
 #[derive(Debug, Clone)]
 pub struct PagedKvCache<B: Backend> {
     layers: Vec<LayerPool<B>>,
+    types: KvCacheTypes,
     num_blocks: usize,
     block_size: usize,
     kv_heads: usize,
@@ -65,8 +122,12 @@ pub fn block_bytes(
 }
 
 impl<B: Backend> PagedKvCache<B> {
-    /// Allocates the pool: `num_blocks` blocks of `block_size` tokens for each of
-    /// `n_layers` layers.
+    /// Allocates the pool in the activations' float type: `num_blocks` blocks of
+    /// `block_size` tokens for each of `n_layers` layers.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] for no blocks, or more than `2^32 - 1`.
     pub fn new(
         n_layers: usize,
         num_blocks: usize,
@@ -75,6 +136,86 @@ impl<B: Backend> PagedKvCache<B> {
         head_dim: usize,
         device: &B::Device,
     ) -> Result<Self> {
+        Self::check_blocks(num_blocks, block_size)?;
+        let shape = [num_blocks, kv_heads, block_size, head_dim];
+        let layers = (0..n_layers)
+            .map(|_| LayerPool::Float {
+                k: Tensor::zeros(shape, device),
+                v: Tensor::zeros(shape, device),
+            })
+            .collect();
+        Ok(Self {
+            layers,
+            types: KvCacheTypes::default(),
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    /// Allocates the pool as [`new`](Self::new) does, keys and values stored in
+    /// `types`: the backend's tensors for [`KvCacheType::F32`] keys and values, else
+    /// encoded host buffers (the CPU backend only).
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new); [`LlamaError::InvalidParameter`] (`kv_cache_type`) for an
+    /// encoded type on a backend that keeps its cache in its own tensors, or a head size
+    /// that is not a whole number of the type's blocks.
+    pub fn with_types(
+        n_layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        types: KvCacheTypes,
+        device: &B::Device,
+    ) -> Result<Self>
+    where
+        B: LlamaBackend,
+    {
+        if types.is_float() {
+            return Self::new(n_layers, num_blocks, block_size, kv_heads, head_dim, device);
+        }
+        Self::check_blocks(num_blocks, block_size)?;
+        if !B::encodes_kv_cache() {
+            return Err(LlamaError::invalid(
+                "kv_cache_type",
+                types,
+                "this backend keeps its KV cache in its float type (f32); the other types \
+                 run on the CPU backend",
+            ));
+        }
+        let rows = num_blocks
+            .checked_mul(kv_heads)
+            .and_then(|n| n.checked_mul(block_size))
+            .ok_or_else(|| {
+                LlamaError::invalid(
+                    "kv_budget",
+                    num_blocks,
+                    "the KV pool does not fit in memory",
+                )
+            })?;
+        let layers = (0..n_layers)
+            .map(|_| {
+                Ok(LayerPool::Encoded {
+                    k: EncodedPool::new(types.keys, rows, head_dim)?,
+                    v: EncodedPool::new(types.values, rows, head_dim)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layers,
+            types,
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    fn check_blocks(num_blocks: usize, block_size: usize) -> Result<()> {
         if num_blocks == 0 || block_size == 0 || u32::try_from(num_blocks).is_err() {
             return Err(LlamaError::invalid(
                 "kv_budget",
@@ -82,20 +223,12 @@ impl<B: Backend> PagedKvCache<B> {
                 "the KV pool needs between 1 and 2^32 - 1 blocks",
             ));
         }
-        let shape = [num_blocks, kv_heads, block_size, head_dim];
-        let layers = (0..n_layers)
-            .map(|_| LayerPool {
-                k: Tensor::zeros(shape, device),
-                v: Tensor::zeros(shape, device),
-            })
-            .collect();
-        Ok(Self {
-            layers,
-            num_blocks,
-            block_size,
-            kv_heads,
-            head_dim,
-        })
+        Ok(())
+    }
+
+    /// How keys and values are stored.
+    pub fn types(&self) -> KvCacheTypes {
+        self.types
     }
 
     /// Blocks per layer pool.
@@ -123,16 +256,21 @@ impl<B: Backend> PagedKvCache<B> {
         self.head_dim
     }
 
-    /// Bytes one block holds across every layer (in the pool's float type).
+    /// Bytes one block holds across every layer (in the pool's types).
     pub fn block_bytes(&self) -> usize {
-        let value_bytes = self.layers.first().map_or(4, |l| l.k.dtype().size());
-        block_bytes(
-            self.layers.len(),
-            self.kv_heads,
-            self.head_dim,
-            self.block_size,
-            value_bytes,
-        )
+        let rows = self.kv_heads.saturating_mul(self.block_size);
+        let per_layer = match self.layers.first() {
+            None => 0,
+            Some(LayerPool::Float { k, .. }) => block_bytes(
+                1,
+                self.kv_heads,
+                self.head_dim,
+                self.block_size,
+                k.dtype().size(),
+            ),
+            Some(LayerPool::Encoded { k, v }) => rows.saturating_mul(k.row_bytes + v.row_bytes),
+        };
+        per_layer.saturating_mul(self.layers.len())
     }
 
     /// Bytes held by the pool: everything this cache ever allocates.
@@ -142,7 +280,11 @@ impl<B: Backend> PagedKvCache<B> {
 
     /// Writes this step's keys and values of `layer` (`[tokens, kv_heads * head_dim]`
     /// each, one row per token) into their slots, through the backend's
-    /// [`paged_store`](LlamaBackend::paged_store).
+    /// [`paged_store`](LlamaBackend::paged_store) (or encoded on the host).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::Runtime`] if an encoded pool's rows cannot be read on the host.
     pub(crate) fn write(
         &mut self,
         layer: usize,
@@ -150,11 +292,18 @@ impl<B: Backend> PagedKvCache<B> {
         v: Tensor<B, 2>,
         slots: &[Slot],
         batch: &PagedBatch<'_, B>,
-    ) where
+    ) -> Result<()>
+    where
         B: LlamaBackend,
     {
-        let pool = &mut self.layers[layer];
-        let LayerPool { k: keys, v: values } = pool;
+        let (kv_heads, block_size) = (self.kv_heads, self.block_size);
+        let (keys, values) = match &mut self.layers[layer] {
+            LayerPool::Float { k, v } => (k, v),
+            LayerPool::Encoded { k: kp, v: vp } => {
+                kp.write(&k, slots, kv_heads, block_size)?;
+                return vp.write(&v, slots, kv_heads, block_size);
+            }
+        };
         keys.inplace(|keys| {
             let mut written = None;
             values.inplace(|values| {
@@ -165,13 +314,55 @@ impl<B: Backend> PagedKvCache<B> {
             // `inplace` ran the closure: `written` holds the keys.
             written.unwrap_or_else(|| unreachable!("Tensor::inplace runs its closure"))
         });
+        Ok(())
     }
 
-    /// Layer `layer`'s pool: keys and values, `[blocks, kv_heads, block_size, head_dim]`
-    /// each.
-    pub(crate) fn layer(&self, layer: usize) -> (&Tensor<B, 4>, &Tensor<B, 4>) {
-        let pool = &self.layers[layer];
-        (&pool.k, &pool.v)
+    /// Layer `layer`'s pool in the float type: keys and values,
+    /// `[blocks, kv_heads, block_size, head_dim]` each (`None` for an encoded pool).
+    #[cfg(test)]
+    pub(crate) fn layer(&self, layer: usize) -> Option<(&Tensor<B, 4>, &Tensor<B, 4>)> {
+        match &self.layers[layer] {
+            LayerPool::Float { k, v } => Some((k, v)),
+            LayerPool::Encoded { .. } => None,
+        }
+    }
+
+    /// Attention of a step's queries `q` (`[tokens, n_heads * head_dim]`) over layer
+    /// `layer`'s pool: the backend's [`paged_attention`](LlamaBackend::paged_attention)
+    /// on a float pool, our CPU kernel on an encoded one.
+    ///
+    /// # Errors
+    ///
+    /// What the kernel reports (see [`LlamaBackend::paged_attention`]).
+    pub(crate) fn attention(
+        &self,
+        layer: usize,
+        q: Tensor<B, 2>,
+        batch: &PagedBatch<'_, B>,
+    ) -> Result<Tensor<B, 2>>
+    where
+        B: LlamaBackend,
+    {
+        use crate::kernels::attention::{EncodedPagedPool, paged_attention_encoded};
+        let (k, v) = match &self.layers[layer] {
+            LayerPool::Float { k, v } => return B::paged_attention(q, k, v, batch),
+            LayerPool::Encoded { k, v } => (k, v),
+        };
+        let dims = q.dims();
+        let device = q.device();
+        let q = q
+            .into_data()
+            .to_vec::<f32>()
+            .map_err(|e| LlamaError::Runtime(format!("attention queries: {e:?}")))?;
+        let pool = EncodedPagedPool {
+            keys: (&k.bytes, k.ty),
+            values: (&v.bytes, v.ty),
+            heads: self.kv_heads,
+            block_size: self.block_size,
+            dim: self.head_dim,
+        };
+        let out = paged_attention_encoded(&q, batch.n_heads(), pool, batch.seqs())?;
+        Ok(Tensor::from_data(TensorData::new(out, dims), &device))
     }
 }
 
@@ -294,8 +485,10 @@ mod tests {
             },
         ];
         let batch = PagedBatch::new(seqs, heads, bs, 5, &default_device()).unwrap();
-        cache.write(0, k.clone(), v.clone(), &slots, &batch);
-        let (pk, pv) = cache.layer(0);
+        cache
+            .write(0, k.clone(), v.clone(), &slots, &batch)
+            .unwrap();
+        let (pk, pv) = cache.layer(0).unwrap();
         let tables = [3, 1, 0, 0];
         let (gk, gv) = (gather_blocks(pk, &tables, 2), gather_blocks(pv, &tables, 2));
         assert_eq!(gk.dims(), [2, heads, 2 * bs, dim]);

@@ -12,7 +12,7 @@
 //! read in chunks.
 
 use super::cpu::{SimdPath, dot, finish, largest, on_simd_path};
-use crate::cache::BlockId;
+use crate::cache::{BlockId, KvCacheType};
 use crate::error::{LlamaError, Result};
 
 /// Shapes of one attention call: queries `[batch, heads, queries, dim]`, keys and values
@@ -117,11 +117,23 @@ impl<'a> Strided<'a> {
 }
 
 /// Where key (or value) `j` of row `b`, head `h` lies: a [`Strided`] view of a
-/// contiguous cache, or a [`PagedPool`]'s blocks read through a row's block table.
+/// contiguous cache, a [`PagedPool`]'s blocks read through a row's block table, or an
+/// [`EncodedPagedPool`]'s rows, decoded.
 trait KvView<'a>: Sync {
+    /// Whether vectors are decoded into a buffer ([`stage`](Self::stage)) rather than
+    /// read in place ([`vector`](Self::vector)). A constant, so each kernel is compiled
+    /// for one or the other.
+    const STAGED: bool = false;
+
     /// The `dim` values of vector `j` of row `b`, head `h` (checked to exist by the
-    /// caller of the kernel).
+    /// caller of the kernel). Only called where [`STAGED`](Self::STAGED) is `false`.
     fn vector(&self, b: usize, h: usize, j: usize, dim: usize) -> &'a [f32];
+
+    /// Writes the values of vector `j` of row `b`, head `h` into `out`.
+    #[inline(always)]
+    fn stage(&self, b: usize, h: usize, j: usize, out: &mut [f32]) {
+        out.copy_from_slice(self.vector(b, h, j, out.len()));
+    }
 }
 
 impl<'a> KvView<'a> for Strided<'a> {
@@ -185,6 +197,172 @@ impl<'a> KvView<'a> for PagedView<'a> {
     }
 }
 
+/// One layer of a paged KV pool whose rows are encoded ([`KvCacheType`]): keys and
+/// values each one row per `(block, head, slot)`, in that order.
+#[derive(Debug, Clone, Copy)]
+pub struct EncodedPagedPool<'a> {
+    /// Key rows of every block and their type.
+    pub keys: (&'a [u8], KvCacheType),
+    /// Value rows of every block and their type.
+    pub values: (&'a [u8], KvCacheType),
+    /// Key/value heads.
+    pub heads: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Values per head vector.
+    pub dim: usize,
+}
+
+/// An encoded pool's keys or values seen through every sequence's block table.
+struct EncodedView<'a> {
+    data: &'a [u8],
+    ty: KvCacheType,
+    row_bytes: usize,
+    seqs: &'a [PagedSeq<'a>],
+    heads: usize,
+    block_size: usize,
+}
+
+impl<'a> KvView<'a> for EncodedView<'a> {
+    const STAGED: bool = true;
+
+    fn vector(&self, _: usize, _: usize, _: usize, _: usize) -> &'a [f32] {
+        debug_assert!(false, "an encoded view is staged, not read in place");
+        &[]
+    }
+
+    #[inline(always)]
+    fn stage(&self, b: usize, h: usize, j: usize, out: &mut [f32]) {
+        let block = self.seqs[b].blocks[j / self.block_size] as usize;
+        let at =
+            ((block * self.heads + h) * self.block_size + j % self.block_size) * self.row_bytes;
+        self.ty.decode(&self.data[at..at + self.row_bytes], out);
+    }
+}
+
+/// [`paged_attention`] over a pool of encoded rows: each key and value is decoded where
+/// it is read (64 at a time, into a buffer that stays in L1), never into a copy of the
+/// cache. Decoding is exact arithmetic on the stored bits, so a token's result depends
+/// only on its own keys and values as stored, in the same reduction order as
+/// [`paged_attention`]: bitwise batch-invariant, and for `f32` rows bitwise the same as
+/// [`paged_attention`] over the same values.
+///
+/// # Errors
+///
+/// As [`paged_attention`]; [`LlamaError::InvalidParameter`] if a type does not fit the
+/// head size.
+pub fn paged_attention_encoded(
+    q: &[f32],
+    n_heads: usize,
+    pool: EncodedPagedPool<'_>,
+    seqs: &[PagedSeq<'_>],
+) -> Result<Vec<f32>> {
+    let EncodedPagedPool {
+        heads,
+        block_size,
+        dim,
+        ..
+    } = pool;
+    check_paged_shape(q.len(), n_heads, heads, block_size, dim, seqs)?;
+    let (key_row, value_row) = (pool.keys.1.row_bytes(dim)?, pool.values.1.row_bytes(dim)?);
+    let rows = heads * block_size;
+    let blocks = pool.keys.0.len() / (rows * key_row);
+    if pool.keys.0.len() != blocks * rows * key_row
+        || pool.values.0.len() != blocks * rows * value_row
+    {
+        return Err(LlamaError::ShapeMismatch {
+            name: "paged attention pool".into(),
+            expected: vec![blocks, heads, block_size, dim],
+            actual: vec![pool.keys.0.len(), pool.values.0.len()],
+        });
+    }
+    check_tables(seqs, block_size, blocks)?;
+    let k = EncodedView {
+        data: pool.keys.0,
+        ty: pool.keys.1,
+        row_bytes: key_row,
+        seqs,
+        heads,
+        block_size,
+    };
+    let v = EncodedView {
+        data: pool.values.0,
+        ty: pool.values.1,
+        row_bytes: value_row,
+        ..k
+    };
+    Ok(attend_paged(q, n_heads, heads, dim, seqs, &k, &v))
+}
+
+/// Checks a paged call's shapes: heads, block size and head size that fit, and queries
+/// `[tokens, n_heads * dim]` for the sequences' tokens.
+fn check_paged_shape(
+    q_len: usize,
+    n_heads: usize,
+    heads: usize,
+    block_size: usize,
+    dim: usize,
+    seqs: &[PagedSeq<'_>],
+) -> Result<()> {
+    let tokens: usize = seqs.iter().map(|s| s.tokens).sum();
+    if heads == 0 || block_size == 0 || dim == 0 || !n_heads.is_multiple_of(heads) {
+        return Err(LlamaError::InvalidBatch(format!(
+            "{n_heads} query heads over {heads} key/value heads of {dim} values in blocks of \
+             {block_size} do not fit"
+        )));
+    }
+    if q_len != tokens * n_heads * dim {
+        return Err(LlamaError::ShapeMismatch {
+            name: "paged attention queries".into(),
+            expected: vec![tokens, n_heads * dim],
+            actual: vec![q_len],
+        });
+    }
+    Ok(())
+}
+
+/// Checks that every block table holds its sequence's tokens, in a pool of `blocks`.
+fn check_tables(seqs: &[PagedSeq<'_>], block_size: usize, blocks: usize) -> Result<()> {
+    for seq in seqs {
+        let end = seq.start + seq.tokens;
+        if seq.blocks.len().saturating_mul(block_size) < end
+            || seq.blocks[..end.div_ceil(block_size)]
+                .iter()
+                .any(|&b| b as usize >= blocks)
+        {
+            return Err(LlamaError::InvalidBatch(format!(
+                "a block table of {} blocks in a pool of {blocks} cannot hold {end} tokens",
+                seq.blocks.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Every sequence's new tokens attended over its keys `k` and values `v` (checked).
+fn attend_paged<'a, V: KvView<'a>>(
+    q: &[f32],
+    n_heads: usize,
+    heads: usize,
+    dim: usize,
+    seqs: &[PagedSeq<'_>],
+    k: &V,
+    v: &V,
+) -> Vec<f32> {
+    // The sequence and position of every token.
+    let tokens: usize = seqs.iter().map(|s| s.tokens).sum();
+    let mut owner = Vec::with_capacity(tokens);
+    for (b, seq) in seqs.iter().enumerate() {
+        owner.extend((0..seq.tokens).map(|s| (b, seq.start + s)));
+    }
+    let groups = n_heads / heads;
+    attend_queries(q, dim, k, v, 0, groups, |index| {
+        let (b, position) = owner[index / n_heads];
+        let h = (index % n_heads) / groups;
+        (b, h, None, position + 1)
+    })
+}
+
 /// Attention of every sequence's new tokens over its blocks of a paged pool, in the
 /// reduction order of [`attention`]: a token's result is bitwise the same as the
 /// contiguous kernel's over the same keys, whatever the other sequences, the block size
@@ -209,21 +387,8 @@ pub fn paged_attention(
         dim,
         ..
     } = pool;
-    let tokens: usize = seqs.iter().map(|s| s.tokens).sum();
+    check_paged_shape(q.len(), n_heads, heads, block_size, dim, seqs)?;
     let block_len = heads * block_size * dim;
-    if heads == 0 || block_size == 0 || dim == 0 || !n_heads.is_multiple_of(heads) {
-        return Err(LlamaError::InvalidBatch(format!(
-            "{n_heads} query heads over {heads} key/value heads of {dim} values in blocks of \
-             {block_size} do not fit"
-        )));
-    }
-    if q.len() != tokens * n_heads * dim {
-        return Err(LlamaError::ShapeMismatch {
-            name: "paged attention queries".into(),
-            expected: vec![tokens, n_heads * dim],
-            actual: vec![q.len()],
-        });
-    }
     if !pool.keys.len().is_multiple_of(block_len) || pool.values.len() != pool.keys.len() {
         return Err(LlamaError::ShapeMismatch {
             name: "paged attention pool".into(),
@@ -231,25 +396,7 @@ pub fn paged_attention(
             actual: vec![pool.keys.len(), pool.values.len()],
         });
     }
-    let blocks = pool.blocks();
-    for seq in seqs {
-        let end = seq.start + seq.tokens;
-        if seq.blocks.len().saturating_mul(block_size) < end
-            || seq.blocks[..end.div_ceil(block_size)]
-                .iter()
-                .any(|&b| b as usize >= blocks)
-        {
-            return Err(LlamaError::InvalidBatch(format!(
-                "a block table of {} blocks in a pool of {blocks} cannot hold {end} tokens",
-                seq.blocks.len()
-            )));
-        }
-    }
-    // The sequence and position of every token.
-    let mut owner = Vec::with_capacity(tokens);
-    for (b, seq) in seqs.iter().enumerate() {
-        owner.extend((0..seq.tokens).map(|s| (b, seq.start + s)));
-    }
+    check_tables(seqs, block_size, pool.blocks())?;
     let view = |data| PagedView {
         data,
         seqs,
@@ -257,12 +404,7 @@ pub fn paged_attention(
         block_size,
     };
     let (k, v) = (view(pool.keys), view(pool.values));
-    let groups = n_heads / heads;
-    Ok(attend_queries(q, dim, &k, &v, 0, groups, |index| {
-        let (b, position) = owner[index / n_heads];
-        let h = (index % n_heads) / groups;
-        (b, h, None, position + 1)
-    }))
+    Ok(attend_paged(q, n_heads, heads, dim, seqs, &k, &v))
 }
 
 /// `softmax(q k^T / sqrt(dim), masked) v` over contiguous slices: returns
@@ -454,6 +596,8 @@ const KEY_BLOCK: usize = 64;
 struct Scores {
     keys: Vec<usize>,
     values: Vec<f32>,
+    /// Decoded keys or values of one block of [`KEY_BLOCK`] (staged views only).
+    stage: Vec<f32>,
 }
 
 impl Scores {
@@ -461,6 +605,7 @@ impl Scores {
         Self {
             keys: Vec::with_capacity(n),
             values: Vec::with_capacity(n),
+            stage: Vec::new(),
         }
     }
 }
@@ -527,7 +672,14 @@ fn attend<'a, V: KvView<'a>>(
         return;
     };
     let dim = out.len() / group.len();
-    let Scores { keys, values } = scores;
+    let Scores {
+        keys,
+        values,
+        stage,
+    } = scores;
+    if V::STAGED {
+        stage.resize(KEY_BLOCK * dim, 0.0);
+    }
     // The visible keys: a run `first..end` (no mask, or a causal and padding mask, whose
     // visible keys are one run) without listing them, or else listed one by one.
     let run = match first.hidden {
@@ -551,9 +703,21 @@ fn attend<'a, V: KvView<'a>>(
     // Scores: query `g`'s are `values[g * n..(g + 1) * n]`.
     values.clear();
     values.resize(group.len() * n, 0.0);
-    let key = |i: usize| first.k.vector(first.b, first.h, at(i), dim);
     for block in (0..n).step_by(KEY_BLOCK) {
         let end = (block + KEY_BLOCK).min(n);
+        if V::STAGED {
+            for (i, out) in (block..end).zip(stage.chunks_exact_mut(dim)) {
+                first.k.stage(first.b, first.h, at(i), out);
+            }
+        }
+        let staged = &stage[..];
+        let key = |i: usize| {
+            if V::STAGED {
+                &staged[(i - block) * dim..(i - block + 1) * dim]
+            } else {
+                first.k.vector(first.b, first.h, at(i), dim)
+            }
+        };
         for (query, s) in group.iter().zip(values.chunks_exact_mut(n)) {
             // Four keys at a time from the first visible key on (blocks start at
             // multiples of 4); the last few one by one.
@@ -577,13 +741,19 @@ fn attend<'a, V: KvView<'a>>(
         }
         *sum = sum_of(s);
     }
-    let value = |i: usize| first.v.vector(first.b, first.h, at(i), dim);
+    let values_of = Values {
+        view: first.v,
+        b: first.b,
+        h: first.h,
+        at: &at,
+    };
     // The usual head sizes accumulate in registers (local arrays the compiler keeps in
     // vector registers); others in `out`. Same operations, same order either way.
     match dim {
-        64 => weighted_sums::<64>(group.len(), n, values, value, out),
-        128 => weighted_sums::<128>(group.len(), n, values, value, out),
+        64 => weighted_sums::<64, V>(group.len(), n, values, &values_of, stage, out),
+        128 => weighted_sums::<128, V>(group.len(), n, values, &values_of, stage, out),
         _ => {
+            let mut one = vec![0f32; dim];
             for (o, p) in out.chunks_exact_mut(dim).zip(values.chunks_exact(n.max(1))) {
                 // The same two interleaved sums as `weighted_sum`, in `o` and a second
                 // buffer.
@@ -591,7 +761,8 @@ fn attend<'a, V: KvView<'a>>(
                 let mut odd = vec![0f32; dim];
                 for (i, &p) in p.iter().enumerate().take(n) {
                     let acc = if i % 2 == 0 { &mut *o } else { &mut odd[..] };
-                    for (o, &x) in acc.iter_mut().zip(value(i)) {
+                    let value = values_of.read(i, &mut one);
+                    for (o, &x) in acc.iter_mut().zip(value) {
                         *o += p * x;
                     }
                 }
@@ -610,19 +781,59 @@ fn attend<'a, V: KvView<'a>>(
     }
 }
 
+/// The values a group of queries sees: vector `i` of the visible keys is the view's
+/// vector `at(i)` of row `b`, head `h`.
+struct Values<'v, V, A> {
+    view: &'v V,
+    b: usize,
+    h: usize,
+    at: &'v A,
+}
+
+impl<'a, V: KvView<'a>, A: Fn(usize) -> usize> Values<'_, V, A> {
+    /// Value `i`: in place, or decoded into `buffer` (`dim` values) for a staged view.
+    #[inline(always)]
+    fn read<'s>(&self, i: usize, buffer: &'s mut [f32]) -> &'s [f32]
+    where
+        'a: 's,
+    {
+        if V::STAGED {
+            self.view.stage(self.b, self.h, (self.at)(i), buffer);
+            buffer
+        } else {
+            self.view.vector(self.b, self.h, (self.at)(i), buffer.len())
+        }
+    }
+}
+
 /// [`weighted_sum`] for each of a group's `queries` (probabilities `probs[g * n..]`),
-/// block by block of [`KEY_BLOCK`] keys, into `out` (`D` values per query).
+/// block by block of [`KEY_BLOCK`] keys (decoded into `stage` first for a staged view),
+/// into `out` (`D` values per query).
 #[inline(always)]
-fn weighted_sums<'a, const D: usize>(
+fn weighted_sums<'a, const D: usize, V: KvView<'a>>(
     queries: usize,
     n: usize,
     probs: &[f32],
-    value: impl Fn(usize) -> &'a [f32],
+    values: &Values<'_, V, impl Fn(usize) -> usize>,
+    stage: &mut [f32],
     out: &mut [f32],
 ) {
     let mut acc = [[[0f32; D]; 2]; MAX_GROUP];
     for block in (0..n).step_by(KEY_BLOCK) {
         let end = (block + KEY_BLOCK).min(n);
+        if V::STAGED {
+            for (i, out) in (block..end).zip(stage.chunks_exact_mut(D)) {
+                values.view.stage(values.b, values.h, (values.at)(i), out);
+            }
+        }
+        let staged = &stage[..];
+        let value = |i: usize| {
+            if V::STAGED {
+                &staged[(i - block) * D..(i - block + 1) * D]
+            } else {
+                values.view.vector(values.b, values.h, (values.at)(i), D)
+            }
+        };
         for (g, acc) in acc.iter_mut().enumerate().take(queries) {
             weighted_sum::<D>(acc, block..end, &probs[g * n..(g + 1) * n], &value);
         }
@@ -742,6 +953,10 @@ mod tests {
     use super::*;
     use crate::error::assert_err;
     use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    fn bits(values: &[f32]) -> Vec<u32> {
+        values.iter().map(|v| v.to_bits()).collect()
+    }
 
     fn random(n: usize, rng: &mut StdRng) -> Vec<f32> {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
@@ -995,6 +1210,109 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Every type's encoded pool gives, to the bit, what the f32 kernel gives over the
+    /// same rows decoded: for sequences longer than a block of staged keys, at both the
+    /// unrolled head size (64) and another (32), with keys and values of different
+    /// types; and a sequence alone gives its bits in the batch.
+    #[test]
+    fn encoded_pools_give_the_bits_of_their_decoded_values() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let types = [
+            (KvCacheType::Q8_0, KvCacheType::Q4_0),
+            (KvCacheType::Q4_0, KvCacheType::F32),
+            (KvCacheType::F16, KvCacheType::Bf16),
+            (KvCacheType::Bf16, KvCacheType::F16),
+            (KvCacheType::F32, KvCacheType::Q8_0),
+        ];
+        for dim in [64, 32] {
+            let (heads, groups, bs, pool_blocks) = (2, 3, 16, 24);
+            let n_heads = heads * groups;
+            let rows = pool_blocks * heads * bs;
+            let keys = random(rows * dim, &mut rng);
+            let values = random(rows * dim, &mut rng);
+            // A prompt chunk of 5 after 150 keys (three staged blocks of 64), a decode step
+            // after 70, a fresh prompt of 9.
+            let tables: [Vec<BlockId>; 3] = [
+                (0..10).map(|i| 23 - 2 * i).collect(),
+                vec![0, 6, 12, 18, 2],
+                vec![1],
+            ];
+            let seqs: Vec<PagedSeq<'_>> = [(5, 150), (1, 70), (9, 0)]
+                .iter()
+                .zip(&tables)
+                .map(|(&(tokens, start), blocks)| PagedSeq {
+                    tokens,
+                    start,
+                    blocks,
+                })
+                .collect();
+            let tokens: usize = seqs.iter().map(|s| s.tokens).sum();
+            let q = random(tokens * n_heads * dim, &mut rng);
+            let encode = |ty: KvCacheType, data: &[f32]| {
+                let row = ty.row_bytes(dim).unwrap();
+                let mut bytes = vec![0u8; rows * row];
+                let mut decoded = vec![0f32; rows * dim];
+                for ((x, b), d) in data
+                    .chunks_exact(dim)
+                    .zip(bytes.chunks_exact_mut(row))
+                    .zip(decoded.chunks_exact_mut(dim))
+                {
+                    ty.encode(x, b);
+                    ty.decode(b, d);
+                }
+                (bytes, decoded)
+            };
+            for (kt, vt) in types {
+                let (kb, kd) = encode(kt, &keys);
+                let (vb, vd) = encode(vt, &values);
+                let pool = EncodedPagedPool {
+                    keys: (&kb, kt),
+                    values: (&vb, vt),
+                    heads,
+                    block_size: bs,
+                    dim,
+                };
+                let got = paged_attention_encoded(&q, n_heads, pool, &seqs).unwrap();
+                let decoded = PagedPool {
+                    keys: &kd,
+                    values: &vd,
+                    heads,
+                    block_size: bs,
+                    dim,
+                };
+                let want = paged_attention(&q, n_heads, decoded, &seqs).unwrap();
+                assert_eq!(bits(&got), bits(&want), "k={kt} v={vt} dim {dim}");
+                // The first sequence alone.
+                let span = seqs[0].tokens * n_heads * dim;
+                let alone = paged_attention_encoded(&q[..span], n_heads, pool, &seqs[..1]).unwrap();
+                assert_eq!(bits(&alone), bits(&got[..span]), "k={kt} v={vt} alone");
+                // Neither side is exact f32 in every pair: the encoding rounds something.
+                let exact = PagedPool {
+                    keys: &keys,
+                    values: &values,
+                    heads,
+                    block_size: bs,
+                    dim,
+                };
+                let f32_out = paged_attention(&q, n_heads, exact, &seqs).unwrap();
+                assert_ne!(bits(&got), bits(&f32_out), "k={kt} v={vt} rounds something");
+            }
+            // A pool whose bytes are not whole blocks of rows: a typed error.
+            let (kb, _) = encode(KvCacheType::Q8_0, &keys);
+            let pool = EncodedPagedPool {
+                keys: (&kb[1..], KvCacheType::Q8_0),
+                values: (&kb[1..], KvCacheType::Q8_0),
+                heads,
+                block_size: bs,
+                dim,
+            };
+            assert_err!(
+                paged_attention_encoded(&q, n_heads, pool, &seqs),
+                LlamaError::ShapeMismatch { name, .. } if name == "paged attention pool"
+            );
         }
     }
 

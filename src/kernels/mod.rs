@@ -21,7 +21,7 @@ pub mod int8;
 mod matrix;
 #[cfg(target_arch = "aarch64")]
 mod neon;
-mod pages;
+pub(crate) mod pages;
 pub(crate) mod pool;
 mod tiling;
 #[cfg(target_arch = "x86_64")]

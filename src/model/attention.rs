@@ -164,8 +164,7 @@ impl<'a, B: Backend> PagedPlan<'a, B> {
     where
         B: LlamaBackend,
     {
-        cache.write(layer, k, v, &self.slots, &self.batch);
-        let (keys, values) = cache.layer(layer);
-        B::paged_attention(q, keys, values, &self.batch)
+        cache.write(layer, k, v, &self.slots, &self.batch)?;
+        cache.attention(layer, q, &self.batch)
     }
 }

@@ -128,7 +128,7 @@ fn f32_le(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-fn f16_le(bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn f16_le(bytes: &[u8], out: &mut [f32]) {
     // Gather into an aligned buffer so `half` can convert whole slices (with F16C where
     // the CPU has it) instead of one value at a time.
     const CHUNK: usize = 256;
@@ -156,7 +156,7 @@ fn f64_le(bytes: &[u8], out: &mut [f32]) {
 
 /// `Q4_0`: `d: f16, qs: [u8; 16]`; value `j` is the low nibble of `qs[j]`, value `j + 16`
 /// its high nibble, both offset by -8.
-pub(super) fn q4_0(bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn q4_0(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<18>().0;
     let outs = out.as_chunks_mut::<32>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {
@@ -226,7 +226,7 @@ pub(super) fn q5_1(bytes: &[u8], out: &mut [f32]) {
 }
 
 /// `Q8_0`: `d: f16, qs: [i8; 32]`.
-pub(super) fn q8_0(bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn q8_0(bytes: &[u8], out: &mut [f32]) {
     let blocks = bytes.as_chunks::<34>().0;
     let outs = out.as_chunks_mut::<32>().0;
     for (b, o) in blocks.iter().zip(outs.iter_mut()) {

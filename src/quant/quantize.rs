@@ -67,22 +67,40 @@ fn push_f16(out: &mut Vec<u8>, v: f32) {
 
 /// `Q8_0`: `d = max|x| / 127`, `q = round(x / d)`.
 pub(super) fn q8_0(x: &[f32], out: &mut Vec<u8>) {
+    let at = out.len();
+    out.resize(at + 34, 0);
+    q8_0_into(x, &mut out[at..]);
+}
+
+/// [`q8_0`] of one 32-value block into its 34 bytes.
+pub(crate) fn q8_0_into(x: &[f32], out: &mut [u8]) {
     let (_, amax) = signed_max(x);
     let d = amax / 127.0;
     let id = inverse(d);
-    push_f16(out, d);
-    out.extend(x.iter().map(|&v| (v * id).round() as i8 as u8));
+    out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for (o, &v) in out[2..].iter_mut().zip(x) {
+        *o = (v * id).round() as i8 as u8;
+    }
 }
 
 /// `Q4_0`: `d = max / -8` (the value of largest magnitude), nibbles `min(15, x / d + 8.5)`
 /// truncated.
 pub(super) fn q4_0(x: &[f32], out: &mut Vec<u8>) {
+    let at = out.len();
+    out.resize(at + 18, 0);
+    q4_0_into(x, &mut out[at..]);
+}
+
+/// [`q4_0`] of one 32-value block into its 18 bytes.
+pub(crate) fn q4_0_into(x: &[f32], out: &mut [u8]) {
     let (max, _) = signed_max(x);
     let d = max / -8.0;
     let id = inverse(d);
-    push_f16(out, d);
+    out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
     let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
-    out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+    for (j, o) in out[2..18].iter_mut().enumerate() {
+        *o = q(x[j]) | (q(x[j + 16]) << 4);
+    }
 }
 
 /// `Q4_1`: `d = (max - min) / 15`, `m = min`, nibbles `min(15, (x - min) / d + 0.5)`.

@@ -269,3 +269,106 @@ fn paged_like_contiguous(llama: &Demo) {
         }
     }
 }
+
+/// An encoded paged KV cache (every type, for keys or values) keeps a row's logits the
+/// same to the bit: a prompt read whole on one thread alone, or in two chunks beside
+/// other rows on every core; a decode step alone or beside others.
+#[test]
+fn encoded_kv_caches_give_a_row_the_same_bits_alone_chunked_and_batched() {
+    use llama_burn::cache::{KvCacheType as T, KvCacheTypes};
+    let llama = demo(1024);
+    let ids: Vec<Vec<u32>> = prompts()
+        .iter()
+        .take(3)
+        .map(|p| llama.encode_prompt(p).unwrap())
+        .collect();
+    let next: Vec<u32> = (0..ids.len() as u32).map(|i| 300 + i).collect();
+    let c = llama.config();
+    let bs = 16;
+    let new_cache = |types: KvCacheTypes| {
+        PagedKvCache::with_types(
+            c.n_layers,
+            48,
+            bs,
+            c.n_kv_heads,
+            c.head_dim,
+            types,
+            &llama_burn::backend::default_device(),
+        )
+        .unwrap()
+    };
+    let tables: Vec<Vec<u32>> = ids
+        .iter()
+        .enumerate()
+        .map(|(r, row)| {
+            (0..(row.len() + 1).div_ceil(bs))
+                .map(|i| (r + 3 * i) as u32)
+                .collect()
+        })
+        .collect();
+    let one_thread = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let mut outputs = Vec::new();
+    for (k, v) in [
+        (T::Q8_0, T::Q4_0),
+        (T::Q4_0, T::Q8_0),
+        (T::F16, T::Bf16),
+        (T::Bf16, T::F32),
+    ] {
+        let types = KvCacheTypes::new(k, v);
+        // Batched: every row's first half, then its second half beside row 0's decode
+        // step, then the others' decode steps.
+        let mut cache = new_cache(types);
+        let half = |r: usize| {
+            if r == 0 {
+                ids[0].len()
+            } else {
+                ids[r].len() / 2
+            }
+        };
+        let first: Vec<(usize, Vec<u32>)> = (0..ids.len())
+            .map(|r| (0, ids[r][..half(r)].to_vec()))
+            .collect();
+        paged_step(&llama, &mut cache, &first, &tables);
+        let second: Vec<(usize, Vec<u32>)> = (0..ids.len())
+            .map(|r| match r {
+                0 => (half(0), vec![next[0]]),
+                _ => (half(r), ids[r][half(r)..].to_vec()),
+            })
+            .collect();
+        let mixed = paged_step(&llama, &mut cache, &second, &tables);
+        let third: Vec<(usize, Vec<u32>)> = (1..ids.len())
+            .map(|r| (ids[r].len(), vec![next[r]]))
+            .collect();
+        let decoded = paged_step(&llama, &mut cache, &third, &tables[1..]);
+        for r in 0..ids.len() {
+            // Alone, on one thread, the prompt whole, in a fresh cache.
+            let mut cache = new_cache(types);
+            let table = &tables[r..=r];
+            let (prompt, step) = one_thread.install(|| {
+                let prompt = paged_step(&llama, &mut cache, &[(0, ids[r].clone())], table);
+                let step = paged_step(&llama, &mut cache, &[(ids[r].len(), vec![next[r]])], table);
+                (prompt, step)
+            });
+            if r == 0 {
+                assert_eq!(bits(&mixed[0]), bits(&step[0]), "{types}: row 0 decode");
+            } else {
+                assert_eq!(bits(&mixed[r]), bits(&prompt[0]), "{types}: row {r} prompt");
+                assert_eq!(
+                    bits(&decoded[r - 1]),
+                    bits(&step[0]),
+                    "{types}: row {r} decode"
+                );
+            }
+        }
+        outputs.push(bits(&mixed[1]));
+    }
+    // The types store different bits, so their logits differ.
+    for (i, a) in outputs.iter().enumerate() {
+        for b in &outputs[i + 1..] {
+            assert_ne!(a, b);
+        }
+    }
+}

@@ -327,3 +327,92 @@ fn a_prompt_longer_than_a_chunk_gives_the_same_tokens_in_every_strategy() {
     result.unwrap();
     assert_eq!(ids, expected);
 }
+
+/// Every token of a job with its log-probabilities (panics if the job fails).
+fn tokens_and_logprobs(job: EngineJob) -> Vec<(u32, Option<llama_burn::sampling::TokenLogprobs>)> {
+    let mut out = Vec::new();
+    for event in job.events().iter() {
+        match event {
+            EngineEvent::Token(t) => out.push((t.token_id, t.logprobs)),
+            EngineEvent::Accepted { .. } => {}
+            EngineEvent::Done(r) => {
+                r.unwrap();
+                return out;
+            }
+        }
+    }
+    panic!("the engine closed the channel");
+}
+
+/// KV cache types on the engine: the same byte budget holds the blocks its type allows
+/// (measured on the engine), and with a `q8_0` key and `q4_0` value cache a sampled
+/// request (temperature 1, seeded, with log-probabilities) gets the same tokens and
+/// log-probabilities alone as beside three others with its prompt read in chunks.
+#[test]
+fn kv_cache_types_hold_more_tokens_and_keep_sampled_requests_invariant() {
+    use llama_burn::cache::KvCacheType as T;
+    let budget = 8 << 20;
+    let mut blocks = Vec::new();
+    for (k, v) in [
+        (T::F32, T::F32),
+        (T::F16, T::F16),
+        (T::Q8_0, T::Q8_0),
+        (T::Q4_0, T::Q4_0),
+    ] {
+        let engine: Engine = ContinuousEngine::start(
+            demo(1024),
+            ContinuousConfig::default()
+                .with_kv_budget_bytes(budget)
+                .with_kv_cache_types(k, v),
+        )
+        .unwrap();
+        let m = engine.metrics();
+        assert!(m.kv_pool_bytes <= budget, "{k}: {}", m.kv_pool_bytes);
+        // Demo model: 30 layers of 3 heads of 64 values, blocks of 16 tokens.
+        let row = k.row_bytes(64).unwrap() + v.row_bytes(64).unwrap();
+        assert_eq!(m.kv_blocks_total, budget / (30 * 3 * 16 * row), "{k}");
+        blocks.push(m.kv_blocks_total);
+    }
+    assert_eq!(blocks[1], 2 * blocks[0]);
+    assert!(
+        blocks[2] * 32 >= blocks[1] * 60,
+        "q8_0 holds 1.88x f16: {blocks:?}"
+    );
+    assert!(
+        blocks[3] * 32 >= blocks[1] * 113,
+        "q4_0 holds 3.56x f16: {blocks:?}"
+    );
+
+    let sampled = |prompt: &str| {
+        GenerateRequest::new(prompt)
+            .with_max_tokens(12)
+            .with_temperature(1.0)
+            .with_seed(7)
+            .with_logprobs(2)
+            .with_ignore_eos(true)
+    };
+    let prompts = prompts();
+    let types = ContinuousConfig::default().with_kv_cache_types(T::Q8_0, T::Q4_0);
+    let engine: Engine = ContinuousEngine::start(demo(1024), types.clone()).unwrap();
+    let expected: Vec<_> = prompts[..4]
+        .iter()
+        .map(|p| tokens_and_logprobs(engine.submit(sampled(p)).unwrap()))
+        .collect();
+    drop(engine);
+    let chunked = ContinuousConfig {
+        step_tokens: 24,
+        min_prefill_chunk: 8,
+        ..types
+    };
+    let engine: Engine = ContinuousEngine::start(demo(1024), chunked).unwrap();
+    let jobs: Vec<EngineJob> = prompts[..4]
+        .iter()
+        .map(|p| engine.submit(sampled(p)).unwrap())
+        .collect();
+    for (i, job) in jobs.into_iter().enumerate() {
+        let got = tokens_and_logprobs(job);
+        assert_eq!(got.len(), 12);
+        assert!(got.iter().all(|(_, lp)| lp.is_some()));
+        assert_eq!(got, expected[i], "request {i}");
+    }
+}

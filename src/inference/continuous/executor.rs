@@ -205,12 +205,13 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         queue: Receiver<Submission>,
     ) -> Result<Self> {
         let c = llama.config();
-        let cache = PagedKvCache::new(
+        let cache = PagedKvCache::with_types(
             c.n_layers,
             num_blocks,
             config.block_size,
             c.n_kv_heads,
             c.head_dim,
+            config.kv_cache_types,
             llama.device(),
         )?;
         let limits = SchedulerLimits {
