@@ -75,6 +75,15 @@ struct Args {
     /// `KvLimits`'s).
     #[arg(long)]
     kv_budget_tokens: Option<usize>,
+    /// The continuous strategy's KV pool in bytes (instead of --kv-budget-tokens).
+    #[arg(long)]
+    kv_budget_bytes: Option<usize>,
+    /// How the continuous strategy's KV cache stores keys: f32, f16, bf16, q8_0, q4_0.
+    #[arg(long, default_value = "f32")]
+    kv_cache_type_k: llama_burn::cache::KvCacheType,
+    /// How it stores values (as --kv-cache-type-k).
+    #[arg(long, default_value = "f32")]
+    kv_cache_type_v: llama_burn::cache::KvCacheType,
     /// This many of the requests (the last ones) generate exactly `--long-max-tokens`
     /// tokens, ignoring EOS; the others `--max-tokens`.
     #[arg(long, default_value_t = 0)]
@@ -520,12 +529,25 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
         if let Some(tokens) = args.kv_budget_tokens {
             config = config.with_kv_budget_tokens(tokens);
         }
+        if let Some(bytes) = args.kv_budget_bytes {
+            config = config.with_kv_budget_bytes(bytes);
+        }
+        config = config.with_kv_cache_types(args.kv_cache_type_k, args.kv_cache_type_v);
         reset_peak_rss();
         let service = InferenceBuilder::new()
             .with_model(llama)
             .build_continuous(config)?;
         let (wall, traces) = through_service(&service, &reqs, &arrive)?;
         let m = service.with_model_blocking(|engine| engine.metrics())?;
+        eprintln!(
+            "continuous KV pool ({}): {} blocks of {} tokens = {} tokens in {} bytes; {} preemptions",
+            config_types(args),
+            m.kv_blocks_total,
+            m.block_size,
+            m.kv_blocks_total * m.block_size,
+            m.kv_pool_bytes,
+            m.preemptions
+        );
         let memory = Memory {
             peak_kv_bytes: m.peak_kv_bytes_used,
             preemptions: m.preemptions,
@@ -572,6 +594,8 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
                 "shared_prefix_tokens": args.shared_prefix_tokens,
                 "prefix_caching": !args.no_prefix_cache,
                 "kv_budget_tokens": args.kv_budget_tokens,
+                "kv_budget_bytes": args.kv_budget_bytes,
+                "kv_cache_types": config_types(args),
                 "temperature": args.temperature,
                 "top_p": args.top_p,
                 "top_k": args.top_k,
@@ -585,6 +609,11 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
         println!("outputs identical across strategies: {identical}");
     }
     Ok(())
+}
+
+/// The continuous strategy's KV cache types, as `k=q8_0 v=q8_0`.
+fn config_types(args: &Args) -> String {
+    llama_burn::cache::KvCacheTypes::new(args.kv_cache_type_k, args.kv_cache_type_v).to_string()
 }
 
 /// Reads and parses the `--json-schema` file.

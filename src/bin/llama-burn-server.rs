@@ -141,6 +141,17 @@ struct Args {
     /// KV cache size in tokens (allocated once at start).
     #[arg(long, default_value_t = 32 * 1024)]
     kv_budget_tokens: usize,
+    /// KV cache size in bytes instead of tokens: the pool holds as many blocks as fit,
+    /// so smaller `--kv-cache-type-*` hold more tokens in the same memory.
+    #[arg(long)]
+    kv_budget_bytes: Option<usize>,
+    /// How the KV cache stores keys: f32 (the activations' type), f16, bf16, q8_0 or
+    /// q4_0 (the types other than f32 run on the CPU backend).
+    #[arg(long, default_value = "f32")]
+    kv_cache_type_k: llama_burn::cache::KvCacheType,
+    /// How the KV cache stores values (as `--kv-cache-type-k`).
+    #[arg(long, default_value = "f32")]
+    kv_cache_type_v: llama_burn::cache::KvCacheType,
     /// Most requests waiting for admission; more get 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
@@ -248,8 +259,13 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
             }),
         ..ContinuousConfig::default()
     }
-    .with_kv_budget_tokens(args.kv_budget_tokens);
-    if args.kv_budget_tokens < args.max_seq_len {
+    .with_kv_budget_tokens(args.kv_budget_tokens)
+    .with_kv_cache_types(args.kv_cache_type_k, args.kv_cache_type_v);
+    let config = match args.kv_budget_bytes {
+        Some(bytes) => config.with_kv_budget_bytes(bytes),
+        None => config,
+    };
+    if args.kv_budget_bytes.is_none() && args.kv_budget_tokens < args.max_seq_len {
         tracing::warn!(
             "--kv-budget-tokens {} is below --max-seq-len {}: requests whose prompt plus \
              max_tokens exceed the KV budget (chat requests without max_tokens ask for the \

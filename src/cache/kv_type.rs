@@ -89,7 +89,7 @@ impl KvCacheType {
     }
 
     /// Encodes one head vector `x` into its row `out` (`row_bytes(x.len())` bytes).
-    pub(crate) fn encode(self, x: &[f32], out: &mut [u8]) {
+    pub fn encode(self, x: &[f32], out: &mut [u8]) {
         match self {
             Self::F32 => {
                 for (o, v) in out.as_chunks_mut::<4>().0.iter_mut().zip(x) {
@@ -121,7 +121,7 @@ impl KvCacheType {
 
     /// Decodes one row `bytes` into its head vector `out`.
     #[inline(always)]
-    pub(crate) fn decode(self, bytes: &[u8], out: &mut [f32]) {
+    pub fn decode(self, bytes: &[u8], out: &mut [f32]) {
         use crate::quant::dequant;
         match self {
             Self::F32 => {
