@@ -152,6 +152,16 @@ struct Args {
     /// How the KV cache stores values (as `--kv-cache-type-k`).
     #[arg(long, default_value = "f32")]
     kv_cache_type_v: llama_burn::cache::KvCacheType,
+    /// Keep the prefix cache in this directory too, so cached prompts survive a restart:
+    /// full KV blocks are written as they are made (never holding up a step) and read
+    /// back at start; files of another model, version, precision or KV cache type, and
+    /// damaged ones, are refused with a log line.
+    #[arg(long)]
+    prefix_cache_dir: Option<PathBuf>,
+    /// Most bytes of prefix cache files kept in `--prefix-cache-dir` (oldest removed
+    /// first).
+    #[arg(long, default_value_t = 4 << 30)]
+    prefix_cache_disk_bytes: u64,
     /// Most requests waiting for admission; more get 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
@@ -227,7 +237,19 @@ fn start_engine<T: Tokenizer>(
             tracing::warn!(error = %e, "no constraint vocabulary: constrained requests will fail")
         }
     }
-    Ok(Arc::new(ContinuousEngine::start(llama, config)?))
+    let disk = config.prefix_cache_disk.is_some();
+    let start = std::time::Instant::now();
+    let engine = ContinuousEngine::start(llama, config)?;
+    if disk {
+        let m = engine.metrics();
+        tracing::info!(
+            loaded_blocks = m.prefix_disk_loaded_blocks,
+            refused_files = m.prefix_disk_refused_files,
+            seconds = start.elapsed().as_secs_f64(),
+            "prefix cache read from disk"
+        );
+    }
+    Ok(Arc::new(engine))
 }
 
 /// Loads `--draft-model` (if given) as `llama`'s draft model.
@@ -263,6 +285,25 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
     .with_kv_cache_types(args.kv_cache_type_k, args.kv_cache_type_v);
     let config = match args.kv_budget_bytes {
         Some(bytes) => config.with_kv_budget_bytes(bytes),
+        None => config,
+    };
+    let config = match &args.prefix_cache_dir {
+        Some(dir) => {
+            let start = Instant::now();
+            // How the loader changes the weights is part of the model's identity.
+            let variant = format!("quantize {:?}", args.quantize);
+            let model = llama_burn::cache::fingerprint_files(&[path.to_path_buf()], &variant)?;
+            tracing::info!(
+                dir = %dir.display(),
+                seconds = start.elapsed().as_secs_f64(),
+                "prefix cache on disk (model fingerprint {model:032x})"
+            );
+            config.with_prefix_cache_disk(llama_burn::cache::PrefixCacheDisk::new(
+                dir,
+                args.prefix_cache_disk_bytes,
+                model,
+            ))
+        }
         None => config,
     };
     if args.kv_budget_bytes.is_none() && args.kv_budget_tokens < args.max_seq_len {

@@ -15,12 +15,18 @@
 //! - **Accounting.** Every block is exactly one of: in use (referenced), cached (registered,
 //!   unreferenced, evictable) or free; [`BlockManager::check_invariants`] proves it.
 //!
+//! - **Persistence.** With [`BlockManager::record_registrations`] on, every newly
+//!   registered block is also listed for [`BlockManager::take_registered`] (the engine
+//!   copies those to disk), and [`BlockManager::insert_cached`] registers a block whose
+//!   contents came from disk; hits on such blocks are counted apart
+//!   ([`BlockManager::disk_hit_tokens`]).
+//!
 //! A key is the 128-bit chain hash of the prefix before the block *and* the block's
 //! tokens themselves, compared exactly: a lookup can only be wrong if two different
-//! prefixes collide on 128 bits.
+//! prefixes collide on 128 bits. The chain hash is XXH3-128, a specified function, so a
+//! chain written to disk by one build reads the same in the next.
 
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
 
 /// Index of a block in the pool.
 pub type BlockId = u32;
@@ -38,16 +44,35 @@ struct BlockKey {
 impl BlockKey {
     /// The chain hash of the prefix that ends with this block.
     fn chain_hash(&self) -> PrefixHash {
-        // Two SipHash passes with different leading words give 128 bits.
-        let half = |salt: u64| {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            salt.hash(&mut h);
-            self.parent.hash(&mut h);
-            self.tokens.hash(&mut h);
-            h.finish()
-        };
-        (u128::from(half(0x9e37_79b9_7f4a_7c15)) << 64) | u128::from(half(0x5851_f42d_4c95_7f2d))
+        chain_hash(self.parent, &self.tokens)
     }
+}
+
+/// The chain hash of the prefix that ends with a block of `tokens` after the prefix
+/// `parent`: XXH3-128 of `parent` and the tokens, little-endian.
+pub fn chain_hash(parent: PrefixHash, tokens: &[u32]) -> PrefixHash {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&parent.to_le_bytes());
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    h.digest128()
+}
+
+/// A block registered in the prefix cache, as [`BlockManager::take_registered`] lists
+/// it: where it is and what it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegisteredBlock {
+    /// The block.
+    pub id: BlockId,
+    /// The chain hash of the prefix before it (the partition's salt for a first block).
+    pub parent: PrefixHash,
+    /// Its tokens (`block_size` of them).
+    pub tokens: Vec<u32>,
+    /// The chain hash of the prefix it ends.
+    pub hash: PrefixHash,
+    /// Its place in its sequence (0 for the first block).
+    pub depth: usize,
 }
 
 /// The full blocks of `tokens`, which follow the prefix whose hash is `parent`: each
@@ -81,6 +106,8 @@ struct BlockInfo {
     key: Option<BlockKey>,
     /// When it was last released (for least-recently-used eviction).
     released_at: u64,
+    /// Its contents were read from disk ([`BlockManager::insert_cached`]).
+    from_disk: bool,
 }
 
 /// Allocation, sharing and prefix caching of the pool's blocks.
@@ -97,7 +124,10 @@ pub struct BlockManager {
     cached: HashMap<BlockKey, BlockId>,
     clock: u64,
     hit_tokens: u64,
+    disk_hit_tokens: u64,
     evictions: u64,
+    /// Newly registered blocks, kept while recording is on.
+    registered: Option<Vec<RegisteredBlock>>,
 }
 
 /// A request's reuse of cached blocks found by [`BlockManager::match_prefix`].
@@ -107,6 +137,8 @@ pub struct PrefixMatch {
     pub blocks: Vec<BlockId>,
     /// Tokens covered (`blocks.len() * block_size`).
     pub tokens: usize,
+    /// Of those, tokens in blocks read from disk.
+    pub disk_tokens: usize,
 }
 
 impl BlockManager {
@@ -123,8 +155,59 @@ impl BlockManager {
             cached: HashMap::new(),
             clock: 0,
             hit_tokens: 0,
+            disk_hit_tokens: 0,
             evictions: 0,
+            registered: None,
         }
+    }
+
+    /// Lists every block registered from now on for [`take_registered`](Self::take_registered)
+    /// (the engine's copy to disk). Off by default.
+    pub fn record_registrations(&mut self, on: bool) {
+        self.registered = on.then(Vec::new);
+    }
+
+    /// The blocks registered since the last call (none when recording is off). Their
+    /// contents are complete; a block may have been freed since, never reused (a
+    /// registered block is reused only after it is evicted, which takes a step).
+    pub fn take_registered(&mut self) -> Vec<RegisteredBlock> {
+        self.registered
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Registers a free block as holding `tokens` (a full block) after the prefix
+    /// `parent`, unreferenced and evictable, for contents the caller writes into it
+    /// (read from disk). Returns it, or `None` when prefix caching is off, `tokens` is
+    /// not one block, no block is free (cached ones are not evicted for this), or the
+    /// prefix is cached already.
+    pub fn insert_cached(&mut self, parent: PrefixHash, tokens: &[u32]) -> Option<BlockId> {
+        if !self.prefix_caching || tokens.len() != self.block_size {
+            return None;
+        }
+        let key = BlockKey {
+            parent,
+            tokens: tokens.to_vec(),
+        };
+        if self.cached.contains_key(&key) {
+            return None;
+        }
+        let id = self.free.pop()?;
+        self.clock += 1;
+        let info = &mut self.blocks[id as usize];
+        info.key = Some(key.clone());
+        info.released_at = self.clock;
+        info.from_disk = true;
+        self.evictable.insert(self.clock, id);
+        self.cached.insert(key, id);
+        Some(id)
+    }
+
+    /// Prompt tokens served from blocks read from disk so far (part of
+    /// [`hit_tokens`](Self::hit_tokens)).
+    pub fn disk_hit_tokens(&self) -> u64 {
+        self.disk_hit_tokens
     }
 
     /// Tokens per block.
@@ -196,12 +279,19 @@ impl BlockManager {
             };
             blocks.push(id);
         }
+        let mut from_disk = 0;
         for &id in &blocks {
             self.take_ref(id);
+            from_disk += usize::from(self.blocks[id as usize].from_disk);
         }
         let tokens = blocks.len() * self.block_size;
         self.hit_tokens += tokens as u64;
-        PrefixMatch { blocks, tokens }
+        self.disk_hit_tokens += (from_disk * self.block_size) as u64;
+        PrefixMatch {
+            blocks,
+            tokens,
+            disk_tokens: from_disk * self.block_size,
+        }
     }
 
     /// Undoes a [`match_prefix`](Self::match_prefix) whose request could not be admitted
@@ -209,6 +299,7 @@ impl BlockManager {
     pub fn unmatch(&mut self, hit: &PrefixMatch) {
         self.free(&hit.blocks);
         self.hit_tokens = self.hit_tokens.saturating_sub(hit.tokens as u64);
+        self.disk_hit_tokens = self.disk_hit_tokens.saturating_sub(hit.disk_tokens as u64);
     }
 
     /// Hands out `n` blocks (evicting least recently used cached blocks if the free list
@@ -281,6 +372,15 @@ impl BlockManager {
             let id = table[i];
             let info = &self.blocks[id as usize];
             if info.key.is_none() && !self.cached.contains_key(&key) {
+                if let Some(list) = &mut self.registered {
+                    list.push(RegisteredBlock {
+                        id,
+                        parent: key.parent,
+                        tokens: key.tokens.clone(),
+                        hash,
+                        depth: i,
+                    });
+                }
                 self.cached.insert(key.clone(), id);
                 self.blocks[id as usize].key = Some(key);
             }
@@ -298,7 +398,9 @@ impl BlockManager {
 
     fn evict_one(&mut self) -> Option<BlockId> {
         let (_, id) = self.evictable.pop_first()?;
-        if let Some(key) = self.blocks[id as usize].key.take() {
+        let info = &mut self.blocks[id as usize];
+        info.from_disk = false;
+        if let Some(key) = info.key.take() {
             self.cached.remove(&key);
         }
         self.evictions += 1;
@@ -475,6 +577,55 @@ mod tests {
         assert_eq!(m.match_prefix(&[1, 2, 3, 4, 5]).tokens, 0);
         assert_eq!(m.cached_unused(), 0);
         m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn registrations_are_recorded_and_blocks_from_disk_are_found_and_counted() {
+        let mut m = BlockManager::new(8, 2, true);
+        m.record_registrations(true);
+        let prompt = [1, 2, 3, 4, 5];
+        let t = m.allocate(3).unwrap();
+        m.register_full_blocks(&prompt, &t, 5, 0, 0);
+        let listed = m.take_registered();
+        let hashes = prefix_hashes(&prompt, 2);
+        assert_eq!(listed.len(), 2);
+        assert_eq!(
+            (listed[1].id, listed[1].parent, listed[1].depth),
+            (t[1], hashes[0], 1)
+        );
+        assert_eq!(
+            (listed[1].tokens.clone(), listed[1].hash),
+            (vec![3, 4], hashes[1])
+        );
+        assert!(m.take_registered().is_empty(), "taken once");
+
+        // A second manager (a restart) given those blocks from disk.
+        let mut n = BlockManager::new(4, 2, true);
+        for b in &listed {
+            assert!(n.insert_cached(b.parent, &b.tokens).is_some());
+        }
+        assert_eq!(
+            n.insert_cached(listed[0].parent, &listed[0].tokens),
+            None,
+            "once"
+        );
+        assert_eq!(n.insert_cached(0, &[1]), None, "not a whole block");
+        assert_eq!(n.cached_unused(), 2);
+        let hit = n.match_prefix(&[1, 2, 3, 4, 9]);
+        assert_eq!(
+            (hit.tokens, hit.disk_tokens, n.disk_hit_tokens()),
+            (4, 4, 4)
+        );
+        n.free(&hit.blocks);
+        // The two free blocks are all insert_cached takes: cached ones are not evicted.
+        assert!(n.insert_cached(0, &[7, 7]).is_some());
+        assert!(n.insert_cached(0, &[8, 8]).is_some());
+        assert_eq!(n.insert_cached(0, &[9, 9]), None);
+        // Evicted and reused, a block no longer counts as from disk.
+        let all = n.allocate(4).unwrap();
+        n.free(&all);
+        assert_eq!(n.match_prefix(&[1, 2, 3, 4, 9]).disk_tokens, 0);
+        n.check_invariants().unwrap();
     }
 
     #[test]

@@ -317,6 +317,110 @@ impl<B: Backend> PagedKvCache<B> {
         Ok(())
     }
 
+    /// A description of how a block's bytes are laid out ([`read_block`](Self::read_block)):
+    /// the types, the float pool's dtype, layers, heads, head size and block size. Two
+    /// caches with the same tag read each other's blocks.
+    pub fn layout_tag(&self) -> String {
+        let float = match self.layers.first() {
+            Some(LayerPool::Float { k, .. }) => format!("{:?}", k.dtype()),
+            _ => "encoded".into(),
+        };
+        format!(
+            "keys {} values {} ({float}); layers {}; kv heads {}; head dim {}; block {}",
+            self.types.keys,
+            self.types.values,
+            self.layers.len(),
+            self.kv_heads,
+            self.head_dim,
+            self.block_size
+        )
+    }
+
+    /// The contents of block `block` in every layer, as bytes: per layer its keys then
+    /// its values, `[kv_heads, block_size, head_dim]` values (or encoded rows) each.
+    /// [`block_bytes`](Self::block_bytes) long.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] for a block outside the pool;
+    /// [`LlamaError::Runtime`] if the backend cannot read a tensor back.
+    pub fn read_block(&self, block: BlockId) -> Result<Vec<u8>> {
+        let b = self.check_block(block)?;
+        let mut out = Vec::with_capacity(self.block_bytes());
+        for layer in &self.layers {
+            match layer {
+                LayerPool::Float { k, v } => {
+                    for pool in [k, v] {
+                        let data = pool.clone().slice([b..b + 1]).into_data();
+                        out.extend_from_slice(data.as_bytes());
+                    }
+                }
+                LayerPool::Encoded { k, v } => {
+                    for pool in [k, v] {
+                        let span = self.kv_heads * self.block_size * pool.row_bytes;
+                        out.extend_from_slice(&pool.bytes[b * span..(b + 1) * span]);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes `bytes` (laid out as [`read_block`](Self::read_block) gives them) into
+    /// block `block` of every layer.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] for a block outside the pool or bytes of another
+    /// length than [`block_bytes`](Self::block_bytes).
+    pub fn write_block(&mut self, block: BlockId, bytes: &[u8]) -> Result<()> {
+        let b = self.check_block(block)?;
+        if bytes.len() != self.block_bytes() {
+            return Err(LlamaError::invalid(
+                "kv_block",
+                bytes.len(),
+                "not the length of one block in this pool",
+            ));
+        }
+        let (kv_heads, block_size, head_dim) = (self.kv_heads, self.block_size, self.head_dim);
+        let mut rest = bytes;
+        for layer in &mut self.layers {
+            match layer {
+                LayerPool::Float { k, v } => {
+                    for pool in [k, v] {
+                        let dtype = pool.dtype();
+                        let span = kv_heads * block_size * head_dim * dtype.size();
+                        let (mine, tail) = rest.split_at(span);
+                        rest = tail;
+                        let data = TensorData::from_bytes_vec(
+                            mine.to_vec(),
+                            [1, kv_heads, block_size, head_dim],
+                            dtype,
+                        );
+                        write_block_into(pool, b, data);
+                    }
+                }
+                LayerPool::Encoded { k, v } => {
+                    for pool in [k, v] {
+                        let span = kv_heads * block_size * pool.row_bytes;
+                        let (mine, tail) = rest.split_at(span);
+                        rest = tail;
+                        pool.bytes[b * span..(b + 1) * span].copy_from_slice(mine);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_block(&self, block: BlockId) -> Result<usize> {
+        let b = block as usize;
+        if b >= self.num_blocks {
+            return Err(LlamaError::invalid("kv_block", block, "outside the pool"));
+        }
+        Ok(b)
+    }
+
     /// Layer `layer`'s pool in the float type: keys and values,
     /// `[blocks, kv_heads, block_size, head_dim]` each (`None` for an encoded pool).
     #[cfg(test)]
@@ -364,6 +468,30 @@ impl<B: Backend> PagedKvCache<B> {
         let out = paged_attention_encoded(&q, batch.n_heads(), pool, batch.seqs())?;
         Ok(Tensor::from_data(TensorData::new(out, dims), &device))
     }
+}
+
+/// Writes one block's `data` (`[1, kv_heads, block_size, head_dim]` in the pool's dtype)
+/// into block `b` of `pool`: in place on the CPU backend's f32 pools (a slice assignment
+/// there copies the whole pool), else a slice assignment.
+fn write_block_into<B: Backend>(pool: &mut Tensor<B, 4>, b: usize, data: TensorData) {
+    let [_, kv_heads, block_size, head_dim] = pool.dims();
+    let device = pool.device();
+    let block = Tensor::<B, 4>::from_data(data, &device);
+    let rows = block.clone().reshape([kv_heads * block_size, head_dim]);
+    pool.inplace(|pool| {
+        let span = kv_heads * block_size * head_dim;
+        match super::host::write_in_place(pool, &rows, |memory, rows| {
+            for i in 0..rows.len() {
+                let at = b * span + i * head_dim;
+                memory[at..at + head_dim].copy_from_slice(rows.row(i));
+            }
+        }) {
+            Ok(pool) => pool,
+            Err(pool) => {
+                pool.slice_assign([b..b + 1, 0..kv_heads, 0..block_size, 0..head_dim], block)
+            }
+        }
+    });
 }
 
 /// Writes `values` (`[tokens, kv_heads * head_dim]`) into `pool` (`[blocks, kv_heads,
@@ -511,6 +639,60 @@ mod tests {
             }
         }
         assert_eq!(cache.allocated_bytes(), 5 * 2 * heads * bs * dim * 4);
+    }
+
+    #[test]
+    fn a_block_read_out_writes_back_into_another_block_of_a_pool_of_its_layout() {
+        use crate::cache::KvCacheType as T;
+        let (heads, dim, bs, layers) = (2, 32, 4, 2);
+        let device = default_device();
+        for types in [
+            KvCacheTypes::both(T::F32),
+            KvCacheTypes::new(T::Q8_0, T::F16),
+        ] {
+            let new = || {
+                PagedKvCache::<B>::with_types(layers, 3, bs, heads, dim, types, &device).unwrap()
+            };
+            let mut cache = new();
+            let seqs = vec![crate::model::attention::PagedSeq {
+                tokens: bs,
+                start: 0,
+                blocks: &[1],
+            }];
+            let batch = PagedBatch::new(seqs, heads, bs, 3, &device).unwrap();
+            let slots: Vec<Slot> = (0..bs).map(|i| (1, i)).collect();
+            for layer in 0..layers {
+                let base = 10.0 * layer as f32;
+                let (k, v) = (
+                    values(bs, heads * dim, base),
+                    values(bs, heads * dim, -base),
+                );
+                cache.write(layer, k, v, &slots, &batch).unwrap();
+            }
+            let bytes = cache.read_block(1).unwrap();
+            assert_eq!(bytes.len(), cache.block_bytes(), "{types}");
+            assert!(bytes.iter().any(|&b| b != 0));
+            // Into block 2 of a fresh pool: the same bytes come back out.
+            let mut other = new();
+            assert_eq!(other.layout_tag(), cache.layout_tag());
+            other.write_block(2, &bytes).unwrap();
+            assert_eq!(other.read_block(2).unwrap(), bytes, "{types}");
+            assert!(other.read_block(1).unwrap().iter().all(|&b| b == 0));
+            assert_err!(
+                other.write_block(3, &bytes),
+                LlamaError::InvalidParameter {
+                    name: "kv_block",
+                    ..
+                }
+            );
+            assert_err!(
+                other.write_block(0, &bytes[1..]),
+                LlamaError::InvalidParameter {
+                    name: "kv_block",
+                    ..
+                }
+            );
+        }
     }
 
     #[test]

@@ -43,6 +43,16 @@ pub const SPEC_DECODE_NUM_ACCEPTED_TOKENS: &str = "llama_burn:spec_decode_num_ac
 pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "llama_burn:prefix_cache_queries_total";
 /// Prompt tokens served from the prefix cache.
 pub const PREFIX_CACHE_HITS_TOTAL: &str = "llama_burn:prefix_cache_hits_total";
+/// Prompt tokens served from prefix blocks read from disk at start.
+pub const PREFIX_CACHE_DISK_HITS_TOTAL: &str = "llama_burn:prefix_cache_disk_hits_total";
+/// Prefix blocks read from disk into the KV pool at start.
+pub const PREFIX_CACHE_DISK_LOADED_BLOCKS: &str = "llama_burn:prefix_cache_disk_loaded_blocks";
+/// Prefix cache files refused at start (another model or configuration, or damaged).
+pub const PREFIX_CACHE_DISK_REFUSED_FILES: &str = "llama_burn:prefix_cache_disk_refused_files";
+/// Prefix blocks written to disk.
+pub const PREFIX_CACHE_DISK_WRITTEN_BLOCKS: &str = "llama_burn:prefix_cache_disk_written_blocks";
+/// Prefix blocks not written to disk (the writer's queue was full, or a write failed).
+pub const PREFIX_CACHE_DISK_DROPPED_BLOCKS: &str = "llama_burn:prefix_cache_disk_dropped_blocks";
 /// API requests by tenant (API-key tenants only; other requests count as `other`).
 pub const TENANT_REQUESTS_TOTAL: &str = "llama_burn:tenant_requests_total";
 /// Requests refused because the engine's queue was full.
@@ -151,6 +161,30 @@ impl ServerMetrics {
                 PREFIX_CACHE_HITS_TOTAL,
                 "Prompt tokens served from the prefix cache."
             );
+            for (name, help) in [
+                (
+                    PREFIX_CACHE_DISK_HITS_TOTAL,
+                    "Prompt tokens served from prefix blocks read from disk at start.",
+                ),
+                (
+                    PREFIX_CACHE_DISK_LOADED_BLOCKS,
+                    "Prefix blocks read from disk into the KV pool at start.",
+                ),
+                (
+                    PREFIX_CACHE_DISK_REFUSED_FILES,
+                    "Prefix cache files refused at start (another model or configuration, or damaged).",
+                ),
+                (
+                    PREFIX_CACHE_DISK_WRITTEN_BLOCKS,
+                    "Prefix blocks written to disk.",
+                ),
+                (
+                    PREFIX_CACHE_DISK_DROPPED_BLOCKS,
+                    "Prefix blocks not written to disk (queue full or write failed).",
+                ),
+            ] {
+                metrics::describe_counter!(name, help);
+            }
             metrics::describe_counter!(
                 REQUESTS_REJECTED_TOTAL,
                 "Requests refused because the queue was full."
@@ -236,6 +270,21 @@ impl ServerMetrics {
                 metrics::counter!(NUM_PREEMPTIONS_TOTAL).absolute(m.preemptions);
                 metrics::counter!(PREFIX_CACHE_HITS_TOTAL).absolute(m.prefix_hit_tokens);
                 metrics::counter!(REQUESTS_REJECTED_TOTAL).absolute(m.rejected);
+                for (name, value) in [
+                    (PREFIX_CACHE_DISK_HITS_TOTAL, m.prefix_disk_hit_tokens),
+                    (PREFIX_CACHE_DISK_LOADED_BLOCKS, m.prefix_disk_loaded_blocks),
+                    (PREFIX_CACHE_DISK_REFUSED_FILES, m.prefix_disk_refused_files),
+                    (
+                        PREFIX_CACHE_DISK_WRITTEN_BLOCKS,
+                        m.prefix_disk_written_blocks,
+                    ),
+                    (
+                        PREFIX_CACHE_DISK_DROPPED_BLOCKS,
+                        m.prefix_disk_dropped_blocks,
+                    ),
+                ] {
+                    metrics::counter!(name).absolute(value);
+                }
                 metrics::counter!(SPEC_DECODE_NUM_DRAFT_TOKENS)
                     .absolute(m.spec_decode_num_draft_tokens);
                 metrics::counter!(SPEC_DECODE_NUM_ACCEPTED_TOKENS)

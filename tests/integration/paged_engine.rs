@@ -535,3 +535,119 @@ fn kv_cache_types_agree_with_the_f32_cache() {
         }
     }
 }
+
+/// The prefix cache on disk: an engine writes its full prefix blocks to the directory,
+/// a restarted engine reads them back and serves a request's shared prefix from them
+/// with the same sampled tokens and log-probabilities as a cold engine; files of another
+/// cache type, of another model and a damaged file are refused (and counted), and the
+/// engine still starts and answers.
+#[test]
+fn the_prefix_cache_on_disk_survives_a_restart_and_refuses_what_is_not_its_own() {
+    use llama_burn::cache::{KvCacheType as T, PrefixCacheDisk};
+    let dir = std::env::temp_dir().join(format!("llama-burn-prefix-disk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let files = || -> Vec<std::path::PathBuf> {
+        let mut out: Vec<_> = std::fs::read_dir(&dir)
+            .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default();
+        out.retain(|p| p.extension().is_some_and(|e| e == "kvb"));
+        out.sort();
+        out
+    };
+    let system = "You are a careful assistant. Answer briefly and cite sources. ".repeat(6);
+    let sampled = |question: &str| {
+        GenerateRequest::new(format!("{system}{question}"))
+            .with_max_tokens(6)
+            .with_temperature(1.0)
+            .with_seed(11)
+            .with_logprobs(2)
+            .with_ignore_eos(true)
+    };
+    let with_disk = |model: u128| {
+        ContinuousConfig::default().with_prefix_cache_disk(PrefixCacheDisk::new(
+            &dir,
+            64 << 20,
+            model,
+        ))
+    };
+
+    // A cold engine without the disk: what the second question must get.
+    let engine: Engine = ContinuousEngine::start(demo(1024), ContinuousConfig::default()).unwrap();
+    let expected = tokens_and_logprobs(engine.submit(sampled("What is rust?")).unwrap());
+    engine.shutdown().unwrap();
+
+    // First life: the first question's prompt blocks go to disk.
+    let engine: Engine = ContinuousEngine::start(demo(1024), with_disk(42)).unwrap();
+    tokens_and_logprobs(engine.submit(sampled("Who wrote Hamlet?")).unwrap());
+    engine.shutdown().unwrap();
+    let written = files();
+    assert!(written.len() >= 4, "{written:?}");
+
+    // Second life: the blocks come back, and the shared prefix is served from them.
+    let engine: Engine = ContinuousEngine::start(demo(1024), with_disk(42)).unwrap();
+    let m = engine.metrics();
+    assert_eq!(m.prefix_disk_loaded_blocks, written.len() as u64);
+    assert_eq!(
+        (m.prefix_disk_refused_files, m.kv_blocks_cached),
+        (0, written.len())
+    );
+    let job = engine.submit(sampled("What is rust?")).unwrap();
+    let got = tokens_and_logprobs(job);
+    assert_eq!(
+        got, expected,
+        "tokens and log-probabilities after a restart"
+    );
+    let m = engine.metrics();
+    assert!(
+        m.prefix_disk_hit_tokens >= 16,
+        "{}",
+        m.prefix_disk_hit_tokens
+    );
+    assert_eq!(m.prefix_disk_hit_tokens, m.prefix_hit_tokens);
+    assert_eq!(
+        m.recent.last().unwrap().prefix_hit_tokens as u64,
+        m.prefix_hit_tokens
+    );
+    engine.shutdown().unwrap();
+
+    // Another cache type refuses every f32 file, serves all the same, and adds its own.
+    let q8 = with_disk(42).with_kv_cache_types(T::Q8_0, T::Q8_0);
+    let engine: Engine = ContinuousEngine::start(demo(1024), q8).unwrap();
+    let m = engine.metrics();
+    let f32_files = files().len() as u64;
+    assert_eq!(
+        (m.prefix_disk_loaded_blocks, m.prefix_disk_refused_files),
+        (0, f32_files)
+    );
+    assert_eq!(
+        tokens_and_logprobs(engine.submit(sampled("Hi")).unwrap()).len(),
+        6
+    );
+    engine.shutdown().unwrap();
+    let q8_files = files().len() as u64 - f32_files;
+    assert!(q8_files >= 4);
+
+    // Another model refuses everything.
+    let engine: Engine = ContinuousEngine::start(demo(1024), with_disk(43)).unwrap();
+    let m = engine.metrics();
+    assert_eq!(m.prefix_disk_loaded_blocks, 0);
+    assert_eq!(m.prefix_disk_refused_files, f32_files + q8_files);
+    engine.shutdown().unwrap();
+
+    // One damaged f32 file is refused; the others still load and serve the prefix.
+    let victim = &written[0];
+    let mut bytes = std::fs::read(victim).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(victim, bytes).unwrap();
+    let engine: Engine = ContinuousEngine::start(demo(1024), with_disk(42)).unwrap();
+    let m = engine.metrics();
+    assert_eq!(m.prefix_disk_refused_files, q8_files + 1);
+    assert_eq!(m.prefix_disk_loaded_blocks, f32_files - 1);
+    assert_eq!(
+        tokens_and_logprobs(engine.submit(sampled("What is rust?")).unwrap()),
+        expected
+    );
+    engine.shutdown().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -11,6 +11,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::scheduler::{RequestId, Scheduler, SchedulerLimits, StepPlan};
 use super::{ContinuousConfig, Outcome, RequestMetrics, Shared, Sink, Submission};
+use crate::cache::disk::PrefixDisk;
 use crate::cache::{BlockManager, PagedKvCache};
 use crate::constraints::ConstraintState;
 use crate::error::{LlamaError, Result};
@@ -154,6 +155,8 @@ pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     /// together and share them, so the forward pass over their prompt runs once, not `n`
     /// times.
     last_prompt_logprobs: Option<(Vec<u32>, usize, PromptLogprobs)>,
+    /// The prefix cache's copy on disk ([`ContinuousConfig::prefix_cache_disk`]).
+    disk: Option<PrefixDisk>,
 }
 
 /// A prompt's log-probabilities, a `None` for its first token.
@@ -205,7 +208,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         queue: Receiver<Submission>,
     ) -> Result<Self> {
         let c = llama.config();
-        let cache = PagedKvCache::with_types(
+        let mut cache = PagedKvCache::with_types(
             c.n_layers,
             num_blocks,
             config.block_size,
@@ -219,7 +222,23 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             step_tokens: config.step_tokens,
             min_prefill_chunk: config.min_prefill_chunk,
         };
-        let blocks = BlockManager::new(num_blocks, config.block_size, config.prefix_caching);
+        let mut blocks = BlockManager::new(num_blocks, config.block_size, config.prefix_caching);
+        let disk = match &config.prefix_cache_disk {
+            Some(disk) if config.prefix_caching => {
+                // Everything besides the model and the pool's layout that changes a
+                // block's bits.
+                let identity = format!(
+                    "llama-burn {}; backend {}; precision {}; simd {}",
+                    env!("CARGO_PKG_VERSION"),
+                    std::any::type_name::<B>(),
+                    c.precision,
+                    crate::kernels::SimdPath::active().name(),
+                );
+                blocks.record_registrations(true);
+                Some(PrefixDisk::open(disk, &identity, &mut blocks, &mut cache)?)
+            }
+            _ => None,
+        };
         let worker = Self {
             llama,
             cache,
@@ -233,6 +252,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             scoring: VecDeque::new(),
             scorer: None,
             last_prompt_logprobs: None,
+            disk,
         };
         worker.publish();
         Ok(worker)
@@ -260,6 +280,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             self.note_admissions(&plan);
             if !plan.rows.is_empty() {
                 self.execute_isolated(&plan);
+                self.persist();
             }
             self.publish();
         }
@@ -875,6 +896,17 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         }
     }
 
+    /// Queues the blocks registered by the step for the disk (their contents are
+    /// complete, and no block is handed out again before the next step's plan).
+    fn persist(&mut self) {
+        if let Some(disk) = &mut self.disk {
+            let registered = self.scheduler.blocks_mut().take_registered();
+            if !registered.is_empty() {
+                disk.offer(registered, &self.cache);
+            }
+        }
+    }
+
     fn publish(&self) {
         let blocks = self.scheduler.blocks();
         let used = blocks.in_use() * self.cache.block_bytes();
@@ -892,6 +924,14 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             m.steps = self.steps;
             m.preemptions = self.scheduler.preemptions();
             m.prefix_hit_tokens = blocks.hit_tokens();
+            m.prefix_disk_hit_tokens = blocks.disk_hit_tokens();
+            if let Some(disk) = &self.disk {
+                let read = |n: &std::sync::atomic::AtomicU64| n.load(Ordering::Relaxed);
+                m.prefix_disk_loaded_blocks = read(&disk.stats.loaded);
+                m.prefix_disk_refused_files = read(&disk.stats.refused);
+                m.prefix_disk_written_blocks = read(&disk.stats.written);
+                m.prefix_disk_dropped_blocks = read(&disk.stats.dropped);
+            }
             m.spec_decode_num_draft_tokens = self.spec_stats.draft_tokens;
             m.spec_decode_num_accepted_tokens = self.spec_stats.accepted_draft_tokens;
         }

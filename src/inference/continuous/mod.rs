@@ -98,6 +98,13 @@ pub struct ContinuousConfig {
     /// Reuse the KV blocks of prefixes computed before (shared system prompts,
     /// documents). On by default; results are identical either way.
     pub prefix_caching: bool,
+    /// Keep the prefix cache on disk as well (`None`, the default: in memory only): full
+    /// blocks are written to the directory as they are made, by a thread of their own,
+    /// and read back into the pool when an engine starts, so a restart keeps its cached
+    /// prefixes. Blocks of another model, version, backend, precision or cache type,
+    /// and damaged files, are refused with a line on stderr and never used. Needs
+    /// `prefix_caching`. See [`crate::cache::disk`].
+    pub prefix_cache_disk: Option<crate::cache::PrefixCacheDisk>,
     /// Speculative decoding for requests that do not set their own
     /// ([`GenerateRequest::with_speculation`]); `None` (the default): only those that
     /// ask speculate. Tokens are the same either way.
@@ -125,6 +132,7 @@ impl Default for ContinuousConfig {
             step_tokens: 256,
             min_prefill_chunk: 32,
             prefix_caching: true,
+            prefix_cache_disk: None,
             speculation: None,
             panic_marker: None,
             exit_marker: None,
@@ -166,6 +174,14 @@ impl ContinuousConfig {
         self
     }
 
+    /// Keeps the prefix cache on disk as well (see
+    /// [`prefix_cache_disk`](Self::prefix_cache_disk)).
+    #[must_use]
+    pub fn with_prefix_cache_disk(mut self, disk: crate::cache::PrefixCacheDisk) -> Self {
+        self.prefix_cache_disk = Some(disk);
+        self
+    }
+
     fn validate(&self) -> Result<()> {
         let positive = [
             ("max_running", self.max_running),
@@ -180,6 +196,13 @@ impl ContinuousConfig {
         }
         if let Some(speculation) = &self.speculation {
             speculation.validate()?;
+        }
+        if self.prefix_cache_disk.is_some() && !self.prefix_caching {
+            return Err(LlamaError::invalid(
+                "prefix_cache_disk",
+                "set",
+                "the prefix cache on disk needs prefix caching on",
+            ));
         }
         Ok(())
     }
@@ -266,6 +289,17 @@ pub struct EngineMetrics {
     pub preemptions: u64,
     /// Prompt tokens served from the prefix cache.
     pub prefix_hit_tokens: u64,
+    /// Of those, tokens served from blocks read from disk at start
+    /// ([`ContinuousConfig::prefix_cache_disk`]).
+    pub prefix_disk_hit_tokens: u64,
+    /// Blocks read from disk into the pool at start.
+    pub prefix_disk_loaded_blocks: u64,
+    /// Block files refused at start (another model or configuration, or damaged).
+    pub prefix_disk_refused_files: u64,
+    /// Blocks written to disk.
+    pub prefix_disk_written_blocks: u64,
+    /// Blocks not written to disk: the writer's queue was full, or a write failed.
+    pub prefix_disk_dropped_blocks: u64,
     /// Proposed tokens verified by speculative decoding (vLLM's
     /// `spec_decode_num_draft_tokens`).
     pub spec_decode_num_draft_tokens: u64,

@@ -143,6 +143,12 @@ impl Scheduler {
         &self.blocks
     }
 
+    /// The block manager, to change: blocks registered by the engine's persistence,
+    /// never those of a running request.
+    pub fn blocks_mut(&mut self) -> &mut BlockManager {
+        &mut self.blocks
+    }
+
     /// Requests waiting for admission.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
