@@ -351,7 +351,7 @@ impl<B: Backend> PagedKvCache<B> {
             match layer {
                 LayerPool::Float { k, v } => {
                     for pool in [k, v] {
-                        let data = pool.clone().slice([b..b + 1]).into_data();
+                        let data = pool.clone().narrow(0, b, 1).into_data();
                         out.extend_from_slice(data.as_bytes());
                     }
                 }
