@@ -320,15 +320,10 @@ pub(crate) struct DiskStats {
     pub(crate) dropped: AtomicU64,
 }
 
-/// A block waiting for the writer.
-struct Job {
-    block: BlockFile,
-}
-
 /// The engine's side of the disk cache: loads at start, queues registered blocks for
 /// the writer thread, and waits for it when dropped (so a shutdown finishes its files).
 pub(crate) struct PrefixDisk {
-    queue: Option<Sender<Job>>,
+    queue: Option<Sender<BlockFile>>,
     writer: Option<JoinHandle<()>>,
     /// Blocks on disk or queued, so a block is copied once (the writer forgets those it
     /// removes: the set is as bounded as the directory).
@@ -369,8 +364,8 @@ impl PrefixDisk {
             payload_bytes: cache.block_bytes(),
         };
         let stats = Arc::new(DiskStats::default());
-        // Every block file, oldest first.
-        let mut files: Vec<(SystemTime, PathBuf)> = fs::read_dir(&dir)
+        // Every block file with its size, oldest first.
+        let mut files: Vec<(SystemTime, PathBuf, u64)> = fs::read_dir(&dir)
             .map_err(|e| LlamaError::io(&dir, e))?
             .filter_map(|entry| entry.ok())
             .map(|entry| entry.path())
@@ -383,10 +378,10 @@ impl PrefixDisk {
                 p.extension().and_then(|e| e.to_str()) == Some(EXTENSION)
             })
             .map(|p| {
-                let at = fs::metadata(&p)
-                    .and_then(|m| m.modified())
-                    .unwrap_or(SystemTime::UNIX_EPOCH);
-                (at, p)
+                let meta = fs::metadata(&p).ok();
+                let at = meta.as_ref().and_then(|m| m.modified().ok());
+                let size = meta.map_or(0, |m| m.len());
+                (at.unwrap_or(SystemTime::UNIX_EPOCH), p, size)
             })
             .collect();
         files.sort();
@@ -397,10 +392,9 @@ impl PrefixDisk {
         let mut valid: Vec<(u32, usize, PathBuf)> = Vec::new();
         let mut index = VecDeque::new();
         let mut known = HashSet::new();
-        for (age, (_, path)) in files.into_iter().enumerate() {
+        for (age, (_, path, size)) in files.into_iter().enumerate() {
             match read_file(&path, &id) {
                 Ok(block) => {
-                    let size = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
                     index.push_back((block.hash, size));
                     known.insert(block.hash);
                     valid.push((block.depth, age, path));
@@ -427,7 +421,7 @@ impl PrefixDisk {
             }
         }
         let capacity = (QUEUE_BYTES / id.payload_bytes.max(1)).clamp(1, 1024);
-        let (queue, jobs) = crossbeam_channel::bounded::<Job>(capacity);
+        let (queue, jobs) = crossbeam_channel::bounded::<BlockFile>(capacity);
         let known: Known = Arc::new(std::sync::Mutex::new(known));
         let writer = Writer {
             dir,
@@ -472,19 +466,17 @@ impl PrefixDisk {
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
-            let job = Job {
-                block: BlockFile {
-                    depth: u32::try_from(block.depth).unwrap_or(u32::MAX),
-                    parent: block.parent,
-                    hash: block.hash,
-                    tokens: block.tokens,
-                    payload,
-                },
+            let file = BlockFile {
+                depth: u32::try_from(block.depth).unwrap_or(u32::MAX),
+                parent: block.parent,
+                hash: block.hash,
+                tokens: block.tokens,
+                payload,
             };
-            if let Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) =
-                queue.try_send(job)
+            if let Err(TrySendError::Full(file) | TrySendError::Disconnected(file)) =
+                queue.try_send(file)
             {
-                lock(&self.known).remove(&job.block.hash);
+                lock(&self.known).remove(&file.hash);
                 self.stats.dropped.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -512,18 +504,18 @@ struct Writer {
 }
 
 impl Writer {
-    fn run(mut self, jobs: crossbeam_channel::Receiver<Job>) {
+    fn run(mut self, jobs: crossbeam_channel::Receiver<BlockFile>) {
         self.trim(0);
-        for job in jobs {
-            match self.write(&job.block) {
+        for block in jobs {
+            match self.write(&block) {
                 Ok(true) => {
                     self.stats.written.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(false) => {
-                    lock(&self.known).remove(&job.block.hash);
+                    lock(&self.known).remove(&block.hash);
                 }
                 Err(e) => {
-                    lock(&self.known).remove(&job.block.hash);
+                    lock(&self.known).remove(&block.hash);
                     self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                     eprintln!("llama-burn: a prefix cache block was not written: {e}");
                 }
