@@ -32,8 +32,12 @@ const TOKENS: usize = 6;
 fn demo<B: LlamaBackend>(device: &B::Device) -> Llama<B, DynTokenizer> {
     let path = llama_burn::demo::demo_model_path().expect("demo model");
     // Exact: the CPU backend's f32 arithmetic, which the wgpu backend's f32 matmul matches.
+    // No warm-up at load: its forward passes (a 280-token prompt chunk among them) are
+    // two and a half minutes a model on Mesa's software driver, and every kernel they
+    // would compile is compiled by the checks below anyway.
     llama_burn::Loader::gguf(path)
         .max_seq_len(128)
+        .warm_up(false)
         .load::<B>(device)
         .expect("demo model loads")
         .with_precision(llama_burn::Precision::Exact)

@@ -31,6 +31,11 @@ pub struct ModelOptions {
     /// as f32). The CPU backend takes them too, converting to f32 around its kernels.
     #[arg(long, default_value_t = FloatType::F32)]
     pub dtype: FloatType,
+    /// Skip the loader's warm-up on the GPU backends (one forward pass of each kind at
+    /// load, so the first request does not compile kernels): a faster start where the
+    /// first request's wait does not matter, as in CI's short runs on a software driver.
+    #[arg(long)]
+    pub no_warm_up: bool,
 }
 
 /// Loads `--model PATH` (a `.gguf` file or a Hugging Face directory), or the demo model,
@@ -55,7 +60,9 @@ pub fn load_model_as<C: LlamaBackend>(
         None => llama_burn::demo::demo_model_path()?,
     };
     set_float_type::<C>(device, options.dtype)?;
-    let mut loader = Loader::path(&path).max_seq_len(max_seq_len);
+    let mut loader = Loader::path(&path)
+        .max_seq_len(max_seq_len)
+        .warm_up(!options.no_warm_up);
     if let Some(format) = options.quantize {
         loader = loader.quantize(format);
     }

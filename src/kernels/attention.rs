@@ -217,6 +217,10 @@ pub struct EncodedPagedPool<'a> {
 struct EncodedView<'a> {
     data: &'a [u8],
     ty: KvCacheType,
+    /// Whether rows are decoded with the AVX2 + F16C decoders (the same bits as
+    /// [`KvCacheType::decode`]; chosen once per call, from [`SimdPath::active`]).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    simd: bool,
     row_bytes: usize,
     seqs: &'a [PagedSeq<'a>],
     heads: usize,
@@ -236,7 +240,14 @@ impl<'a> KvView<'a> for EncodedView<'a> {
         let block = self.seqs[b].blocks[j / self.block_size] as usize;
         let at =
             ((block * self.heads + h) * self.block_size + j % self.block_size) * self.row_bytes;
-        self.ty.decode(&self.data[at..at + self.row_bytes], out);
+        let row = &self.data[at..at + self.row_bytes];
+        #[cfg(target_arch = "x86_64")]
+        if self.simd {
+            // SAFETY: `simd` is set only where this CPU runs the AVX2 path; the row holds
+            // `out.len()` encoded values (the pool's row size for the head size).
+            return unsafe { super::avx2::decode_kv_row(self.ty, row, out) };
+        }
+        self.ty.decode(row, out);
     }
 }
 
@@ -280,6 +291,7 @@ pub fn paged_attention_encoded(
     let k = EncodedView {
         data: pool.keys.0,
         ty: pool.keys.1,
+        simd: matches!(SimdPath::active(), SimdPath::Avx2 | SimdPath::Avx512),
         row_bytes: key_row,
         seqs,
         heads,
@@ -1209,6 +1221,34 @@ mod tests {
                         assert_eq!(got[at..at + dim], alone[..], "{keys} keys, token {s}");
                     }
                 }
+            }
+        }
+    }
+
+    /// The AVX2 + F16C row decoders give [`KvCacheType::decode`]'s bits for every type,
+    /// at head sizes with and without a tail of fewer than 8 values (f16).
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn simd_row_decoders_give_the_portable_bits() {
+        if !matches!(SimdPath::active(), SimdPath::Avx2 | SimdPath::Avx512) {
+            eprintln!("skipped: this CPU (or LLAMA_BURN_SIMD) has no AVX2 path");
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(7);
+        for ty in KvCacheType::ALL {
+            for dim in [32, 64, 128, 36] {
+                let Ok(row_bytes) = ty.row_bytes(dim) else {
+                    continue;
+                };
+                let x: Vec<f32> = (0..dim).map(|_| rng.random_range(-4.0..4.0)).collect();
+                let mut bytes = vec![0u8; row_bytes];
+                ty.encode(&x, &mut bytes);
+                let (mut want, mut got) = (vec![0f32; dim], vec![f32::NAN; dim]);
+                ty.decode(&bytes, &mut want);
+                // SAFETY: the AVX2 path is active, so this CPU has AVX2, FMA and F16C.
+                unsafe { super::super::avx2::decode_kv_row(ty, &bytes, &mut got) };
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{ty} at head size {dim}");
             }
         }
     }

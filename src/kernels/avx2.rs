@@ -131,6 +131,47 @@ unsafe fn q4_0(h: &[u8], q: &[u8], o: *mut f32) {
     }
 }
 
+/// Decodes one encoded KV cache row of `ty` (`bytes`) into `out`, bitwise as
+/// [`KvCacheType::decode`](crate::cache::KvCacheType::decode) does: F16C's conversion
+/// is exact, and the 32-value blocks are the loader's decoders above.
+///
+/// # Safety
+///
+/// The CPU must support AVX2, FMA and F16C; `bytes` holds the encoded row of `out.len()`
+/// values (whole 32-value blocks for the ggml types).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn decode_kv_row(ty: crate::cache::KvCacheType, bytes: &[u8], out: &mut [f32]) {
+    use crate::cache::KvCacheType as T;
+    let o = out.as_mut_ptr();
+    match ty {
+        T::F16 => {
+            let whole = out.len() / 8 * 8;
+            for i in (0..whole).step_by(8) {
+                // SAFETY: 16 bytes (8 values) at `2 * i` and room for 8 at `i`.
+                unsafe {
+                    let h = _mm_loadu_si128(bytes.as_ptr().add(2 * i).cast());
+                    _mm256_storeu_ps(o.add(i), _mm256_cvtph_ps(h));
+                }
+            }
+            for (i, out) in out.iter_mut().enumerate().skip(whole) {
+                *out = f16(bytes[2 * i], bytes[2 * i + 1]);
+            }
+        }
+        // SAFETY (both arms): 34 (or 18) bytes a block of 32 values and room for them.
+        T::Q8_0 => {
+            for (blk, b) in bytes.chunks_exact(34).take(out.len() / 32).enumerate() {
+                unsafe { q8_0(&b[..2], &b[2..], o.add(32 * blk)) }
+            }
+        }
+        T::Q4_0 => {
+            for (blk, b) in bytes.chunks_exact(18).take(out.len() / 32).enumerate() {
+                unsafe { q4_0(&b[..2], &b[2..], o.add(32 * blk)) }
+            }
+        }
+        T::F32 | T::Bf16 => ty.decode(bytes, out),
+    }
+}
+
 /// `Q4_1`: `x = q * d + m` (`h`: the scale and minimum, `q`: 16 bytes, `o`: room for 32).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
