@@ -157,14 +157,16 @@ pub(crate) unsafe fn decode_kv_row(ty: crate::cache::KvCacheType, bytes: &[u8], 
                 *out = f16(bytes[2 * i], bytes[2 * i + 1]);
             }
         }
-        // SAFETY (both arms): 34 (or 18) bytes a block of 32 values and room for them.
+        // SAFETY (both arms): each ggml block's bytes and room for its 32 values.
         T::Q8_0 => {
-            for (blk, b) in bytes.chunks_exact(34).take(out.len() / 32).enumerate() {
+            let block = QuantFormat::Q8_0.block_bytes();
+            for (blk, b) in bytes.chunks_exact(block).take(out.len() / 32).enumerate() {
                 unsafe { q8_0(&b[..2], &b[2..], o.add(32 * blk)) }
             }
         }
         T::Q4_0 => {
-            for (blk, b) in bytes.chunks_exact(18).take(out.len() / 32).enumerate() {
+            let block = QuantFormat::Q4_0.block_bytes();
+            for (blk, b) in bytes.chunks_exact(block).take(out.len() / 32).enumerate() {
                 unsafe { q4_0(&b[..2], &b[2..], o.add(32 * blk)) }
             }
         }
