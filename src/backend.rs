@@ -102,6 +102,7 @@ use burn::tensor::{
     ops::AttentionModuleOptions,
 };
 
+use crate::cache::paged::DeviceKvPool;
 use crate::config::{FloatType, Precision};
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
@@ -145,6 +146,54 @@ pub trait LlamaBackend: Backend {
     /// backend's own tensors in its float type. The CPU backend says `true`.
     fn encodes_kv_cache() -> bool {
         false
+    }
+
+    /// Whether the paged KV cache may be stored in the encoded
+    /// [`KvCacheType`](crate::cache::KvCacheType)s on the device, in the backend's own
+    /// integer tensors ([`DeviceKvPool`]), written by
+    /// [`paged_store_encoded`](Self::paged_store_encoded) and read by
+    /// [`paged_attention_encoded`](Self::paged_attention_encoded). The default is
+    /// `false`; the CubeCL backends say `true`.
+    fn encodes_kv_cache_on_device() -> bool {
+        false
+    }
+
+    /// Writes a step's keys or values `x` (`[tokens, kv_heads * head_dim]`) into the
+    /// encoded pool `pool` at the slots `batch`'s tables give its positions, each token's
+    /// rows encoded from its own values alone, in place. The default refuses:
+    /// only a backend that says [`encodes_kv_cache_on_device`](Self::encodes_kv_cache_on_device)
+    /// implements it.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] (`kv_cache_type`) where the backend has no such
+    /// kernel; [`LlamaError::ShapeMismatch`]/[`LlamaError::InvalidBatch`] for rows or a
+    /// batch that do not fit the pool.
+    fn paged_store_encoded(
+        pool: &mut DeviceKvPool<Self>,
+        x: Tensor<Self, 2>,
+        batch: &PagedBatch<'_, Self>,
+    ) -> Result<()> {
+        let _ = (x, batch);
+        Err(no_device_kv(pool.ty()))
+    }
+
+    /// [`paged_attention`](Self::paged_attention) over encoded pools: `q`
+    /// `[tokens, n_heads * head_dim]` over `keys` and `values`, each key and value decoded
+    /// where it is read (no decoded copy of the cache). The default refuses, as
+    /// [`paged_store_encoded`](Self::paged_store_encoded) does.
+    ///
+    /// # Errors
+    ///
+    /// As [`paged_store_encoded`](Self::paged_store_encoded).
+    fn paged_attention_encoded(
+        q: Tensor<Self, 2>,
+        keys: &DeviceKvPool<Self>,
+        values: &DeviceKvPool<Self>,
+        batch: &PagedBatch<'_, Self>,
+    ) -> Result<Tensor<Self, 2>> {
+        let _ = (q, values, batch);
+        Err(no_device_kv(keys.ty()))
     }
 
     /// `x @ W^T` for activations `x` `[rows, in]` and a quantized `W` `[out, in]`:
@@ -415,6 +464,16 @@ pub trait LlamaBackend: Backend {
     ) -> Result<Tensor<Self, 4>> {
         Ok(fused_attention(q, k, v, mask))
     }
+}
+
+/// The refusal of an encoded KV cache type by a backend without the kernels for it.
+fn no_device_kv(ty: crate::cache::KvCacheType) -> LlamaError {
+    LlamaError::invalid(
+        "kv_cache_type",
+        ty,
+        "this backend keeps its KV cache in its float type (f32); the other types run on \
+         the CPU and CubeCL backends",
+    )
 }
 
 /// `x / sqrt(mean(x^2) + eps) * weight` by Burn's operations, in the tensors' own type.

@@ -69,6 +69,35 @@ fn the_gpu_gives_the_cpu_backend_tokens_and_logits() {
     eprintln!("gpu vs cpu, engine path: max |logit diff| {diff:e}");
     assert!(diff <= 1e-3, "{diff}");
 
+    // The engine's path over a KV cache encoded on the device (our store and attention
+    // kernels for the encoded types) against the CPU backend's over its host-encoded
+    // cache. The kernels give the host's bytes and attention exactly (the kernel test
+    // below), but the two backends' keys differ in their last bits (the f32 bound
+    // above), so a value near a rounding boundary of the type may round the other way:
+    // on the demo model the two differ by a fifth to a half of the type's own change
+    // from f32 (q8_0: 0.11 of 0.20; f16: 0.004 of 0.012). A store or a read of the wrong
+    // rows would differ by far more than the type's own change.
+    {
+        use llama_burn::cache::{KvCacheType, KvCacheTypes};
+        for types in [
+            KvCacheTypes::both(KvCacheType::Q8_0),
+            KvCacheTypes::new(KvCacheType::Q4_0, KvCacheType::F16),
+            KvCacheTypes::new(KvCacheType::Bf16, KvCacheType::Q4_0),
+            KvCacheTypes::both(KvCacheType::F16),
+            KvCacheTypes::new(KvCacheType::Bf16, KvCacheType::F16),
+        ] {
+            let (on_gpu, _) = paged_last_logits_in(&gpu, &ids, &Default::default(), types);
+            let (on_cpu, _) = paged_last_logits_in(&cpu, &ids, &Default::default(), types);
+            let diff = max_diff(&on_cpu, &on_gpu);
+            let from_f32 = max_diff(&on_cpu, cpu_logits.last().expect("a row"));
+            eprintln!(
+                "gpu vs cpu, engine path, KV cache {types}: max |logit diff| {diff:e} \
+                 (the type's own change from f32 on the CPU: {from_f32:e})"
+            );
+            assert!(diff < from_f32, "{types}: {diff} against {from_f32}");
+        }
+    }
+
     // The contiguous cache's path, every position: our paged attention kernel over the
     // cache seen as one block per row (it was Burn's attention, TF32 on CUDA), so the
     // engine's bound holds.
@@ -157,11 +186,23 @@ fn paged_last_logits<B: LlamaBackend>(
     ids: &[u32],
     device: &B::Device,
 ) -> (Vec<f32>, burn::tensor::DType) {
+    let types = llama_burn::cache::KvCacheTypes::default();
+    paged_last_logits_in(llama, ids, device, types)
+}
+
+/// [`paged_last_logits`] with the KV cache stored in `types`.
+fn paged_last_logits_in<B: LlamaBackend>(
+    llama: &Llama<B, DynTokenizer>,
+    ids: &[u32],
+    device: &B::Device,
+    types: llama_burn::cache::KvCacheTypes,
+) -> (Vec<f32>, burn::tensor::DType) {
     use llama_burn::cache::PagedKvCache;
     use llama_burn::model::PagedRow;
     let c = llama.config().clone();
     let mut cache =
-        PagedKvCache::<B>::new(c.n_layers, 2, 16, c.n_kv_heads, c.head_dim, device).expect("pool");
+        PagedKvCache::<B>::with_types(c.n_layers, 2, 16, c.n_kv_heads, c.head_dim, types, device)
+            .expect("pool");
     let row = PagedRow {
         tokens: ids,
         start: 0,
@@ -653,6 +694,135 @@ fn row_kernels_give_the_reference_and_the_store_writes_each_slot() {
     assert_eq!(bits(&vals), bits(&want_v));
     let kept = kept.into_data().into_vec::<f32>().expect("f32");
     assert!(kept.iter().enumerate().all(|(i, &v)| v == -1.0 - i as f32));
+}
+
+#[test]
+fn encoded_kv_pools_on_the_device_hold_the_host_bytes_and_give_the_cpu_attention() {
+    use burn::tensor::{Tensor, TensorData};
+    use llama_burn::cache::paged::DeviceKvPool;
+    use llama_burn::cache::{KvCacheType, KvCacheTypes};
+    use llama_burn::kernels::attention::{EncodedPagedPool, paged_attention_encoded};
+    use llama_burn::model::attention::{PagedBatch, PagedSeq};
+
+    let device = Default::default();
+    let (blocks, kv_heads, block_size, dim, n_heads) = (6, 2, 4, 64, 4);
+    let width = kv_heads * dim;
+    let (table_a, table_b) = ([4u32, 1], [0u32]);
+    let seq_a = PagedSeq {
+        tokens: 6,
+        start: 0,
+        blocks: &table_a,
+    };
+    let seq_b = || PagedSeq {
+        tokens: 3,
+        start: 0,
+        blocks: &table_b,
+    };
+    let batch = PagedBatch::<Gpu>::new(vec![seq_a, seq_b()], n_heads, block_size, blocks, &device)
+        .expect("batch");
+    let slots: Vec<(u32, usize)> = (0..6)
+        .map(|i| (table_a[i / block_size], i % block_size))
+        .chain((0..3).map(|i| (table_b[0], i)))
+        .collect();
+    let tokens = slots.len();
+    let matrix = |v: &[f32], rows: usize, cols: usize| {
+        Tensor::<Gpu, 2>::from_data(TensorData::new(v.to_vec(), [rows, cols]), &device)
+    };
+    // Keys and values as the model passes them: column slices of one wider tensor. One
+    // key row's largest magnitude twice, with both signs, and a value row of zeros (a
+    // zero scale) try the encoders' edges.
+    let mut wide = values(tokens * 2 * width, 21);
+    wide[3 * 2 * width + 5] = 1.0;
+    wide[3 * 2 * width + 9] = -1.0;
+    for c in 0..dim {
+        wide[4 * 2 * width + width + c] = 0.0;
+    }
+    let kv = matrix(&wide, tokens, 2 * width);
+    let q = values(tokens * n_heads * dim, 22);
+    let bytes_of = |pool: &DeviceKvPool<Gpu>| -> Vec<u8> {
+        pool.words()
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .into_vec::<i64>()
+            .expect("words")
+            .iter()
+            .flat_map(|&w| (w as u32).to_le_bytes())
+            .collect()
+    };
+
+    for types in [
+        KvCacheTypes::both(KvCacheType::Q8_0),
+        KvCacheTypes::both(KvCacheType::Q4_0),
+        KvCacheTypes::new(KvCacheType::F16, KvCacheType::Bf16),
+        KvCacheTypes::new(KvCacheType::F32, KvCacheType::Q8_0),
+    ] {
+        let pool = |ty| DeviceKvPool::<Gpu>::zeros(ty, blocks, kv_heads, block_size, dim, &device);
+        let (mut kp, mut vp) = (
+            pool(types.keys).expect("keys"),
+            pool(types.values).expect("values"),
+        );
+        let k = kv.clone().slice([0..tokens, 0..width]);
+        let v = kv.clone().slice([0..tokens, width..2 * width]);
+        Gpu::paged_store_encoded(&mut kp, k, &batch).expect("store keys");
+        Gpu::paged_store_encoded(&mut vp, v, &batch).expect("store values");
+
+        // Every written row holds the bytes the host's encoder gives its values (the
+        // CPU backend's cache), every other row stays zero.
+        let (k_bytes, v_bytes) = (bytes_of(&kp), bytes_of(&vp));
+        for (half, ty, bytes) in [(0, types.keys, &k_bytes), (1, types.values, &v_bytes)] {
+            let row_bytes = ty.row_bytes(dim).expect("row");
+            let mut want = vec![0u8; bytes.len()];
+            for (t, &(block, slot)) in slots.iter().enumerate() {
+                for h in 0..kv_heads {
+                    let at = t * 2 * width + half * width + h * dim;
+                    let row = ((block as usize * kv_heads + h) * block_size + slot) * row_bytes;
+                    ty.encode(&wide[at..at + dim], &mut want[row..row + row_bytes]);
+                }
+            }
+            assert!(
+                bytes == &want,
+                "{types}: the device's {ty} rows are not the host's bytes"
+            );
+        }
+
+        // Attention over the device's pools: the CPU kernel's result over the same
+        // bytes, and sequence B alone bit for bit its rows in the batch.
+        let got = Gpu::paged_attention_encoded(matrix(&q, tokens, n_heads * dim), &kp, &vp, &batch)
+            .expect("attention")
+            .into_data()
+            .into_vec::<f32>()
+            .expect("f32");
+        let host = EncodedPagedPool {
+            keys: (&k_bytes, types.keys),
+            values: (&v_bytes, types.values),
+            heads: kv_heads,
+            block_size,
+            dim,
+        };
+        let want = paged_attention_encoded(&q, n_heads, host, batch.seqs()).expect("cpu");
+        let diff = max_diff(&got, &want);
+        assert!(diff <= 1e-5, "{types}: {diff}");
+        let alone = PagedBatch::<Gpu>::new(vec![seq_b()], n_heads, block_size, blocks, &device)
+            .expect("batch");
+        let row = n_heads * dim;
+        let b_alone = Gpu::paged_attention_encoded(matrix(&q[6 * row..], 3, row), &kp, &vp, &alone)
+            .expect("attention")
+            .into_data()
+            .into_vec::<f32>()
+            .expect("f32");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&b_alone), bits(&got[6 * row..]), "{types}");
+    }
+
+    // A row that is not whole words (q8_0 heads of 32 values: 34 bytes) is refused.
+    assert!(matches!(
+        DeviceKvPool::<Gpu>::zeros(KvCacheType::Q8_0, blocks, kv_heads, block_size, 32, &device),
+        Err(LlamaError::InvalidParameter {
+            name: "kv_cache_type",
+            ..
+        })
+    ));
 }
 
 #[test]

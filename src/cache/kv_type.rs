@@ -70,6 +70,18 @@ impl KvCacheType {
         }
     }
 
+    /// The type's code in our CubeCL kernels (`crate::gpu`): 0 f32, 1 f16, 2 bf16,
+    /// 3 `q8_0`, 4 `q4_0`.
+    pub fn kernel_code(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Bf16 => 2,
+            Self::Q8_0 => 3,
+            Self::Q4_0 => 4,
+        }
+    }
+
     /// Bytes of one stored head vector of `head_dim` values.
     ///
     /// # Errors

@@ -2,8 +2,9 @@
 //!
 //! Keys and values of layer `l` live in two tensors shaped
 //! `[num_blocks, n_kv_heads, block_size, head_dim]` in the activations' float type, or,
-//! for the other [`KvCacheType`]s, in two host buffers of encoded rows in the same order
-//! (one row per token and head, encoded when written; see [`super::kv_type`]). A request's tokens sit in the blocks
+//! for the other [`KvCacheType`]s, in two buffers of encoded rows in the same order (one
+//! row per token and head, encoded when written; see [`super::kv_type`]): on the host for
+//! the CPU backend, on the device ([`DeviceKvPool`]) for the CubeCL backends. A request's tokens sit in the blocks
 //! of its block table (token `i` in block `table[i / block_size]`, slot
 //! `i % block_size`); which block belongs to whom is the
 //! [`BlockManager`](super::blocks::BlockManager)'s business, not this type's. The memory
@@ -40,8 +41,125 @@ pub type Slot = (BlockId, usize);
 enum LayerPool<B: Backend> {
     /// In the activations' float type ([`KvCacheType::F32`] keys and values).
     Float { k: Tensor<B, 4>, v: Tensor<B, 4> },
-    /// Encoded on the host (any other types).
+    /// Encoded on the host (any other types, on the CPU backend).
     Encoded { k: EncodedPool, v: EncodedPool },
+    /// Encoded on the device (any other types, on the CubeCL backends).
+    Device {
+        k: DeviceKvPool<B>,
+        v: DeviceKvPool<B>,
+    },
+}
+
+/// Keys or values of one layer encoded in a [`KvCacheType`] on a backend's device: the
+/// host [`EncodedPool`]'s bytes (one row of [`KvCacheType::row_bytes`] per
+/// `(block, head, slot)`, in that order) four to a little-endian word of an integer
+/// tensor, so that a block read from either is the same bytes. A row must be a whole
+/// number of words (a head size that is a multiple of 64 for `q8_0`/`q4_0`, even for a
+/// half type: every Llama model's). Written by [`LlamaBackend::paged_store_encoded`],
+/// read by [`LlamaBackend::paged_attention_encoded`].
+#[derive(Debug, Clone)]
+pub struct DeviceKvPool<B: Backend> {
+    words: Tensor<B, 1, Int>,
+    ty: KvCacheType,
+    num_blocks: usize,
+    kv_heads: usize,
+    block_size: usize,
+    head_dim: usize,
+}
+
+impl<B: Backend> DeviceKvPool<B> {
+    /// A pool of `num_blocks` blocks of `block_size` tokens, `kv_heads` heads of
+    /// `head_dim` values, every byte zero, on `device`.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidParameter`] (`kv_cache_type`) for a head size that is not a
+    /// whole number of the type's blocks or whose row is not a whole number of 4-byte
+    /// words; (`kv_budget`) for a pool of more than `2^31` words.
+    pub fn zeros(
+        ty: KvCacheType,
+        num_blocks: usize,
+        kv_heads: usize,
+        block_size: usize,
+        head_dim: usize,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let row_bytes = ty.row_bytes(head_dim)?;
+        if !row_bytes.is_multiple_of(4) {
+            return Err(LlamaError::invalid(
+                "kv_cache_type",
+                ty,
+                "the device cache needs rows of whole 4-byte words: a head size that is a \
+                 multiple of 64 for q8_0 and q4_0",
+            ));
+        }
+        let words = num_blocks
+            .checked_mul(kv_heads)
+            .and_then(|n| n.checked_mul(block_size))
+            .and_then(|n| n.checked_mul(row_bytes / 4))
+            .filter(|&n| n > 0 && i32::try_from(n).is_ok())
+            .ok_or_else(|| {
+                LlamaError::invalid(
+                    "kv_budget",
+                    num_blocks,
+                    "a device KV pool holds between 1 and 2^31 - 1 words",
+                )
+            })?;
+        Ok(Self {
+            words: Tensor::zeros([words], device),
+            ty,
+            num_blocks,
+            kv_heads,
+            block_size,
+            head_dim,
+        })
+    }
+
+    /// The words: `[blocks * kv_heads * block_size * row_words]`.
+    pub fn words(&self) -> &Tensor<B, 1, Int> {
+        &self.words
+    }
+
+    /// The words, for a backend's store to write (see
+    /// [`LlamaBackend::paged_store_encoded`]).
+    pub fn words_mut(&mut self) -> &mut Tensor<B, 1, Int> {
+        &mut self.words
+    }
+
+    /// How the rows are encoded.
+    pub fn ty(&self) -> KvCacheType {
+        self.ty
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Values per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Words per row (one token's head).
+    pub fn row_words(&self) -> usize {
+        self.ty.row_bytes(self.head_dim).unwrap_or(0) / 4
+    }
+
+    /// Words per block (every head and slot of one block).
+    fn block_words(&self) -> usize {
+        self.kv_heads * self.block_size * self.row_words()
+    }
 }
 
 /// Keys or values of one layer encoded in a [`KvCacheType`], on the host: one row of
@@ -179,12 +297,32 @@ impl<B: Backend> PagedKvCache<B> {
             return Self::new(n_layers, num_blocks, block_size, kv_heads, head_dim, device);
         }
         Self::check_blocks(num_blocks, block_size)?;
+        if B::encodes_kv_cache_on_device() && !B::encodes_kv_cache() {
+            let pool =
+                |ty| DeviceKvPool::zeros(ty, num_blocks, kv_heads, block_size, head_dim, device);
+            let layers = (0..n_layers)
+                .map(|_| {
+                    Ok(LayerPool::Device {
+                        k: pool(types.keys)?,
+                        v: pool(types.values)?,
+                    })
+                })
+                .collect::<Result<_>>()?;
+            return Ok(Self {
+                layers,
+                types,
+                num_blocks,
+                block_size,
+                kv_heads,
+                head_dim,
+            });
+        }
         if !B::encodes_kv_cache() {
             return Err(LlamaError::invalid(
                 "kv_cache_type",
                 types,
                 "this backend keeps its KV cache in its float type (f32); the other types \
-                 run on the CPU backend",
+                 run on the CPU and CubeCL backends",
             ));
         }
         let rows = num_blocks
@@ -269,6 +407,9 @@ impl<B: Backend> PagedKvCache<B> {
                 k.dtype().size(),
             ),
             Some(LayerPool::Encoded { k, v }) => rows.saturating_mul(k.row_bytes + v.row_bytes),
+            Some(LayerPool::Device { k, v }) => {
+                rows.saturating_mul(4 * (k.row_words() + v.row_words()))
+            }
         };
         per_layer.saturating_mul(self.layers.len())
     }
@@ -302,6 +443,10 @@ impl<B: Backend> PagedKvCache<B> {
             LayerPool::Encoded { k: kp, v: vp } => {
                 kp.write(&k, slots, kv_heads, block_size)?;
                 return vp.write(&v, slots, kv_heads, block_size);
+            }
+            LayerPool::Device { k: kp, v: vp } => {
+                B::paged_store_encoded(kp, k, batch)?;
+                return B::paged_store_encoded(vp, v, batch);
             }
         };
         keys.inplace(|keys| {
@@ -361,6 +506,23 @@ impl<B: Backend> PagedKvCache<B> {
                         out.extend_from_slice(&pool.bytes[b * span..(b + 1) * span]);
                     }
                 }
+                LayerPool::Device { k, v } => {
+                    for pool in [k, v] {
+                        let span = pool.block_words();
+                        let words = pool
+                            .words
+                            .clone()
+                            .narrow(0, b * span, span)
+                            .into_data()
+                            .convert::<i64>()
+                            .into_vec::<i64>()
+                            .map_err(|e| {
+                                LlamaError::Runtime(format!("reading a KV block: {e:?}"))
+                            })?;
+                        // The integers hold the words' bits: an `i32` of any value.
+                        out.extend(words.iter().flat_map(|&w| (w as u32).to_le_bytes()));
+                    }
+                }
             }
         }
         Ok(out)
@@ -408,6 +570,27 @@ impl<B: Backend> PagedKvCache<B> {
                         pool.bytes[b * span..(b + 1) * span].copy_from_slice(mine);
                     }
                 }
+                LayerPool::Device { k, v } => {
+                    for pool in [k, v] {
+                        let span = pool.block_words();
+                        let (mine, tail) = rest.split_at(4 * span);
+                        rest = tail;
+                        let words: Vec<i32> = mine
+                            .as_chunks::<4>()
+                            .0
+                            .iter()
+                            .map(|w| i32::from_le_bytes(*w))
+                            .collect();
+                        let device = pool.words.device();
+                        let block =
+                            Tensor::<B, 1, Int>::from_data(TensorData::new(words, [span]), &device);
+                        let start = b * span;
+                        // One range: Burn's slice of a 1-D tensor, not a vector.
+                        #[allow(clippy::single_range_in_vec_init)]
+                        let range = [start..start + span];
+                        pool.words = pool.words.clone().slice_assign(range, block);
+                    }
+                }
             }
         }
         Ok(())
@@ -427,7 +610,7 @@ impl<B: Backend> PagedKvCache<B> {
     pub(crate) fn layer(&self, layer: usize) -> Option<(&Tensor<B, 4>, &Tensor<B, 4>)> {
         match &self.layers[layer] {
             LayerPool::Float { k, v } => Some((k, v)),
-            LayerPool::Encoded { .. } => None,
+            LayerPool::Encoded { .. } | LayerPool::Device { .. } => None,
         }
     }
 
@@ -450,6 +633,7 @@ impl<B: Backend> PagedKvCache<B> {
         use crate::kernels::attention::{EncodedPagedPool, paged_attention_encoded};
         let (k, v) = match &self.layers[layer] {
             LayerPool::Float { k, v } => return B::paged_attention(q, k, v, batch),
+            LayerPool::Device { k, v } => return B::paged_attention_encoded(q, k, v, batch),
             LayerPool::Encoded { k, v } => (k, v),
         };
         let dims = q.dims();

@@ -1194,3 +1194,341 @@ pub(crate) fn paged_store_kernel<F: Float, I: Numeric>(
         c += CUBE_DIM_X as usize;
     }
 }
+
+/// The most quantized blocks (32 values each) one token's keys or values may hold in
+/// [`paged_store_encoded_kernel`]: `kv_heads * head_dim / 32`, one scale each in shared
+/// memory.
+pub(crate) const ENCODED_SCALES: usize = 1024;
+
+/// The bits of `x` rounded to an IEEE half, to nearest with ties to even (as the `half`
+/// crate's `f16::from_f32`, which encodes the CPU's cache): overflow to infinity,
+/// subnormals kept, a NaN quiet.
+#[cube]
+fn f32_to_half_bits(x: f32) -> u32 {
+    let bits = x.to_bits();
+    let sign = (bits >> 16) & 0x8000;
+    let exp = (bits >> 23) & 255;
+    let man = bits & 0x007f_ffff;
+    let mut out = sign;
+    if exp == 255 {
+        out = sign | 0x7c00;
+        if man != 0 {
+            out = sign | 0x7e00 | (man >> 13);
+        }
+    } else if exp >= 143 {
+        // 2^16 and above: past the largest half.
+        out = sign | 0x7c00;
+    } else if exp >= 113 {
+        // A normal half: exponent `exp - 112`, ten bits of mantissa, rounded.
+        let half_man = man >> 13;
+        let round = man & 0x1000;
+        out = sign | (((exp - 112) << 10) | half_man);
+        if round != 0 && (man & 0x2fff) != 0 {
+            out += 1;
+        }
+    } else if exp >= 102 {
+        // A subnormal half: the implicit bit shifted in, rounded at the shift.
+        let m = man | 0x0080_0000;
+        let shift = 126 - exp;
+        let half_man = m >> shift;
+        let round = 1u32 << (shift - 1);
+        out = sign | half_man;
+        if (m & round) != 0 && (m & (3 * round - 1)) != 0 {
+            out += 1;
+        }
+    }
+    out
+}
+
+/// The bits of `x` rounded to a bfloat16, to nearest with ties to even (as
+/// `half::bf16::from_f32`): a NaN quiet.
+#[cube]
+fn f32_to_bf16_bits(x: f32) -> u32 {
+    let bits = x.to_bits();
+    let mut out = bits >> 16;
+    if (bits & 0x7fff_ffff) > 0x7f80_0000 {
+        out |= 0x40;
+    } else if (bits & 0x8000) != 0 && (bits & 0x17fff) != 0 {
+        out += 1;
+    }
+    out
+}
+
+/// `t` rounded to the nearest integer, halves away from zero (Rust's `f32::round`, which
+/// the CPU's `q8_0` uses; WGSL's `round` takes halves to even).
+#[cube]
+fn round_half_away(t: f32) -> f32 {
+    let a = t.abs();
+    let mut r = a.floor();
+    if a - r >= 0.5 {
+        r += 1.0;
+    }
+    if t < 0.0 {
+        r = -r;
+    }
+    r
+}
+
+/// The value of a 4-bit `q4_0` code: `min(15, x * id + 8.5)` truncated (ggml's rule).
+#[cube]
+fn q4_0_code(v: f32, id: f32) -> u32 {
+    let t = (v * id + 8.5).floor();
+    u32::cast_from(t.clamp(0.0, 15.0))
+}
+
+/// Byte `i` of the encoded row (a `q8_0` or `q4_0` row of the type `ty`, 3 or 4) of the
+/// values `x[at + e * stride]`, `e` in `0..head_dim`, whose blocks' scales start at
+/// `scales[first]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn quant_row_byte<F: Float>(
+    x: &Tensor<F>,
+    at: usize,
+    stride: usize,
+    scales: &SharedMemory<f32>,
+    first: usize,
+    ty: u32,
+    i: usize,
+) -> u32 {
+    let mut block_bytes = 34usize;
+    if ty == 4 {
+        block_bytes = 18;
+    }
+    let b = i / block_bytes;
+    let o = i % block_bytes;
+    let d = scales[first + b];
+    let mut id = f32::new(0.0);
+    if d != 0.0 {
+        id = 1.0 / d;
+    }
+    let base = at + b * 32 * stride;
+    // The scale's two bytes first, then the codes.
+    let mut byte = (f32_to_half_bits(d) >> (((o % 2) * 8) as u32)) & 255;
+    if o < 2 {
+        // The scale's byte, above.
+    } else if ty == 3 {
+        let q = round_half_away(f32::cast_from(x[base + (o - 2) * stride]) * id);
+        byte = u32::cast_from(q.clamp(-128.0, 127.0) + 256.0) & 255;
+    } else {
+        let lo = q4_0_code(f32::cast_from(x[base + (o - 2) * stride]), id);
+        let hi = q4_0_code(f32::cast_from(x[base + (o + 14) * stride]), id);
+        byte = lo | (hi << 4);
+    }
+    byte
+}
+
+/// The paged store into an encoded pool: a step's rows `x` (`[tokens, kv_heads *
+/// head_dim]`, `x.stride(0)` apart) encoded in the [`KvCacheType`](crate::cache::KvCacheType)
+/// of code `ty` (`kernel_code`) into the word pool `pool` (rows of `row_words` words,
+/// `(block, head, slot)` in order: the host encoded pool's bytes, four to a word) at each
+/// token's slot, which `meta` (the attention's table) gives. One cube per token: its
+/// units first find the scale of each 32-value block of the token (a `q8_0` or `q4_0`
+/// type), then each writes whole words of the token's rows, so no word is written by two
+/// units and a token's bytes are those of its own values alone, as the host's encoding
+/// makes them.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_store_encoded_kernel<F: Float, I: Numeric>(
+    x: &Tensor<F>,
+    meta: &Tensor<I>,
+    pool: &mut Tensor<I>,
+    ty: u32,
+    kv_heads: u32,
+    block_size: u32,
+    head_dim: u32,
+    row_words: u32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let token = CUBE_POS_X as usize;
+    let (kv_heads, block_size, head_dim, row_words) = (
+        kv_heads as usize,
+        block_size as usize,
+        head_dim as usize,
+        row_words as usize,
+    );
+    let table = u32::cast_from(meta[2 * token]) as usize;
+    let position = u32::cast_from(meta[2 * token + 1]) as usize;
+    let block = u32::cast_from(meta[table + position / block_size]) as usize;
+    let slot = position % block_size;
+    let x_row = token * x.stride(0);
+    let xs = x.stride(1);
+
+    let mut scales = SharedMemory::<f32>::new(ENCODED_SCALES);
+    if ty >= 3 {
+        let n = kv_heads * head_dim / 32;
+        let mut b = UNIT_POS_X as usize;
+        while b < n {
+            let mut amax = f32::new(0.0);
+            let mut max = f32::new(0.0);
+            for i in 0..32usize {
+                let v = f32::cast_from(x[x_row + (b * 32 + i) * xs]);
+                if amax < v.abs() {
+                    amax = v.abs();
+                    max = v;
+                }
+            }
+            let mut d = amax / 127.0;
+            if ty == 4 {
+                d = max / -8.0;
+            }
+            scales[b] = d;
+            b += CUBE_DIM_X as usize;
+        }
+    }
+    sync_cube();
+
+    let words = kv_heads * row_words;
+    let mut w = UNIT_POS_X as usize;
+    while w < words {
+        let h = w / row_words;
+        let rw = w % row_words;
+        let at = x_row + h * head_dim * xs;
+        let mut word = 0u32;
+        if ty == 0 {
+            word = f32::cast_from(x[at + rw * xs]).to_bits();
+        } else if ty == 1 {
+            word = f32_to_half_bits(f32::cast_from(x[at + 2 * rw * xs]))
+                | (f32_to_half_bits(f32::cast_from(x[at + (2 * rw + 1) * xs])) << 16);
+        } else if ty == 2 {
+            word = f32_to_bf16_bits(f32::cast_from(x[at + 2 * rw * xs]))
+                | (f32_to_bf16_bits(f32::cast_from(x[at + (2 * rw + 1) * xs])) << 16);
+        } else {
+            let first = h * head_dim / 32;
+            for j in 0..4usize {
+                let byte = quant_row_byte::<F>(x, at, xs, &scales, first, ty, 4 * rw + j);
+                word |= byte << ((j * 8) as u32);
+            }
+        }
+        let dst = ((block * kv_heads + h) * block_size + slot) * row_words + rw;
+        pool[dst] = I::cast_from(word);
+        w += CUBE_DIM_X as usize;
+    }
+}
+
+/// Value `e` of the encoded row starting at word `row` of `pool`, of the type of code
+/// `ty` (as the host's `KvCacheType::decode` gives it: a half's or a bfloat16's value
+/// exactly, a quantized code times its block's scale).
+#[cube]
+#[allow(unused_assignments)]
+fn encoded_value<I: Numeric>(pool: &Tensor<I>, ty: u32, row: usize, e: usize) -> f32 {
+    let mut v = f32::new(0.0);
+    if ty == 0 {
+        v = f32::from_bits(u32::cast_from(pool[row + e]));
+    } else if ty <= 2 {
+        let half = (u32::cast_from(pool[row + e / 2]) >> (((e % 2) * 16) as u32)) & 0xffff;
+        if ty == 1 {
+            v = half_to_f32(half);
+        } else {
+            v = f32::from_bits(half << 16);
+        }
+    } else {
+        let mut block_bytes = 34usize;
+        if ty == 4 {
+            block_bytes = 18;
+        }
+        let at = row * 4 + (e / 32) * block_bytes;
+        let d = half_to_f32(byte_at::<I>(pool, at) | (byte_at::<I>(pool, at + 1) << 8));
+        let i = e % 32;
+        if ty == 3 {
+            v = signed_byte(byte_at::<I>(pool, at + 2 + i)) * d;
+        } else {
+            let byte = byte_at::<I>(pool, at + 2 + i % 16);
+            let mut code = byte & 15;
+            if i >= 16 {
+                code = byte >> 4;
+            }
+            v = (f32::cast_from(code) - 8.0) * d;
+        }
+    }
+    v
+}
+
+/// [`paged_attention_kernel`] over encoded word pools (see [`paged_store_encoded_kernel`]):
+/// keys of type code `k_ty` in rows of `k_words` words, values of `v_ty` in rows of
+/// `v_words`. Each key is decoded as its score is taken, each value as it is accumulated;
+/// no decoded copy of the cache is made. The same cube layout, the same orders of
+/// addition, so a token's result depends on its own sequence alone.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_attention_encoded_kernel<F: Float, I: Numeric>(
+    q: &Tensor<F>,
+    keys: &Tensor<I>,
+    values: &Tensor<I>,
+    meta: &Tensor<I>,
+    out: &mut Tensor<F>,
+    n_heads: u32,
+    groups: u32,
+    kv_heads: u32,
+    block_size: u32,
+    scale: f32,
+    k_ty: u32,
+    k_words: u32,
+    v_ty: u32,
+    v_words: u32,
+    #[comptime] dim: usize,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let token = CUBE_POS_X as usize;
+    let head = CUBE_POS_Y as usize;
+    let d = UNIT_POS_X as usize;
+    let n_heads = n_heads as usize;
+    let kv_heads = kv_heads as usize;
+    let block_size = block_size as usize;
+    let (k_words, v_words) = (k_words as usize, v_words as usize);
+    let kv_head = head / groups as usize;
+
+    let table = u32::cast_from(meta[2 * token]) as usize;
+    let len = u32::cast_from(meta[2 * token + 1]) as usize + 1;
+
+    let mut qs = SharedMemory::<f32>::new(dim);
+    let mut scores = SharedMemory::<f32>::new(dim);
+    let q_at = token * q.stride(0) + head * dim;
+    let out_at = (token * n_heads + head) * dim;
+    qs[d] = f32::cast_from(q[q_at + d]) * scale;
+    sync_cube();
+
+    let mut max = f32::new(-1.0e30);
+    let mut sum = f32::new(0.0);
+    let mut acc = f32::new(0.0);
+    let mut tile = 0usize;
+    while tile < len {
+        let j = tile + d;
+        if j < len {
+            let block = u32::cast_from(meta[table + j / block_size]) as usize;
+            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
+            let mut s = f32::new(0.0);
+            for e in 0..dim {
+                s += qs[e] * encoded_value::<I>(keys, k_ty, row * k_words, e);
+            }
+            scores[d] = s;
+        }
+        sync_cube();
+
+        let mut n = len - tile;
+        if n > dim {
+            n = dim;
+        }
+        let mut tile_max = max;
+        for i in 0..n {
+            let s = scores[i];
+            if s > tile_max {
+                tile_max = s;
+            }
+        }
+        let correction = (max - tile_max).exp();
+        sum *= correction;
+        acc *= correction;
+        for i in 0..n {
+            let p = (scores[i] - tile_max).exp();
+            let j = tile + i;
+            let block = u32::cast_from(meta[table + j / block_size]) as usize;
+            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
+            sum += p;
+            acc += p * encoded_value::<I>(values, v_ty, row * v_words, d);
+        }
+        max = tile_max;
+        sync_cube();
+        tile += dim;
+    }
+    out[out_at + d] = F::cast_from(acc / sum);
+}

@@ -11,6 +11,11 @@
 //! - [`paged_attention`](LlamaBackend::paged_attention): reads every sequence's block
 //!   table on the device, decode and prompt chunks, grouped-query heads, causal; no
 //!   gathered copy of the pool, no padding, no mask.
+//! - [`paged_store_encoded`](LlamaBackend::paged_store_encoded) and
+//!   [`paged_attention_encoded`](LlamaBackend::paged_attention_encoded): the KV cache in
+//!   f16, bf16, `q8_0` or `q4_0` on the device, the host pool's bytes four to a word,
+//!   each token encoded from its own values by the host's rounding rules, each key and
+//!   value decoded where the attention reads it.
 //! - [`quantized_matmul`](LlamaBackend::quantized_matmul): weights stay in their GGUF
 //!   blocks on the device ([`keeps_quantized_weights`](LlamaBackend::keeps_quantized_weights)),
 //!   uploaded once on first use; every kept format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K,
@@ -39,6 +44,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 
 use crate::backend::LlamaBackend;
+use crate::cache::paged::DeviceKvPool;
 use crate::config::Precision;
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
@@ -186,6 +192,40 @@ pub trait CubeKernels: Backend {
         values: FloatTensor<Self>,
         shape: PagedShape,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Writes `x` (`[tokens, kv_heads * dim]`, rows may be a column slice of a wider
+    /// tensor) encoded in `kv.ty` into the word pool `pool` at the slots `table` names
+    /// (see [`kernels::paged_store_encoded_kernel`]); returns the pool, written in place
+    /// where no other tensor shares it. The caller has checked the shapes.
+    fn paged_store_encoded_primitive(
+        x: FloatTensor<Self>,
+        table: IntTensor<Self>,
+        pool: IntTensor<Self>,
+        kv: EncodedRows,
+        shape: PagedShape,
+    ) -> IntTensor<Self>;
+
+    /// [`paged_attention_primitive`](Self::paged_attention_primitive) over the word pools
+    /// `keys` (encoded as `k` says) and `values` (as `v` says). The caller has checked the
+    /// shapes.
+    fn paged_attention_encoded_primitive(
+        q: FloatTensor<Self>,
+        keys: IntTensor<Self>,
+        values: IntTensor<Self>,
+        table: IntTensor<Self>,
+        kv: [EncodedRows; 2],
+        shape: PagedShape,
+    ) -> FloatTensor<Self>;
+}
+
+/// How the rows of an encoded device pool are stored (see
+/// [`DeviceKvPool`](crate::cache::paged::DeviceKvPool)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EncodedRows {
+    /// The type's [`kernel_code`](crate::cache::KvCacheType::kernel_code).
+    pub ty: u32,
+    /// Words per row.
+    pub row_words: usize,
 }
 
 impl<R, F, I, BT> CubeKernels for CubeBackend<R, F, I, BT>
@@ -497,6 +537,80 @@ where
         );
         (keys, values)
     }
+
+    fn paged_store_encoded_primitive(
+        x: FloatTensor<Self>,
+        table: IntTensor<Self>,
+        pool: IntTensor<Self>,
+        kv: EncodedRows,
+        shape: PagedShape,
+    ) -> IntTensor<Self> {
+        use burn_cubecl::kernel::into_contiguous;
+        use cubecl::{CubeCount, CubeDim};
+        let pool = into_contiguous(pool);
+        let pool = if pool.can_mut() { pool } else { pool.copy() };
+        let table = into_contiguous(table);
+        let client = pool.client.clone();
+        let (f_dtype, i_dtype) = (x.dtype, table.dtype);
+        kernels::paged_store_encoded_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(shape.tokens as u32, 1, 1),
+            CubeDim::new_1d(128),
+            x.into_tensor_arg(),
+            table.into_tensor_arg(),
+            pool.clone().into_tensor_arg(),
+            kv.ty,
+            shape.kv_heads as u32,
+            shape.block_size as u32,
+            shape.dim as u32,
+            kv.row_words as u32,
+            [f_dtype.into(), i_dtype.into()],
+        );
+        pool
+    }
+
+    fn paged_attention_encoded_primitive(
+        q: FloatTensor<Self>,
+        keys: IntTensor<Self>,
+        values: IntTensor<Self>,
+        table: IntTensor<Self>,
+        kv: [EncodedRows; 2],
+        shape: PagedShape,
+    ) -> FloatTensor<Self> {
+        use burn_cubecl::kernel::into_contiguous;
+        use cubecl::{CubeCount, CubeDim};
+
+        let q = unit_stride_rows(q);
+        let keys = into_contiguous(keys);
+        let values = into_contiguous(values);
+        let table = into_contiguous(table);
+        let out_shape = burn::tensor::Shape::new([shape.tokens, shape.n_heads * shape.dim]);
+        let out = empty_on(&q, out_shape, q.dtype);
+        let (f_dtype, i_dtype) = (q.dtype, table.dtype);
+        let client = q.client.clone();
+        kernels::paged_attention_encoded_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(shape.tokens as u32, shape.n_heads as u32, 1),
+            CubeDim::new_1d(shape.dim as u32),
+            q.into_tensor_arg(),
+            keys.into_tensor_arg(),
+            values.into_tensor_arg(),
+            table.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            shape.n_heads as u32,
+            (shape.n_heads / shape.kv_heads) as u32,
+            shape.kv_heads as u32,
+            shape.block_size as u32,
+            1.0 / (shape.dim as f32).sqrt(),
+            kv[0].ty,
+            kv[0].row_words as u32,
+            kv[1].ty,
+            kv[1].row_words as u32,
+            shape.dim,
+            [f_dtype.into(), i_dtype.into()],
+        );
+        out
+    }
 }
 
 impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
@@ -752,6 +866,90 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
             },
         );
         (keys, values)
+    }
+
+    fn paged_store_encoded_primitive(
+        x: FloatTensor<Self>,
+        table: IntTensor<Self>,
+        pool: IntTensor<Self>,
+        kv: EncodedRows,
+        shape: PagedShape,
+    ) -> IntTensor<Self> {
+        use burn_fusion::stream::{Operation, OperationStreams};
+        use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+        /// The kernel as an operation of the fusion stream.
+        #[derive(Debug)]
+        struct StoreOp<B> {
+            desc: CustomOpIr,
+            kv: EncodedRows,
+            shape: PagedShape,
+            _backend: core::marker::PhantomData<B>,
+        }
+
+        impl<B: FusionBackend + CubeKernels> Operation<B::FusionRuntime> for StoreOp<B> {
+            fn execute(
+                &self,
+                handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+            ) {
+                let ([x, table, pool], [out]) = self.desc.as_fixed();
+                let result = B::paged_store_encoded_primitive(
+                    handles.get_float_tensor::<B>(x),
+                    handles.get_int_tensor::<B>(table),
+                    handles.get_int_tensor::<B>(pool),
+                    self.kv,
+                    self.shape,
+                );
+                handles.register_int_tensor::<B>(&out.id, result);
+            }
+        }
+
+        let client = x.client.clone();
+        let streams = OperationStreams::with_inputs([&x, &table, &pool]);
+        let out = TensorIr::uninit(client.create_empty_handle(), pool.shape.clone(), pool.dtype);
+        let desc = CustomOpIr::new(
+            "llama_burn_paged_store_encoded",
+            &[x.into_ir(), table.into_ir(), pool.into_ir()],
+            &[out],
+        );
+        client
+            .register(
+                streams,
+                OperationIr::Custom(desc.clone()),
+                StoreOp::<B> {
+                    desc,
+                    kv,
+                    shape,
+                    _backend: core::marker::PhantomData,
+                },
+            )
+            .output()
+    }
+
+    fn paged_attention_encoded_primitive(
+        q: FloatTensor<Self>,
+        keys: IntTensor<Self>,
+        values: IntTensor<Self>,
+        table: IntTensor<Self>,
+        kv: [EncodedRows; 2],
+        shape: PagedShape,
+    ) -> FloatTensor<Self> {
+        let out = (
+            burn::tensor::Shape::new([shape.tokens, shape.n_heads * shape.dim]),
+            q.dtype,
+        );
+        let [attended] = stream_kernel::<B, 1, 3, 1>(
+            "llama_burn_paged_attention_encoded",
+            [q],
+            [keys, values, table],
+            [out],
+            move |[q], [keys, values, table]| {
+                [B::paged_attention_encoded_primitive(
+                    q, keys, values, table, kv, shape,
+                )]
+            },
+        );
+        attended
     }
 }
 
@@ -1025,6 +1223,134 @@ fn paged_attention<B: LlamaBackend + CubeKernels>(
         keys.clone().into_primitive().tensor(),
         values.clone().into_primitive().tensor(),
         table.clone().into_primitive(),
+        shape,
+    );
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// The shape of a step over encoded device pools, checked: `x_width` is the width of
+/// the rows (queries for attention: `n_heads * dim`; keys or values for a store:
+/// `kv_heads * dim`).
+fn encoded_shape<B: LlamaBackend>(
+    pool: &DeviceKvPool<B>,
+    rows: [usize; 2],
+    x_width: usize,
+    batch: &PagedBatch<'_, B>,
+) -> Result<PagedShape> {
+    let (kv_heads, block_size, dim) = (pool.kv_heads(), pool.block_size(), pool.head_dim());
+    let n_heads = batch.n_heads();
+    let tokens: usize = batch.seqs().iter().map(|s| s.tokens).sum();
+    if dim == 0 || dim > MAX_HEAD_DIM || kv_heads * dim / 32 > kernels::ENCODED_SCALES {
+        return Err(LlamaError::invalid(
+            "kv_cache_type",
+            pool.ty(),
+            "the device cache takes heads of up to 256 values and up to 32,768 values a token",
+        ));
+    }
+    if kv_heads == 0 || !n_heads.is_multiple_of(kv_heads) || block_size != batch.block_size() {
+        return Err(LlamaError::InvalidBatch(format!(
+            "{n_heads} query heads over {kv_heads} key/value heads in blocks of {block_size} \
+             do not fit"
+        )));
+    }
+    if rows != [tokens, x_width] {
+        return Err(LlamaError::ShapeMismatch {
+            name: "encoded paged rows".into(),
+            expected: vec![tokens, x_width],
+            actual: rows.to_vec(),
+        });
+    }
+    let (_, max_block) = batch.device_table();
+    if tokens > 0 && max_block >= pool.num_blocks() {
+        return Err(LlamaError::InvalidBatch(format!(
+            "block {max_block} lies outside a pool of {} blocks",
+            pool.num_blocks()
+        )));
+    }
+    Ok(PagedShape {
+        tokens,
+        n_heads,
+        kv_heads,
+        block_size,
+        dim,
+    })
+}
+
+fn encoded_rows<B: Backend>(pool: &DeviceKvPool<B>) -> EncodedRows {
+    EncodedRows {
+        ty: pool.ty().kernel_code(),
+        row_words: pool.row_words(),
+    }
+}
+
+/// [`LlamaBackend::paged_store_encoded`] through
+/// [`CubeKernels::paged_store_encoded_primitive`]: every token in one launch, in place.
+fn paged_store_encoded<B: LlamaBackend + CubeKernels>(
+    pool: &mut DeviceKvPool<B>,
+    x: Tensor<B, 2>,
+    batch: &PagedBatch<'_, B>,
+) -> Result<()> {
+    let width = pool.kv_heads() * pool.head_dim();
+    let shape = encoded_shape(pool, x.dims(), width, batch)?;
+    if shape.tokens == 0 {
+        return Ok(());
+    }
+    let kv = encoded_rows(pool);
+    let (table, _) = batch.device_table();
+    let table = table.clone().into_primitive();
+    pool.words_mut().inplace(|words| {
+        Tensor::from_primitive(B::paged_store_encoded_primitive(
+            x.into_primitive().tensor(),
+            table,
+            words.into_primitive(),
+            kv,
+            shape,
+        ))
+    });
+    Ok(())
+}
+
+/// [`LlamaBackend::paged_attention_encoded`] through
+/// [`CubeKernels::paged_attention_encoded_primitive`].
+fn paged_attention_encoded<B: LlamaBackend + CubeKernels>(
+    q: Tensor<B, 2>,
+    keys: &DeviceKvPool<B>,
+    values: &DeviceKvPool<B>,
+    batch: &PagedBatch<'_, B>,
+) -> Result<Tensor<B, 2>> {
+    let shape = encoded_shape(keys, q.dims(), batch.n_heads() * keys.head_dim(), batch)?;
+    let same = |a: usize, b: usize| a == b;
+    if !same(values.num_blocks(), keys.num_blocks())
+        || !same(values.kv_heads(), keys.kv_heads())
+        || !same(values.block_size(), keys.block_size())
+        || !same(values.head_dim(), keys.head_dim())
+    {
+        return Err(LlamaError::ShapeMismatch {
+            name: "encoded value pool".into(),
+            expected: vec![
+                keys.num_blocks(),
+                keys.kv_heads(),
+                keys.block_size(),
+                keys.head_dim(),
+            ],
+            actual: vec![
+                values.num_blocks(),
+                values.kv_heads(),
+                values.block_size(),
+                values.head_dim(),
+            ],
+        });
+    }
+    if shape.tokens == 0 {
+        return Ok(q);
+    }
+    let (table, _) = batch.device_table();
+    let out = B::paged_attention_encoded_primitive(
+        q.into_primitive().tensor(),
+        keys.words().clone().into_primitive(),
+        values.words().clone().into_primitive(),
+        table.clone().into_primitive(),
+        [encoded_rows(keys), encoded_rows(values)],
         shape,
     );
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
@@ -1392,6 +1718,27 @@ macro_rules! cube_llama_backend {
             batch: &PagedBatch<'_, Self>,
         ) -> Result<Tensor<Self, 2>> {
             paged_attention(q, keys, values, batch)
+        }
+
+        fn encodes_kv_cache_on_device() -> bool {
+            true
+        }
+
+        fn paged_store_encoded(
+            pool: &mut DeviceKvPool<Self>,
+            x: Tensor<Self, 2>,
+            batch: &PagedBatch<'_, Self>,
+        ) -> Result<()> {
+            paged_store_encoded(pool, x, batch)
+        }
+
+        fn paged_attention_encoded(
+            q: Tensor<Self, 2>,
+            keys: &DeviceKvPool<Self>,
+            values: &DeviceKvPool<Self>,
+            batch: &PagedBatch<'_, Self>,
+        ) -> Result<Tensor<Self, 2>> {
+            paged_attention_encoded(q, keys, values, batch)
         }
 
         fn keeps_quantized_weights() -> bool {
