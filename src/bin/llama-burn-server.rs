@@ -146,7 +146,7 @@ struct Args {
     #[arg(long)]
     kv_budget_bytes: Option<usize>,
     /// How the KV cache stores keys: f32 (the activations' type), f16, bf16, q8_0 or
-    /// q4_0 (the types other than f32 run on the CPU backend).
+    /// q4_0 (the types other than f32 run on the CPU and CubeCL backends).
     #[arg(long, default_value = "f32")]
     kv_cache_type_k: llama_burn::cache::KvCacheType,
     /// How the KV cache stores values (as `--kv-cache-type-k`).

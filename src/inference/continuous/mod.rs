@@ -85,7 +85,7 @@ pub struct ContinuousConfig {
     /// How the pool stores keys and values (default: the activations' float type).
     /// The encoded types take fewer bytes per token, so a
     /// [`KvBudget::Bytes`] budget holds more tokens (`q8_0` about 1.9 times f16's, `q4_0`
-    /// about 3.6 times); they run on the CPU backend (see
+    /// about 3.6 times); they run on the CPU and CubeCL backends (see
     /// [`KvCacheType`](crate::cache::KvCacheType)).
     pub kv_cache_types: crate::cache::KvCacheTypes,
     /// Tokens per KV block.
