@@ -588,7 +588,10 @@ impl<B: Backend> PagedKvCache<B> {
                         // One range: Burn's slice of a 1-D tensor, not a vector.
                         #[allow(clippy::single_range_in_vec_init)]
                         let range = [start..start + span];
-                        pool.words = pool.words.clone().slice_assign(range, block);
+                        // The words are moved into the assignment: with no other
+                        // reference, the backend writes the block in place instead of
+                        // copying the whole pool.
+                        pool.words.inplace(|words| words.slice_assign(range, block));
                     }
                 }
             }

@@ -1319,26 +1319,13 @@ fn paged_attention_encoded<B: LlamaBackend + CubeKernels>(
     batch: &PagedBatch<'_, B>,
 ) -> Result<Tensor<B, 2>> {
     let shape = encoded_shape(keys, q.dims(), batch.n_heads() * keys.head_dim(), batch)?;
-    let same = |a: usize, b: usize| a == b;
-    if !same(values.num_blocks(), keys.num_blocks())
-        || !same(values.kv_heads(), keys.kv_heads())
-        || !same(values.block_size(), keys.block_size())
-        || !same(values.head_dim(), keys.head_dim())
-    {
+    let dims =
+        |p: &DeviceKvPool<B>| vec![p.num_blocks(), p.kv_heads(), p.block_size(), p.head_dim()];
+    if dims(values) != dims(keys) {
         return Err(LlamaError::ShapeMismatch {
             name: "encoded value pool".into(),
-            expected: vec![
-                keys.num_blocks(),
-                keys.kv_heads(),
-                keys.block_size(),
-                keys.head_dim(),
-            ],
-            actual: vec![
-                values.num_blocks(),
-                values.kv_heads(),
-                values.block_size(),
-                values.head_dim(),
-            ],
+            expected: dims(keys),
+            actual: dims(values),
         });
     }
     if shape.tokens == 0 {
