@@ -98,6 +98,14 @@ struct Args {
     /// Turn the continuous engine's prefix caching off.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Continuous strategy: every request runs with a LoRA adapter of this rank on
+    /// every projection (random factors; 0 = none), request `i` with adapter
+    /// `i % --lora-adapters`.
+    #[arg(long, default_value_t = 0)]
+    lora_rank: usize,
+    /// How many different adapters the requests cycle through (with --lora-rank).
+    #[arg(long, default_value_t = 4)]
+    lora_adapters: usize,
     /// Context window to load the model with (default: the model's trained context).
     #[arg(long)]
     max_seq_len: Option<usize>,
@@ -183,6 +191,10 @@ fn request(i: usize, args: &Args, prefix: &str) -> GenerateRequest {
         .with_min_p(args.min_p)
         .with_seed(1000 + i as u64)
         .with_ignore_eos(ignore_eos);
+    let request = match args.lora_rank {
+        0 => request,
+        _ => request.with_adapter(format!("lora-{}", i % args.lora_adapters.max(1))),
+    };
     let request = match &args.schema {
         Some(schema) => request
             .with_constraint(llama_burn::constraints::Constraint::JsonSchema(
@@ -534,9 +546,21 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
         }
         config = config.with_kv_cache_types(args.kv_cache_type_k, args.kv_cache_type_v);
         reset_peak_rss();
+        let model_config = llama.config().clone();
         let service = InferenceBuilder::new()
             .with_model(llama)
             .build_continuous(config)?;
+        if args.lora_rank > 0 {
+            for a in 0..args.lora_adapters.max(1) {
+                let adapter = random_adapter(&model_config, args.lora_rank, a as u64)?;
+                service.with_model_blocking(move |engine| {
+                    engine
+                        .adapters()
+                        .insert(&format!("lora-{a}"), &adapter)
+                        .map(drop)
+                })??;
+            }
+        }
         let (wall, traces) = through_service(&service, &reqs, &arrive)?;
         let m = service.with_model_blocking(|engine| engine.metrics())?;
         eprintln!(
@@ -596,6 +620,8 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
                 "kv_budget_tokens": args.kv_budget_tokens,
                 "kv_budget_bytes": args.kv_budget_bytes,
                 "kv_cache_types": config_types(args),
+                "lora_rank": args.lora_rank,
+                "lora_adapters": if args.lora_rank > 0 { args.lora_adapters } else { 0 },
                 "temperature": args.temperature,
                 "top_p": args.top_p,
                 "top_k": args.top_k,
@@ -609,6 +635,43 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
         println!("outputs identical across strategies: {identical}");
     }
     Ok(())
+}
+
+/// A LoRA adapter of `rank` on every projection of a model of `config`, its factors
+/// drawn from `seed` (A ~ U(-1, 1) / sqrt(in), B ~ U(-0.01, 0.01)): the cost of an
+/// adapter, not a fine-tune.
+fn random_adapter(
+    config: &llama_burn::LlamaConfig,
+    rank: usize,
+    seed: u64,
+) -> llama_burn::Result<llama_burn::lora::LoraAdapter> {
+    use llama_burn::lora::{LoraAdapter, LoraFactors, LoraTarget};
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut factors = Vec::new();
+    for layer in 0..config.n_layers {
+        for target in LoraTarget::all() {
+            let (n_in, n_out) = target.dims(config);
+            let a_scale = 1.0 / (n_in as f32).sqrt();
+            let a = (0..rank * n_in)
+                .map(|_| rng.random_range(-1.0f32..1.0) * a_scale)
+                .collect();
+            let b = (0..n_out * rank)
+                .map(|_| rng.random_range(-0.01f32..0.01))
+                .collect();
+            factors.push((
+                layer,
+                target,
+                LoraFactors {
+                    rank,
+                    a,
+                    b,
+                    scale: 2.0,
+                },
+            ));
+        }
+    }
+    LoraAdapter::from_factors(format!("random rank {rank} #{seed}"), config, factors)
 }
 
 /// The continuous strategy's KV cache types, as `k=q8_0 v=q8_0`.

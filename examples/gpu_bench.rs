@@ -229,6 +229,7 @@ fn bench_model<C: LlamaBackend>(
                 blocks: &table,
                 logits: true,
                 all_logits: false,
+                adapter: None,
             };
             last = greedy(&llama, &[row], &mut cache)?[0];
         }
@@ -273,6 +274,7 @@ fn bench_model<C: LlamaBackend>(
                         blocks: table,
                         logits: true,
                         all_logits: false,
+                        adapter: None,
                     })
                     .collect();
                 next.extend(greedy(&llama, &step, &mut cache)?);
@@ -293,6 +295,7 @@ fn bench_model<C: LlamaBackend>(
                         blocks: table,
                         logits: true,
                         all_logits: false,
+                        adapter: None,
                     })
                     .collect();
                 next = greedy(&llama, &step_rows, &mut cache)?;
@@ -425,6 +428,7 @@ fn count_launches<C: LlamaBackend>(
         blocks: &table,
         logits: true,
         all_logits: false,
+        adapter: None,
     }];
     let mut next = greedy(llama, &prompt, &mut cache)?[0];
     let mut position = context.len();
@@ -437,6 +441,7 @@ fn count_launches<C: LlamaBackend>(
             blocks: &table,
             logits: true,
             all_logits: false,
+            adapter: None,
         }];
         *next = greedy(llama, &rows, &mut cache)?[0];
         *position += 1;

@@ -98,7 +98,7 @@ mod chosen {
 pub use chosen::{BACKEND_NAME, DefaultBackend, default_device};
 
 use burn::tensor::{
-    Bool, DType, FloatDType, Tensor, TensorData, backend::Backend, module::attention,
+    Bool, DType, FloatDType, Int, Tensor, TensorData, backend::Backend, module::attention,
     ops::AttentionModuleOptions,
 };
 
@@ -274,6 +274,32 @@ pub trait LlamaBackend: Backend {
     /// Backends with a kernel of their own report what it cannot take.
     fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Result<Tensor<Self, 2>> {
         Ok(burn::tensor::activation::silu(gate) * up)
+    }
+
+    /// A LoRA adapter's change to a projection's output rows: `y[r] += (x[r] @ a) @ b`
+    /// for each row `r` of `rows` (`index` holds the same rows on the device), with `x`
+    /// `[tokens, in]`, `a` `[in, rank]`, `b` `[rank, out]` (the scale folded in) and `y`
+    /// `[tokens, out]`; every other row of `y` is returned as it is. Each row's change
+    /// depends on that row alone. The default gathers the rows, multiplies with
+    /// [`dense_matmul`](Self::dense_matmul) and adds the result back; the CPU backend
+    /// has a kernel of its own (one fixed order of addition per row).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] where a backend checks the shapes.
+    fn lora_add(
+        y: Tensor<Self, 2>,
+        x: Tensor<Self, 2>,
+        rows: &[u32],
+        index: &Tensor<Self, 1, Int>,
+        a: &Tensor<Self, 2>,
+        b: &Tensor<Self, 2>,
+    ) -> Result<Tensor<Self, 2>> {
+        let _ = rows;
+        let xs = x.select(0, index.clone());
+        let t = Self::dense_matmul(xs, a, false)?;
+        let delta = Self::dense_matmul(t, b, false)?;
+        Ok(y.select_assign(0, index.clone(), delta, burn::tensor::IndexingUpdateOp::Add))
     }
 
     /// Grouped-query attention of token-major queries: `q` `[batch * seq, n_heads * dim]`
@@ -795,6 +821,49 @@ impl LlamaBackend for burn::backend::Flex {
                 Ok(out)
             })
         })?;
+        Ok(Tensor::from_data(TensorData::new(out, dims), &device))
+    }
+
+    fn lora_add(
+        y: Tensor<Self, 2>,
+        x: Tensor<Self, 2>,
+        rows: &[u32],
+        _index: &Tensor<Self, 1, Int>,
+        a: &Tensor<Self, 2>,
+        b: &Tensor<Self, 2>,
+    ) -> Result<Tensor<Self, 2>> {
+        let dims = y.dims();
+        let ([tokens, n_in], [a_in, rank], [b_rank, n_out]) = (x.dims(), a.dims(), b.dims());
+        if a_in != n_in || b_rank != rank || dims != [tokens, n_out] {
+            return Err(LlamaError::ShapeMismatch {
+                name: "lora factors".into(),
+                expected: vec![n_in, rank, n_out],
+                actual: vec![a_in, b_rank, dims[1]],
+            });
+        }
+        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= tokens) {
+            return Err(LlamaError::invalid(
+                "lora row",
+                bad,
+                "outside the step's rows",
+            ));
+        }
+        let device = y.device();
+        let mut out = host::<f32, 2, _>(y)?;
+        let deltas = with_values(&x, |x| {
+            with_values(a, |a| {
+                with_values(b, |b| {
+                    let shape = crate::kernels::lora::LoraShape { n_in, rank, n_out };
+                    Ok(crate::kernels::lora::deltas(x, rows, a, b, shape))
+                })
+            })
+        })?;
+        for (&r, delta) in rows.iter().zip(deltas.chunks_exact(n_out.max(1))) {
+            let row = &mut out[r as usize * n_out..(r as usize + 1) * n_out];
+            for (y, d) in row.iter_mut().zip(delta) {
+                *y += d;
+            }
+        }
         Ok(Tensor::from_data(TensorData::new(out, dims), &device))
     }
 

@@ -69,6 +69,20 @@ pub enum LlamaError {
         /// Largest prompt the context can hold.
         max: usize,
     },
+    /// A LoRA adapter does not fit the model: a target the model has no projection for,
+    /// factors whose shapes are not the projection's, a rank out of range, an option we
+    /// do not run (DoRA, biases, weights saved whole), or another architecture.
+    #[error("LoRA adapter {adapter}: {reason}")]
+    InvalidAdapter {
+        /// The adapter's path or name.
+        adapter: String,
+        /// What does not fit.
+        reason: String,
+    },
+    /// A request names an adapter the engine does not know (never registered, or
+    /// unloaded).
+    #[error("no LoRA adapter named `{0}` is loaded")]
+    UnknownAdapter(String),
     /// A generation parameter is out of range (`max_tokens`, temperature, top-p, ...).
     #[error("invalid parameter `{name}` = {value}: {reason}")]
     InvalidParameter {

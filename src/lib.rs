@@ -21,6 +21,7 @@ pub mod inference;
 pub mod kernels;
 pub mod llama;
 pub mod loader;
+pub mod lora;
 pub mod model;
 pub mod quant;
 pub mod sampling;
@@ -47,6 +48,8 @@ mod book {
     mod tool_calling {}
     #[doc = include_str!("../docs/src/speculative-decoding.md")]
     mod speculative_decoding {}
+    #[doc = include_str!("../docs/src/lora.md")]
+    mod lora {}
     #[doc = include_str!("../docs/src/examples.md")]
     mod examples {}
     #[doc = include_str!("../docs/src/serving.md")]

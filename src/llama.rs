@@ -812,6 +812,8 @@ pub(crate) struct PromptScorer<B: LlamaBackend> {
     /// One entry per scored position that has a successor, after a `None` for the first.
     logprobs: Vec<Option<TokenLogprobs>>,
     cache: KvCache<B>,
+    /// The LoRA adapter the prompt is scored with, if any.
+    adapter: Option<std::sync::Arc<crate::lora::LoraWeights<B>>>,
 }
 
 impl<B: LlamaBackend> PromptScorer<B> {
@@ -914,7 +916,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// As [`score_ids`](Self::score_ids), and [`LlamaError::InvalidParameter`] for
     /// `n > 20`.
     pub fn prompt_logprobs(&self, ids: &[u32], n: usize) -> Result<Vec<Option<TokenLogprobs>>> {
-        let mut scorer = self.prompt_scorer(ids.to_vec(), n)?;
+        let mut scorer = self.prompt_scorer(ids.to_vec(), n, None)?;
         while !self.score_next_chunk(&mut scorer)? {}
         Ok(scorer.logprobs)
     }
@@ -927,7 +929,12 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     /// # Errors
     ///
     /// As [`prompt_logprobs`](Self::prompt_logprobs).
-    pub(crate) fn prompt_scorer(&self, ids: Vec<u32>, n: usize) -> Result<PromptScorer<B>> {
+    pub(crate) fn prompt_scorer(
+        &self,
+        ids: Vec<u32>,
+        n: usize,
+        adapter: Option<std::sync::Arc<crate::lora::LoraWeights<B>>>,
+    ) -> Result<PromptScorer<B>> {
         if ids.is_empty() {
             return Err(LlamaError::EmptyPrompt);
         }
@@ -953,6 +960,7 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
             top: n,
             scored: 0,
             logprobs,
+            adapter,
         })
     }
 
@@ -969,8 +977,12 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
         if start < len {
             let end = (start + SCORE_CHUNK).min(len);
             let chunk = &scorer.ids[start..end];
-            let logits =
-                logits_to_vec(self.model.forward(chunk, &mut scorer.cache, Logits::All)?)?;
+            let logits = logits_to_vec(self.model.forward_adapted(
+                chunk,
+                &mut scorer.cache,
+                Logits::All,
+                scorer.adapter.as_deref(),
+            )?)?;
             for (i, row) in logits.chunks(self.config().vocab_size).enumerate() {
                 // Row `position` predicts token `position + 1`.
                 let Some(&token) = scorer.ids.get(start + i + 1) else {

@@ -209,6 +209,7 @@ fn paged_last_logits_in<B: LlamaBackend>(
         blocks: &[1, 0],
         logits: true,
         all_logits: false,
+        adapter: None,
     };
     let logits = llama
         .model
@@ -823,6 +824,177 @@ fn encoded_kv_pools_on_the_device_hold_the_host_bytes_and_give_the_cpu_attention
             ..
         })
     ));
+}
+
+/// A block moved through bytes (the prefix cache on disk, host swap) lands in a device
+/// pool as the host pool's bytes: written into one block of a GPU cache, read back the
+/// same, its neighbours untouched, and the CPU cache given the same bytes reads them back
+/// alike, so a block saved by one backend loads into the other.
+#[test]
+fn a_block_written_into_a_device_pool_reads_back_its_bytes() {
+    use llama_burn::cache::paged::PagedKvCache;
+    use llama_burn::cache::{KvCacheType, KvCacheTypes};
+
+    let (layers, blocks, block_size, kv_heads, dim) = (2, 5, 4, 2, 64);
+    for types in [
+        KvCacheTypes::both(KvCacheType::Q8_0),
+        KvCacheTypes::new(KvCacheType::Q4_0, KvCacheType::F16),
+    ] {
+        let mut gpu = PagedKvCache::<Gpu>::with_types(
+            layers,
+            blocks,
+            block_size,
+            kv_heads,
+            dim,
+            types,
+            &Default::default(),
+        )
+        .expect("gpu cache");
+        let mut cpu = PagedKvCache::<Flex>::with_types(
+            layers,
+            blocks,
+            block_size,
+            kv_heads,
+            dim,
+            types,
+            &Default::default(),
+        )
+        .expect("cpu cache");
+        let size = gpu.block_bytes();
+        assert_eq!(size, cpu.block_bytes(), "{types}");
+        let block: Vec<u8> = (0..size).map(|i| (i * 7 + 3) as u8).collect();
+        gpu.write_block(3, &block).expect("write gpu");
+        cpu.write_block(3, &block).expect("write cpu");
+        assert!(
+            gpu.read_block(3).expect("read") == block,
+            "{types}: block 3"
+        );
+        assert!(
+            cpu.read_block(3).expect("read") == block,
+            "{types}: cpu block 3"
+        );
+        for other in [2, 4] {
+            assert!(
+                gpu.read_block(other).expect("read").iter().all(|&b| b == 0),
+                "{types}: block {other} changed"
+            );
+        }
+        assert!(matches!(
+            gpu.write_block(3, &block[1..]),
+            Err(LlamaError::InvalidParameter {
+                name: "kv_block",
+                ..
+            })
+        ));
+    }
+}
+
+/// LoRA adapters on the GPU path: one paged step with rows of two adapters and a row
+/// with none (the fused feed-forward kernel's rows recomputed apart for the adapter
+/// rows) gives each row exactly its logits alone, and the CPU backend's within the
+/// bound of the model test.
+#[test]
+fn lora_rows_share_a_gpu_step_and_give_the_cpu_logits() {
+    use llama_burn::cache::PagedKvCache;
+    use llama_burn::lora::{LoraAdapter, LoraFactors, LoraWeights};
+    use llama_burn::model::PagedRow;
+
+    let device = Default::default();
+    let gpu = demo::<Gpu>(&device);
+    let cpu = demo::<Flex>(&Default::default());
+    let c = gpu.config().clone();
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/lora/peft");
+    let peft = LoraAdapter::open(fixture, &c).expect("adapter");
+    let negated = LoraAdapter::from_factors(
+        "negated",
+        &c,
+        peft.tensors().map(|(layer, t, f)| {
+            let b = f.b.iter().map(|v| -v).collect();
+            (layer, t, LoraFactors { b, ..f.clone() })
+        }),
+    )
+    .expect("negated");
+    let ids: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| gpu.tokenizer.encode(p, true, false).expect("ids"))
+        .collect();
+    // Rows: prompt 0 with the adapter, prompt 1 with none, prompt 2 negated.
+    let adapters_of = [Some(0), None, Some(1)];
+    let run = |rows: &[usize], gpu_side: bool| -> Vec<Vec<f32>> {
+        fn pass<B: LlamaBackend>(
+            llama: &Llama<B, DynTokenizer>,
+            adapters: &[LoraAdapter],
+            ids: &[Vec<u32>],
+            rows: &[usize],
+            adapters_of: &[Option<usize>],
+            device: &B::Device,
+        ) -> Vec<Vec<f32>> {
+            let c = llama.config();
+            let weights: Vec<LoraWeights<B>> = adapters
+                .iter()
+                .map(|a| LoraWeights::new(a, c, device).expect("weights"))
+                .collect();
+            let refs: Vec<&LoraWeights<B>> = weights.iter().collect();
+            let mut cache = PagedKvCache::<B>::new(
+                c.n_layers,
+                2 * rows.len(),
+                16,
+                c.n_kv_heads,
+                c.head_dim,
+                device,
+            )
+            .expect("pool");
+            let tables: Vec<[u32; 2]> =
+                (0..rows.len() as u32).map(|r| [2 * r, 2 * r + 1]).collect();
+            let paged: Vec<PagedRow> = rows
+                .iter()
+                .zip(&tables)
+                .map(|(&r, table)| PagedRow {
+                    tokens: &ids[r],
+                    start: 0,
+                    blocks: table,
+                    logits: true,
+                    all_logits: false,
+                    adapter: adapters_of[r],
+                })
+                .collect();
+            let logits = llama
+                .model
+                .forward_paged_adapted(&paged, &refs, &mut cache)
+                .expect("forward")
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32");
+            logits.chunks(c.vocab_size).map(<[f32]>::to_vec).collect()
+        }
+        let adapters = [peft.clone(), negated.clone()];
+        if gpu_side {
+            pass(&gpu, &adapters, &ids, rows, &adapters_of, &device)
+        } else {
+            pass(
+                &cpu,
+                &adapters,
+                &ids,
+                rows,
+                &adapters_of,
+                &Default::default(),
+            )
+        }
+    };
+    let together = run(&[0, 1, 2], true);
+    let on_cpu = run(&[0, 1, 2], false);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for r in 0..3 {
+        let alone = run(&[r], true);
+        assert_eq!(bits(&alone[0]), bits(&together[r]), "row {r} alone");
+        let diff = max_diff(&together[r], &on_cpu[r]);
+        eprintln!("lora row {r}: GPU vs CPU {diff:.2e}");
+        assert!(diff < 2e-3, "row {r}: {diff}");
+    }
+    // The adapters change the logits.
+    let base = paged_last_logits(&gpu, &ids[0], &device).0;
+    assert!(max_diff(&base, &together[0]) > 0.1);
 }
 
 #[test]

@@ -60,6 +60,22 @@ struct Args {
     /// counters are shown only behind this key).
     #[arg(long, env = "LLAMA_BURN_METRICS_KEY", hide_env_values = true)]
     metrics_key: Option<String>,
+    /// Open the admin routes (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`)
+    /// to `Authorization: Bearer KEY` (API keys do not open them). Without it they
+    /// answer 403.
+    #[arg(long, env = "LLAMA_BURN_ADMIN_KEY", hide_env_values = true)]
+    admin_key: Option<String>,
+    /// Serve a LoRA adapter of the model as `NAME` (a request selects it with
+    /// `"model": "NAME"`; `/v1/models` lists it): `NAME=PATH`, PATH a PEFT directory
+    /// (`adapter_config.json`, `adapter_model.safetensors`) or a GGUF LoRA file.
+    /// Repeatable.
+    #[arg(long, value_name = "NAME=PATH")]
+    lora: Vec<String>,
+    /// Most LoRA adapters held in memory at once; one more (a request for an adapter
+    /// that was evicted, or a load) evicts the least recently used one that no request
+    /// is running with, and an evicted adapter is read again from its path when asked.
+    #[arg(long, default_value_t = 8)]
+    max_loras: usize,
     /// Most choices (`n`) per request.
     #[arg(long, default_value_t = 16)]
     max_n: usize,
@@ -281,6 +297,7 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
             }),
         ..ContinuousConfig::default()
     }
+    .with_max_lora_adapters(args.max_loras)
     .with_kv_budget_tokens(args.kv_budget_tokens)
     .with_kv_cache_types(args.kv_cache_type_k, args.kv_cache_type_v);
     let config = match args.kv_budget_bytes {
@@ -339,6 +356,19 @@ fn load(path: &Path, args: &Args) -> llama_burn::Result<Arc<dyn Engine>> {
     tracing::info!(precision = %llama.config().precision, "precision");
     attach_draft(&mut llama, args)?;
     let engine = start_engine(llama, config)?;
+    for spec in &args.lora {
+        let (name, path) = spec
+            .split_once('=')
+            .ok_or_else(|| llama_burn::LlamaError::invalid("lora", spec, "give NAME=PATH"))?;
+        let info = engine.load_adapter(name, Path::new(path))?;
+        tracing::info!(
+            adapter = name,
+            rank = info.rank,
+            modules = ?info.modules,
+            bytes = info.bytes,
+            "LoRA adapter loaded"
+        );
+    }
     tracing::info!(seconds = start.elapsed().as_secs_f64(), "model loaded");
     Ok(engine)
 }
@@ -424,6 +454,15 @@ fn server_config(args: &Args, name: String) -> Result<ServerConfig, String> {
             return Err(
                 "--metrics-key (or LLAMA_BURN_METRICS_KEY) is empty: give a key, or \
                         leave it out"
+                    .into(),
+            );
+        }
+        key => key.clone(),
+    };
+    config.admin_key = match &args.admin_key {
+        Some(key) if key.trim().is_empty() => {
+            return Err(
+                "--admin-key (or LLAMA_BURN_ADMIN_KEY) is empty: give a key, or leave it out"
                     .into(),
             );
         }

@@ -88,6 +88,12 @@ pub struct GenerateRequest {
     /// Speculative decoding ([`crate::speculative`]), or `None` (the default). The
     /// tokens are the same with it and without it; it only changes the speed.
     pub speculation: Option<SpeculationConfig>,
+    /// The LoRA adapter to run with, by the name the engine's
+    /// [`AdapterRegistry`](crate::lora::AdapterRegistry) knows it under, or `None` (the
+    /// default) for the base model. Served by the continuous engine; rows of different
+    /// adapters share its steps, and a request's tokens do not depend on its neighbours'
+    /// adapters.
+    pub adapter: Option<String>,
 }
 
 impl GenerateRequest {
@@ -131,6 +137,7 @@ impl GenerateRequest {
             prompt_logprobs: None,
             constraint: None,
             speculation: None,
+            adapter: None,
         }
     }
 
@@ -318,6 +325,21 @@ impl GenerateRequest {
     #[must_use]
     pub fn with_speculation(mut self, config: SpeculationConfig) -> Self {
         self.speculation = Some(config);
+        self
+    }
+
+    /// Runs the request with the LoRA adapter registered as `name` (see
+    /// [`adapter`](Self::adapter)).
+    ///
+    /// ```
+    /// use llama_burn::inference::GenerateRequest;
+    ///
+    /// let request = GenerateRequest::new("Bonjour").with_adapter("french-chat");
+    /// assert_eq!(request.adapter.as_deref(), Some("french-chat"));
+    /// ```
+    #[must_use]
+    pub fn with_adapter(mut self, name: impl Into<String>) -> Self {
+        self.adapter = Some(name.into());
         self
     }
 
@@ -592,6 +614,7 @@ mod tests {
                 prompt_logprobs: None,
                 constraint: None,
                 speculation: None,
+                adapter: None,
             }
         );
         assert!(!r.is_greedy());

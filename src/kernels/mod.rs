@@ -18,6 +18,7 @@ mod avx2;
 mod avx512;
 pub mod cpu;
 pub mod int8;
+pub mod lora;
 mod matrix;
 #[cfg(target_arch = "aarch64")]
 mod neon;

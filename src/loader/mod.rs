@@ -298,7 +298,7 @@ impl<'a> GgufSource<'a> {
 
 /// Undoes llama.cpp's query/key row permutation: GGUF stores each head's rows as
 /// interleaved pairs (row `2i + h`) where Hugging Face stores halves (row `h * d/2 + i`).
-fn unpermute_heads<T: Copy + Default>(data: &[T], heads: usize, cols: usize) -> Vec<T> {
+pub(crate) fn unpermute_heads<T: Copy + Default>(data: &[T], heads: usize, cols: usize) -> Vec<T> {
     let rows = data.len() / cols.max(1);
     let head_dim = rows / heads.max(1);
     let half = head_dim / 2;

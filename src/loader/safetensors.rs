@@ -117,6 +117,27 @@ impl SafetensorsSource {
     }
 }
 
+impl SafetensorsSource {
+    /// Every tensor's name and shape as the headers declare them (nothing is read or
+    /// converted), sorted by name.
+    ///
+    /// # Errors
+    ///
+    /// What parsing a header reports (the files were parsed once already on opening).
+    pub fn shapes(&self) -> Result<Vec<(String, Vec<usize>)>> {
+        let mut out = Vec::with_capacity(self.index.len());
+        for (path, map) in self.paths.iter().zip(&self.maps) {
+            let tensors =
+                SafeTensors::deserialize(map).map_err(|e| parse_error(path, map.len(), e))?;
+            for (name, view) in tensors.tensors() {
+                out.push((name, view.shape().to_vec()));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
 impl TensorSource for SafetensorsSource {
     fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)

@@ -65,6 +65,10 @@ pub struct PagedRow<'a> {
     /// With `logits`, return the logits of every token of the row instead (speculative
     /// decoding's verification).
     pub all_logits: bool,
+    /// The LoRA adapter the row runs with: an index into the adapters given to
+    /// [`Transformer::forward_paged_adapted`](super::Transformer::forward_paged_adapted),
+    /// or `None` for the base model.
+    pub adapter: Option<usize>,
 }
 
 /// Everything a paged forward pass needs that does not change from layer to layer:

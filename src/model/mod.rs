@@ -27,6 +27,15 @@ use norm::rms_norm;
 use rope::RopeTable;
 use weights::{BLOCK_WEIGHTS, WeightKind};
 
+/// Indices of the block's projections in [`BLOCK_WEIGHTS`] (checked by a test), as an
+/// adapter's changes are keyed.
+const WQK: usize = 1;
+const WV: usize = 2;
+const WO: usize = 3;
+const W_GATE: usize = 5;
+const W_UP: usize = 6;
+const W_DOWN: usize = 7;
+
 /// Weights of one transformer block. Projection matrices are stored `[in, out]`, so a
 /// projection is `x @ w` over contiguous memory: on the CPU backend that was 1.5-6x faster
 /// at 8-32 rows than multiplying by the transpose of an `[out, in]` matrix, and equal at 1.
@@ -439,7 +448,24 @@ impl<B: LlamaBackend> Transformer<B> {
         cache: &mut KvCache<B>,
         logits: Logits,
     ) -> Result<Tensor<B, 3>> {
-        on_workers(|| self.forward_on_worker(tokens, cache, logits))
+        self.forward_adapted(tokens, cache, logits, None)
+    }
+
+    /// [`forward`](Self::forward) with every row run with `adapter`'s LoRA changes (or
+    /// none).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidBatch`] for an adapter made for another model; what
+    /// [`forward`](Self::forward) reports.
+    pub fn forward_adapted(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache<B>,
+        logits: Logits,
+        adapter: Option<&crate::lora::LoraWeights<B>>,
+    ) -> Result<Tensor<B, 3>> {
+        on_workers(|| self.forward_on_worker(tokens, cache, logits, adapter))
     }
 
     fn forward_on_worker(
@@ -447,6 +473,7 @@ impl<B: LlamaBackend> Transformer<B> {
         tokens: &[u32],
         cache: &mut KvCache<B>,
         logits: Logits,
+        adapter: Option<&crate::lora::LoraWeights<B>>,
     ) -> Result<Tensor<B, 3>> {
         let batch = cache.batch();
         let seq = columns(tokens, batch)?;
@@ -483,10 +510,19 @@ impl<B: LlamaBackend> Transformer<B> {
             Some(_) => None,
             None => cache.chunk_mask(seq, groups, &device),
         };
-        let x = self.run_blocks(tokens, &positions, |layer, q, k, v| match &in_place {
-            Some(view) => attention::contiguous_in_place(q, k, v, cache, layer, view),
-            None => grouped_query_attention(q, k, v, cache, layer, mask.as_ref(), c.n_heads),
-        })?;
+        let lora = match adapter {
+            Some(w) => crate::lora::LoraStep::new(&[w], [(tokens.len(), Some(0))], c, &device)?,
+            None => crate::lora::LoraStep::none(),
+        };
+        let x = self.run_blocks(
+            tokens,
+            &positions,
+            &lora,
+            |layer, q, k, v| match &in_place {
+                Some(view) => attention::contiguous_in_place(q, k, v, cache, layer, view),
+                None => grouped_query_attention(q, k, v, cache, layer, mask.as_ref(), c.n_heads),
+            },
+        )?;
         cache.advance(seq);
 
         let (x, out_seq) = match logits {
@@ -536,18 +572,44 @@ impl<B: LlamaBackend> Transformer<B> {
         rows: &[PagedRow<'_>],
         cache: &mut PagedKvCache<B>,
     ) -> Result<Tensor<B, 2>> {
-        on_workers(|| self.forward_paged_on_worker(rows, cache))
+        self.forward_paged_adapted(rows, &[], cache)
+    }
+
+    /// [`forward_paged`](Self::forward_paged) with LoRA adapters: a row whose
+    /// [`adapter`](PagedRow::adapter) is `Some(i)` gets `adapters[i]`'s change added to
+    /// each projection it changes, beside the shared base product; rows without one run
+    /// the base model. A row's result depends only on its own tokens, blocks and adapter.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidBatch`] for a row naming an adapter past `adapters`, or an
+    /// adapter made for another model; what [`forward_paged`](Self::forward_paged)
+    /// reports.
+    pub fn forward_paged_adapted(
+        &self,
+        rows: &[PagedRow<'_>],
+        adapters: &[&crate::lora::LoraWeights<B>],
+        cache: &mut PagedKvCache<B>,
+    ) -> Result<Tensor<B, 2>> {
+        on_workers(|| self.forward_paged_on_worker(rows, adapters, cache))
     }
 
     fn forward_paged_on_worker(
         &self,
         rows: &[PagedRow<'_>],
+        adapters: &[&crate::lora::LoraWeights<B>],
         cache: &mut PagedKvCache<B>,
     ) -> Result<Tensor<B, 2>> {
         let c = &self.config;
         let plan = PagedPlan::new(rows, cache, c, &self.device)?;
+        let lora = crate::lora::LoraStep::new(
+            adapters,
+            rows.iter().map(|r| (r.tokens.len(), r.adapter)),
+            c,
+            &self.device,
+        )?;
         let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-        let x = self.run_blocks(&tokens, &plan.positions, |layer, q, k, v| {
+        let x = self.run_blocks(&tokens, &plan.positions, &lora, |layer, q, k, v| {
             plan.attention(layer, q, k, v, cache)
         })?;
         let x = match &plan.logit_rows {
@@ -602,6 +664,7 @@ impl<B: LlamaBackend> Transformer<B> {
                     blocks,
                     logits: true,
                     all_logits: false,
+                    adapter: None,
                 })
                 .collect()
         }
@@ -643,6 +706,7 @@ impl<B: LlamaBackend> Transformer<B> {
         &self,
         tokens: &[u32],
         positions: &[usize],
+        lora: &crate::lora::LoraStep<'_, B>,
         mut attend: impl FnMut(usize, Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) -> Result<Tensor<B, 2>>,
     ) -> Result<Tensor<B, 2>> {
         let c = &self.config;
@@ -664,25 +728,20 @@ impl<B: LlamaBackend> Transformer<B> {
                     (x, h)
                 }
             };
-            let qk = self.rope.apply(block.wqk.forward(h.clone(), p)?, &angles)?;
+            // Each projection's output gets the adapter rows' LoRA changes (none in a
+            // step without adapters); queries and keys before RoPE, as in the
+            // checkpoint's own model.
+            let qk = lora.apply(layer, WQK, &h, block.wqk.forward(h.clone(), p)?)?;
+            let qk = self.rope.apply(qk, &angles)?;
             let q = qk.clone().slice([0..rows, 0..q_dim]);
             let k = qk.slice([0..rows, q_dim..q_dim + kv_dim]);
-            let v = block.wv.forward(h, p)?;
+            let v = lora.apply(layer, WV, &h, block.wv.forward(h.clone(), p)?)?;
             let attn = attend(layer, q, k, v)?;
-            let (sum, h) =
-                B::add_rms_norm(sum, block.wo.forward(attn, p)?, &block.ffn_norm, c.norm_eps)?;
-            let fused = match (block.w_gate.as_quantized(), block.w_up.as_quantized()) {
-                (Some(gate), Some(up)) => B::quantized_swiglu(h.clone(), gate, up, p)?,
-                _ => None,
-            };
-            let gated = match fused {
-                Some(gated) => gated,
-                None => B::swiglu(
-                    block.w_gate.forward(h.clone(), p)?,
-                    block.w_up.forward(h, p)?,
-                )?,
-            };
-            pending = Some(block.w_down.forward(gated, p)?);
+            let out = lora.apply(layer, WO, &attn, block.wo.forward(attn.clone(), p)?)?;
+            let (sum, h) = B::add_rms_norm(sum, out, &block.ffn_norm, c.norm_eps)?;
+            let gated = self.feed_forward_gate(block, layer, h.clone(), lora)?;
+            let down = block.w_down.forward(gated.clone(), p)?;
+            pending = Some(lora.apply(layer, W_DOWN, &gated, down)?);
             x = sum;
         }
         if let Some(delta) = pending {
@@ -691,9 +750,69 @@ impl<B: LlamaBackend> Transformer<B> {
         Ok(x)
     }
 
+    /// The feed-forward block's gated activations, `silu(h @ gate) * (h @ up)`, with the
+    /// LoRA changes of the step's adapter rows. Where the backend fuses the two
+    /// quantized products and SwiGLU in one kernel, every row takes that kernel, and the
+    /// rows of an adapter that changes the gate or up projection are then computed
+    /// apart (unfused, their changes added) and put in place of theirs: a row's path
+    /// is the same whatever its neighbours.
+    fn feed_forward_gate(
+        &self,
+        block: &Block<B>,
+        layer: usize,
+        h: Tensor<B, 2>,
+        lora: &crate::lora::LoraStep<'_, B>,
+    ) -> Result<Tensor<B, 2>> {
+        let p = self.config.precision;
+        let unfused = |h: Tensor<B, 2>, lora: &crate::lora::LoraStep<'_, B>| {
+            let gate = lora.apply(layer, W_GATE, &h, block.w_gate.forward(h.clone(), p)?)?;
+            let up = lora.apply(layer, W_UP, &h, block.w_up.forward(h.clone(), p)?)?;
+            B::swiglu(gate, up)
+        };
+        let fused = match (block.w_gate.as_quantized(), block.w_up.as_quantized()) {
+            (Some(gate), Some(up)) => B::quantized_swiglu(h.clone(), gate, up, p)?,
+            _ => None,
+        };
+        let Some(mut gated) = fused else {
+            return unfused(h, lora);
+        };
+        let [rows, hidden] = gated.dims();
+        for (group_rows, index, own) in lora.groups_touching(layer, [W_GATE, W_UP]) {
+            let theirs = unfused(h.clone().select(0, index.clone()), &own)?;
+            let placed = Tensor::<B, 2>::zeros([rows, hidden], &gated.device()).select_assign(
+                0,
+                index.clone(),
+                theirs,
+                burn::tensor::IndexingUpdateOp::Add,
+            );
+            let mut mask = vec![false; rows];
+            for &r in group_rows {
+                mask[r as usize] = true;
+            }
+            let mask = Tensor::<B, 2, burn::tensor::Bool>::from_data(
+                TensorData::new(mask, [rows, 1]),
+                &gated.device(),
+            )
+            .expand([rows, hidden]);
+            gated = gated.mask_where(mask, placed);
+        }
+        Ok(gated)
+    }
+
     /// Final norm and output head: `[rows, d_model]` to `[rows, vocab]`.
     fn head(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
         let x = rms_norm(x, &self.norm, self.config.norm_eps)?;
         self.lm_head.project(x, self.config.precision)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn projection_indices_name_the_weight_tables_rows() {
+        let names = [WQK, WV, WO, W_GATE, W_UP, W_DOWN].map(|i| BLOCK_WEIGHTS[i].name);
+        assert_eq!(names, ["wqk", "wv", "wo", "w_gate", "w_up", "w_down"]);
     }
 }

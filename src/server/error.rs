@@ -70,6 +70,11 @@ impl ApiError {
         }
     }
 
+    /// 403: a route this server does not open.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", message)
+    }
+
     /// 401: the API key is missing or wrong.
     pub fn unauthorized() -> Self {
         Self {
@@ -189,6 +194,21 @@ impl ApiError {
             LlamaError::Cancelled | LlamaError::ModelUnavailable(_) => {
                 Self::unavailable(error.to_string())
             }
+            LlamaError::UnknownAdapter(_) => Self {
+                param: Some("model".into()),
+                code: Some("model_not_found"),
+                ..Self::new(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    error.to_string(),
+                )
+            },
+            LlamaError::InvalidAdapter { .. }
+            | LlamaError::Io { .. }
+            | LlamaError::InvalidFormat(_)
+            | LlamaError::Truncated(_)
+            | LlamaError::UnsupportedTensorType { .. }
+            | LlamaError::MissingTensor(_) => Self::invalid(error.to_string(), Some(prompt_param)),
             other => Self::internal(other.to_string()),
         }
     }

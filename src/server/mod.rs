@@ -68,6 +68,7 @@ use crate::error::{LlamaError, Result};
 use crate::inference::{
     CancelToken, ContinuousEngine, EngineMetrics, EventHandler, GenerateRequest, Scope,
 };
+use crate::lora::AdapterInfo;
 use crate::tokenizer::Tokenizer;
 
 /// Runs `body` through every check a POST to the chat (`chat`) or completions endpoint
@@ -120,6 +121,38 @@ pub trait Engine: Send + Sync + 'static {
     fn is_alive(&self) -> bool {
         true
     }
+    /// The LoRA adapters requests may name in `model` (none by default).
+    fn adapters(&self) -> Vec<AdapterInfo> {
+        Vec::new()
+    }
+    /// Whether `name` is one of [`adapters`](Self::adapters).
+    fn has_adapter(&self, name: &str) -> bool {
+        self.adapters().iter().any(|a| a.name == name)
+    }
+    /// Reads the adapter at `path` and serves it as `name` (see
+    /// [`AdapterRegistry::register`](crate::lora::AdapterRegistry::register)). Called on
+    /// a blocking thread.
+    ///
+    /// # Errors
+    ///
+    /// What registering reports; by default, [`LlamaError::InvalidParameter`]: the
+    /// engine serves no adapters.
+    fn load_adapter(&self, name: &str, path: &std::path::Path) -> Result<AdapterInfo> {
+        let _ = path;
+        Err(LlamaError::invalid(
+            "lora_name",
+            name,
+            "this engine serves no LoRA adapters",
+        ))
+    }
+    /// Stops serving the adapter `name` (requests running with it finish).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::UnknownAdapter`] if there is none of that name.
+    fn unload_adapter(&self, name: &str) -> Result<()> {
+        Err(LlamaError::UnknownAdapter(name.to_string()))
+    }
 }
 
 impl<B: LlamaBackend, T: Tokenizer> Engine for ContinuousEngine<B, T>
@@ -143,6 +176,22 @@ where
 
     fn is_alive(&self) -> bool {
         ContinuousEngine::is_alive(self)
+    }
+
+    fn adapters(&self) -> Vec<AdapterInfo> {
+        ContinuousEngine::adapters(self).list()
+    }
+
+    fn has_adapter(&self, name: &str) -> bool {
+        ContinuousEngine::adapters(self).contains(name)
+    }
+
+    fn load_adapter(&self, name: &str, path: &std::path::Path) -> Result<AdapterInfo> {
+        ContinuousEngine::adapters(self).register(name, path)
+    }
+
+    fn unload_adapter(&self, name: &str) -> Result<()> {
+        ContinuousEngine::adapters(self).remove(name)
     }
 
     fn metrics(&self) -> EngineMetrics {
@@ -173,6 +222,11 @@ pub struct ServerConfig {
     /// not open it) and shows the per-tenant counters. Unset, `/metrics` is open (for
     /// scrapers) and does not name tenants.
     pub metrics_key: Option<String>,
+    /// When set, the admin routes (`POST /v1/load_lora_adapter` and
+    /// `/v1/unload_lora_adapter`, vLLM's) take `Authorization: Bearer <admin_key>` (API
+    /// keys do not open them). Unset, they answer 403: loading reads a path on the
+    /// server's disk, which no API client should name.
+    pub admin_key: Option<String>,
     /// Largest request body in bytes (larger ones get 413).
     pub max_body_bytes: usize,
     /// Most choices (`n`) per request.
@@ -251,6 +305,7 @@ impl ServerConfig {
             api_key: None,
             tenants: Vec::new(),
             metrics_key: None,
+            admin_key: None,
             max_body_bytes: 2 * 1024 * 1024,
             max_n: 16,
             max_prompts: 64,
@@ -560,7 +615,9 @@ impl Server {
                 return Err(LlamaError::invalid(name, 0, "must be positive"));
             }
         }
-        if config.keys().any(|(_, key)| key.is_empty()) || config.metrics_key.as_deref() == Some("")
+        if config.keys().any(|(_, key)| key.is_empty())
+            || config.metrics_key.as_deref() == Some("")
+            || config.admin_key.as_deref() == Some("")
         {
             return Err(LlamaError::invalid("api_key", "\"\"", "must not be empty"));
         }

@@ -322,6 +322,9 @@ pub struct Sampling {
     pub tools: Vec<crate::tools::Tool>,
     /// Read the answer for tool calls written in this format (chat with tools).
     pub tool_format: Option<crate::tools::ToolFormat>,
+    /// The LoRA adapter the request's `model` names (`None`: the base model), checked
+    /// against the engine's adapters before any work is done.
+    pub adapter: Option<String>,
 }
 
 fn out_of_range(name: &str, value: impl std::fmt::Display, range: &str) -> ApiError {
@@ -556,6 +559,7 @@ impl CommonFields {
             constraint_param: "response_format",
             tools: Vec::new(),
             tool_format: None,
+            adapter: None,
         })
     }
 

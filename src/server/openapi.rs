@@ -34,6 +34,8 @@ use super::{structured, tools};
         routes::completions,
         routes::list_models,
         routes::get_model,
+        routes::load_lora_adapter,
+        routes::unload_lora_adapter,
         routes::health,
         routes::metrics,
         openapi_json,
@@ -177,8 +179,10 @@ mod tests {
                 "/openapi.json",
                 "/v1/chat/completions",
                 "/v1/completions",
+                "/v1/load_lora_adapter",
                 "/v1/models",
                 "/v1/models/{id}",
+                "/v1/unload_lora_adapter",
             ]
         );
         let schemas = doc["components"]["schemas"].as_object().unwrap();

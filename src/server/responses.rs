@@ -238,7 +238,7 @@ pub struct TextCompletionChunk {
     pub usage: Option<Option<Usage>>,
 }
 
-/// The served model, as `/v1/models` lists it.
+/// The served model or one of its LoRA adapters, as `/v1/models` lists it.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ModelObject {
     /// The id requests name in `model`.
@@ -249,6 +249,27 @@ pub struct ModelObject {
     pub created: u64,
     /// Always `llama-burn`.
     pub owned_by: &'static str,
+    /// An adapter's base model: the served model's id (absent for the served model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// An adapter's source (its path; absent for the served model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root: Option<String>,
+}
+
+/// The answer of the admin routes that load and unload LoRA adapters.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct AdapterStatus {
+    /// The adapter's name.
+    pub lora_name: String,
+    /// `loaded` or `unloaded`.
+    pub status: &'static str,
+    /// Its largest rank (when loaded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
+    /// The modules it changes (when loaded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub modules: Option<Vec<&'static str>>,
 }
 
 /// The answer of `GET /v1/models`.
@@ -256,7 +277,7 @@ pub struct ModelObject {
 pub struct ModelList {
     /// Always `list`.
     pub object: &'static str,
-    /// The served model.
+    /// The served model, then its LoRA adapters.
     pub data: Vec<ModelObject>,
 }
 

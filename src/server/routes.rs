@@ -27,8 +27,8 @@ use super::openai::{
 };
 use super::openapi::{ChatCompletionBody, CompletionBody};
 use super::responses::{
-    ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs, Health,
-    ModelList, ModelObject, ResponseHead, TextChoice, TextCompletion, TextCompletionChunk,
+    AdapterStatus, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs,
+    Health, ModelList, ModelObject, ResponseHead, TextChoice, TextCompletion, TextCompletionChunk,
     TextLogprobs,
 };
 use super::structured;
@@ -51,6 +51,8 @@ pub(super) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route_layer(middleware::from_fn_with_state(shared.clone(), authorize))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/health", get(health))
         .route("/openapi.json", get(super::openapi::openapi_json))
         .route("/metrics", get(metrics))
@@ -237,20 +239,159 @@ fn model_object(shared: &Shared) -> ModelObject {
         object: "model",
         created: shared.created,
         owned_by: "llama-burn",
+        parent: None,
+        root: None,
     }
 }
 
-/// The served model.
+/// The served model and its LoRA adapters (each with the served model as `parent`).
+fn all_models(shared: &Shared) -> Vec<ModelObject> {
+    let adapters = shared
+        .engine
+        .get()
+        .map(|e| e.adapters())
+        .unwrap_or_default();
+    std::iter::once(model_object(shared))
+        .chain(adapters.into_iter().map(|a| ModelObject {
+            id: a.name,
+            parent: Some(shared.config.served_model_name.clone()),
+            root: Some(a.source),
+            ..model_object(shared)
+        }))
+        .collect()
+}
+
+/// The served model and its LoRA adapters.
 #[utoipa::path(get, path = "/v1/models", tag = "models", responses(
-    (status = 200, description = "The served model", body = ModelList),
+    (status = 200, description = "The served model, then its adapters", body = ModelList),
     (status = 401, description = "The API key is missing or wrong", body = ErrorBody),
 ), security((), ("bearer" = [])))]
 pub(super) async fn list_models(State(shared): AppState) -> Response {
     Json(ModelList {
         object: "list",
-        data: vec![model_object(&shared)],
+        data: all_models(&shared),
     })
     .into_response()
+}
+
+/// The body of `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's).
+#[derive(serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AdapterRequest {
+    /// The name requests will select it by (`model`).
+    lora_name: String,
+    /// Loading: a PEFT directory or a GGUF LoRA file on the server's disk.
+    #[serde(default)]
+    lora_path: Option<String>,
+}
+
+/// The admin key's check: 403 when the server has none, 401 for a wrong one.
+fn admin(shared: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &shared.config.admin_key else {
+        return Err(ApiError::forbidden(
+            "the admin routes are off: start the server with --admin-key",
+        ));
+    };
+    let given = bearer(headers).unwrap_or("");
+    if !constant_time_eq(given.as_bytes(), key.as_bytes()) {
+        return Err(ApiError::unauthorized());
+    }
+    Ok(())
+}
+
+/// Reads an admin body (small: a name and a path).
+async fn adapter_request(shared: &Shared, body: Body) -> Result<AdapterRequest, ApiError> {
+    let bytes = read_body(shared, body).await?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::invalid(format!("the body is not an adapter request: {e}"), None))
+}
+
+/// Loads a LoRA adapter from the server's disk and serves it under `lora_name`
+/// (replacing one of that name). Behind `--admin-key`.
+#[utoipa::path(post, path = "/v1/load_lora_adapter", tag = "admin",
+    request_body(content = AdapterRequest, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The adapter is served", body = AdapterStatus),
+        (status = 400, description = "The adapter does not fit the model, or the body is wrong", body = ErrorBody),
+        (status = 401, description = "The admin key is missing or wrong", body = ErrorBody),
+        (status = 403, description = "The server has no admin key", body = ErrorBody),
+        (status = 429, description = "Every held adapter is in use", body = ErrorBody),
+        (status = 503, description = "Loading or shutting down", body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+)]
+pub(super) async fn load_lora_adapter(
+    State(shared): AppState,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    admin(&shared, &headers)?;
+    let request = adapter_request(&shared, body).await?;
+    let Some(path) = request.lora_path else {
+        return Err(ApiError::invalid(
+            "`lora_path` is required",
+            Some("lora_path"),
+        ));
+    };
+    let engine = shared.engine()?.clone();
+    let name = request.lora_name;
+    let task_name = name.clone();
+    let loaded = tokio::task::spawn_blocking(move || {
+        engine.load_adapter(&task_name, std::path::Path::new(&path))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("loading the adapter failed: {e}")))?
+    .map_err(|e| ApiError::from_llama(&e, "lora_path"))?;
+    tracing::info!(
+        adapter = name.as_str(),
+        rank = loaded.rank,
+        "LoRA adapter loaded"
+    );
+    Ok(Json(AdapterStatus {
+        lora_name: name,
+        status: "loaded",
+        rank: Some(loaded.rank),
+        modules: Some(loaded.modules),
+    })
+    .into_response())
+}
+
+/// Stops serving the adapter `lora_name` (requests running with it finish). Behind
+/// `--admin-key`.
+#[utoipa::path(post, path = "/v1/unload_lora_adapter", tag = "admin",
+    request_body(content = AdapterRequest, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The adapter is no longer served", body = AdapterStatus),
+        (status = 400, description = "The body is wrong", body = ErrorBody),
+        (status = 401, description = "The admin key is missing or wrong", body = ErrorBody),
+        (status = 403, description = "The server has no admin key", body = ErrorBody),
+        (status = 404, description = "No adapter has this name", body = ErrorBody),
+        (status = 503, description = "Loading or shutting down", body = ErrorBody),
+    ),
+    security(("bearer" = [])),
+)]
+pub(super) async fn unload_lora_adapter(
+    State(shared): AppState,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    admin(&shared, &headers)?;
+    let request = adapter_request(&shared, body).await?;
+    shared
+        .engine()?
+        .unload_adapter(&request.lora_name)
+        .map_err(|e| ApiError::from_llama(&e, "lora_name"))?;
+    tracing::info!(
+        adapter = request.lora_name.as_str(),
+        "LoRA adapter unloaded"
+    );
+    Ok(Json(AdapterStatus {
+        lora_name: request.lora_name,
+        status: "unloaded",
+        rank: None,
+        modules: None,
+    })
+    .into_response())
 }
 
 /// One model, by id.
@@ -264,10 +405,9 @@ pub(super) async fn list_models(State(shared): AppState) -> Response {
     security((), ("bearer" = [])),
 )]
 pub(super) async fn get_model(State(shared): AppState, Path(id): Path<String>) -> Response {
-    if id == shared.config.served_model_name {
-        Json(model_object(&shared)).into_response()
-    } else {
-        ApiError::model_not_found(&id, &shared.config.served_model_name).into_response()
+    match all_models(&shared).into_iter().find(|m| m.id == id) {
+        Some(model) => Json(model).into_response(),
+        None => ApiError::model_not_found(&id, &shared.config.served_model_name).into_response(),
     }
 }
 
@@ -346,12 +486,22 @@ fn parse_body<T: OpenAiRequest>(
     Ok((request, extras))
 }
 
-fn check_model(config: &ServerConfig, model: Option<&str>) -> Result<(), ApiError> {
+/// The adapter a request's `model` names: `None` for the served model (or no `model`),
+/// else the name, which [`run`] checks against the engine's adapters before any work is
+/// done (404 `model_not_found` for one it does not know). A name too long to be an
+/// adapter's is refused here.
+fn check_model(config: &ServerConfig, model: Option<&str>) -> Result<Option<String>, ApiError> {
     match model {
         Some(m) if m != config.served_model_name => {
-            Err(ApiError::model_not_found(m, &config.served_model_name))
+            if m.len() > crate::lora::MAX_NAME_BYTES {
+                return Err(ApiError::model_not_found(
+                    &m.chars().take(64).collect::<String>(),
+                    &config.served_model_name,
+                ));
+            }
+            Ok(Some(m.to_string()))
         }
-        _ => Ok(()),
+        _ => Ok(None),
     }
 }
 
@@ -375,13 +525,14 @@ pub(super) fn read_chat(
     let constraint = structured::constraint(bytes, config.max_constraint_bytes)?;
     let tool_request = tools::read(bytes, config.max_constraint_bytes)?;
     drop(body);
-    check_model(config, request.common.model.as_deref())?;
+    let adapter = check_model(config, request.common.model.as_deref())?;
     let messages = request.conversation()?;
     let mut sampling =
         request
             .common
             .sampling(Endpoint::Chat, request.max_tokens(), config.max_n)?;
     sampling.constraint = constraint.map(Arc::new);
+    sampling.adapter = adapter;
     Ok(CheckedChat {
         messages,
         sampling,
@@ -407,7 +558,7 @@ pub(super) fn read_completion(
         parse_body(config, Endpoint::Completions, bytes)?;
     let constraint = structured::constraint(bytes, config.max_constraint_bytes)?;
     drop(body);
-    check_model(config, request.common.model.as_deref())?;
+    let adapter = check_model(config, request.common.model.as_deref())?;
     let prompts = request.prompts()?;
     let echo = request.echo.unwrap_or(false);
     // `max_tokens: 0` with `echo` asks for the prompt alone: one token is generated and
@@ -423,6 +574,7 @@ pub(super) fn read_completion(
     sampling.echo = echo;
     sampling.prompt_only = prompt_only;
     sampling.constraint = constraint.map(Arc::new);
+    sampling.adapter = adapter;
     Ok(CheckedCompletion {
         prompts,
         sampling,
@@ -643,6 +795,7 @@ fn base_request(sampling: &Sampling, max_tokens: usize) -> GenerateRequest {
         .with_min_tokens(sampling.min_tokens);
     request.logprobs = sampling.logprobs;
     request.constraint = sampling.constraint.clone();
+    request.adapter = sampling.adapter.clone();
     request
 }
 
@@ -798,6 +951,16 @@ async fn run(
     tenant: TenantOf,
 ) -> Result<Response, ApiError> {
     let max_seq_len = shared.engine()?.max_seq_len();
+    // A `model` that is neither the served model nor one of its adapters: 404 before
+    // anything else.
+    if let Some(name) = &sampling.adapter
+        && !shared.engine()?.has_adapter(name)
+    {
+        return Err(ApiError::model_not_found(
+            name,
+            &shared.config.served_model_name,
+        ));
+    }
     // The tenant's share first: a request over it costs nothing more.
     let choices = prompts.len().saturating_mul(sampling.n);
     let slot = shared.reserve(&tenant.name, choices, tenant.capped)?;
@@ -828,7 +991,10 @@ async fn run(
         endpoint,
         id: format!("{}{:032x}", endpoint.id_prefix(), rand::random::<u128>()),
         created: super::unix_now(),
-        model: shared.config.served_model_name.clone(),
+        model: sampling
+            .adapter
+            .clone()
+            .unwrap_or_else(|| shared.config.served_model_name.clone()),
         seed,
         logprobs: sampling.logprobs.is_some(),
         tool_format: sampling.tool_format,

@@ -165,6 +165,7 @@ fn paged_step(
             blocks,
             logits: true,
             all_logits: false,
+            adapter: None,
         })
         .collect();
     let logits: Vec<f32> = llama

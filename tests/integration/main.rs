@@ -42,6 +42,7 @@ mod constraints;
 mod continuous;
 mod generate;
 mod kv_limits;
+mod lora;
 mod paged_engine;
 mod sampling_invariance;
 mod speculative;

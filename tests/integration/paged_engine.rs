@@ -486,6 +486,7 @@ fn kv_cache_types_agree_with_the_f32_cache() {
                 blocks: &blocks,
                 logits: true,
                 all_logits: true,
+                adapter: None,
             };
             let logits: Vec<f32> = llama
                 .model

@@ -6,8 +6,10 @@ Starts the server on a free port of 127.0.0.1 with the demo model and an API key
 for /health, then checks `client.models.list()` and `client.chat.completions.create`
 with and without `stream=True` (greedy answers must agree), the error a wrong key gets,
 log-probabilities (chat, streamed and not; completions), the seed sent back, penalties,
-`logit_bias`, vLLM's extensions through `extra_body`, 400s naming the field, and that
-SIGTERM stops the server with exit status 0.
+`logit_bias`, vLLM's extensions through `extra_body`, 400s naming the field, a LoRA
+adapter (the test fixture, `--lora`) selected by `model`, streamed and not, and loaded and
+unloaded at run time through the admin routes, and that SIGTERM stops the server with
+exit status 0.
 """
 
 import math
@@ -29,6 +31,9 @@ from local_server import free_port
 BINARY = None
 MODEL = "smollm2-test"
 KEY = "test-key"
+ADMIN = "admin-key"
+ADAPTER = "smol-lora"
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "lora")
 
 
 class OpenAIClientTest(unittest.TestCase):
@@ -38,7 +43,8 @@ class OpenAIClientTest(unittest.TestCase):
         cls.base = f"http://127.0.0.1:{cls.port}"
         cls.proc = subprocess.Popen(
             [BINARY, "--port", str(cls.port), "--served-model-name", MODEL,
-             "--api-key", KEY, "--max-seq-len", "512", "--kv-budget-tokens", "4096"],
+             "--api-key", KEY, "--max-seq-len", "512", "--kv-budget-tokens", "4096",
+             "--lora", f"{ADAPTER}={os.path.join(FIXTURES, 'peft')}", "--admin-key", ADMIN],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 120
         while True:
@@ -64,7 +70,67 @@ class OpenAIClientTest(unittest.TestCase):
 
     def test_1_models_list(self):
         models = self.client.models.list()
-        self.assertEqual([m.id for m in models.data], [MODEL])
+        self.assertEqual([m.id for m in models.data], [MODEL, ADAPTER])
+        self.assertEqual(models.data[1].parent, MODEL)
+
+    def _admin(self, route, body, key=ADMIN):
+        request = urllib.request.Request(
+            self.base + route, data=json.dumps(body).encode(), method="POST",
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def test_11_lora_adapter_by_model_whole_and_streamed(self):
+        prompt = "The capital of France is"
+        base = self.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+        whole = self.client.completions.create(
+            model=ADAPTER, prompt=prompt, max_tokens=16, temperature=0)
+        self.assertEqual(whole.model, ADAPTER)
+        # The fixture's adapter changes this continuation from its 11th token on.
+        self.assertNotEqual(whole.choices[0].text, base.choices[0].text)
+        streamed = "".join(
+            c.choices[0].text for c in self.client.completions.create(
+                model=ADAPTER, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+            if c.choices)
+        self.assertEqual(streamed, whole.choices[0].text)
+        chat = self.client.chat.completions.create(
+            model=ADAPTER, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+            temperature=0)
+        self.assertEqual(chat.model, ADAPTER)
+        self.assertTrue(chat.choices[0].message.content)
+        with self.assertRaises(openai.NotFoundError) as e:
+            self.client.completions.create(model="no-such-adapter", prompt=prompt, max_tokens=2)
+        self.assertEqual(e.exception.code, "model_not_found")
+
+    def test_12_lora_adapters_load_and_unload_at_run_time(self):
+        gguf = os.path.join(FIXTURES, "adapter.gguf")
+        # The admin key opens the routes; an API key does not.
+        status, _ = self._admin("/v1/load_lora_adapter",
+                                {"lora_name": "late", "lora_path": gguf}, key=KEY)
+        self.assertEqual(status, 401)
+        status, body = self._admin("/v1/load_lora_adapter",
+                                   {"lora_name": "late", "lora_path": gguf})
+        self.assertEqual(status, 200, body)
+        self.assertEqual(body["rank"], 4)
+        self.assertIn("late", [m.id for m in self.client.models.list().data])
+        out = self.client.completions.create(
+            model="late", prompt="Once upon a time", max_tokens=4, temperature=0)
+        self.assertEqual(out.usage.completion_tokens, 4)
+        # A file that is not an adapter: 400, and the server goes on.
+        status, body = self._admin("/v1/load_lora_adapter",
+                                   {"lora_name": "bad", "lora_path": os.path.join(FIXTURES, "reference.json")})
+        self.assertEqual(status, 400, body)
+        status, body = self._admin("/v1/unload_lora_adapter", {"lora_name": "late"})
+        self.assertEqual(status, 200, body)
+        self.assertNotIn("late", [m.id for m in self.client.models.list().data])
+        with self.assertRaises(openai.NotFoundError):
+            self.client.completions.create(model="late", prompt="Hi", max_tokens=2)
+        status, _ = self._admin("/v1/unload_lora_adapter", {"lora_name": "late"})
+        self.assertEqual(status, 404)
 
     def test_2_chat_whole_and_streamed_agree(self):
         messages = [{"role": "system", "content": "Be brief."},

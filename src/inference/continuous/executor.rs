@@ -19,6 +19,7 @@ use crate::inference::TokenOutput;
 use crate::inference::handlers::sampler_with;
 use crate::inference::runtime::CancelToken;
 use crate::llama::{GenerationState, Llama, PromptScorer, StopReason, logits_to_vec};
+use crate::lora::LoraWeights;
 use crate::model::PagedRow;
 use crate::sampling::{DeviceDraw, DeviceToken, Sampler};
 use crate::speculative::SpeculationStats;
@@ -109,6 +110,8 @@ struct Active<B: LlamaBackend> {
     preemptions: u32,
     /// Fault injection (tests only): a step that runs this request panics.
     poisoned: bool,
+    /// The request's LoRA adapter, held while it runs.
+    adapter: Option<Arc<LoraWeights<B>>>,
 }
 
 impl<B: LlamaBackend> Active<B> {
@@ -154,7 +157,7 @@ pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     /// while submissions wait for scoring: the `n` choices of an API request arrive
     /// together and share them, so the forward pass over their prompt runs once, not `n`
     /// times.
-    last_prompt_logprobs: Option<(Vec<u32>, usize, PromptLogprobs)>,
+    last_prompt_logprobs: Option<(Vec<u32>, usize, Option<u128>, PromptLogprobs)>,
     /// The prefix cache's copy on disk ([`ContinuousConfig::prefix_cache_disk`]).
     disk: Option<PrefixDisk>,
 }
@@ -353,11 +356,16 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         let mut chunks = 1;
         while let Some(sub) = self.scoring.front() {
             let top = sub.request.prompt_logprobs.unwrap_or(0);
+            let adapter = sub
+                .adapter
+                .clone()
+                .and_then(|a| a.downcast::<LoraWeights<B>>().ok());
+            let fingerprint = adapter.as_ref().map(|a| a.fingerprint());
             let scored = self
                 .last_prompt_logprobs
                 .as_ref()
-                .filter(|(ids, n, _)| *ids == sub.prompt && *n == top)
-                .map(|(_, _, logprobs)| logprobs.clone());
+                .filter(|(ids, n, f, _)| *ids == sub.prompt && *n == top && *f == fingerprint)
+                .map(|(_, _, _, logprobs)| logprobs.clone());
             if let Some(logprobs) = scored {
                 if let Some(sub) = self.scoring.pop_front() {
                     self.admit(sub, Some(logprobs));
@@ -373,7 +381,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let mut current = match scorer.take() {
                     Some(current) => current,
-                    None => llama.prompt_scorer(sub.prompt.clone(), top)?,
+                    None => llama.prompt_scorer(sub.prompt.clone(), top, adapter)?,
                 };
                 let done = llama.score_next_chunk(&mut current)?;
                 Ok((done, current))
@@ -385,7 +393,10 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             });
             match step {
                 Ok((false, current)) => self.scorer = Some(current),
-                Ok((true, current)) => self.last_prompt_logprobs = Some(current.into_parts()),
+                Ok((true, current)) => {
+                    let (ids, n, logprobs) = current.into_parts();
+                    self.last_prompt_logprobs = Some((ids, n, fingerprint, logprobs));
+                }
                 Err(e) => {
                     if let Some(sub) = self.scoring.pop_front() {
                         self.refuse(sub, e);
@@ -418,6 +429,14 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             Ok(prepared) => prepared,
             Err(e) => return self.refuse(sub, e),
         };
+        let adapter = match sub.adapter.take().map(|a| a.downcast::<LoraWeights<B>>()) {
+            None => None,
+            Some(Ok(weights)) => Some(weights),
+            Some(Err(_)) => {
+                let e = LlamaError::InvalidBatch("an adapter of another backend".into());
+                return self.refuse(sub, e);
+            }
+        };
         if !sub.sink.accepted(sub.prompt.len()) {
             // Nobody listens any more.
             return self.refuse(sub, LlamaError::Cancelled);
@@ -437,6 +456,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 prefix_hit_tokens: 0,
                 preemptions: 0,
                 poisoned: sub.fault.step_panic,
+                adapter,
                 state,
             },
         );
@@ -644,6 +664,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     .collect()
             };
         let output = {
+            // The step's adapters, each once, and each row's index among them.
+            let mut adapters: Vec<&LoraWeights<B>> = Vec::new();
             let mut rows = Vec::with_capacity(plan.rows.len());
             for row in &plan.rows {
                 let Some(seq) = self.scheduler.running(row.id) else {
@@ -653,17 +675,31 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                     Some(input) => input.as_slice(),
                     None => &seq.tokens[row.start..row.start + row.len],
                 };
+                let adapter = self
+                    .requests
+                    .get(&row.id)
+                    .and_then(|a| a.adapter.as_deref())
+                    .map(
+                        |w| match adapters.iter().position(|&h| std::ptr::eq(h, w)) {
+                            Some(i) => i,
+                            None => {
+                                adapters.push(w);
+                                adapters.len() - 1
+                            }
+                        },
+                    );
                 rows.push(PagedRow {
                     tokens,
                     start: row.start,
                     blocks: &seq.blocks,
                     logits: row.sample,
                     all_logits: row.drafts > 0,
+                    adapter,
                 });
             }
             self.llama
                 .model
-                .forward_paged(&rows, &mut self.cache)
+                .forward_paged_adapted(&rows, &adapters, &mut self.cache)
                 .and_then(|logits| {
                     if device_greedy
                         && let Some(ids) = B::greedy_tokens(&logits)?

@@ -68,6 +68,7 @@ use crate::constraints::compile;
 use crate::constraints::model::{VocabCell, vocab_in};
 use crate::error::{LlamaError, Result};
 use crate::llama::{Llama, PromptEncoder, StopReason};
+use crate::lora::{AdapterRegistry, LoraWeights};
 use crate::tokenizer::{DynTokenizer, Tokenizer};
 
 /// Sizing of a [`ContinuousEngine`].
@@ -109,6 +110,11 @@ pub struct ContinuousConfig {
     /// ([`GenerateRequest::with_speculation`]); `None` (the default): only those that
     /// ask speculate. Tokens are the same either way.
     pub speculation: Option<crate::speculative::SpeculationConfig>,
+    /// Most LoRA adapters held on the device at once (default 8): registering or
+    /// reading back one more evicts the least recently used one that no running request
+    /// holds and that has a file to be read again from. See
+    /// [`ContinuousEngine::adapters`].
+    pub max_lora_adapters: usize,
     /// Fault injection, for tests of fault isolation only: a step that runs a request
     /// whose prompt contains this marker panics inside the step. `None` (the default) in
     /// any real deployment.
@@ -134,6 +140,7 @@ impl Default for ContinuousConfig {
             prefix_caching: true,
             prefix_cache_disk: None,
             speculation: None,
+            max_lora_adapters: 8,
             panic_marker: None,
             exit_marker: None,
         }
@@ -164,6 +171,14 @@ impl ContinuousConfig {
         values: crate::cache::KvCacheType,
     ) -> Self {
         self.kv_cache_types = crate::cache::KvCacheTypes::new(keys, values);
+        self
+    }
+
+    /// Holds at most `n` LoRA adapters on the device at once (see
+    /// [`max_lora_adapters`](Self::max_lora_adapters)).
+    #[must_use]
+    pub fn with_max_lora_adapters(mut self, n: usize) -> Self {
+        self.max_lora_adapters = n;
         self
     }
 
@@ -447,6 +462,40 @@ struct Submission {
     submitted: Instant,
     /// The request's prefix-cache partition and tenant.
     scope: Scope,
+    /// The request's LoRA adapter on the device (a [`LoraWeights`] of the engine's
+    /// backend, resolved by the submitter), or `None`.
+    adapter: Option<AnyAdapter>,
+}
+
+/// An adapter's device weights with the backend type erased, as submissions carry them
+/// (the submitting side is not generic over the backend); the engine thread takes them
+/// back as its backend's [`LoraWeights`].
+pub(super) type AnyAdapter = Arc<dyn std::any::Any + Send + Sync>;
+
+/// Finds a request's adapter by name for the submitting side: its device weights and
+/// fingerprint.
+trait AdapterLookup: Send + Sync {
+    fn lookup(&self, name: &str) -> Result<(AnyAdapter, u128)>;
+}
+
+impl<B: LlamaBackend> AdapterLookup for AdapterRegistry<B>
+where
+    LoraWeights<B>: Send + Sync,
+{
+    fn lookup(&self, name: &str) -> Result<(AnyAdapter, u128)> {
+        let weights = self.get(name)?;
+        let fingerprint = weights.fingerprint();
+        Ok((weights, fingerprint))
+    }
+}
+
+/// The prefix-cache partition of a request of partition `salt` run with the adapter of
+/// `fingerprint`: cached blocks are shared only by requests of the same adapter.
+fn adapter_salt(salt: u128, fingerprint: u128) -> u128 {
+    let mut bytes = [0u8; 32];
+    bytes[..16].copy_from_slice(&salt.to_le_bytes());
+    bytes[16..].copy_from_slice(&fingerprint.to_le_bytes());
+    xxhash_rust::xxh3::xxh3_128(&bytes)
 }
 
 /// State shared between the engine handle, its clients and its thread.
@@ -497,6 +546,8 @@ struct Frontend<T> {
     vocab_size: usize,
     panic_marker: Option<String>,
     exit_marker: Option<String>,
+    /// The engine's adapters.
+    adapters: Arc<dyn AdapterLookup>,
 }
 
 impl<T: Tokenizer> Frontend<T> {
@@ -679,7 +730,13 @@ impl<T: Tokenizer> EngineClient<T> {
         } else {
             self.frontend.prepare(&mut request)
         };
-        let (prompt, constraint, fault) = match prepared {
+        // The adapter is found (read again from its file if it was evicted) once the
+        // request has passed every other check.
+        let prepared = prepared.and_then(|p| match request.adapter.as_deref() {
+            None => Ok((p, None)),
+            Some(name) => self.frontend.adapters.lookup(name).map(|a| (p, Some(a))),
+        });
+        let ((prompt, constraint, fault), adapter) = match prepared {
             Ok(prepared) => prepared,
             Err(error) => {
                 self.shared.unwait();
@@ -693,6 +750,16 @@ impl<T: Tokenizer> EngineClient<T> {
                 return Ok(id);
             }
         };
+        let (adapter, scope) = match adapter {
+            Some((weights, fingerprint)) => (
+                Some(weights),
+                Scope {
+                    salt: adapter_salt(scope.salt, fingerprint),
+                    ..scope
+                },
+            ),
+            None => (None, scope),
+        };
         let submission = Submission {
             id,
             request,
@@ -703,6 +770,7 @@ impl<T: Tokenizer> EngineClient<T> {
             cancel,
             submitted: Instant::now(),
             scope,
+            adapter,
         };
         if let Err(returned) = self.queue.send(submission) {
             self.shared.unwait();
@@ -759,6 +827,7 @@ pub struct ContinuousEngine<B: LlamaBackend, T: Tokenizer = DynTokenizer> {
     config: ContinuousConfig,
     max_seq_len: usize,
     device: B::Device,
+    adapters: Arc<AdapterRegistry<B>>,
     /// The engine thread, which returns the model (its tokenizer shared with the
     /// submitters, who hold it weakly) when it stops.
     thread: Option<JoinHandle<Llama<B, Arc<T>>>>,
@@ -815,6 +884,11 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         // The tokenizer is shared: submitters tokenize with it on their own threads, the
         // engine thread decodes with it.
         let llama = llama.map_tokenizer(Arc::new);
+        let adapters = Arc::new(AdapterRegistry::new(
+            llama.config(),
+            &device,
+            config.max_lora_adapters,
+        ));
         let frontend = Arc::new(Frontend {
             tokenizer: Arc::downgrade(&llama.tokenizer),
             constraints: llama.constraint_vocab.clone(),
@@ -822,6 +896,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
             vocab_size,
             panic_marker: config.panic_marker.clone(),
             exit_marker: config.exit_marker.clone(),
+            adapters: adapters.clone(),
         });
         let worker = executor::Worker::new(llama, &config, num_blocks, shared.clone(), rx)?;
         let thread = std::thread::Builder::new()
@@ -839,6 +914,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
             config,
             max_seq_len,
             device,
+            adapters,
             thread: Some(thread),
         })
     }
@@ -994,6 +1070,28 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         // Submissions not yet seen by the engine thread count as waiting too.
         m.waiting = m.waiting.max(self.shared.waiting.load(Ordering::Acquire));
         m
+    }
+
+    /// The engine's LoRA adapters: register one from its files
+    /// ([`AdapterRegistry::register`]) and requests name it with
+    /// [`GenerateRequest::with_adapter`]. Shared: adapters may be added and removed while
+    /// the engine runs.
+    ///
+    /// ```no_run
+    /// # fn main() -> llama_burn::Result<()> {
+    /// use llama_burn::backend::{DefaultBackend, default_device};
+    /// use llama_burn::inference::{ContinuousConfig, ContinuousEngine, GenerateRequest};
+    ///
+    /// let llama = llama_burn::Loader::gguf("base.gguf").load::<DefaultBackend>(&default_device())?;
+    /// let engine = ContinuousEngine::start(llama, ContinuousConfig::default())?;
+    /// engine.adapters().register("sql", "adapters/sql-lora")?;
+    /// let job = engine.submit(GenerateRequest::new("SELECT").with_adapter("sql"))?;
+    /// # drop(job);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn adapters(&self) -> &Arc<AdapterRegistry<B>> {
+        &self.adapters
     }
 
     /// The engine's configuration.

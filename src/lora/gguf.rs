@@ -1,0 +1,157 @@
+//! llama.cpp's GGUF LoRA adapters (`convert_lora_to_gguf.py`, `llama-finetune`).
+//!
+//! Metadata `general.type = adapter`, `adapter.type = lora`, `general.architecture` the
+//! base model's, and `adapter.lora.alpha` (optional). Tensors are named after the base
+//! model's, `blk.{i}.attn_q.weight.lora_a` (`ne = [in, rank]`, so `[rank, in]` row-major)
+//! and `.lora_b` (`[out, rank]`), in any type the loader dequantizes. Like the base
+//! model's query and key weights, the `B` factors of queries and keys carry llama.cpp's
+//! row permutation, undone here. The scale is `alpha / rank`, or 1 with no alpha, as
+//! llama.cpp reads it.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::{LoraAdapter, LoraFactors, LoraTarget, Shape, invalid};
+use crate::config::LlamaConfig;
+use crate::error::Result;
+use crate::loader::gguf::GgufFile;
+use crate::loader::unpermute_heads;
+
+/// `(layer, target, is_b)` of a tensor name.
+fn parse_name(name: &str) -> Option<(usize, LoraTarget, bool)> {
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (base, is_b) = match rest.strip_suffix(".lora_a") {
+        Some(base) => (base, false),
+        None => (rest.strip_suffix(".lora_b")?, true),
+    };
+    Some((layer, LoraTarget::from_gguf(base)?, is_b))
+}
+
+pub(super) fn read(path: &Path, config: &LlamaConfig) -> Result<LoraAdapter> {
+    let source = path.display().to_string();
+    let file = GgufFile::open(path)?;
+    let text = |key: &str| file.get(key).and_then(|v| v.as_str()).map(str::to_owned);
+    if text("general.type").as_deref() != Some("adapter")
+        || text("adapter.type").as_deref() != Some("lora")
+    {
+        return Err(invalid(
+            &source,
+            "not a GGUF LoRA adapter (general.type must be `adapter`, adapter.type `lora`)",
+        ));
+    }
+    let arch = text("general.architecture").unwrap_or_default();
+    if arch != "llama" {
+        return Err(invalid(
+            &source,
+            format!("an adapter for the `{arch}` architecture, not `llama`"),
+        ));
+    }
+    let alpha = file.get_opt_f32("adapter.lora.alpha")?.unwrap_or(0.0);
+    if !alpha.is_finite() {
+        return Err(invalid(&source, format!("adapter.lora.alpha is {alpha}")));
+    }
+
+    // Every shape is checked on the header before any factor is read.
+    let mut pairs: BTreeMap<(usize, LoraTarget), [Option<(String, Vec<usize>)>; 2]> =
+        BTreeMap::new();
+    for info in file.tensors() {
+        let Some((layer, target, is_b)) = parse_name(&info.name) else {
+            return Err(invalid(
+                &source,
+                format!(
+                    "tensor `{}` is not the lora_a or lora_b factor of a block projection",
+                    info.name
+                ),
+            ));
+        };
+        pairs.entry((layer, target)).or_default()[usize::from(is_b)] =
+            Some((info.name.clone(), info.shape()));
+    }
+    let mut plan = Vec::with_capacity(pairs.len());
+    for ((layer, target), [a, b]) in pairs {
+        let module = target.module();
+        let (Some((a_name, a_shape)), Some((b_name, b_shape))) = (a, b) else {
+            return Err(invalid(
+                &source,
+                format!("layer {layer} {module} has one factor of two"),
+            ));
+        };
+        let (&[ar, ai], &[bo, br]) = (a_shape.as_slice(), b_shape.as_slice()) else {
+            return Err(invalid(
+                &source,
+                format!("layer {layer} {module}: factors are not matrices"),
+            ));
+        };
+        if ar != br {
+            return Err(invalid(
+                &source,
+                format!("layer {layer} {module}: lora_a has rank {ar}, lora_b rank {br}"),
+            ));
+        }
+        let shape = Shape {
+            layer,
+            target,
+            rank: ar,
+            a: [ar, ai],
+            b: [bo, br],
+        };
+        shape.check(&source, config)?;
+        plan.push((shape, a_name, b_name));
+    }
+
+    let mut layers = vec![Vec::new(); config.n_layers];
+    for (shape, a_name, b_name) in plan {
+        let (_, a) = file.read_tensor_f32(&a_name)?;
+        let (_, mut b) = file.read_tensor_f32(&b_name)?;
+        let heads = match shape.target.module() {
+            "q_proj" => Some(config.n_heads),
+            "k_proj" => Some(config.n_kv_heads),
+            _ => None,
+        };
+        if let Some(heads) = heads {
+            b = unpermute_heads(&b, heads, shape.rank);
+        }
+        let scale = if alpha == 0.0 {
+            1.0
+        } else {
+            alpha / shape.rank as f32
+        };
+        layers[shape.layer].push((
+            shape.target,
+            LoraFactors {
+                rank: shape.rank,
+                a,
+                b,
+                scale,
+            },
+        ));
+    }
+    LoraAdapter::build(source, text("general.basename"), layers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_to_layer_target_and_factor() {
+        assert_eq!(
+            parse_name("blk.7.attn_q.weight.lora_a").map(|(l, t, b)| (l, t.module(), b)),
+            Some((7, "q_proj", false))
+        );
+        assert_eq!(
+            parse_name("blk.0.ffn_down.weight.lora_b").map(|(l, t, b)| (l, t.module(), b)),
+            Some((0, "down_proj", true))
+        );
+        for bad in [
+            "token_embd.weight.lora_a",
+            "blk.0.attn_norm.weight.lora_a",
+            "blk.x.attn_q.weight.lora_a",
+            "blk.0.attn_q.weight",
+        ] {
+            assert_eq!(parse_name(bad), None, "{bad}");
+        }
+    }
+}
