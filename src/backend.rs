@@ -276,13 +276,14 @@ pub trait LlamaBackend: Backend {
         Ok(burn::tensor::activation::silu(gate) * up)
     }
 
-    /// A LoRA adapter's change to a projection's output rows: `y[r] += (x[r] @ a) @ b`
-    /// for each row `r` of `rows` (`index` holds the same rows on the device), with `x`
-    /// `[tokens, in]`, `a` `[in, rank]`, `b` `[rank, out]` (the scale folded in) and `y`
-    /// `[tokens, out]`; every other row of `y` is returned as it is. Each row's change
-    /// depends on that row alone. The default gathers the rows, multiplies with
+    /// The LoRA changes of a step's adapters to a projection's output rows: for each
+    /// group, `y[r] += (x[r] @ a) @ b` for each row `r` of its `rows`, with `x` `[tokens,
+    /// in]`, `a` `[in, rank]`, `b` `[rank, out]` (the scale folded in) and `y` `[tokens,
+    /// out]`; every other row of `y` is returned as it is. Each row's change depends on
+    /// that row alone. The default gathers each group's rows, multiplies with
     /// [`dense_matmul`](Self::dense_matmul) and adds the result back; the CPU backend
-    /// has a kernel of its own (one fixed order of addition per row).
+    /// has a kernel of its own (one fixed order of addition per row, every group in one
+    /// pass over `y`).
     ///
     /// # Errors
     ///
@@ -290,16 +291,21 @@ pub trait LlamaBackend: Backend {
     fn lora_add(
         y: Tensor<Self, 2>,
         x: Tensor<Self, 2>,
-        rows: &[u32],
-        index: &Tensor<Self, 1, Int>,
-        a: &Tensor<Self, 2>,
-        b: &Tensor<Self, 2>,
+        groups: &[LoraRows<'_, Self>],
     ) -> Result<Tensor<Self, 2>> {
-        let _ = rows;
-        let xs = x.select(0, index.clone());
-        let t = Self::dense_matmul(xs, a, false)?;
-        let delta = Self::dense_matmul(t, b, false)?;
-        Ok(y.select_assign(0, index.clone(), delta, burn::tensor::IndexingUpdateOp::Add))
+        let mut y = y;
+        for g in groups {
+            let xs = x.clone().select(0, g.index.clone());
+            let t = Self::dense_matmul(xs, g.a, false)?;
+            let delta = Self::dense_matmul(t, g.b, false)?;
+            y = y.select_assign(
+                0,
+                g.index.clone(),
+                delta,
+                burn::tensor::IndexingUpdateOp::Add,
+            );
+        }
+        Ok(y)
     }
 
     /// Grouped-query attention of token-major queries: `q` `[batch * seq, n_heads * dim]`
@@ -764,6 +770,20 @@ fn with_values<const D: usize, R>(
     }
 }
 
+/// One adapter's rows of a step and its factors for a projection, as
+/// [`LlamaBackend::lora_add`] takes them.
+#[derive(Debug)]
+pub struct LoraRows<'a, B: Backend> {
+    /// The flat token rows that use the adapter.
+    pub rows: &'a [u32],
+    /// The same rows on the device.
+    pub index: &'a Tensor<B, 1, Int>,
+    /// `A`, `[in, rank]`.
+    pub a: &'a Tensor<B, 2>,
+    /// `scale * B`, `[rank, out]`.
+    pub b: &'a Tensor<B, 2>,
+}
+
 /// A tensor's values on the host.
 #[cfg(feature = "flex")]
 fn host<T: burn::tensor::Element, const D: usize, K>(
@@ -827,43 +847,43 @@ impl LlamaBackend for burn::backend::Flex {
     fn lora_add(
         y: Tensor<Self, 2>,
         x: Tensor<Self, 2>,
-        rows: &[u32],
-        _index: &Tensor<Self, 1, Int>,
-        a: &Tensor<Self, 2>,
-        b: &Tensor<Self, 2>,
+        groups: &[LoraRows<'_, Self>],
     ) -> Result<Tensor<Self, 2>> {
         let dims = y.dims();
-        let ([tokens, n_in], [a_in, rank], [b_rank, n_out]) = (x.dims(), a.dims(), b.dims());
-        if a_in != n_in || b_rank != rank || dims != [tokens, n_out] {
-            return Err(LlamaError::ShapeMismatch {
-                name: "lora factors".into(),
-                expected: vec![n_in, rank, n_out],
-                actual: vec![a_in, b_rank, dims[1]],
-            });
-        }
-        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= tokens) {
-            return Err(LlamaError::invalid(
-                "lora row",
-                bad,
-                "outside the step's rows",
-            ));
+        let [tokens, n_in] = x.dims();
+        let n_out = dims[1];
+        for g in groups {
+            let ([a_in, rank], [b_rank, b_out]) = (g.a.dims(), g.b.dims());
+            if a_in != n_in || b_rank != rank || b_out != n_out || dims[0] != tokens {
+                return Err(LlamaError::ShapeMismatch {
+                    name: "lora factors".into(),
+                    expected: vec![n_in, rank, n_out],
+                    actual: vec![a_in, b_rank, b_out],
+                });
+            }
+            if let Some(&bad) = g.rows.iter().find(|&&r| r as usize >= tokens) {
+                return Err(LlamaError::invalid(
+                    "lora row",
+                    bad,
+                    "outside the step's rows",
+                ));
+            }
         }
         let device = y.device();
         let mut out = host::<f32, 2, _>(y)?;
-        let deltas = with_values(&x, |x| {
-            with_values(a, |a| {
-                with_values(b, |b| {
-                    let shape = crate::kernels::lora::LoraShape { n_in, rank, n_out };
-                    Ok(crate::kernels::lora::deltas(x, rows, a, b, shape))
-                })
-            })
-        })?;
-        for (&r, delta) in rows.iter().zip(deltas.chunks_exact(n_out.max(1))) {
-            let row = &mut out[r as usize * n_out..(r as usize + 1) * n_out];
-            for (y, d) in row.iter_mut().zip(delta) {
-                *y += d;
+        with_values(&x, |x| {
+            for g in groups {
+                let rank = g.a.dims()[1];
+                with_values(g.a, |a| {
+                    with_values(g.b, |b| {
+                        let shape = crate::kernels::lora::LoraShape { n_in, rank, n_out };
+                        crate::kernels::lora::add_deltas(x, g.rows, a, b, shape, &mut out);
+                        Ok(())
+                    })
+                })?;
             }
-        }
+            Ok(())
+        })?;
         Ok(Tensor::from_data(TensorData::new(out, dims), &device))
     }
 

@@ -990,7 +990,7 @@ fn lora_rows_share_a_gpu_step_and_give_the_cpu_logits() {
         assert_eq!(bits(&alone[0]), bits(&together[r]), "row {r} alone");
         let diff = max_diff(&together[r], &on_cpu[r]);
         eprintln!("lora row {r}: GPU vs CPU {diff:.2e}");
-        assert!(diff < 2e-3, "row {r}: {diff}");
+        assert!(diff <= 1e-3, "row {r}: {diff}");
     }
     // The adapters change the logits.
     let base = paged_last_logits(&gpu, &ids[0], &device).0;

@@ -3,7 +3,7 @@
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend};
 
 use super::{LoraAdapter, LoraTarget};
-use crate::backend::{LlamaBackend, upload_matrix};
+use crate::backend::{LlamaBackend, LoraRows, upload_matrix};
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::model::weights::BLOCK_WEIGHTS;
@@ -209,14 +209,25 @@ impl<'a, B: LlamaBackend> LoraStep<'a, B> {
         layer: usize,
         weight: usize,
         x: &Tensor<B, 2>,
-        mut y: Tensor<B, 2>,
+        y: Tensor<B, 2>,
     ) -> Result<Tensor<B, 2>> {
-        for g in &self.groups {
-            if let Some(pair) = g.weights.pair(layer, weight) {
-                y = B::lora_add(y, x.clone(), &g.rows, &g.index, &pair.a, &pair.b)?;
-            }
+        let groups: Vec<LoraRows<'_, B>> = self
+            .groups
+            .iter()
+            .filter_map(|g| {
+                let pair = g.weights.pair(layer, weight)?;
+                Some(LoraRows {
+                    rows: &g.rows,
+                    index: &g.index,
+                    a: &pair.a,
+                    b: &pair.b,
+                })
+            })
+            .collect();
+        if groups.is_empty() {
+            return Ok(y);
         }
-        Ok(y)
+        B::lora_add(y, x.clone(), &groups)
     }
 
     /// The rows of every group that changes projection `weight` of `layer`, each group's

@@ -8,10 +8,9 @@
 //! row permutation, undone here. The scale is `alpha / rank`, or 1 with no alpha, as
 //! llama.cpp reads it.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::{LoraAdapter, LoraFactors, LoraTarget, Shape, invalid};
+use super::{LoraAdapter, LoraFactors, LoraTarget, invalid, plan};
 use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::loader::gguf::GgufFile;
@@ -54,10 +53,9 @@ pub(super) fn read(path: &Path, config: &LlamaConfig) -> Result<LoraAdapter> {
     }
 
     // Every shape is checked on the header before any factor is read.
-    let mut pairs: BTreeMap<(usize, LoraTarget), [Option<(String, Vec<usize>)>; 2]> =
-        BTreeMap::new();
+    let mut declared = Vec::new();
     for info in file.tensors() {
-        let Some((layer, target, is_b)) = parse_name(&info.name) else {
+        let Some(what) = parse_name(&info.name) else {
             return Err(invalid(
                 &source,
                 format!(
@@ -66,40 +64,9 @@ pub(super) fn read(path: &Path, config: &LlamaConfig) -> Result<LoraAdapter> {
                 ),
             ));
         };
-        pairs.entry((layer, target)).or_default()[usize::from(is_b)] =
-            Some((info.name.clone(), info.shape()));
+        declared.push((info.name.clone(), info.shape(), what));
     }
-    let mut plan = Vec::with_capacity(pairs.len());
-    for ((layer, target), [a, b]) in pairs {
-        let module = target.module();
-        let (Some((a_name, a_shape)), Some((b_name, b_shape))) = (a, b) else {
-            return Err(invalid(
-                &source,
-                format!("layer {layer} {module} has one factor of two"),
-            ));
-        };
-        let (&[ar, ai], &[bo, br]) = (a_shape.as_slice(), b_shape.as_slice()) else {
-            return Err(invalid(
-                &source,
-                format!("layer {layer} {module}: factors are not matrices"),
-            ));
-        };
-        if ar != br {
-            return Err(invalid(
-                &source,
-                format!("layer {layer} {module}: lora_a has rank {ar}, lora_b rank {br}"),
-            ));
-        }
-        let shape = Shape {
-            layer,
-            target,
-            rank: ar,
-            a: [ar, ai],
-            b: [bo, br],
-        };
-        shape.check(&source, config)?;
-        plan.push((shape, a_name, b_name));
-    }
+    let plan = plan(&source, config, declared)?;
 
     let mut layers = vec![Vec::new(); config.n_layers];
     for (shape, a_name, b_name) in plan {

@@ -368,6 +368,56 @@ impl Shape {
     }
 }
 
+/// A tensor a file declares: its name, its shape, and what it is (layer, target, and
+/// whether it is the `B` factor).
+type Declared = (String, Vec<usize>, (usize, LoraTarget, bool));
+
+/// The factor pairs a file declares, each checked against `config` on the header alone
+/// (both factors present, matrices of one rank that fit the projection): per tensor its
+/// shape and the names of its `A` and `B`, in layer and target order.
+fn plan(
+    adapter: &str,
+    config: &LlamaConfig,
+    declared: impl IntoIterator<Item = Declared>,
+) -> Result<Vec<(Shape, String, String)>> {
+    let mut pairs = std::collections::BTreeMap::<(usize, LoraTarget), [Option<_>; 2]>::new();
+    for (name, shape, (layer, target, is_b)) in declared {
+        pairs.entry((layer, target)).or_default()[usize::from(is_b)] = Some((name, shape));
+    }
+    let mut plan = Vec::with_capacity(pairs.len());
+    for ((layer, target), [a, b]) in pairs {
+        let module = target.module();
+        let (Some((a_name, a_shape)), Some((b_name, b_shape))) = (a, b) else {
+            return Err(invalid(
+                adapter,
+                format!("layer {layer} {module} has one factor of two"),
+            ));
+        };
+        let (&[ar, ai], &[bo, br]) = (a_shape.as_slice(), b_shape.as_slice()) else {
+            return Err(invalid(
+                adapter,
+                format!("layer {layer} {module}: factors are not matrices"),
+            ));
+        };
+        if ar != br {
+            return Err(invalid(
+                adapter,
+                format!("layer {layer} {module}: A has rank {ar}, B rank {br}"),
+            ));
+        }
+        let shape = Shape {
+            layer,
+            target,
+            rank: ar,
+            a: [ar, ai],
+            b: [bo, br],
+        };
+        shape.check(adapter, config)?;
+        plan.push((shape, a_name, b_name));
+    }
+    Ok(plan)
+}
+
 fn invalid(adapter: &str, reason: impl Into<String>) -> LlamaError {
     LlamaError::InvalidAdapter {
         adapter: adapter.to_string(),

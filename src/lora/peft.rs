@@ -11,7 +11,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::{LoraAdapter, LoraFactors, LoraTarget, Shape, invalid};
+use super::{LoraAdapter, LoraFactors, LoraTarget, invalid, plan};
 use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::loader::TensorSource;
@@ -176,10 +176,9 @@ pub(super) fn read(dir: &Path, config: &LlamaConfig) -> Result<LoraAdapter> {
     let mut tensors = SafetensorsSource::open_files(std::slice::from_ref(&file))?;
 
     // Every shape is checked on the header before any factor is read.
-    let mut pairs: BTreeMap<(usize, LoraTarget), [Option<(String, Vec<usize>)>; 2]> =
-        BTreeMap::new();
+    let mut declared = Vec::new();
     for (name, shape) in tensors.shapes()? {
-        let Some((layer, target, is_b)) = parse_name(&name) else {
+        let Some(what) = parse_name(&name) else {
             return Err(invalid(
                 &source,
                 format!(
@@ -189,44 +188,9 @@ pub(super) fn read(dir: &Path, config: &LlamaConfig) -> Result<LoraAdapter> {
                 ),
             ));
         };
-        pairs.entry((layer, target)).or_default()[usize::from(is_b)] = Some((name, shape));
+        declared.push((name, shape, what));
     }
-    let mut plan = Vec::with_capacity(pairs.len());
-    for ((layer, target), [a, b]) in pairs {
-        let (Some((a_name, a_shape)), Some((b_name, b_shape))) = (a, b) else {
-            return Err(invalid(
-                &source,
-                format!("layer {layer} {} has one factor of two", target.module()),
-            ));
-        };
-        let (&[ar, ai], &[bo, br]) = (a_shape.as_slice(), b_shape.as_slice()) else {
-            return Err(invalid(
-                &source,
-                format!(
-                    "layer {layer} {}: factors are not matrices",
-                    target.module()
-                ),
-            ));
-        };
-        if ar != br {
-            return Err(invalid(
-                &source,
-                format!(
-                    "layer {layer} {}: A has rank {ar}, B rank {br}",
-                    target.module()
-                ),
-            ));
-        }
-        let shape = Shape {
-            layer,
-            target,
-            rank: ar,
-            a: [ar, ai],
-            b: [bo, br],
-        };
-        shape.check(&source, config)?;
-        plan.push((shape, a_name, b_name));
-    }
+    let plan = plan(&source, config, declared)?;
 
     let mut layers = vec![Vec::new(); config.n_layers];
     for (shape, a_name, b_name) in plan {
