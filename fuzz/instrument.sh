@@ -4,6 +4,10 @@
 # instrumentation, `cfg(fuzzing)`, debug assertions and overflow checks go into them
 # alone, and every dependency is the test command's build, unchanged and shared. The
 # flags are those cargo-fuzz gives with `--sanitizer none`; all are stable rustc flags.
+# Then opt-level 1 and no debug information for these two crates alone: the library
+# compiles in 425 s instead of 992 s on the 2-core CI machine (2026-11-29), and a target
+# runs about 0.7 to 1.2 times as many inputs in its 20 s (chat_template 71k against
+# 104k, gguf_header 468k against 442k).
 rustc="$1"
 shift
 case " $* " in
@@ -17,4 +21,6 @@ exec "$rustc" "$@" \
   -Cllvm-args=-sanitizer-coverage-trace-compares \
   --cfg fuzzing \
   -Cdebug-assertions \
-  -Coverflow-checks
+  -Coverflow-checks \
+  -Copt-level=1 \
+  -Cdebuginfo=0
