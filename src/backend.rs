@@ -798,6 +798,33 @@ where
         .map_err(|e| LlamaError::Runtime(format!("reading a tensor: {e:?}")))
 }
 
+/// Calls `run` once with every group's factors as the CPU kernel takes them, each read
+/// in place when it is contiguous (as loaded), else from a copy.
+#[cfg(feature = "flex")]
+fn with_lora_groups(
+    groups: &[LoraRows<'_, burn::backend::Flex>],
+    done: &[crate::kernels::lora::LoraGroup<'_>],
+    run: &mut dyn FnMut(&[crate::kernels::lora::LoraGroup<'_>]),
+) -> Result<()> {
+    let Some((g, rest)) = groups.split_first() else {
+        run(done);
+        return Ok(());
+    };
+    let rank = g.a.dims()[1];
+    with_values(g.a, |a| {
+        with_values(g.b, |b| {
+            let mut next: Vec<crate::kernels::lora::LoraGroup<'_>> = done.to_vec();
+            next.push(crate::kernels::lora::LoraGroup {
+                rows: g.rows,
+                a,
+                b,
+                rank,
+            });
+            with_lora_groups(rest, &next, run)
+        })
+    })
+}
+
 #[cfg(feature = "flex")]
 impl LlamaBackend for burn::backend::Flex {
     fn keeps_quantized_weights() -> bool {
@@ -869,22 +896,41 @@ impl LlamaBackend for burn::backend::Flex {
                 ));
             }
         }
-        let device = y.device();
-        let mut out = host::<f32, 2, _>(y)?;
-        with_values(&x, |x| {
-            for g in groups {
-                let rank = g.a.dims()[1];
-                with_values(g.a, |a| {
-                    with_values(g.b, |b| {
-                        let shape = crate::kernels::lora::LoraShape { n_in, rank, n_out };
-                        crate::kernels::lora::add_deltas(x, g.rows, a, b, shape, &mut out);
-                        Ok(())
+        // `y` written in place when it is uniquely held and contiguous (a projection's
+        // fresh output), else through a copy.
+        let path = crate::kernels::SimdPath::active();
+        let mut result = Ok(());
+        match crate::cache::host::write_in_place(y, &x, |memory, rows| {
+            result = with_lora_groups(groups, &[], &mut |kernel_groups| {
+                crate::kernels::lora::add_changes(
+                    path,
+                    &|r| rows.row(r),
+                    n_in,
+                    n_out,
+                    kernel_groups,
+                    memory,
+                );
+            });
+        }) {
+            Ok(y) => result.map(|()| y),
+            Err(y) => {
+                let device = y.device();
+                let mut out = host::<f32, 2, _>(y)?;
+                with_values(&x, |x| {
+                    with_lora_groups(groups, &[], &mut |kernel_groups| {
+                        crate::kernels::lora::add_changes(
+                            path,
+                            &|r| &x[r * n_in..(r + 1) * n_in],
+                            n_in,
+                            n_out,
+                            kernel_groups,
+                            &mut out,
+                        );
                     })
                 })?;
+                Ok(Tensor::from_data(TensorData::new(out, dims), &device))
             }
-            Ok(())
-        })?;
-        Ok(Tensor::from_data(TensorData::new(out, dims), &device))
+        }
     }
 
     fn token_major_attention(
