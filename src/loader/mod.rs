@@ -296,9 +296,24 @@ impl<'a> GgufSource<'a> {
     }
 }
 
-/// Undoes llama.cpp's query/key row permutation: GGUF stores each head's rows as
-/// interleaved pairs (row `2i + h`) where Hugging Face stores halves (row `h * d/2 + i`).
-pub(crate) fn unpermute_heads<T: Copy + Default>(data: &[T], heads: usize, cols: usize) -> Vec<T> {
+/// Which way [`permute_heads`] moves query/key rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HeadOrder {
+    /// From llama.cpp's GGUF order to Hugging Face's (reading a GGUF file).
+    FromGguf,
+    /// From Hugging Face's order to llama.cpp's (writing a GGUF file).
+    ToGguf,
+}
+
+/// Moves query/key rows between llama.cpp's order and Hugging Face's: GGUF stores each
+/// head's rows as interleaved pairs (row `2i + h`) where Hugging Face stores halves (row
+/// `h * d/2 + i`). Rows of `cols` values each; `heads` heads.
+pub(crate) fn permute_heads<T: Copy + Default>(
+    data: &[T],
+    heads: usize,
+    cols: usize,
+    way: HeadOrder,
+) -> Vec<T> {
     let rows = data.len() / cols.max(1);
     let head_dim = rows / heads.max(1);
     let half = head_dim / 2;
@@ -306,14 +321,33 @@ pub(crate) fn unpermute_heads<T: Copy + Default>(data: &[T], heads: usize, cols:
     for head in 0..heads {
         for i in 0..half {
             for h in 0..2 {
-                let src = head * head_dim + 2 * i + h;
-                let dst = head * head_dim + h * half + i;
+                let gguf = head * head_dim + 2 * i + h;
+                let hf = head * head_dim + h * half + i;
+                let (src, dst) = match way {
+                    HeadOrder::FromGguf => (gguf, hf),
+                    HeadOrder::ToGguf => (hf, gguf),
+                };
                 out[dst * cols..(dst + 1) * cols]
                     .copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }
     out
+}
+
+/// The head count of projection `module`'s rows that llama.cpp permutes: `q_proj` the
+/// query heads (`n_heads`), `k_proj` the key/value heads (`n_kv_heads`); `None` for the
+/// other projections.
+pub(crate) fn permuted_head_count(
+    module: &str,
+    n_heads: usize,
+    n_kv_heads: usize,
+) -> Option<usize> {
+    match module {
+        "q_proj" => Some(n_heads),
+        "k_proj" => Some(n_kv_heads),
+        _ => None,
+    }
 }
 
 impl TensorSource for GgufSource<'_> {
@@ -328,7 +362,10 @@ impl TensorSource for GgufSource<'_> {
         match self.permuted_heads(name, &shape)? {
             Some(heads) => {
                 let cols = shape[1];
-                Ok((shape, unpermute_heads(&data, heads, cols)))
+                Ok((
+                    shape,
+                    permute_heads(&data, heads, cols, HeadOrder::FromGguf),
+                ))
             }
             None => Ok((shape, data)),
         }
@@ -354,7 +391,7 @@ impl TensorSource for GgufSource<'_> {
         if let Some(heads) = self.permuted_heads(name, &shape)? {
             // Whole rows move, so the permutation is undone on the blocks themselves.
             let row_bytes = cols / format.block_values() * format.block_bytes();
-            bytes = unpermute_heads(&bytes, heads, row_bytes);
+            bytes = permute_heads(&bytes, heads, row_bytes, HeadOrder::FromGguf);
         }
         QuantMatrix::new(format, rows, cols, bytes).map(Some)
     }
@@ -364,11 +401,12 @@ impl GgufSource<'_> {
     /// The head count whose llama.cpp row permutation `name` carries (queries and keys),
     /// after checking that its rows split into heads of even size.
     fn permuted_heads(&self, name: &str, shape: &[usize]) -> Result<Option<usize>> {
-        let heads = if name.ends_with("q_proj.weight") {
-            self.n_heads
-        } else if name.ends_with("k_proj.weight") {
-            self.n_kv_heads
-        } else {
+        let module = name
+            .strip_suffix(".weight")
+            .and_then(|n| n.rsplit('.').next());
+        let Some(heads) =
+            module.and_then(|m| permuted_head_count(m, self.n_heads, self.n_kv_heads))
+        else {
             return Ok(None);
         };
         let rows = shape.first().copied().unwrap_or(0);
@@ -396,7 +434,7 @@ mod tests {
         // are the halves; llama.cpp interleaves to [a0 b0 a1 b1 | c0 d0 c1 d1].
         let gguf = [0., 2., 1., 3., 4., 6., 5., 7.];
         assert_eq!(
-            unpermute_heads(&gguf, 2, 1),
+            permute_heads(&gguf, 2, 1, HeadOrder::FromGguf),
             vec![0., 1., 2., 3., 4., 5., 6., 7.]
         );
     }

@@ -14,7 +14,7 @@ use super::{LoraAdapter, LoraFactors, LoraTarget, invalid, plan};
 use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::loader::gguf::GgufFile;
-use crate::loader::unpermute_heads;
+use crate::loader::{HeadOrder, permute_heads, permuted_head_count};
 
 /// `(layer, target, is_b)` of a tensor name.
 fn parse_name(name: &str) -> Option<(usize, LoraTarget, bool)> {
@@ -72,13 +72,9 @@ pub(super) fn read(path: &Path, config: &LlamaConfig) -> Result<LoraAdapter> {
     for (shape, a_name, b_name) in plan {
         let (_, a) = file.read_tensor_f32(&a_name)?;
         let (_, mut b) = file.read_tensor_f32(&b_name)?;
-        let heads = match shape.target.module() {
-            "q_proj" => Some(config.n_heads),
-            "k_proj" => Some(config.n_kv_heads),
-            _ => None,
-        };
-        if let Some(heads) = heads {
-            b = unpermute_heads(&b, heads, shape.rank);
+        let module = shape.target.module();
+        if let Some(heads) = permuted_head_count(module, config.n_heads, config.n_kv_heads) {
+            b = permute_heads(&b, heads, shape.rank, HeadOrder::FromGguf);
         }
         let scale = if alpha == 0.0 {
             1.0

@@ -12,6 +12,7 @@ use crate::config::LlamaConfig;
 use crate::error::{LlamaError, Result};
 use crate::loader::gguf::{GgmlType, GgufFile};
 use crate::loader::gguf_writer::{GgufWriter, TensorPlan};
+use crate::loader::{HeadOrder, permute_heads, permuted_head_count};
 use crate::quant::QuantFormat;
 
 /// The type merged tensors are written in.
@@ -34,27 +35,6 @@ pub struct MergeReport {
     pub copied: usize,
     /// Bytes of the written file.
     pub bytes: u64,
-}
-
-/// Llama.cpp's query/key row permutation (the inverse of the loader's
-/// [`unpermute_heads`](crate::loader::unpermute_heads)): Hugging Face halves to
-/// interleaved pairs.
-fn permute_heads(data: &[f32], heads: usize, cols: usize) -> Vec<f32> {
-    let rows = data.len() / cols.max(1);
-    let head_dim = rows / heads.max(1);
-    let half = head_dim / 2;
-    let mut out = vec![0f32; data.len()];
-    for head in 0..heads {
-        for i in 0..half {
-            for h in 0..2 {
-                let dst = head * head_dim + 2 * i + h;
-                let src = head * head_dim + h * half + i;
-                out[dst * cols..(dst + 1) * cols]
-                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
-            }
-        }
-    }
-    out
 }
 
 /// `(layer, target)` of a base tensor name the adapter may change.
@@ -141,13 +121,9 @@ pub fn merge_gguf(
                     )));
                 };
                 let mut delta = f.delta(cols, rows);
-                let heads = match target.module() {
-                    "q_proj" => Some(config.n_heads),
-                    "k_proj" => Some(config.n_kv_heads),
-                    _ => None,
-                };
-                if let Some(heads) = heads {
-                    delta = permute_heads(&delta, heads, cols);
+                let (n_heads, n_kv_heads) = (config.n_heads, config.n_kv_heads);
+                if let Some(heads) = permuted_head_count(target.module(), n_heads, n_kv_heads) {
+                    delta = permute_heads(&delta, heads, cols, HeadOrder::ToGguf);
                 }
                 for (w, d) in w.iter_mut().zip(&delta) {
                     *w += d;
@@ -174,10 +150,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn permuting_heads_inverts_the_loaders_unpermute() {
+    fn permuting_heads_to_gguf_and_back_gives_the_rows_back() {
         let data: Vec<f32> = (0..24).map(|i| i as f32).collect();
-        let permuted = permute_heads(&data, 2, 2);
+        let permuted = permute_heads(&data, 2, 2, HeadOrder::ToGguf);
         assert_ne!(permuted, data);
-        assert_eq!(crate::loader::unpermute_heads(&permuted, 2, 2), data);
+        assert_eq!(permute_heads(&permuted, 2, 2, HeadOrder::FromGguf), data);
     }
 }

@@ -205,27 +205,30 @@ impl LoraAdapter {
         factors: impl IntoIterator<Item = (usize, LoraTarget, LoraFactors)>,
     ) -> Result<Self> {
         let source = name.into();
-        let mut layers = vec![Vec::new(); config.n_layers];
-        for (layer, target, f) in factors {
-            let shape = Shape {
-                layer,
-                target,
-                rank: f.rank,
-                a: [f.rank, f.a.len() / f.rank.max(1)],
-                b: [f.b.len() / f.rank.max(1), f.rank],
-            };
-            shape.check(&source, config)?;
-            if f.a.len() != shape.a[0] * shape.a[1] || f.b.len() != shape.b[0] * shape.b[1] {
+        let factors: Vec<(usize, LoraTarget, LoraFactors)> = factors.into_iter().collect();
+        // The checks a file's header passes, on the factors' shapes.
+        let mut declared: Vec<Declared> = Vec::with_capacity(2 * factors.len());
+        for (i, (layer, target, f)) in factors.iter().enumerate() {
+            let rank = f.rank.max(1);
+            if !f.a.len().is_multiple_of(rank) || !f.b.len().is_multiple_of(rank) {
                 return Err(invalid(&source, "factors not whole rows of their rank"));
             }
-            let entries: &mut Vec<(LoraTarget, LoraFactors)> = &mut layers[layer];
-            if entries.iter().any(|(t, _)| *t == target) {
-                return Err(invalid(
-                    &source,
-                    format!("layer {layer} {} given twice", target.module()),
-                ));
-            }
-            entries.push((target, f));
+            let at = (*layer, *target);
+            declared.push((
+                format!("a{i}"),
+                vec![f.rank, f.a.len() / rank],
+                (at.0, at.1, false),
+            ));
+            declared.push((
+                format!("b{i}"),
+                vec![f.b.len() / rank, f.rank],
+                (at.0, at.1, true),
+            ));
+        }
+        plan(&source, config, declared)?;
+        let mut layers = vec![Vec::new(); config.n_layers];
+        for (layer, target, f) in factors {
+            layers[layer].push((target, f));
         }
         Self::build(source, None, layers)
     }
@@ -382,7 +385,18 @@ fn plan(
 ) -> Result<Vec<(Shape, String, String)>> {
     let mut pairs = std::collections::BTreeMap::<(usize, LoraTarget), [Option<_>; 2]>::new();
     for (name, shape, (layer, target, is_b)) in declared {
-        pairs.entry((layer, target)).or_default()[usize::from(is_b)] = Some((name, shape));
+        let slot = &mut pairs.entry((layer, target)).or_default()[usize::from(is_b)];
+        if slot.is_some() {
+            let factor = if is_b { "B" } else { "A" };
+            return Err(invalid(
+                adapter,
+                format!(
+                    "layer {layer} {} has factor {factor} twice",
+                    target.module()
+                ),
+            ));
+        }
+        *slot = Some((name, shape));
     }
     let mut plan = Vec::with_capacity(pairs.len());
     for ((layer, target), [a, b]) in pairs {
@@ -494,6 +508,15 @@ mod tests {
             scale: 1.0,
         };
         assert!(refused(0, rank0).contains("rank 0"));
+        match LoraAdapter::from_factors("t", &c, [(3, q, good.clone()), (3, q, good.clone())]) {
+            Err(LlamaError::InvalidAdapter { reason, .. }) => {
+                assert!(
+                    reason.contains("layer 3 q_proj has factor A twice"),
+                    "{reason}"
+                )
+            }
+            other => panic!("a projection given twice: {other:?}"),
+        }
         assert!(matches!(
             LoraAdapter::from_factors("t", &c, []),
             Err(LlamaError::InvalidAdapter { .. })
