@@ -825,6 +825,22 @@ fn with_lora_groups(
     })
 }
 
+/// Adds every group's change to `y` (`[tokens, n_out]`) with the CPU kernel, `x(r)`
+/// being row `r` of the projection's input.
+#[cfg(feature = "flex")]
+fn add_lora_changes<'x>(
+    groups: &[LoraRows<'_, burn::backend::Flex>],
+    x: &(dyn Fn(usize) -> &'x [f32] + Sync),
+    n_in: usize,
+    n_out: usize,
+    y: &mut [f32],
+) -> Result<()> {
+    with_lora_groups(groups, &[], &mut |kernel_groups| {
+        let path = crate::kernels::SimdPath::active();
+        crate::kernels::lora::add_changes(path, x, n_in, n_out, kernel_groups, y);
+    })
+}
+
 #[cfg(feature = "flex")]
 impl LlamaBackend for burn::backend::Flex {
     fn keeps_quantized_weights() -> bool {
@@ -898,35 +914,17 @@ impl LlamaBackend for burn::backend::Flex {
         }
         // `y` written in place when it is uniquely held and contiguous (a projection's
         // fresh output), else through a copy.
-        let path = crate::kernels::SimdPath::active();
         let mut result = Ok(());
         match crate::cache::host::write_in_place(y, &x, |memory, rows| {
-            result = with_lora_groups(groups, &[], &mut |kernel_groups| {
-                crate::kernels::lora::add_changes(
-                    path,
-                    &|r| rows.row(r),
-                    n_in,
-                    n_out,
-                    kernel_groups,
-                    memory,
-                );
-            });
+            result = add_lora_changes(groups, &|r| rows.row(r), n_in, n_out, memory);
         }) {
             Ok(y) => result.map(|()| y),
             Err(y) => {
                 let device = y.device();
                 let mut out = host::<f32, 2, _>(y)?;
                 with_values(&x, |x| {
-                    with_lora_groups(groups, &[], &mut |kernel_groups| {
-                        crate::kernels::lora::add_changes(
-                            path,
-                            &|r| &x[r * n_in..(r + 1) * n_in],
-                            n_in,
-                            n_out,
-                            kernel_groups,
-                            &mut out,
-                        );
-                    })
+                    let row = |r: usize| &x[r * n_in..(r + 1) * n_in];
+                    add_lora_changes(groups, &row, n_in, n_out, &mut out)
                 })?;
                 Ok(Tensor::from_data(TensorData::new(out, dims), &device))
             }

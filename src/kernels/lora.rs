@@ -69,13 +69,13 @@ pub fn add_changes<'x>(
     let mut chunks = Vec::new();
     let mut at = 0;
     for (gi, g) in groups.iter().enumerate() {
-        for (c, rows) in g.rows.chunks(ROWS_AT_ONCE).enumerate() {
+        for rows in g.rows.chunks(ROWS_AT_ONCE) {
             chunks.push((gi, pairs.len(), rows.len()));
-            for (i, &r) in rows.iter().enumerate() {
-                pairs.push((gi, r as usize, at + (c * ROWS_AT_ONCE + i) * g.rank));
+            for &r in rows {
+                pairs.push((gi, r as usize, at));
+                at += g.rank;
             }
         }
-        at += g.rows.len() * g.rank;
     }
     if pairs.is_empty() || n_out == 0 {
         return;

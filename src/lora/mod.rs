@@ -213,17 +213,12 @@ impl LoraAdapter {
             if !f.a.len().is_multiple_of(rank) || !f.b.len().is_multiple_of(rank) {
                 return Err(invalid(&source, "factors not whole rows of their rank"));
             }
-            let at = (*layer, *target);
-            declared.push((
-                format!("a{i}"),
+            let (a, b) = (
                 vec![f.rank, f.a.len() / rank],
-                (at.0, at.1, false),
-            ));
-            declared.push((
-                format!("b{i}"),
                 vec![f.b.len() / rank, f.rank],
-                (at.0, at.1, true),
-            ));
+            );
+            declared.push((format!("a{i}"), a, (*layer, *target, false)));
+            declared.push((format!("b{i}"), b, (*layer, *target, true)));
         }
         plan(&source, config, declared)?;
         let mut layers = vec![Vec::new(); config.n_layers];
