@@ -108,6 +108,21 @@ pub trait Engine: Send + Sync + 'static {
     /// blocking threads, once per prompt, and submits token ids only, so that the
     /// engine's own thread never tokenizes.
     fn encode(&self, request: &GenerateRequest) -> Result<Vec<u32>>;
+    /// The text of a prompt's token ids (see [`ContinuousEngine::decode`]), for echoing
+    /// a prompt given as ids. Called on the tokenizer pool's threads.
+    ///
+    /// # Errors
+    ///
+    /// By default [`LlamaError::InvalidParameter`]: the engine cannot decode, so `echo`
+    /// of token ids is refused.
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        let _ = ids;
+        Err(LlamaError::invalid(
+            "echo",
+            "true",
+            "this engine cannot give the text of token ids",
+        ))
+    }
     /// A snapshot of the engine's metrics.
     fn metrics(&self) -> EngineMetrics;
     /// The context length: prompt plus generated tokens.
@@ -172,6 +187,10 @@ where
 
     fn encode(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
         ContinuousEngine::encode(self, request)
+    }
+
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        ContinuousEngine::decode(self, ids)
     }
 
     fn is_alive(&self) -> bool {

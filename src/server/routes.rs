@@ -801,8 +801,11 @@ fn base_request(sampling: &Sampling, max_tokens: usize) -> GenerateRequest {
 
 /// What a prompt's choices need besides its token ids.
 struct PromptPlan {
-    /// The prompt text to send back first (completions' `echo` of a text prompt).
+    /// The prompt text to send back first (completions' `echo`: a text prompt as sent,
+    /// a prompt of token ids decoded).
     echo: Option<String>,
+    /// Whether `echo` is the text of the prompt's ids, which the tokenizer pool decodes.
+    echo_ids: bool,
     /// The prompt's log-probabilities, asked for with `echo`.
     prompt_logprobs: Option<usize>,
 }
@@ -819,6 +822,7 @@ fn prompt_requests(
     for prompt in prompts {
         let mut plan = PromptPlan {
             echo: None,
+            echo_ids: false,
             prompt_logprobs: None,
         };
         let mut request = base.clone();
@@ -836,7 +840,14 @@ fn prompt_requests(
                 }
                 request.prompt = text;
             }
-            PromptInput::Ids(ids) => request.prompt_ids = Some(ids),
+            PromptInput::Ids(ids) => {
+                if sampling.echo {
+                    plan.echo_ids = true;
+                    plan.prompt_logprobs = sampling.logprobs;
+                    request.prompt_logprobs = sampling.logprobs;
+                }
+                request.prompt_ids = Some(ids);
+            }
         }
         requests.push(request);
         plans.push(plan);
@@ -976,16 +987,24 @@ async fn run(
     // (never on the engine thread), before any choice is submitted: a prompt over the
     // context is refused here.
     let base = base_request(&sampling, max_tokens);
-    let (requests, plans) = prompt_requests(prompts, &base, &sampling);
+    let (requests, mut plans) = prompt_requests(prompts, &base, &sampling);
+    let decode = plans.iter().map(|p| p.echo_ids).collect();
     let tokenizing = shared.enter_tokenizer(&tenant.name, tenant.capped)?;
-    let ids = shared
+    let encoded = shared
         .tokenizer
-        .encode(shared.engine()?, requests)
+        .encode(shared.engine()?, requests, decode)
         .await
         .map_err(|e| {
             blame_constraint(ApiError::from_llama(&e, endpoint.prompt_param()), &sampling)
         })?;
     drop(tokenizing);
+    let mut ids = Vec::with_capacity(encoded.len());
+    for ((prompt_ids, text), plan) in encoded.into_iter().zip(&mut plans) {
+        if text.is_some() {
+            plan.echo = text;
+        }
+        ids.push(prompt_ids);
+    }
     let specs = choice_specs(ids.into_iter().zip(plans).collect(), &base, &sampling, seed);
     let envelope = Envelope {
         endpoint,

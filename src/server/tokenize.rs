@@ -65,7 +65,8 @@ impl TokenizerPool {
 
     /// Validates and tokenizes each of `prompts` (each an engine request whose prompt is
     /// text, messages or ids, with the settings its choices will have) through
-    /// `engine`, on a blocking thread, and returns their token ids in order.
+    /// `engine`, on a blocking thread, and returns their token ids in order, each with
+    /// its text when `decode` says so for that prompt (an echoed prompt of ids).
     ///
     /// # Errors
     ///
@@ -76,7 +77,8 @@ impl TokenizerPool {
         &self,
         engine: Arc<dyn Engine>,
         prompts: Vec<GenerateRequest>,
-    ) -> Result<Vec<Vec<u32>>> {
+        decode: Vec<bool>,
+    ) -> Result<Vec<(Vec<u32>, Option<String>)>> {
         let admitted =
             self.admitted
                 .clone()
@@ -102,11 +104,16 @@ impl TokenizerPool {
             // until it has seen that and stopped.
             let _permits = (admitted, running);
             let mut ids = Vec::with_capacity(prompts.len());
-            for prompt in &prompts {
+            for (i, prompt) in prompts.iter().enumerate() {
                 if gone.load(Ordering::Acquire) {
                     return Err(LlamaError::Cancelled);
                 }
-                ids.push(engine.encode(prompt)?);
+                let prompt_ids = engine.encode(prompt)?;
+                let text = match decode.get(i) {
+                    Some(true) => Some(engine.decode(&prompt_ids)?),
+                    _ => None,
+                };
+                ids.push((prompt_ids, text));
                 counter.fetch_add(1, Ordering::AcqRel);
             }
             Ok(ids)
@@ -146,18 +153,18 @@ mod tests {
             .clone()
             .try_acquire_owned()
             .expect("the thread");
-        let mut waiting = Box::pin(pool.encode(engine.clone(), vec![prompt()]));
+        let mut waiting = Box::pin(pool.encode(engine.clone(), vec![prompt()], vec![]));
         assert!(
             waiting.as_mut().now_or_never().is_none(),
             "waits for the thread"
         );
-        let mut queued = Box::pin(pool.encode(engine.clone(), vec![prompt()]));
+        let mut queued = Box::pin(pool.encode(engine.clone(), vec![prompt()], vec![]));
         assert!(
             queued.as_mut().now_or_never().is_none(),
             "waits in the queue"
         );
         let refused = pool
-            .encode(engine.clone(), vec![prompt()])
+            .encode(engine.clone(), vec![prompt()], vec![])
             .now_or_never()
             .expect("refused at once");
         match refused {
@@ -177,20 +184,27 @@ mod tests {
             "its place is free again"
         );
 
-        // Two prompts: two token-id lists, each prompt tokenized once.
-        let ids = pool
-            .encode(engine.clone(), vec![prompt(), GenerateRequest::new("Hi")])
+        // Two prompts: two token-id lists, each prompt tokenized once; the second, a
+        // prompt of ids, decoded too (an echoed one).
+        let hi = engine.encode(&GenerateRequest::new("Hi")).expect("encode");
+        let encoded = pool
+            .encode(
+                engine.clone(),
+                vec![prompt(), GenerateRequest::from_ids(hi.clone())],
+                vec![false, true],
+            )
             .await
             .expect("tokenized");
-        assert_eq!(ids.len(), 2);
-        assert!(ids.iter().all(|ids| !ids.is_empty()));
-        assert_eq!(ids[0], engine.encode(&prompt()).expect("encode"));
+        assert_eq!(encoded.len(), 2);
+        assert_eq!(encoded[0].0, engine.encode(&prompt()).expect("encode"));
+        assert_eq!(encoded[0].1, None);
+        assert_eq!(encoded[1], (hi, Some("Hi".to_string())));
         assert_eq!(pool.prompts_tokenized(), 2);
 
         // The first invalid prompt's error comes back; the places are all free again.
         let too_long = GenerateRequest::new("word ".repeat(400)).with_max_tokens(4);
         let error = pool
-            .encode(engine.clone(), vec![prompt(), too_long])
+            .encode(engine.clone(), vec![prompt(), too_long], vec![])
             .await
             .expect_err("too long");
         assert!(

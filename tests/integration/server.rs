@@ -1128,7 +1128,7 @@ async fn slow_bodies_and_headers_time_out_and_limits_name_their_flag() {
 
 /// Completions with `echo`, `max_tokens: 0` and `logprobs`: the prompt comes back with
 /// its log-probabilities (the first null), and their sum is `Llama::score` on the same
-/// text; streamed, the same entries arrive.
+/// text; streamed, the same entries arrive; the prompt as token ids gives them too.
 #[tokio::test]
 async fn echo_scores_the_prompt_like_llama_score() {
     let prompt = "The capital of France is Paris, and the capital of Italy is Rome.";
@@ -1214,16 +1214,31 @@ async fn echo_scores_the_prompt_like_llama_score() {
     assert_eq!(status, 200, "{answer}");
     let text = answer["choices"][0]["text"].as_str().unwrap();
     assert_eq!(text, format!("{prompt}{}", solo(prompt, 3)));
-    // `max_tokens: 0` without echo, and echo of token ids, are refused by name.
+    // The prompt as token ids, alone and in a list of id lists beside another (what
+    // lm-evaluation-harness sends): its decoded text and the same entries.
+    let ids = solo_model().lock().unwrap().encode_prompt(prompt).unwrap();
+    let other = solo_model().lock().unwrap().encode_prompt("Hello there").unwrap();
+    for body in [
+        json!({"prompt": ids, "echo": true, "max_tokens": 0, "logprobs": 1}),
+        json!({"prompt": [other, ids], "echo": true, "max_tokens": 0, "logprobs": 1}),
+    ] {
+        let (status, answer) = post(&url, body).await;
+        assert_eq!(status, 200, "{answer}");
+        let choices = answer["choices"].as_array().unwrap();
+        let choice = choices
+            .iter()
+            .find(|c| c["text"] == prompt)
+            .unwrap_or_else(|| panic!("no choice echoes the prompt: {answer}"));
+        for field in ["tokens", "token_logprobs", "top_logprobs"] {
+            assert_eq!(choice["logprobs"][field], lp[field], "{field}");
+        }
+        assert_eq!(answer["usage"]["completion_tokens"], 0);
+    }
+    // `max_tokens: 0` without echo is refused by name.
     let (status, answer) = post(&url, json!({"prompt": prompt, "max_tokens": 0})).await;
     assert_eq!(
         (status, answer["error"]["param"].as_str()),
         (400, Some("max_tokens"))
-    );
-    let (status, answer) = post(&url, json!({"prompt": [1, 2], "echo": true})).await;
-    assert_eq!(
-        (status, answer["error"]["param"].as_str()),
-        (400, Some("echo"))
     );
 }
 

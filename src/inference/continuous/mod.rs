@@ -962,6 +962,17 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
         self.client()?.frontend.encode(request)
     }
 
+    /// The text of `ids` with the engine's tokenizer ([`Tokenizer::decode`]): what the
+    /// server sends back for an echoed prompt of token ids.
+    ///
+    /// # Errors
+    ///
+    /// What decoding reports; [`LlamaError::ModelUnavailable`] once the engine has
+    /// stopped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.client()?.frontend.tokenizer()?.decode(ids)
+    }
+
     /// How the model writes tool calls ([`Tokenizer::tool_format`]; Hermes blocks once
     /// the engine has stopped).
     pub fn tool_format(&self) -> crate::tools::ToolFormat {
