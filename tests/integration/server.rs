@@ -1217,7 +1217,11 @@ async fn echo_scores_the_prompt_like_llama_score() {
     // The prompt as token ids, alone and in a list of id lists beside another (what
     // lm-evaluation-harness sends): its decoded text and the same entries.
     let ids = solo_model().lock().unwrap().encode_prompt(prompt).unwrap();
-    let other = solo_model().lock().unwrap().encode_prompt("Hello there").unwrap();
+    let other = solo_model()
+        .lock()
+        .unwrap()
+        .encode_prompt("Hello there")
+        .unwrap();
     for body in [
         json!({"prompt": ids, "echo": true, "max_tokens": 0, "logprobs": 1}),
         json!({"prompt": [other, ids], "echo": true, "max_tokens": 0, "logprobs": 1}),
