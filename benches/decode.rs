@@ -1,5 +1,6 @@
 //! Criterion benchmarks on the demo model (CPU backend): one decode step at several batch
-//! sizes, and prompt processing. Run with `cargo bench`.
+//! sizes, prompt processing, and embeddings of 128-token inputs (1 and 32 at once, and 32
+//! one at a time). Run with `cargo bench --bench decode`.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use llama_burn::backend::{DefaultBackend, default_device};
@@ -58,6 +59,40 @@ fn benches(c: &mut Criterion) {
                 .model
                 .forward(&long, &mut cache, Logits::Last)
                 .expect("prefill")
+        })
+    });
+    group.finish();
+
+    // Embeddings: inputs of 128 tokens, one call for all of them (left-padded groups)
+    // and, for 32, one call per input.
+    let mut group = c.benchmark_group("embed_128_tokens");
+    group.sample_size(10);
+    let options = llama_burn::embed::EmbeddingOptions::default();
+    let input = |i: usize| -> Vec<u32> {
+        prompt
+            .iter()
+            .copied()
+            .cycle()
+            .skip(i % prompt.len())
+            .take(128)
+            .collect()
+    };
+    for inputs in [1usize, 32] {
+        group.throughput(Throughput::Elements(inputs as u64));
+        group.bench_with_input(BenchmarkId::new("batched", inputs), &inputs, |b, &n| {
+            b.iter(|| {
+                llama
+                    .embed_ids((0..n).map(input).collect(), &options)
+                    .expect("embed")
+            })
+        });
+    }
+    group.throughput(Throughput::Elements(32));
+    group.bench_function("one_at_a_time/32", |b| {
+        b.iter(|| {
+            for i in 0..32 {
+                llama.embed_ids(vec![input(i)], &options).expect("embed");
+            }
         })
     });
     group.finish();

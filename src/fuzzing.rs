@@ -18,7 +18,8 @@ use crate::tools::parse::{ToolCallEvent, ToolCallParser, collect};
 use crate::tools::{Tool, ToolFormat};
 
 /// Target `server_body`: runs `body` through every check a POST to
-/// `/v1/chat/completions` and to `/v1/completions` passes before any work is done, with
+/// `/v1/chat/completions`, to `/v1/completions` and to `/v1/embeddings` passes before any
+/// work is done, with
 /// the server's default limits and the model name `smollm2` (the handlers' own code: the
 /// depth, repeated-key and count limits, the parse, the constraint, the tools, the model
 /// name, the conversation or prompts, the sampling settings).
@@ -30,13 +31,15 @@ use crate::tools::{Tool, ToolFormat};
 pub fn server_body(body: &[u8]) {
     static CONFIG: OnceLock<crate::server::ServerConfig> = OnceLock::new();
     let config = CONFIG.get_or_init(|| crate::server::ServerConfig::new("smollm2"));
-    for chat in [true, false] {
-        if let Err(error) = crate::server::check_body(config, chat, body) {
-            // The answer the client would get: a 4xx with an OpenAI error body.
-            let status = error.status.as_u16();
-            assert!((400..500).contains(&status), "status {status}: {error:?}");
-            let _ = error.body().to_string();
-        }
+    let refusals = [true, false]
+        .map(|chat| crate::server::check_body(config, chat, body).err())
+        .into_iter()
+        .chain([crate::server::check_embedding_body(config, body).err()]);
+    for error in refusals.flatten() {
+        // The answer the client would get: a 4xx with an OpenAI error body.
+        let status = error.status.as_u16();
+        assert!((400..500).contains(&status), "status {status}: {error:?}");
+        let _ = error.body().to_string();
     }
 }
 

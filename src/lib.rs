@@ -7,6 +7,7 @@ pub mod cache;
 pub mod config;
 pub mod constraints;
 pub mod demo;
+pub mod embed;
 pub mod error;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]

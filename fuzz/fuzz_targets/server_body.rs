@@ -1,4 +1,5 @@
-//! A POST body through every check the chat and completions endpoints run before any work.
+//! A POST body through every check the chat, completions and embeddings endpoints run
+//! before any work.
 //! The body is `llama_burn::fuzzing::server_body` (which documents the input and the checks).
 #![no_main]
 

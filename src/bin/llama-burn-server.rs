@@ -79,9 +79,14 @@ struct Args {
     /// Most choices (`n`) per request.
     #[arg(long, default_value_t = 16)]
     max_n: usize,
-    /// Most prompts in one /v1/completions request.
+    /// Most prompts in one /v1/completions request, and inputs in one /v1/embeddings
+    /// request.
     #[arg(long, default_value_t = 64)]
     max_prompts: usize,
+    /// How /v1/embeddings pools an input's final hidden states: `last` (the last token's,
+    /// for decoder-only embedding models) or `mean`.
+    #[arg(long, default_value = "last")]
+    embedding_pooling: llama_burn::embed::Pooling,
     /// Most choices (prompts x n) in one request: its most slots of the waiting queue.
     #[arg(long, default_value_t = 64)]
     max_choices: usize,
@@ -470,6 +475,7 @@ fn server_config(args: &Args, name: String) -> Result<ServerConfig, String> {
     };
     config.max_n = args.max_n;
     config.max_prompts = args.max_prompts;
+    config.embedding_pooling = args.embedding_pooling;
     config.max_choices = args.max_choices;
     config.max_choices_per_tenant = args.max_choices_per_tenant;
     config.max_tokenizing_per_tenant = args.max_tokenizing_per_tenant;

@@ -28,8 +28,8 @@ pub use batched::{
     BatchedGenerationState, DEFAULT_MAX_BATCH, generate_batch, generate_batch_with_max,
 };
 pub use continuous::{
-    ContinuousConfig, ContinuousEngine, EngineEvent, EngineJob, EngineMetrics, EventHandler,
-    KvBudget, Outcome, RequestMetrics, Scope, continuous_batching_handler,
+    ContinuousConfig, ContinuousEngine, EmbedReply, EngineEvent, EngineJob, EngineMetrics,
+    EventHandler, KvBudget, Outcome, RequestMetrics, Scope, continuous_batching_handler,
 };
 pub use handlers::{
     concurrent_streaming_handler, constrained_sampler, request_sampler, streaming_handler,

@@ -478,6 +478,48 @@ impl<B: LlamaBackend> Transformer<B> {
         let batch = cache.batch();
         let seq = columns(tokens, batch)?;
         let c = &self.config;
+        let x = self.contiguous_blocks(tokens, cache, adapter)?;
+        let (x, out_seq) = match logits {
+            Logits::All => (x, seq),
+            Logits::Last if seq == 1 => (x, 1),
+            Logits::Last => {
+                let x = x
+                    .reshape([batch, seq, c.d_model])
+                    .slice([0..batch, seq - 1..seq, 0..c.d_model])
+                    .reshape([batch, c.d_model]);
+                (x, 1)
+            }
+        };
+        Ok(self.head(x)?.reshape([batch, out_seq, c.vocab_size]))
+    }
+
+    /// Runs `tokens` (row-major `[batch, seq]`) through the model like
+    /// [`forward`](Self::forward) and returns every position's final hidden state after
+    /// the model's last norm, `[batch * seq, d_model]` row by row: what embeddings pool
+    /// ([`crate::embed`]). A row's states depend only on its own tokens.
+    ///
+    /// # Errors
+    ///
+    /// As [`forward`](Self::forward).
+    pub fn forward_hidden(&self, tokens: &[u32], cache: &mut KvCache<B>) -> Result<Tensor<B, 2>> {
+        on_workers(|| {
+            let x = self.contiguous_blocks(tokens, cache, None)?;
+            rms_norm(x, &self.norm, self.config.norm_eps)
+        })
+    }
+
+    /// The transformer blocks over a chunk of a contiguous cache's rows (appended to
+    /// `cache`, which advances): the residual stream before the final norm,
+    /// `[batch * seq, d_model]`.
+    fn contiguous_blocks(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache<B>,
+        adapter: Option<&crate::lora::LoraWeights<B>>,
+    ) -> Result<Tensor<B, 2>> {
+        let batch = cache.batch();
+        let seq = columns(tokens, batch)?;
+        let c = &self.config;
         if (cache.n_layers(), cache.kv_heads(), cache.head_dim())
             != (c.n_layers, c.n_kv_heads, c.head_dim)
         {
@@ -524,19 +566,7 @@ impl<B: LlamaBackend> Transformer<B> {
             },
         )?;
         cache.advance(seq);
-
-        let (x, out_seq) = match logits {
-            Logits::All => (x, seq),
-            Logits::Last if seq == 1 => (x, 1),
-            Logits::Last => {
-                let x = x
-                    .reshape([batch, seq, c.d_model])
-                    .slice([0..batch, seq - 1..seq, 0..c.d_model])
-                    .reshape([batch, c.d_model]);
-                (x, 1)
-            }
-        };
-        Ok(self.head(x)?.reshape([batch, out_seq, c.vocab_size]))
+        Ok(x)
     }
 
     /// Reads a prompt (row-major `[batch, seq]`, as [`forward`](Self::forward) takes it)

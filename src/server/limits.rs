@@ -340,6 +340,37 @@ struct Shape {
     n: Field,
 }
 
+/// The one field of an embedding body whose size the limits bound.
+#[derive(Debug, Default, Deserialize)]
+struct InputShape {
+    #[serde(default)]
+    input: Field,
+}
+
+/// Checks the number of inputs of an embedding body that passed [`check_depth`]: at
+/// most [`ServerConfig::max_prompts`], counted before the inputs are read.
+pub(crate) fn check_input_count(body: &[u8], config: &ServerConfig) -> Result<(), ApiError> {
+    let Ok(shape) = serde_json::from_slice::<InputShape>(body) else {
+        return Ok(());
+    };
+    let inputs = match shape.input.0 {
+        // A list of numbers is one input of token ids.
+        Probe::Array { len, numbers, .. } if len > 0 && numbers == len => 1,
+        Probe::Array { len, .. } => len,
+        _ => 1,
+    };
+    if inputs > config.max_prompts {
+        return Err(ApiError::invalid(
+            format!(
+                "`input` has {inputs} inputs; at most {} are allowed (limit: --max-prompts)",
+                config.max_prompts
+            ),
+            Some("input"),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks the counts of a body that passed [`check_depth`]: prompts, choices (prompts x
 /// `n`), stop strings and their bytes, messages. A body that does not even have this
 /// shape (not an object, a field of another type) is left to the real parser, which

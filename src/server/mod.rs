@@ -39,12 +39,14 @@
 //! # }
 //! ```
 
+mod embeddings;
 mod error;
 mod generation;
 mod limits;
 pub mod metrics;
 pub mod openai;
 mod openapi;
+
 pub mod responses;
 mod routes;
 mod serve;
@@ -87,6 +89,16 @@ pub(crate) fn check_body(
     }
 }
 
+/// Runs `body` through every check a POST to `/v1/embeddings` passes before the engine
+/// is asked anything (see [`embeddings::read_embedding`]). For [`crate::fuzzing`].
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check_embedding_body(
+    config: &ServerConfig,
+    body: &[u8],
+) -> std::result::Result<(), ApiError> {
+    embeddings::read_embedding(config, body).map(drop)
+}
+
 /// What the server needs from an engine. [`ContinuousEngine`] implements it whatever
 /// its backend and tokenizer, so the router is not generic.
 pub trait Engine: Send + Sync + 'static {
@@ -122,6 +134,35 @@ pub trait Engine: Send + Sync + 'static {
             "true",
             "this engine cannot give the text of token ids",
         ))
+    }
+    /// `text` as an input to embed (see [`ContinuousEngine::encode_text`]). Called on
+    /// the tokenizer pool's threads.
+    ///
+    /// # Errors
+    ///
+    /// By default [`LlamaError::InvalidParameter`]: the engine cannot embed.
+    fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let _ = text;
+        Err(cannot_embed())
+    }
+    /// Queues inputs to embed (see [`ContinuousEngine::embed_to`]).
+    ///
+    /// # Errors
+    ///
+    /// By default [`LlamaError::InvalidParameter`]: the engine cannot embed.
+    fn embed_to(
+        &self,
+        inputs: Vec<Vec<u32>>,
+        options: crate::embed::EmbeddingOptions,
+        cancel: CancelToken,
+        reply: crate::inference::EmbedReply,
+    ) -> Result<()> {
+        let _ = (inputs, options, cancel, reply);
+        Err(cannot_embed())
+    }
+    /// The length of an embedding without `dimensions` (0: the engine cannot embed).
+    fn embedding_width(&self) -> usize {
+        0
     }
     /// A snapshot of the engine's metrics.
     fn metrics(&self) -> EngineMetrics;
@@ -170,6 +211,11 @@ pub trait Engine: Send + Sync + 'static {
     }
 }
 
+/// What an engine that cannot embed answers.
+fn cannot_embed() -> LlamaError {
+    LlamaError::invalid("input", "(any)", "this engine cannot make embeddings")
+}
+
 impl<B: LlamaBackend, T: Tokenizer> Engine for ContinuousEngine<B, T>
 where
     ContinuousEngine<B, T>: Send + Sync,
@@ -191,6 +237,24 @@ where
 
     fn decode(&self, ids: &[u32]) -> Result<String> {
         ContinuousEngine::decode(self, ids)
+    }
+
+    fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        ContinuousEngine::encode_text(self, text)
+    }
+
+    fn embed_to(
+        &self,
+        inputs: Vec<Vec<u32>>,
+        options: crate::embed::EmbeddingOptions,
+        cancel: CancelToken,
+        reply: crate::inference::EmbedReply,
+    ) -> Result<()> {
+        ContinuousEngine::embed_to(self, inputs, options, cancel, reply)
+    }
+
+    fn embedding_width(&self) -> usize {
+        ContinuousEngine::embedding_width(self)
     }
 
     fn is_alive(&self) -> bool {
@@ -250,8 +314,12 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Most choices (`n`) per request.
     pub max_n: usize,
-    /// Most prompts in one `/v1/completions` request.
+    /// Most prompts in one `/v1/completions` request, and inputs in one
+    /// `/v1/embeddings` request.
     pub max_prompts: usize,
+    /// How `/v1/embeddings` pools an input's hidden states (last token by default, what
+    /// decoder-only embedding models are trained for).
+    pub embedding_pooling: crate::embed::Pooling,
     /// Most choices (prompts x `n`) in one request: also its most waiting-queue slots.
     pub max_choices: usize,
     /// Most choices one tenant may have in flight (waiting or running) at once; more
@@ -328,6 +396,7 @@ impl ServerConfig {
             max_body_bytes: 2 * 1024 * 1024,
             max_n: 16,
             max_prompts: 64,
+            embedding_pooling: crate::embed::Pooling::Last,
             max_choices: 64,
             max_choices_per_tenant: 128,
             max_stop_strings: 4,

@@ -183,7 +183,8 @@ pub struct ChatCompletionRequest {
     pub common: CommonFields,
 }
 
-/// `prompt`: a string, a list of strings, a list of token ids or a list of such lists.
+/// `prompt` (and embeddings' `input`): a string, a list of strings, a list of token ids
+/// or a list of such lists.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum PromptField {
@@ -217,6 +218,75 @@ pub struct CompletionRequest {
     /// The shared fields (read by [`parse_request`]).
     #[serde(skip)]
     pub common: CommonFields,
+}
+
+/// The body of `POST /v1/embeddings`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[schema(as = EmbeddingFields)]
+pub struct EmbeddingRequest {
+    /// What to embed: a string, a list of strings, a list of token ids or a list of
+    /// such lists (at most `--max-prompts` inputs); each input gets one vector.
+    pub input: PromptField,
+    /// The served model's id (or absent); adapters do not embed.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// `float` (the default): the vectors as lists of numbers; `base64`: each vector's
+    /// little-endian f32 bytes in base64.
+    #[serde(default)]
+    pub encoding_format: Option<EncodingFormat>,
+    /// Keep the first `dimensions` components (then normalize); at most the model's
+    /// width. Meaningful for models trained for truncation (Matryoshka).
+    #[serde(default)]
+    #[schema(minimum = 1)]
+    pub dimensions: Option<u64>,
+}
+
+/// How `/v1/embeddings` writes its vectors.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EncodingFormat {
+    /// Lists of numbers.
+    #[default]
+    Float,
+    /// Each vector's little-endian f32 bytes, base64-encoded.
+    Base64,
+}
+
+impl EmbeddingRequest {
+    /// Parses a body that passed the server's size, depth, key and count checks: 400 for
+    /// malformed JSON, a body that is not an object, or a known field of the wrong type
+    /// (the error's `param` names it).
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        serde_json::from_slice::<serde::de::IgnoredAny>(body)
+            .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+        if body.trim_ascii_start().first() != Some(&b'{') {
+            return Err(ApiError::invalid("the body must be a JSON object", None));
+        }
+        read(body)
+    }
+
+    /// The inputs, each a text or token ids; 400 naming `input` for no inputs or an
+    /// empty one.
+    pub fn inputs(self) -> Result<Vec<PromptInput>, ApiError> {
+        let inputs: Vec<PromptInput> = match self.input {
+            PromptField::Text(t) => vec![PromptInput::Text(t)],
+            PromptField::Texts(ts) => ts.into_iter().map(PromptInput::Text).collect(),
+            PromptField::Ids(ids) => vec![PromptInput::Ids(ids)],
+            PromptField::IdLists(lists) => lists.into_iter().map(PromptInput::Ids).collect(),
+        };
+        let empty = inputs.iter().any(|p| match p {
+            PromptInput::Text(t) => t.is_empty(),
+            PromptInput::Ids(ids) => ids.is_empty(),
+            PromptInput::Chat(m) => m.is_empty(),
+        });
+        if inputs.is_empty() || empty {
+            return Err(ApiError::invalid(
+                "`input` must hold at least one input, and no input may be empty",
+                Some("input"),
+            ));
+        }
+        Ok(inputs)
+    }
 }
 
 /// A request body with the [`CommonFields`].

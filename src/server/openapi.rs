@@ -23,8 +23,8 @@ use super::{structured, tools};
 #[openapi(
     info(
         title = "llama-burn",
-        description = "OpenAI-compatible chat and text completions on one Llama-family \
-            model: tools, structured outputs, log-probabilities, streaming. Without \
+        description = "OpenAI-compatible chat and text completions and embeddings on one \
+            Llama-family model: tools, structured outputs, log-probabilities, streaming. Without \
             `--api-key` the /v1 routes are open; with keys they need `Authorization: \
             Bearer KEY`. Unknown fields are ignored; a known field of the wrong type or \
             value, or a key given twice, is a 400 naming it."
@@ -32,6 +32,7 @@ use super::{structured, tools};
     paths(
         routes::chat_completions,
         routes::completions,
+        super::embeddings::embeddings,
         routes::list_models,
         routes::get_model,
         routes::load_lora_adapter,
@@ -44,6 +45,7 @@ use super::{structured, tools};
     modifiers(&BearerKeys),
     tags(
         (name = "completions", description = "Generation"),
+        (name = "embeddings", description = "Vectors of texts"),
         (name = "models", description = "The served model"),
         (name = "operations", description = "Health, metrics and this description"),
     )
@@ -159,6 +161,27 @@ impl ToSchema for CompletionBody {
     }
 }
 
+/// The body of `POST /v1/embeddings` in the description: the embedding request's own
+/// fields and `user`.
+pub struct EmbeddingBody;
+
+impl PartialSchema for EmbeddingBody {
+    fn schema() -> RefOr<Schema> {
+        all_of(&["EmbeddingFields", "CacheFields"])
+    }
+}
+
+impl ToSchema for EmbeddingBody {
+    fn name() -> Cow<'static, str> {
+        Cow::Borrowed("EmbeddingRequest")
+    }
+
+    fn schemas(schemas: &mut Vec<(String, RefOr<Schema>)>) {
+        register::<super::openai::EmbeddingRequest>(schemas);
+        register::<Extras>(schemas);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +202,7 @@ mod tests {
                 "/openapi.json",
                 "/v1/chat/completions",
                 "/v1/completions",
+                "/v1/embeddings",
                 "/v1/load_lora_adapter",
                 "/v1/models",
                 "/v1/models/{id}",
@@ -201,6 +225,10 @@ mod tests {
             "ChatCompletionChunk",
             "ErrorBody",
             "ModelList",
+            "EmbeddingRequest",
+            "EmbeddingFields",
+            "EncodingFormat",
+            "EmbeddingList",
         ] {
             assert!(schemas.contains_key(name), "{name} is missing");
         }

@@ -287,3 +287,47 @@ pub struct Health {
     /// `ok` (200); `loading`, `shutting_down` or `engine_stopped` (503).
     pub status: &'static str,
 }
+
+/// The answer of `POST /v1/embeddings`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct EmbeddingList {
+    /// `list`.
+    pub object: &'static str,
+    /// One per input, in order.
+    pub data: Vec<EmbeddingObject>,
+    /// The served model's id.
+    pub model: String,
+    /// Token counts.
+    pub usage: EmbeddingUsage,
+}
+
+/// One input's vector.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct EmbeddingObject {
+    /// `embedding`.
+    pub object: &'static str,
+    /// The input's position in the request.
+    pub index: usize,
+    /// The vector: numbers, or with `encoding_format: base64` its little-endian f32
+    /// bytes in base64.
+    pub embedding: EmbeddingVector,
+}
+
+/// A vector as `encoding_format` asks.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum EmbeddingVector {
+    /// `float`.
+    Float(Vec<f32>),
+    /// `base64`.
+    Base64(String),
+}
+
+/// The token counts of an embedding request.
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+pub struct EmbeddingUsage {
+    /// Tokens of every input together.
+    pub prompt_tokens: usize,
+    /// The same: embeddings generate nothing.
+    pub total_tokens: usize,
+}

@@ -48,6 +48,7 @@ pub(super) fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(super::embeddings::embeddings))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route_layer(middleware::from_fn_with_state(shared.clone(), authorize))
@@ -91,7 +92,7 @@ async fn log_request(mut request: Request, next: Next) -> Response {
 /// The client's well-formed `X-Request-Id`, if any ([`client_request_id`]), as the
 /// logging middleware found it.
 #[derive(Clone)]
-pub(super) struct ClientRequestId(Option<String>);
+pub(super) struct ClientRequestId(pub(super) Option<String>);
 
 /// The client's `X-Request-Id`, if it is 1 to 128 characters of `[A-Za-z0-9._:-]` (so
 /// that it is safe to log and to send back). A balancer or gateway that sets it can match
@@ -413,7 +414,7 @@ pub(super) async fn get_model(State(shared): AppState, Path(id): Path<String>) -
 
 /// Reads a body: 413 over `--max-body-bytes` (read no further), 408 when it does not
 /// arrive within `--body-timeout`.
-async fn read_body(shared: &Shared, body: Body) -> Result<Bytes, ApiError> {
+pub(super) async fn read_body(shared: &Shared, body: Body) -> Result<Bytes, ApiError> {
     let limit = shared.config.max_body_bytes;
     // A body whose declared length (`Content-Length`) is over the limit is refused before
     // a byte of it is read: the client learns it at once, and the connection is not held
@@ -474,6 +475,11 @@ fn parse_body<T: OpenAiRequest>(
     check_unique_keys(body)?;
     check_counts(body, endpoint, config)?;
     let request = parse_request(body)?;
+    Ok((request, read_extras(body)?))
+}
+
+/// A checked body's `user` and `cache_salt`, each at most [`MAX_SALT_BYTES`].
+pub(super) fn read_extras(body: &[u8]) -> Result<Extras, ApiError> {
     let extras: Extras = serde_json::from_slice(body).unwrap_or_default();
     for (name, value) in [("user", &extras.user), ("cache_salt", &extras.cache_salt)] {
         if value.as_ref().is_some_and(|v| v.len() > MAX_SALT_BYTES) {
@@ -483,14 +489,17 @@ fn parse_body<T: OpenAiRequest>(
             ));
         }
     }
-    Ok((request, extras))
+    Ok(extras)
 }
 
 /// The adapter a request's `model` names: `None` for the served model (or no `model`),
 /// else the name, which [`run`] checks against the engine's adapters before any work is
 /// done (404 `model_not_found` for one it does not know). A name too long to be an
 /// adapter's is refused here.
-fn check_model(config: &ServerConfig, model: Option<&str>) -> Result<Option<String>, ApiError> {
+pub(super) fn check_model(
+    config: &ServerConfig,
+    model: Option<&str>,
+) -> Result<Option<String>, ApiError> {
     match model {
         Some(m) if m != config.served_model_name => {
             if m.len() > crate::lora::MAX_NAME_BYTES {
@@ -727,19 +736,19 @@ pub(super) async fn completions(
 
 /// Who a request is for: its tenant (the API key's, else its peer's, else `anonymous`)
 /// and its prefix-cache partition.
-struct TenantOf {
-    name: String,
-    scope: Scope,
+pub(super) struct TenantOf {
+    pub(super) name: String,
+    pub(super) scope: Scope,
     /// Whether the tenant's shares apply (not to `anonymous`: without an API key or a
     /// known peer there is nobody to tell apart).
-    capped: bool,
+    pub(super) capped: bool,
 }
 
 impl TenantOf {
     /// The prefix cache is partitioned by API-key tenant (one tenant's prompts give
     /// another no hits) and, within it, by `cache_salt`. Without API keys and without a
     /// `cache_salt` requests share partition 0.
-    fn new(tenant: Tenant, extras: Extras) -> Self {
+    pub(super) fn new(tenant: Tenant, extras: Extras) -> Self {
         let keyed = matches!(tenant, Tenant::Key(_));
         let capped = !matches!(tenant, Tenant::Anonymous);
         let name = match tenant {
@@ -1042,7 +1051,7 @@ async fn run(
 
 /// Whether `name` is an API-key tenant (whose counters `/metrics` shows; `user` names are
 /// the clients' own and unbounded, so they are not labels).
-fn keyed_tenant(shared: &Shared, name: &str) -> bool {
+pub(super) fn keyed_tenant(shared: &Shared, name: &str) -> bool {
     shared.config.keys().any(|(n, _)| n == name)
 }
 

@@ -79,6 +79,50 @@ impl TokenizerPool {
         prompts: Vec<GenerateRequest>,
         decode: Vec<bool>,
     ) -> Result<Vec<(Vec<u32>, Option<String>)>> {
+        let mut decode = decode.into_iter();
+        let items = prompts
+            .into_iter()
+            .map(|p| (p, decode.next().unwrap_or(false)))
+            .collect();
+        self.each(engine, items, |engine, (prompt, decode)| {
+            let ids = engine.encode(prompt)?;
+            let text = match decode {
+                true => Some(engine.decode(&ids)?),
+                false => None,
+            };
+            Ok((ids, text))
+        })
+        .await
+    }
+
+    /// Encodes each of `texts` as an input to embed ([`Engine::encode_text`]), on a
+    /// blocking thread, and returns their token ids in order.
+    ///
+    /// # Errors
+    ///
+    /// As [`encode`](Self::encode), the first text's error
+    /// ([`Engine::encode_text`]).
+    pub(crate) async fn encode_texts(
+        &self,
+        engine: Arc<dyn Engine>,
+        texts: Vec<String>,
+    ) -> Result<Vec<Vec<u32>>> {
+        self.each(engine, texts, |engine, text| engine.encode_text(text))
+            .await
+    }
+
+    /// Runs `f` on each of `items` in order on a blocking thread of the pool, stopping
+    /// at the first error or once this future is dropped.
+    async fn each<I, O>(
+        &self,
+        engine: Arc<dyn Engine>,
+        items: Vec<I>,
+        f: impl Fn(&dyn Engine, &I) -> Result<O> + Send + 'static,
+    ) -> Result<Vec<O>>
+    where
+        I: Send + 'static,
+        O: Send + 'static,
+    {
         let admitted =
             self.admitted
                 .clone()
@@ -103,20 +147,15 @@ impl TokenizerPool {
             // The permits go with the work: a job whose request was dropped still counts
             // until it has seen that and stopped.
             let _permits = (admitted, running);
-            let mut ids = Vec::with_capacity(prompts.len());
-            for (i, prompt) in prompts.iter().enumerate() {
+            let mut out = Vec::with_capacity(items.len());
+            for item in &items {
                 if gone.load(Ordering::Acquire) {
                     return Err(LlamaError::Cancelled);
                 }
-                let prompt_ids = engine.encode(prompt)?;
-                let text = match decode.get(i) {
-                    Some(true) => Some(engine.decode(&prompt_ids)?),
-                    _ => None,
-                };
-                ids.push((prompt_ids, text));
+                out.push(f(&*engine, item)?);
                 counter.fetch_add(1, Ordering::AcqRel);
             }
-            Ok(ids)
+            Ok(out)
         });
         job.await
             .map_err(|e| LlamaError::StepFailed(format!("tokenizing the request failed ({e})")))?

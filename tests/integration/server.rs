@@ -1525,3 +1525,142 @@ async fn a_dead_engine_answers_503() {
     );
     assert_eq!(server.in_flight(), 0);
 }
+
+/// Texts of different lengths: batched together, the short ones are all padding in the
+/// first forward passes of their group.
+fn embedding_texts() -> Vec<String> {
+    let mut texts: Vec<String> = (0..18)
+        .map(|i| format!("Item {i}: a short text."))
+        .collect();
+    texts.insert(
+        5,
+        "A much longer text about the sea, the wind and the boats that cross the bay \
+         every morning before the fishermen come back with their nets full of silver fish."
+            .to_string(),
+    );
+    texts
+}
+
+/// `Llama::embed` gives each text the same vector alone and in a batch (last-token and
+/// mean pooling, with and without normalization, truncated); `/v1/embeddings` answers
+/// those vectors for texts, token ids, float and base64, with usage; and refuses what
+/// it cannot serve by name.
+#[tokio::test]
+async fn embeddings_equal_llama_embed_alone_and_in_a_batch() {
+    use base64::Engine as _;
+    use llama_burn::embed::{EmbeddingOptions, Pooling};
+
+    let texts = embedding_texts();
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let (alone, ids, width) = {
+        let llama = solo_model().lock().unwrap();
+        let width = llama.config().d_model;
+        for options in [
+            EmbeddingOptions::default().with_pooling(Pooling::Mean),
+            EmbeddingOptions::default().with_normalize(false),
+            EmbeddingOptions::default().with_dimensions(7),
+        ] {
+            let batch = llama.embed(&refs, &options).unwrap();
+            assert_eq!(batch.len(), texts.len());
+            for (text, vector) in refs.iter().zip(&batch) {
+                assert_eq!(
+                    &llama.embed(&[text], &options).unwrap()[0],
+                    vector,
+                    "{options:?}: {text}"
+                );
+            }
+            assert_eq!(batch[0].len(), options.dimensions.unwrap_or(width));
+        }
+        let options = EmbeddingOptions::default();
+        let alone: Vec<Vec<f32>> = refs
+            .iter()
+            .map(|t| llama.embed(&[t], &options).unwrap().remove(0))
+            .collect();
+        let ids: Vec<Vec<u32>> = refs
+            .iter()
+            .map(|t| llama.encode_prompt(t).unwrap())
+            .collect();
+        (alone, ids, width)
+    };
+    // Unit length, and texts differ.
+    let norm: f32 = alone[0].iter().map(|x| x * x).sum::<f32>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "{norm}");
+    assert_ne!(alone[0], alone[1]);
+
+    let url = format!("{}/v1/embeddings", base());
+    let (status, answer) = post(&url, json!({"input": texts, "model": MODEL})).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["object"], "list");
+    assert_eq!(answer["model"], MODEL);
+    let tokens: usize = ids.iter().map(Vec::len).sum();
+    assert_eq!(answer["usage"]["prompt_tokens"], tokens);
+    assert_eq!(answer["usage"]["total_tokens"], tokens);
+    let data = answer["data"].as_array().unwrap();
+    assert_eq!(data.len(), texts.len());
+    for (i, (item, expected)) in data.iter().zip(&alone).enumerate() {
+        assert_eq!(item["object"], "embedding");
+        assert_eq!(item["index"], i);
+        let got: Vec<f32> = serde_json::from_value(item["embedding"].clone()).unwrap();
+        assert_eq!(&got, expected, "input {i}");
+    }
+    // One text; token ids; base64.
+    let (status, answer) = post(&url, json!({"input": texts[3]})).await;
+    assert_eq!(status, 200, "{answer}");
+    let got: Vec<f32> = serde_json::from_value(answer["data"][0]["embedding"].clone()).unwrap();
+    assert_eq!(got, alone[3]);
+    let body = json!({"input": [ids[5].clone(), ids[0].clone()], "encoding_format": "base64"});
+    let (status, answer) = post(&url, body).await;
+    assert_eq!(status, 200, "{answer}");
+    for (item, expected) in answer["data"].as_array().unwrap().iter().zip([5, 0]) {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(item["embedding"].as_str().unwrap())
+            .unwrap();
+        let got: Vec<f32> = bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        assert_eq!(got, alone[expected]);
+    }
+    // `dimensions`: the first components, normalized again.
+    let (status, answer) = post(&url, json!({"input": texts[0], "dimensions": 7})).await;
+    assert_eq!(status, 200, "{answer}");
+    let got: Vec<f32> = serde_json::from_value(answer["data"][0]["embedding"].clone()).unwrap();
+    let expected = solo_model()
+        .lock()
+        .unwrap()
+        .embed(
+            &[&texts[0]],
+            &EmbeddingOptions::default().with_dimensions(7),
+        )
+        .unwrap();
+    assert_eq!(got, expected[0]);
+
+    // Refusals, each naming its field.
+    let too_many: Vec<&str> = vec!["x"; 65];
+    for (body, status, param) in [
+        (
+            json!({"input": "a", "dimensions": width + 1}),
+            400,
+            "dimensions",
+        ),
+        (json!({"input": "a", "dimensions": 0}), 400, "dimensions"),
+        (json!({"input": []}), 400, "input"),
+        (json!({"input": ["a", ""]}), 400, "input"),
+        (json!({"input": too_many}), 400, "input"),
+        (json!({"input": [[1, 2], [100000]]}), 400, "token id"),
+        (
+            json!({"input": "a", "encoding_format": "hex"}),
+            400,
+            "encoding_format",
+        ),
+        (json!({"input": 5}), 400, "input"),
+        (json!({"input": "a", "model": "nope"}), 404, "model"),
+    ] {
+        let (got, answer) = post(&url, body.clone()).await;
+        assert_eq!(
+            (got, answer["error"]["param"].as_str()),
+            (status, Some(param)),
+            "{body}: {answer}"
+        );
+    }
+}

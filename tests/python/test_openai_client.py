@@ -8,8 +8,9 @@ with and without `stream=True` (greedy answers must agree), the error a wrong ke
 log-probabilities (chat, streamed and not; completions), the seed sent back, penalties,
 `logit_bias`, vLLM's extensions through `extra_body`, 400s naming the field, a LoRA
 adapter (the test fixture, `--lora`) selected by `model`, streamed and not, and loaded and
-unloaded at run time through the admin routes, and that SIGTERM stops the server with
-exit status 0.
+unloaded at run time through the admin routes, the echo of token-id prompts,
+`embeddings.create` (one and many inputs, float and base64, token ids, `dimensions`), and
+that SIGTERM stops the server with exit status 0.
 """
 
 import math
@@ -265,6 +266,60 @@ class OpenAIClientTest(unittest.TestCase):
                 if choice.logprobs is not None:
                     streamed.extend(choice.logprobs.token_logprobs)
         self.assertEqual(streamed, lp.token_logprobs)
+
+    def test_65_echo_of_token_ids(self):
+        # What lm-evaluation-harness sends: lists of token ids, echo, logprobs 1 and
+        # max_tokens 0. Each list's decoded text comes back with one entry per token (the
+        # first null), the same whether the list is sent alone or beside another.
+        ids = [504, 3458, 314, 4649, 30, 40, 2055, 281]
+        other = [1, 2, 3, 4]
+        alone = self.client.completions.create(
+            model=MODEL, prompt=[ids], max_tokens=0, echo=True, logprobs=1)
+        both = self.client.completions.create(
+            model=MODEL, prompt=[other, ids], max_tokens=0, echo=True, logprobs=1)
+        lp = alone.choices[0].logprobs
+        self.assertEqual(len(lp.token_logprobs), len(ids))
+        self.assertIsNone(lp.token_logprobs[0])
+        self.assertTrue(all(x <= 0.0 for x in lp.token_logprobs[1:]))
+        self.assertEqual("".join(lp.tokens), alone.choices[0].text)
+        self.assertEqual(alone.usage.completion_tokens, 0)
+        paired = [c for c in both.choices if c.text == alone.choices[0].text]
+        self.assertEqual(len(paired), 1)
+        self.assertEqual(paired[0].logprobs.token_logprobs, lp.token_logprobs)
+
+    def test_66_embeddings(self):
+        import struct
+
+        def f32(values):
+            return [struct.unpack("<f", struct.pack("<f", v))[0] for v in values]
+
+        texts = ["a cat sat on the mat", "a dog sat", "The capital of France is Paris."]
+        # The client asks for base64 by default and decodes it to floats.
+        many = self.client.embeddings.create(model=MODEL, input=texts)
+        self.assertEqual([d.index for d in many.data], [0, 1, 2])
+        self.assertGreater(many.usage.prompt_tokens, 0)
+        self.assertEqual(many.usage.total_tokens, many.usage.prompt_tokens)
+        for text, item in zip(texts, many.data):
+            one = self.client.embeddings.create(model=MODEL, input=text)
+            # The same vector alone and in a batch, bit for bit.
+            self.assertEqual(one.data[0].embedding, item.embedding)
+            as_float = self.client.embeddings.create(
+                model=MODEL, input=text, encoding_format="float")
+            self.assertEqual(f32(as_float.data[0].embedding), item.embedding)
+            self.assertAlmostEqual(math.sqrt(sum(x * x for x in item.embedding)), 1.0,
+                                   places=5)
+        self.assertNotEqual(many.data[0].embedding, many.data[1].embedding)
+        short = self.client.embeddings.create(model=MODEL, input=texts[0], dimensions=16)
+        self.assertEqual(len(short.data[0].embedding), 16)
+        ids = self.client.embeddings.create(model=MODEL, input=[[504, 3458, 314]])
+        self.assertEqual(len(ids.data[0].embedding), len(many.data[0].embedding))
+        self.assertEqual(ids.usage.prompt_tokens, 3)
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.client.embeddings.create(model=MODEL, input="a", dimensions=100000)
+        self.assertEqual(e.exception.param, "dimensions")
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.client.embeddings.create(model=ADAPTER, input="a")
+        self.assertEqual(e.exception.param, "model")
 
     def test_7_seed_comes_back_and_reproduces(self):
         messages = [{"role": "user", "content": "Tell me a story."}]

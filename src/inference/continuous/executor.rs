@@ -10,10 +10,13 @@ use crate::backend::LlamaBackend;
 use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 
 use super::scheduler::{RequestId, Scheduler, SchedulerLimits, StepPlan};
-use super::{ContinuousConfig, Outcome, RequestMetrics, Shared, Sink, Submission};
+use super::{
+    ContinuousConfig, EmbedSubmission, Outcome, RequestMetrics, Shared, Sink, Submission, Work,
+};
 use crate::cache::disk::PrefixDisk;
 use crate::cache::{BlockManager, PagedKvCache};
 use crate::constraints::ConstraintState;
+use crate::embed::EmbeddingJob;
 use crate::error::{LlamaError, Result};
 use crate::inference::TokenOutput;
 use crate::inference::handlers::sampler_with;
@@ -141,7 +144,7 @@ pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     cache: PagedKvCache<B>,
     scheduler: Scheduler,
     requests: HashMap<RequestId, Active<B>>,
-    queue: Receiver<Submission>,
+    queue: Receiver<Work>,
     shared: Arc<Shared>,
     steps: u64,
     /// The engine's default speculation ([`ContinuousConfig::speculation`]).
@@ -160,6 +163,11 @@ pub(super) struct Worker<B: LlamaBackend, T: Tokenizer> {
     last_prompt_logprobs: Option<(Vec<u32>, usize, Option<u128>, PromptLogprobs)>,
     /// The prefix cache's copy on disk ([`ContinuousConfig::prefix_cache_disk`]).
     disk: Option<PrefixDisk>,
+    /// Inputs waiting to be embedded, in arrival order
+    /// ([`embed_inputs`](Self::embed_inputs)).
+    embeddings: VecDeque<EmbedSubmission>,
+    /// The embedding of the first of them, a forward pass further each step.
+    embedder: Option<EmbeddingJob<B>>,
 }
 
 /// A prompt's log-probabilities, a `None` for its first token.
@@ -208,7 +216,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         config: &ContinuousConfig,
         num_blocks: usize,
         shared: Arc<Shared>,
-        queue: Receiver<Submission>,
+        queue: Receiver<Work>,
     ) -> Result<Self> {
         let c = llama.config();
         let mut cache = PagedKvCache::with_types(
@@ -256,6 +264,8 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             scorer: None,
             last_prompt_logprobs: None,
             disk,
+            embeddings: VecDeque::new(),
+            embedder: None,
         };
         worker.publish();
         Ok(worker)
@@ -277,6 +287,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 break;
             }
             self.score_prompts();
+            self.embed_inputs();
             self.drop_cancelled();
             self.propose();
             let plan = self.scheduler.schedule();
@@ -296,7 +307,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
     /// is idle. Returns false when the engine should stop.
     fn take_submissions(&mut self) -> bool {
         let mut first = None;
-        if self.scheduler.is_idle() && self.scoring.is_empty() {
+        if self.scheduler.is_idle() && self.scoring.is_empty() && self.embeddings.is_empty() {
             if self.shared.drain.load(Ordering::Acquire) && self.queue.is_empty() {
                 return false;
             }
@@ -307,12 +318,19 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             }
         }
         loop {
-            let sub = match first.take() {
-                Some(sub) => sub,
+            let work = match first.take() {
+                Some(work) => work,
                 None => match self.queue.try_recv() {
-                    Ok(sub) => sub,
+                    Ok(work) => work,
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => return true,
                 },
+            };
+            let sub = match work {
+                Work::Generate(sub) => sub,
+                Work::Embed(embedding) => {
+                    self.embeddings.push_back(embedding);
+                    continue;
+                }
             };
             if sub.fault.exit {
                 // Test-only (`exit_marker`): a bug that no step contains ends the thread.
@@ -407,6 +425,66 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         if self.scoring.is_empty() {
             self.last_prompt_logprobs = None;
         }
+    }
+
+    /// Runs one forward pass of the first waiting embedding (so a large batch of inputs
+    /// delays the running streams by a pass per step) and replies to it once its
+    /// vectors are made. Embeddings whose caller has gone leave the queue unrun.
+    fn embed_inputs(&mut self) {
+        let mut i = 0;
+        while i < self.embeddings.len() {
+            if self.embeddings[i].cancel.is_cancelled() {
+                if i == 0 {
+                    self.embedder = None;
+                }
+                if let Some(gone) = self.embeddings.remove(i) {
+                    self.end_embedding(gone, Err(LlamaError::Cancelled));
+                }
+            } else {
+                i += 1;
+            }
+        }
+        let Some(front) = self.embeddings.front() else {
+            return;
+        };
+        let (llama, embedder) = (&self.llama, &mut self.embedder);
+        // A panic while embedding fails this embedding only.
+        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut job = match embedder.take() {
+                Some(job) => job,
+                None => llama.embedding_job(front.inputs.clone(), &front.options)?,
+            };
+            let done = llama.embed_step(&mut job)?;
+            Ok((done, job))
+        }))
+        .unwrap_or_else(|_| {
+            Err(LlamaError::StepFailed(
+                "embedding panicked; other requests go on".into(),
+            ))
+        });
+        let result = match step {
+            Ok((false, job)) => {
+                self.embedder = Some(job);
+                return;
+            }
+            Ok((true, job)) => Ok(job.into_vectors()),
+            Err(e) => Err(e),
+        };
+        if let Some(done) = self.embeddings.pop_front() {
+            self.end_embedding(done, result);
+        }
+    }
+
+    /// Counts an embedding out of the waiting requests and replies to it.
+    fn end_embedding(&self, embedding: EmbedSubmission, result: Result<Vec<Vec<f32>>>) {
+        self.shared.unwait();
+        let outcome = match &result {
+            Ok(_) => Outcome::Completed,
+            Err(LlamaError::Cancelled) => Outcome::Cancelled,
+            Err(_) => Outcome::Failed,
+        };
+        self.record(outcome, None);
+        (embedding.reply)(result);
     }
 
     /// Prepares a submission (with its prompt's log-probabilities, if it asked for them)
@@ -908,11 +986,18 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             self.end(id, Err(why()));
         }
         self.scorer = None;
-        let waiting: Vec<Submission> = self.scoring.drain(..).collect();
-        for sub in waiting.into_iter().chain(self.queue.try_iter()) {
-            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
-            self.record(Outcome::Cancelled, None);
-            sub.sink.done(Err(why()));
+        self.embedder = None;
+        let mut waiting: Vec<Work> = self.scoring.drain(..).map(Work::Generate).collect();
+        waiting.extend(self.embeddings.drain(..).map(Work::Embed));
+        for work in waiting.into_iter().chain(self.queue.try_iter()) {
+            match work {
+                Work::Generate(sub) => {
+                    self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+                    self.record(Outcome::Cancelled, None);
+                    sub.sink.done(Err(why()));
+                }
+                Work::Embed(embedding) => self.end_embedding(embedding, Err(why())),
+            }
         }
     }
 

@@ -467,6 +467,28 @@ struct Submission {
     adapter: Option<AnyAdapter>,
 }
 
+/// What the engine's queue carries.
+enum Work {
+    /// A generation request.
+    Generate(Submission),
+    /// Inputs to embed.
+    Embed(EmbedSubmission),
+}
+
+/// Inputs to embed ([`ContinuousEngine::embed_to`]), checked by the submitter.
+struct EmbedSubmission {
+    /// Each input's token ids.
+    inputs: Vec<Vec<u32>>,
+    options: crate::embed::EmbeddingOptions,
+    cancel: CancelToken,
+    /// Called once, on the engine thread, with the vectors or the reason there are none.
+    reply: EmbedReply,
+}
+
+/// Receives an embedding's vectors (one per input, in order) or its error, on the
+/// engine thread; it must not block.
+pub type EmbedReply = Box<dyn FnOnce(Result<Vec<Vec<f32>>>) + Send>;
+
 /// An adapter's device weights with the backend type erased, as submissions carry them
 /// (the submitting side is not generic over the backend); the engine thread takes them
 /// back as its backend's [`LoraWeights`].
@@ -544,6 +566,8 @@ struct Frontend<T> {
     constraints: VocabCell,
     max_seq_len: usize,
     vocab_size: usize,
+    /// The model's width: the most components an embedding has.
+    d_model: usize,
     panic_marker: Option<String>,
     exit_marker: Option<String>,
     /// The engine's adapters.
@@ -611,6 +635,56 @@ impl<T: Tokenizer> Frontend<T> {
         }
     }
 
+    /// See [`ContinuousEngine::encode_text`].
+    fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        Self::guarded(|| {
+            let tokenizer = self.tokenizer()?;
+            let ids = PromptEncoder {
+                tokenizer: &*tokenizer,
+                max_seq_len: self.max_seq_len,
+            }
+            .encode_prompt(text)?;
+            self.check_embedding_input(&ids)?;
+            Ok(ids)
+        })
+    }
+
+    /// An input to embed: not empty, within the context window, ids in the vocabulary.
+    fn check_embedding_input(&self, ids: &[u32]) -> Result<()> {
+        if ids.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        if ids.len() > self.max_seq_len {
+            return Err(LlamaError::PromptTooLong {
+                tokens: ids.len(),
+                max: self.max_seq_len,
+            });
+        }
+        match ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            Some(&bad) => Err(LlamaError::invalid(
+                "token id",
+                bad,
+                "outside the model's vocabulary",
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Inputs to embed and their options, checked before they are queued.
+    fn check_embedding(
+        &self,
+        inputs: &[Vec<u32>],
+        options: &crate::embed::EmbeddingOptions,
+    ) -> Result<()> {
+        options.width(self.d_model)?;
+        if inputs.is_empty() {
+            return Err(LlamaError::EmptyPrompt);
+        }
+        inputs
+            .iter()
+            .try_for_each(|ids| self.check_embedding_input(ids))
+    }
+
     /// See [`ContinuousEngine::encode`].
     fn encode(&self, request: &GenerateRequest) -> Result<Vec<u32>> {
         Self::guarded(|| {
@@ -670,7 +744,7 @@ type Prepared = (Vec<u32>, Option<ConstraintState>, Fault);
 
 /// The submitting side of an engine; cheap to clone.
 struct EngineClient<T> {
-    queue: Sender<Submission>,
+    queue: Sender<Work>,
     shared: Arc<Shared>,
     max_waiting: usize,
     frontend: Arc<Frontend<T>>,
@@ -699,30 +773,8 @@ impl<T: Tokenizer> EngineClient<T> {
         cancel: CancelToken,
         scope: Scope,
     ) -> std::result::Result<u64, Box<(Sink, LlamaError)>> {
-        if self.shared.gone.load(Ordering::Acquire) {
-            let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
-            return Err(Box::new((sink, stopped)));
-        }
-        let limit = self.max_waiting;
-        let admitted = self
-            .shared
-            .waiting
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                (w < limit).then_some(w + 1)
-            });
-        if let Err(waiting) = admitted {
-            if let Ok(mut m) = self.shared.metrics.lock() {
-                m.rejected += 1;
-            }
-            return Err(Box::new((
-                sink,
-                LlamaError::Overloaded {
-                    resource: "waiting requests",
-                    in_use: waiting,
-                    requested: 1,
-                    limit,
-                },
-            )));
+        if let Err(refused) = self.enter_waiting() {
+            return Err(Box::new((sink, refused)));
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let prepared = if cancel.is_cancelled() {
@@ -772,12 +824,67 @@ impl<T: Tokenizer> EngineClient<T> {
             scope,
             adapter,
         };
-        if let Err(returned) = self.queue.send(submission) {
+        if let Err(returned) = self.queue.send(Work::Generate(submission)) {
             self.shared.unwait();
             let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
-            return Err(Box::new((returned.into_inner().sink, stopped)));
+            let Work::Generate(submission) = returned.into_inner() else {
+                unreachable!("the queue returns what was sent")
+            };
+            return Err(Box::new((submission.sink, stopped)));
         }
         Ok(id)
+    }
+
+    /// Takes a place among the waiting requests, or says why there is none.
+    fn enter_waiting(&self) -> Result<()> {
+        if self.shared.gone.load(Ordering::Acquire) {
+            return Err(LlamaError::ModelUnavailable(
+                "the engine has stopped".into(),
+            ));
+        }
+        let limit = self.max_waiting;
+        self.shared
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                (w < limit).then_some(w + 1)
+            })
+            .map(|_| ())
+            .map_err(|waiting| {
+                if let Ok(mut m) = self.shared.metrics.lock() {
+                    m.rejected += 1;
+                }
+                LlamaError::Overloaded {
+                    resource: "waiting requests",
+                    in_use: waiting,
+                    requested: 1,
+                    limit,
+                }
+            })
+    }
+
+    /// Checks and queues inputs to embed (see [`ContinuousEngine::embed_to`]).
+    fn send_embedding(
+        &self,
+        inputs: Vec<Vec<u32>>,
+        options: crate::embed::EmbeddingOptions,
+        cancel: CancelToken,
+        reply: EmbedReply,
+    ) -> Result<()> {
+        self.frontend.check_embedding(&inputs, &options)?;
+        self.enter_waiting()?;
+        let work = Work::Embed(EmbedSubmission {
+            inputs,
+            options,
+            cancel,
+            reply,
+        });
+        if self.queue.send(work).is_err() {
+            self.shared.unwait();
+            return Err(LlamaError::ModelUnavailable(
+                "the engine has stopped".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Submits on behalf of a runtime job; a refusal ends the job at once.
@@ -894,6 +1001,7 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
             constraints: llama.constraint_vocab.clone(),
             max_seq_len,
             vocab_size,
+            d_model: llama.config().d_model,
             panic_marker: config.panic_marker.clone(),
             exit_marker: config.exit_marker.clone(),
             adapters: adapters.clone(),
@@ -971,6 +1079,88 @@ impl<B: LlamaBackend, T: Tokenizer> ContinuousEngine<B, T> {
     /// stopped.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.client()?.frontend.tokenizer()?.decode(ids)
+    }
+
+    /// `text` as an input to embed: encoded as a prompt (BOS included where the model
+    /// wants it, as [`Llama::embed`] does) and checked, on the calling thread.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::EmptyPrompt`], [`LlamaError::PromptTooLong`] for a text over the
+    /// context window; [`LlamaError::ModelUnavailable`] once the engine has stopped.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        self.client()?.frontend.encode_text(text)
+    }
+
+    /// The model's width: the length of an embedding without `dimensions`.
+    pub fn embedding_width(&self) -> usize {
+        self.client().map_or(0, |c| c.frontend.d_model)
+    }
+
+    /// Queues `inputs` (token ids, each checked here) to be embedded on the engine
+    /// thread, a forward pass at a time between the steps of the running requests (a
+    /// long batch of inputs delays them by a pass per step, not by the whole batch), and
+    /// calls `reply` there with one vector per input, the same bits as
+    /// [`Llama::embed_ids`]'s. A cancelled `cancel` stops the work at the next pass
+    /// (`reply` then gets [`LlamaError::Cancelled`]). The inputs count as one waiting
+    /// request until their vectors are made.
+    ///
+    /// # Errors
+    ///
+    /// What the checks refuse ([`LlamaError::EmptyPrompt`],
+    /// [`LlamaError::PromptTooLong`], [`LlamaError::InvalidParameter`] for a token id or
+    /// `dimensions`), [`LlamaError::Overloaded`] when `max_waiting` requests wait
+    /// already, [`LlamaError::ModelUnavailable`] once the engine has stopped; `reply` is
+    /// not called then.
+    pub fn embed_to(
+        &self,
+        inputs: Vec<Vec<u32>>,
+        options: crate::embed::EmbeddingOptions,
+        cancel: CancelToken,
+        reply: impl FnOnce(Result<Vec<Vec<f32>>>) + Send + 'static,
+    ) -> Result<()> {
+        self.client()?
+            .send_embedding(inputs, options, cancel, Box::new(reply))
+    }
+
+    /// One embedding per text ([`encode_text`](Self::encode_text) then
+    /// [`embed_to`](Self::embed_to)), waiting for them.
+    ///
+    /// ```no_run
+    /// # fn main() -> llama_burn::Result<()> {
+    /// use llama_burn::backend::{DefaultBackend, default_device};
+    /// use llama_burn::embed::EmbeddingOptions;
+    /// use llama_burn::inference::{ContinuousConfig, ContinuousEngine};
+    ///
+    /// let llama = llama_burn::Loader::gguf(llama_burn::demo::demo_model_path()?)
+    ///     .max_seq_len(2048)
+    ///     .load::<DefaultBackend>(&default_device())?;
+    /// let engine = ContinuousEngine::start(llama, ContinuousConfig::default())?;
+    /// let vectors = engine.embed(&["first text", "second text"], EmbeddingOptions::default())?;
+    /// assert_eq!(vectors.len(), 2);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`encode_text`](Self::encode_text) and [`embed_to`](Self::embed_to), and a
+    /// failed forward pass.
+    pub fn embed(
+        &self,
+        texts: &[&str],
+        options: crate::embed::EmbeddingOptions,
+    ) -> Result<Vec<Vec<f32>>> {
+        let inputs = texts
+            .iter()
+            .map(|t| self.encode_text(t))
+            .collect::<Result<Vec<_>>>()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.embed_to(inputs, options, CancelToken::new(), move |result| {
+            let _ = tx.send(result);
+        })?;
+        rx.recv()
+            .map_err(|_| LlamaError::ModelUnavailable("the engine has stopped".into()))?
     }
 
     /// How the model writes tool calls ([`Tokenizer::tool_format`]; Hermes blocks once
