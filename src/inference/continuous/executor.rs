@@ -326,7 +326,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
                 },
             };
             let sub = match work {
-                Work::Generate(sub) => sub,
+                Work::Generate(sub) => *sub,
                 Work::Embed(embedding) => {
                     self.embeddings.push_back(embedding);
                     continue;
@@ -987,7 +987,11 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
         }
         self.scorer = None;
         self.embedder = None;
-        let mut waiting: Vec<Work> = self.scoring.drain(..).map(Work::Generate).collect();
+        let mut waiting: Vec<Work> = self
+            .scoring
+            .drain(..)
+            .map(|sub| Work::Generate(Box::new(sub)))
+            .collect();
         waiting.extend(self.embeddings.drain(..).map(Work::Embed));
         for work in waiting.into_iter().chain(self.queue.try_iter()) {
             match work {

@@ -469,8 +469,8 @@ struct Submission {
 
 /// What the engine's queue carries.
 enum Work {
-    /// A generation request.
-    Generate(Submission),
+    /// A generation request (boxed: the queue's slots stay the size of a pointer).
+    Generate(Box<Submission>),
     /// Inputs to embed.
     Embed(EmbedSubmission),
 }
@@ -824,7 +824,7 @@ impl<T: Tokenizer> EngineClient<T> {
             scope,
             adapter,
         };
-        if let Err(returned) = self.queue.send(Work::Generate(submission)) {
+        if let Err(returned) = self.queue.send(Work::Generate(Box::new(submission))) {
             self.shared.unwait();
             let stopped = LlamaError::ModelUnavailable("the engine has stopped".into());
             let Work::Generate(submission) = returned.into_inner() else {
