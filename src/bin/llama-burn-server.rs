@@ -87,6 +87,12 @@ struct Args {
     /// for decoder-only embedding models) or `mean`.
     #[arg(long, default_value = "last")]
     embedding_pooling: llama_burn::embed::Pooling,
+    /// Bytes of stored /v1/responses, all tenants together (the oldest go first).
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    response_store_bytes: usize,
+    /// Seconds a stored response is kept.
+    #[arg(long, default_value_t = 3600)]
+    response_ttl: u64,
     /// Most choices (prompts x n) in one request: its most slots of the waiting queue.
     #[arg(long, default_value_t = 64)]
     max_choices: usize,
@@ -476,6 +482,8 @@ fn server_config(args: &Args, name: String) -> Result<ServerConfig, String> {
     config.max_n = args.max_n;
     config.max_prompts = args.max_prompts;
     config.embedding_pooling = args.embedding_pooling;
+    config.response_store_bytes = args.response_store_bytes;
+    config.response_ttl = std::time::Duration::from_secs(args.response_ttl);
     config.max_choices = args.max_choices;
     config.max_choices_per_tenant = args.max_choices_per_tenant;
     config.max_tokenizing_per_tenant = args.max_tokenizing_per_tenant;

@@ -87,6 +87,14 @@ impl ApiError {
         }
     }
 
+    /// 404 for something the request names that does not exist (for this tenant).
+    pub fn not_found(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            param: param.map(Into::into),
+            ..Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+        }
+    }
+
     /// 404: the model is not the one served.
     pub fn model_not_found(asked: &str, served: &str) -> Self {
         Self {

@@ -47,7 +47,9 @@ pub mod metrics;
 pub mod openai;
 mod openapi;
 
+mod response_store;
 pub mod responses;
+mod responses_api;
 mod routes;
 mod serve;
 mod stop;
@@ -317,6 +319,10 @@ pub struct ServerConfig {
     /// Most prompts in one `/v1/completions` request, and inputs in one
     /// `/v1/embeddings` request.
     pub max_prompts: usize,
+    /// Bytes of stored `/v1/responses` (all tenants together; the oldest go first).
+    pub response_store_bytes: usize,
+    /// How long a stored response is kept.
+    pub response_ttl: Duration,
     /// How `/v1/embeddings` pools an input's hidden states (last token by default, what
     /// decoder-only embedding models are trained for).
     pub embedding_pooling: crate::embed::Pooling,
@@ -397,6 +403,8 @@ impl ServerConfig {
             max_n: 16,
             max_prompts: 64,
             embedding_pooling: crate::embed::Pooling::Last,
+            response_store_bytes: 64 * 1024 * 1024,
+            response_ttl: Duration::from_secs(3600),
             max_choices: 64,
             max_choices_per_tenant: 128,
             max_stop_strings: 4,
@@ -465,6 +473,8 @@ pub(crate) struct Shared {
     metrics: ServerMetrics,
     /// Where prompts are tokenized.
     tokenizer: tokenize::TokenizerPool,
+    /// `/v1/responses`' stored responses.
+    responses: response_store::ResponseStore,
     /// Unix time the server was made (the model's `created`).
     created: u64,
 }
@@ -725,6 +735,8 @@ impl Server {
         let metrics = ServerMetrics::new(&config.served_model_name)?;
         let tokenizer =
             tokenize::TokenizerPool::new(config.tokenizer_threads, config.tokenizer_queue);
+        let (config_store_bytes, config_store_ttl) =
+            (config.response_store_bytes, config.response_ttl);
         Ok(Self {
             shared: Arc::new(Shared {
                 config,
@@ -737,6 +749,7 @@ impl Server {
                 tokenizing: Mutex::new(HashMap::new()),
                 metrics,
                 tokenizer,
+                responses: response_store::ResponseStore::new(config_store_bytes, config_store_ttl),
                 created: unix_now(),
             }),
         })

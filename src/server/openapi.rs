@@ -33,6 +33,9 @@ use super::{structured, tools};
         routes::chat_completions,
         routes::completions,
         super::embeddings::embeddings,
+        super::responses_api::create_response,
+        super::responses_api::get_response,
+        super::responses_api::delete_response,
         routes::list_models,
         routes::get_model,
         routes::load_lora_adapter,
@@ -46,6 +49,7 @@ use super::{structured, tools};
     tags(
         (name = "completions", description = "Generation"),
         (name = "embeddings", description = "Vectors of texts"),
+        (name = "responses", description = "OpenAI's Responses API"),
         (name = "models", description = "The served model"),
         (name = "operations", description = "Health, metrics and this description"),
     )
@@ -206,6 +210,8 @@ mod tests {
                 "/v1/load_lora_adapter",
                 "/v1/models",
                 "/v1/models/{id}",
+                "/v1/responses",
+                "/v1/responses/{id}",
                 "/v1/unload_lora_adapter",
             ]
         );

@@ -49,6 +49,11 @@ pub(super) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(super::embeddings::embeddings))
+        .route("/v1/responses", post(super::responses_api::create_response))
+        .route(
+            "/v1/responses/{id}",
+            get(super::responses_api::get_response).delete(super::responses_api::delete_response),
+        )
         .route("/v1/models", get(list_models))
         .route("/v1/models/{*id}", get(get_model))
         .route_layer(middleware::from_fn_with_state(shared.clone(), authorize))
@@ -516,10 +521,10 @@ pub(super) fn check_model(
 
 /// A chat body read and checked: what its handler needs besides the engine.
 pub(super) struct CheckedChat {
-    messages: Vec<ChatMessage>,
-    sampling: Sampling,
-    tool_request: Option<tools::ToolRequest>,
-    extras: Extras,
+    pub(super) messages: Vec<ChatMessage>,
+    pub(super) sampling: Sampling,
+    pub(super) tool_request: Option<tools::ToolRequest>,
+    pub(super) extras: Extras,
 }
 
 /// Every check a chat body passes before any work is done: the limits, the parse, the
@@ -666,7 +671,7 @@ pub(super) async fn chat_completions(
 /// calls, and constrains decoding when a call is forced, and in `auto` when a tool is
 /// `strict` (free text or valid calls; a `response_format` takes precedence there, and
 /// the calls are then read unconstrained).
-fn with_tools(
+pub(super) fn with_tools(
     shared: &Shared,
     sampling: &mut Sampling,
     request: tools::ToolRequest,
@@ -892,18 +897,18 @@ fn choice_specs(
 }
 
 /// What every response and chunk of one request shares.
-struct Envelope {
+pub(super) struct Envelope {
     endpoint: Endpoint,
-    id: String,
-    created: u64,
-    model: String,
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) model: String,
     /// The seed of choice 0 (choice `i` uses `seed + i`): sent back as `seed` and in
     /// `system_fingerprint`, so a sampled answer can be reproduced.
     seed: u64,
     /// Whether the choices carry log-probabilities.
     logprobs: bool,
     /// Read the answers for tool calls in this format.
-    tool_format: Option<crate::tools::ToolFormat>,
+    pub(super) tool_format: Option<crate::tools::ToolFormat>,
 }
 
 impl Envelope {
@@ -970,6 +975,52 @@ async fn run(
     request_id: Option<String>,
     tenant: TenantOf,
 ) -> Result<Response, ApiError> {
+    let stream = sampling.stream;
+    let include_usage = sampling.include_usage;
+    let keep_alive = shared.config.sse_keep_alive;
+    let started = start(
+        shared,
+        endpoint,
+        prompts,
+        sampling,
+        default_max_tokens,
+        request_id,
+        tenant,
+    )
+    .await?;
+    let mut response = if stream {
+        let events = sse_events(started.generation, started.envelope, include_usage);
+        Sse::new(events)
+            .keep_alive(KeepAlive::new().interval(keep_alive))
+            .into_response()
+    } else {
+        whole_response(started.generation, started.envelope).await?
+    };
+    if let Some(value) = started.request_id {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    Ok(response)
+}
+
+/// A generation under way: its choices, what its answer carries, and the request id
+/// for the `X-Request-Id` header.
+pub(super) struct Started {
+    pub(super) generation: Generation,
+    pub(super) envelope: Envelope,
+    pub(super) request_id: Option<HeaderValue>,
+}
+
+/// Everything a generation endpoint does before its answer: the adapter, the tenant's
+/// share, tokenization on the pool, and the choices submitted to the engine.
+pub(super) async fn start(
+    shared: Arc<Shared>,
+    endpoint: Endpoint,
+    prompts: Vec<PromptInput>,
+    sampling: Sampling,
+    default_max_tokens: Option<usize>,
+    request_id: Option<String>,
+    tenant: TenantOf,
+) -> Result<Started, ApiError> {
     let max_seq_len = shared.engine()?.max_seq_len();
     // A `model` that is neither the served model nor one of its adapters: 404 before
     // anything else.
@@ -1031,22 +1082,14 @@ async fn run(
     // and so does the response.
     let request_id = request_id.unwrap_or_else(|| envelope.id.clone());
     let header_value = HeaderValue::from_str(&request_id).ok();
-    let keep_alive = shared.config.sse_keep_alive;
     let generation = Generation::start(shared, endpoint, specs, request_id, tenant.scope, slot)
         .await
         .map_err(|e| blame_constraint(e, &sampling))?;
-    let mut response = if sampling.stream {
-        let events = sse_events(generation, envelope, sampling.include_usage);
-        Sse::new(events)
-            .keep_alive(KeepAlive::new().interval(keep_alive))
-            .into_response()
-    } else {
-        whole_response(generation, envelope).await?
-    };
-    if let Some(value) = header_value {
-        response.headers_mut().insert("x-request-id", value);
-    }
-    Ok(response)
+    Ok(Started {
+        generation,
+        envelope,
+        request_id: header_value,
+    })
 }
 
 /// Whether `name` is an API-key tenant (whose counters `/metrics` shows; `user` names are

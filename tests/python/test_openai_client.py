@@ -446,6 +446,75 @@ class OpenAIClientTest(unittest.TestCase):
                 tool_choice={"type": "function", "function": {"name": "nope"}})
         self.assertEqual(e.exception.param, "tool_choice")
 
+    def test_87_responses(self):
+        import pydantic
+
+        # Text, whole and streamed alike (greedy); stored, retrieved, deleted.
+        whole = self.client.responses.create(
+            model=MODEL, input="Write a long story about a dragon.", max_output_tokens=12,
+            temperature=0, instructions="You are a storyteller.")
+        self.assertEqual(whole.status, "incomplete")
+        self.assertEqual(whole.incomplete_details.reason, "max_output_tokens")
+        self.assertTrue(whole.output_text)
+        self.assertEqual(whole.usage.output_tokens, 12)
+        with self.client.responses.stream(
+                model=MODEL, input="Write a long story about a dragon.", max_output_tokens=12,
+                temperature=0, instructions="You are a storyteller.") as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+        self.assertEqual(final.output_text, whole.output_text)
+        self.assertEqual(kinds[:2], ["response.created", "response.in_progress"])
+        self.assertEqual(kinds[-1], "response.completed")
+        self.assertEqual(final.status, "incomplete")
+        self.assertIn("response.output_text.delta", kinds)
+        got = self.client.responses.retrieve(whole.id)
+        self.assertEqual((got.id, got.output_text), (whole.id, whole.output_text))
+        self.client.responses.delete(whole.id)
+        with self.assertRaises(openai.NotFoundError):
+            self.client.responses.retrieve(whole.id)
+
+        # A function tool round trip through previous_response_id.
+        schema = {"type": "object", "additionalProperties": False,
+                  "required": ["city", "unit"],
+                  "properties": {"city": {"type": "string", "maxLength": 20},
+                                 "unit": {"type": "string",
+                                          "enum": ["celsius", "fahrenheit"]}}}
+        tools = [{"type": "function", "name": "get_weather", "strict": True,
+                  "description": "The weather in a city", "parameters": schema}]
+        first = self.client.responses.create(
+            model=MODEL, input="What is the weather in Paris?", max_output_tokens=48,
+            temperature=0, tools=tools, tool_choice="required", parallel_tool_calls=False)
+        calls = [item for item in first.output if item.type == "function_call"]
+        self.assertEqual(len(calls), 1)
+        self.assertEqual(calls[0].name, "get_weather")
+        self.assertEqual(set(json.loads(calls[0].arguments)), {"city", "unit"})
+        second = self.client.responses.create(
+            model=MODEL, previous_response_id=first.id, max_output_tokens=24,
+            temperature=0, tools=tools, tool_choice="none",
+            input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                    "output": json.dumps({"temperature": 21, "sky": "sunny"})}])
+        self.assertTrue(second.output_text)
+        self.assertEqual(second.previous_response_id, first.id)
+
+        # text.format with a JSON Schema, parsed into a Pydantic model.
+        class City(pydantic.BaseModel):
+            name: str = pydantic.Field(max_length=12)
+            population: int = pydantic.Field(ge=0, le=100000000)
+
+        parsed = self.client.responses.parse(
+            model=MODEL, input="Describe a city as JSON.", max_output_tokens=100,
+            temperature=0, text_format=City)
+        self.assertIsInstance(parsed.output_parsed, City)
+
+        # Refusals by name; another response id: 404.
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.client.responses.create(model=MODEL, input=[{"role": "user", "content": [
+                {"type": "input_image", "image_url": "http://example.com/a.png"}]}])
+        self.assertEqual(e.exception.param, "input[0].content[0].type")
+        with self.assertRaises(openai.NotFoundError):
+            self.client.responses.create(
+                model=MODEL, input="Hi", previous_response_id="resp_nope")
+
     def test_8_penalties_logit_bias_and_vllm_extensions(self):
         messages = [{"role": "user", "content": "List five fruits, one per line."}]
         greedy = self.client.chat.completions.create(
