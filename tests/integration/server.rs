@@ -1664,3 +1664,74 @@ async fn embeddings_equal_llama_embed_alone_and_in_a_batch() {
         );
     }
 }
+
+/// One request of `key` to the server at `base`: its status and JSON body (null if none).
+async fn call_as(
+    base: &str,
+    method: reqwest::Method,
+    path: &str,
+    key: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut request = client()
+        .request(method, format!("{base}{path}"))
+        .bearer_auth(key);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+/// A stored response is its tenant's own: another API key's GET, DELETE and
+/// `previous_response_id` get 404; the owner reads it back as it was sent, continues
+/// it, and deletes it.
+#[tokio::test]
+async fn stored_responses_are_the_tenants_own() {
+    use reqwest::Method;
+    let mut config = ServerConfig::new(MODEL);
+    config.api_key = Some("key-a".into());
+    config.tenants = vec![("b".into(), "key-b".into())];
+    let (base, _server) = front(config);
+    let create = json!({"input": "Hello", "max_output_tokens": 4, "temperature": 0});
+    let (status, created) =
+        call_as(&base, Method::POST, "/v1/responses", "key-a", Some(create)).await;
+    assert_eq!(status, 200, "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    assert!(id.starts_with("resp_"), "{id}");
+    let path = format!("/v1/responses/{id}");
+    let (status, got) = call_as(&base, Method::GET, &path, "key-a", None).await;
+    assert_eq!((status, &got), (200, &created));
+    for method in [Method::GET, Method::DELETE] {
+        let (status, answer) = call_as(&base, method.clone(), &path, "key-b", None).await;
+        assert_eq!(status, 404, "{method}: {answer}");
+    }
+    let go_on = json!({"input": "Go on", "previous_response_id": id, "max_output_tokens": 2});
+    let (status, answer) = call_as(
+        &base,
+        Method::POST,
+        "/v1/responses",
+        "key-b",
+        Some(go_on.clone()),
+    )
+    .await;
+    assert_eq!(
+        (status, answer["error"]["param"].as_str()),
+        (404, Some("previous_response_id")),
+        "{answer}"
+    );
+    let (status, answer) =
+        call_as(&base, Method::POST, "/v1/responses", "key-a", Some(go_on)).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["previous_response_id"], id.as_str());
+    // The continuation's prompt holds the first turn: more input tokens.
+    assert!(
+        answer["usage"]["input_tokens"].as_u64() > created["usage"]["input_tokens"].as_u64(),
+        "{answer}"
+    );
+    let (status, deleted) = call_as(&base, Method::DELETE, &path, "key-a", None).await;
+    assert_eq!((status, deleted["deleted"].as_bool()), (200, Some(true)));
+    let (status, _) = call_as(&base, Method::GET, &path, "key-a", None).await;
+    assert_eq!(status, 404);
+}
