@@ -257,12 +257,7 @@ impl EmbeddingRequest {
     /// malformed JSON, a body that is not an object, or a known field of the wrong type
     /// (the error's `param` names it).
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        serde_json::from_slice::<serde::de::IgnoredAny>(body)
-            .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-        if body.trim_ascii_start().first() != Some(&b'{') {
-            return Err(ApiError::invalid("the body must be a JSON object", None));
-        }
-        read(body)
+        parse_object(body)
     }
 
     /// The inputs, each a text or token ids; 400 naming `input` for no inputs or an
@@ -328,16 +323,22 @@ fn read<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
 /// known field of the wrong type (the error's `param` names it). Unknown fields are
 /// ignored.
 pub fn parse_request<T: OpenAiRequest>(body: &[u8]) -> Result<T, ApiError> {
-    // No tree of the whole body: its syntax is checked by a pass that keeps nothing, then
-    // each part's fields are read from the bytes.
+    let mut request: T = parse_object(body)?;
+    *request.common_mut() = read(body)?;
+    Ok(request)
+}
+
+/// Parses a body as `T`: 400 for malformed JSON, a body that is not an object, or a known
+/// field of the wrong type (the error's `param` names it). No tree of the whole body:
+/// its syntax is checked by a pass that keeps nothing, then the fields are read from the
+/// bytes.
+pub(crate) fn parse_object<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice::<serde::de::IgnoredAny>(body)
         .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
     if body.trim_ascii_start().first() != Some(&b'{') {
         return Err(ApiError::invalid("the body must be a JSON object", None));
     }
-    let mut request: T = read(body)?;
-    *request.common_mut() = read(body)?;
-    Ok(request)
+    read(body)
 }
 
 /// What to encode for one prompt.

@@ -1152,19 +1152,7 @@ pub(super) fn read_response_request(
 ) -> Result<ResponseRequest, ApiError> {
     super::limits::check_depth(body, config.max_json_depth)?;
     super::limits::check_unique_keys(body)?;
-    serde_json::from_slice::<serde::de::IgnoredAny>(body)
-        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-    if body.trim_ascii_start().first() != Some(&b'{') {
-        return Err(ApiError::invalid("the body must be a JSON object", None));
-    }
-    let mut de = serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        ApiError::invalid(
-            format!("invalid request body at `{path}`: {}", e.inner()),
-            Some(&path),
-        )
-    })
+    super::openai::parse_object(body)
 }
 
 /// A stored response, as it was sent.

@@ -625,6 +625,11 @@ impl<T: Tokenizer> Frontend<T> {
     /// ids in the vocabulary.
     fn check_prompt(&self, ids: &[u32]) -> Result<()> {
         check_request_size(Some(ids.len()), None, self.max_seq_len)?;
+        self.check_vocabulary(ids)
+    }
+
+    /// Every id of `ids` in the model's vocabulary.
+    fn check_vocabulary(&self, ids: &[u32]) -> Result<()> {
         match ids.iter().find(|&&id| id as usize >= self.vocab_size) {
             Some(&bad) => Err(LlamaError::invalid(
                 "token id",
@@ -660,14 +665,7 @@ impl<T: Tokenizer> Frontend<T> {
                 max: self.max_seq_len,
             });
         }
-        match ids.iter().find(|&&id| id as usize >= self.vocab_size) {
-            Some(&bad) => Err(LlamaError::invalid(
-                "token id",
-                bad,
-                "outside the model's vocabulary",
-            )),
-            None => Ok(()),
-        }
+        self.check_vocabulary(ids)
     }
 
     /// Inputs to embed and their options, checked before they are queued.
