@@ -97,6 +97,7 @@ pub fn streaming_handler<B: LlamaBackend, T: Tokenizer>(
                 index,
                 logprobs: state.take_logprobs(),
                 prompt_logprobs: state.take_prompt_logprobs(),
+                cached_prompt_tokens: None,
             })?;
             if done {
                 break;
@@ -143,6 +144,7 @@ pub fn concurrent_streaming_handler<B: LlamaBackend, T: Tokenizer>(
             index,
             logprobs: state.take_logprobs(),
             prompt_logprobs: state.take_prompt_logprobs(),
+            cached_prompt_tokens: None,
         })?;
         if done {
             break;

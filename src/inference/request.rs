@@ -445,6 +445,7 @@ impl GenerateRequest {
 ///     index: 0,
 ///     logprobs: None,
 ///     prompt_logprobs: None,
+///     cached_prompt_tokens: None,
 /// };
 /// assert_eq!(first.index, 0);
 /// ```
@@ -464,6 +465,10 @@ pub struct TokenOutput {
     /// ([`GenerateRequest::with_prompt_logprobs`]): each prompt token's log-probability
     /// and alternatives, `None` for the first prompt token (nothing predicts it).
     pub prompt_logprobs: Option<Vec<Option<TokenLogprobs>>>,
+    /// On the first token only, from the continuous engine: how many prompt tokens were
+    /// read from its prefix cache instead of computed (OpenAI's `cached_tokens`). `None`
+    /// on later tokens and from the engines without a prefix cache.
+    pub cached_prompt_tokens: Option<usize>,
 }
 
 /// How a request's prompt becomes token ids (the request is this module's; the encoder
@@ -849,6 +854,7 @@ mod tests {
             index: 1,
             logprobs: None,
             prompt_logprobs: None,
+            cached_prompt_tokens: None,
         };
         assert_eq!(t.clone(), t);
     }

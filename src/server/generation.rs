@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
-use super::openai::{Endpoint, Usage};
+use super::openai::{CachedTokens, Endpoint, Usage};
 use super::stop::StopMatcher;
 use super::{Shared, TenantSlot};
 use crate::error::LlamaError;
@@ -66,6 +66,8 @@ struct Choice {
     matcher: StopMatcher,
     cancel: CancelToken,
     prompt_tokens: Option<usize>,
+    /// Prompt tokens read from the prefix cache (told with the first token).
+    cached_tokens: usize,
     completion_tokens: usize,
     finish: Option<&'static str>,
     first_token: Option<Instant>,
@@ -152,6 +154,7 @@ impl Generation {
                 matcher: StopMatcher::new(spec.stop),
                 cancel,
                 prompt_tokens: None,
+                cached_tokens: 0,
                 completion_tokens: 0,
                 finish: None,
                 first_token: None,
@@ -226,6 +229,9 @@ impl Generation {
         match event {
             EngineEvent::Accepted { .. } => None,
             EngineEvent::Token(mut token) => {
+                if let Some(cached) = token.cached_prompt_tokens {
+                    choice.cached_tokens = cached;
+                }
                 let prefix = match choice.echo.take() {
                     Some(prompt) => {
                         echo_logprobs(choice, &prompt, token.prompt_logprobs.take());
@@ -335,18 +341,22 @@ impl Generation {
 
     /// Token counts so far: each prompt once, every choice's generated tokens.
     pub(crate) fn usage(&self) -> Usage {
-        let mut prompts: Vec<(usize, usize)> = Vec::new();
+        // (prompt, its tokens, the fewest of them any of its choices read from cache)
+        let mut prompts: Vec<(usize, usize, usize)> = Vec::new();
         for c in &self.choices {
-            if !prompts.iter().any(|&(p, _)| p == c.prompt) {
-                prompts.push((c.prompt, c.prompt_tokens.unwrap_or(0)));
+            match prompts.iter_mut().find(|(p, _, _)| *p == c.prompt) {
+                Some(entry) => entry.2 = entry.2.min(c.cached_tokens),
+                None => prompts.push((c.prompt, c.prompt_tokens.unwrap_or(0), c.cached_tokens)),
             }
         }
-        let prompt_tokens = prompts.iter().map(|&(_, n)| n).sum();
+        let prompt_tokens = prompts.iter().map(|&(_, n, _)| n).sum();
+        let cached_tokens = prompts.iter().map(|&(_, _, c)| c).sum();
         let completion_tokens = self.choices.iter().map(|c| c.completion_tokens).sum();
         Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: CachedTokens { cached_tokens },
         }
     }
 }

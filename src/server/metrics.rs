@@ -60,6 +60,11 @@ pub const REQUESTS_REJECTED_TOTAL: &str = "llama_burn:requests_rejected_total";
 /// Prompts tokenized (on the tokenizer pool: each prompt of a request once, whatever
 /// `n`; none of a request whose client went away first).
 pub const PROMPTS_TOKENIZED_TOTAL: &str = "llama_burn:prompts_tokenized_total";
+/// Bytes held by stored responses (`/v1/responses` with `store`), at most
+/// `--response-store-bytes`.
+pub const RESPONSE_STORE_BYTES: &str = "llama_burn:response_store_bytes";
+/// Stored responses held.
+pub const RESPONSE_STORE_ENTRIES: &str = "llama_burn:response_store_entries";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -114,6 +119,12 @@ impl ServerMetrics {
         self.with(|| {
             metrics::describe_gauge!(NUM_REQUESTS_RUNNING, "Requests decoding or prefilling.");
             metrics::describe_gauge!(NUM_REQUESTS_WAITING, "Requests waiting for admission.");
+            metrics::describe_gauge!(
+                RESPONSE_STORE_BYTES,
+                metrics::Unit::Bytes,
+                "Bytes held by stored responses."
+            );
+            metrics::describe_gauge!(RESPONSE_STORE_ENTRIES, "Stored responses held.");
             metrics::describe_gauge!(
                 KV_CACHE_USAGE_PERC,
                 "Fraction of KV cache blocks in use (1 = full)."
@@ -245,6 +256,14 @@ impl ServerMetrics {
             if let Some(queue) = queue_time {
                 metrics::histogram!(REQUEST_QUEUE_TIME_SECONDS).record(queue.as_secs_f64());
             }
+        });
+    }
+
+    /// The response store holds `entries` responses in `bytes` bytes.
+    pub fn response_store(&self, bytes: usize, entries: usize) {
+        self.with(|| {
+            metrics::gauge!(RESPONSE_STORE_BYTES).set(bytes as f64);
+            metrics::gauge!(RESPONSE_STORE_ENTRIES).set(entries as f64);
         });
     }
 

@@ -852,6 +852,19 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// The sum of both.
     pub total_tokens: usize,
+    /// Of the prompt tokens, those read from the prefix cache.
+    #[serde(default)]
+    pub prompt_tokens_details: CachedTokens,
+}
+
+/// `prompt_tokens_details` (chat and text completions) and `input_tokens_details`
+/// (responses).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct CachedTokens {
+    /// Prompt tokens read from the engine's prefix cache instead of computed: whole
+    /// blocks of a prefix an earlier request computed (never the prompt's last token).
+    /// For a prompt with several choices (`n`), the fewest any of its choices read.
+    pub cached_tokens: usize,
 }
 
 /// Which endpoint a response is for.

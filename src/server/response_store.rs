@@ -91,7 +91,9 @@ impl ResponseStore {
     /// any tenant) to make room; one larger than the whole budget is not kept.
     /// Returns whether it was kept.
     pub(crate) fn insert(&self, tenant: &str, id: &str, stored: Stored) -> bool {
-        let bytes = stored.bytes();
+        // The key is held twice: in the map and in the eviction order.
+        let bytes = stored.bytes()
+            + 2 * (tenant.len() + id.len() + std::mem::size_of::<(String, String)>());
         if bytes > self.budget {
             return false;
         }
@@ -131,7 +133,16 @@ impl ResponseStore {
     /// Bytes held now.
     #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
-        self.inner.lock().map_or(0, |i| i.bytes)
+        self.usage().0
+    }
+
+    /// Bytes and responses held now (expired ones dropped first).
+    pub(crate) fn usage(&self) -> (usize, usize) {
+        let Ok(mut inner) = self.inner.lock() else {
+            return (0, 0);
+        };
+        inner.evict(Instant::now(), self.ttl, |_| true);
+        (inner.bytes, inner.entries.len())
     }
 }
 

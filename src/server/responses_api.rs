@@ -10,8 +10,7 @@
 //! and its conversation are kept for `GET /v1/responses/{id}` and
 //! `previous_response_id`, per tenant ([`super::response_store`]).
 //!
-//! Not yet: `usage.input_tokens_details.cached_tokens` (always 0); built-in tools and
-//! non-text input items are refused by name.
+//! Built-in tools and non-text input items are refused by name.
 
 use std::sync::Arc;
 
@@ -29,7 +28,7 @@ use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::generation::Update;
-use super::openai::{Endpoint, PromptInput};
+use super::openai::{CachedTokens, Endpoint, PromptInput};
 use super::response_store::Stored;
 use super::routes::{
     ClientRequestId, Envelope, Tenant, TenantOf, read_body, read_chat, start, with_tools,
@@ -574,13 +573,6 @@ pub struct ResponseUsage {
     pub total_tokens: usize,
 }
 
-/// `input_tokens_details`.
-#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
-pub struct CachedTokens {
-    /// Prompt tokens read from the prefix cache (not yet counted: 0).
-    pub cached_tokens: usize,
-}
-
 /// `output_tokens_details`.
 #[derive(Debug, Clone, Copy, Serialize, ToSchema)]
 pub struct ReasoningTokens {
@@ -685,7 +677,7 @@ impl Echo {
 fn response_usage(usage: super::openai::Usage) -> ResponseUsage {
     ResponseUsage {
         input_tokens: usage.prompt_tokens,
-        input_tokens_details: CachedTokens { cached_tokens: 0 },
+        input_tokens_details: usage.prompt_tokens_details,
         output_tokens: usage.completion_tokens,
         output_tokens_details: ReasoningTokens {
             reasoning_tokens: 0,

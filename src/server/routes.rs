@@ -226,6 +226,8 @@ pub(super) async fn metrics(State(shared): AppState, headers: HeaderMap) -> Resp
     shared
         .metrics
         .prompts_tokenized(shared.tokenizer.prompts_tokenized());
+    let (bytes, entries) = shared.responses.usage();
+    shared.metrics.response_store(bytes, entries);
     // Tenants are named only to whoever holds the metrics key: an open /metrics (the
     // default, for scrapers) would otherwise tell anyone who the API's customers are.
     let tenants = shared.config.metrics_key.is_some();

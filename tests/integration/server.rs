@@ -1735,3 +1735,112 @@ async fn stored_responses_are_the_tenants_own() {
     let (status, _) = call_as(&base, Method::GET, &path, "key-a", None).await;
     assert_eq!(status, 404);
 }
+
+/// `usage` counts the prompt tokens read from the prefix cache (whole, streamed with
+/// `n`, and a response continued with `previous_response_id`), and the response store
+/// holds no more than `--response-store-bytes` however many responses are stored: the
+/// oldest go, the newest stay.
+#[tokio::test]
+async fn cached_tokens_are_counted_and_the_response_store_keeps_its_budget() {
+    const BUDGET: usize = 16 * 1024;
+    const BLOCK: u64 = 16; // ContinuousConfig::default().block_size
+    let mut config = ServerConfig::new(MODEL);
+    config.response_store_bytes = BUDGET;
+    let server = Server::new(config).expect("server");
+    // An engine of its own: its prefix cache starts empty.
+    server.set_engine(engine(4, 16)).expect("engine");
+    let base = serve(&server);
+    let chat = format!("{base}/v1/chat/completions");
+    let body = chat_body(
+        "Tell me about the long history of the bicycle in Europe.",
+        2,
+    );
+    let (status, first) = post(&chat, body.clone()).await;
+    assert_eq!(status, 200, "{first}");
+    let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Every whole block of the prompt but the one holding its last token.
+    let expected = (prompt - 1) / BLOCK * BLOCK;
+    assert!(expected > 0, "the prompt is {prompt} tokens");
+    let (_, second) = post(&chat, body.clone()).await;
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"], expected,
+        "{second}"
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["n"] = json!(2);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (chunks, done) = stream(&chat, streamed).await;
+    assert!(done);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt, "{usage}");
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], expected);
+
+    let responses = format!("{base}/v1/responses");
+    let create = json!({"input": "Write a short poem about winter mornings in the hills.",
+                        "max_output_tokens": 3, "temperature": 0});
+    let (status, created) = post(&responses, create).await;
+    assert_eq!(status, 200, "{created}");
+    // The chat template's opening block is the earlier chat's.
+    let opening = created["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(opening < BLOCK * 2, "{created}");
+    let before = created["usage"]["input_tokens"].as_u64().unwrap();
+    let go_on = json!({"input": "Go on", "previous_response_id": created["id"],
+                       "max_output_tokens": 2, "temperature": 0});
+    let (status, continued) = post(&responses, go_on).await;
+    assert_eq!(status, 200, "{continued}");
+    let cached = continued["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    // At least the first prompt's whole blocks, never the whole new prompt.
+    assert!(
+        cached >= (before - 1) / BLOCK * BLOCK && cached > opening,
+        "{continued}"
+    );
+    assert!(cached < continued["usage"]["input_tokens"].as_u64().unwrap());
+    assert_eq!(cached % BLOCK, 0);
+
+    // Many stored responses: the store's bytes stay within the budget.
+    let store_usage = || async {
+        let text = client()
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        (
+            metric_value(&text, "llama_burn:response_store_bytes").unwrap(),
+            metric_value(&text, "llama_burn:response_store_entries").unwrap(),
+        )
+    };
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let input = format!("Request {i}: say something about the number {i}.");
+        let (status, answer) = post(
+            &responses,
+            json!({"input": input, "max_output_tokens": 1, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+        ids.push(answer["id"].as_str().unwrap().to_string());
+        let (bytes, _) = store_usage().await;
+        assert!(bytes <= BUDGET as f64, "{bytes} bytes after {i} responses");
+    }
+    let (bytes, entries) = store_usage().await;
+    assert!(
+        bytes > 0.0 && entries >= 2.0,
+        "{bytes} bytes, {entries} entries"
+    );
+    assert!(entries < 40.0, "the budget holds {entries} responses");
+    let get = |id: String| {
+        let url = format!("{base}/v1/responses/{id}");
+        async move { client().get(url).send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(get(ids[0].clone()).await, 404, "the oldest was evicted");
+    assert_eq!(get(ids[39].clone()).await, 200, "the newest is kept");
+}

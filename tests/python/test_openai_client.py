@@ -161,6 +161,10 @@ class OpenAIClientTest(unittest.TestCase):
         self.assertEqual("".join(pieces), answer)
         self.assertEqual(reasons, [whole.choices[0].finish_reason])
         self.assertEqual(usage.completion_tokens, whole.usage.completion_tokens)
+        # The same prompt again: its whole blocks (16 tokens each, never the last token)
+        # come from the prefix cache.
+        self.assertEqual(usage.prompt_tokens_details.cached_tokens,
+                         (usage.prompt_tokens - 1) // 16 * 16)
 
     def test_3_n_and_stop(self):
         messages = [{"role": "user", "content": "Say hello."}]
@@ -467,6 +471,8 @@ class OpenAIClientTest(unittest.TestCase):
         self.assertEqual(kinds[-1], "response.completed")
         self.assertEqual(final.status, "incomplete")
         self.assertIn("response.output_text.delta", kinds)
+        self.assertEqual(final.usage.input_tokens_details.cached_tokens,
+                         (final.usage.input_tokens - 1) // 16 * 16)
         got = self.client.responses.retrieve(whole.id)
         self.assertEqual((got.id, got.output_text), (whole.id, whole.output_text))
         self.client.responses.delete(whole.id)

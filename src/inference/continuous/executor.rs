@@ -945,6 +945,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             index,
             logprobs: active.state.take_logprobs(),
             prompt_logprobs: active.state.take_prompt_logprobs(),
+            cached_prompt_tokens: (index == 0).then_some(active.prefix_hit_tokens),
         });
         if !delivered {
             return Err(LlamaError::Cancelled);
