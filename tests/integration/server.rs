@@ -489,14 +489,7 @@ async fn models_health_and_metrics() {
         chat_body("Hi", 4),
     )
     .await;
-    let text = client()
-        .get(format!("{}/metrics", base()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(base()).await;
     for name in [
         "llama_burn:num_requests_running",
         "llama_burn:num_requests_waiting",
@@ -1246,6 +1239,18 @@ async fn echo_scores_the_prompt_like_llama_score() {
     );
 }
 
+/// The server's `/metrics` text (an open `/metrics`: no metrics key).
+async fn metrics_text(base: &str) -> String {
+    client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// The value of a metric line (the first whose name matches) in `/metrics` text.
 fn metric_value(text: &str, name: &str) -> Option<f64> {
     text.lines()
@@ -1260,14 +1265,7 @@ async fn each_prompt_is_tokenized_once_whatever_n() {
     // A server of its own, so that its tokenizer pool's counter is this test's.
     let (url, _server) = front(ServerConfig::new(MODEL));
     let tokenized = || async {
-        let text = client()
-            .get(format!("{url}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = metrics_text(&url).await;
         metric_value(&text, "llama_burn:prompts_tokenized_total").unwrap_or(0.0)
     };
     assert_eq!(tokenized().await, 0.0);
@@ -1805,14 +1803,7 @@ async fn cached_tokens_are_counted_and_the_response_store_keeps_its_budget() {
 
     // Many stored responses: the store's bytes stay within the budget.
     let store_usage = || async {
-        let text = client()
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = metrics_text(&base).await;
         (
             metric_value(&text, "llama_burn:response_store_bytes").unwrap(),
             metric_value(&text, "llama_burn:response_store_entries").unwrap(),
