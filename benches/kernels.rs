@@ -191,6 +191,66 @@ fn roof(c: &mut Criterion) {
             });
         }
     }
+    if SimdPath::active() == SimdPath::Avx2 {
+        #[target_feature(enable = "avx2,fma")]
+        fn fma_chains(seed: f32) -> f32 {
+            let mut acc = [_mm256_set1_ps(seed); 12];
+            let (a, b) = (_mm256_set1_ps(0.999), _mm256_set1_ps(1e-3));
+            for _ in 0..STEPS {
+                for v in acc.iter_mut() {
+                    *v = _mm256_fmadd_ps(*v, a, b);
+                }
+            }
+            let mut out = [0f32; 8];
+            let sum = acc
+                .iter()
+                .fold(_mm256_setzero_ps(), |s, v| _mm256_add_ps(s, *v));
+            // SAFETY: `out` holds eight floats.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sum) };
+            out.iter().sum()
+        }
+        // 12 chains x 8 lanes per step.
+        group.throughput(Throughput::Elements((threads * STEPS * 12 * 8) as u64));
+        group.bench_function("f32_fma_multiply_adds", |b| {
+            b.iter(|| {
+                (0..threads)
+                    .into_par_iter()
+                    // SAFETY: the active path is AVX2, which this CPU has (with FMA).
+                    .map(|t| unsafe { fma_chains(t as f32) })
+                    .sum::<f32>()
+            })
+        });
+        // AVX2 has no byte dot product into 32 bits: `vpmaddubsw` is its only instruction
+        // that multiplies bytes (32 byte products, summed in pairs into 16 bits). Its
+        // rate is the int8 roof; a full dot product also spends `vpmaddwd` and `vpaddd`
+        // (or, for small enough values, `vpaddw`) on widening and adding the pairs.
+        #[target_feature(enable = "avx2")]
+        fn maddubs_chains(seed: i32) -> i32 {
+            let mut acc = [_mm256_set1_epi32(seed); 12];
+            let b = _mm256_set1_epi8(1);
+            for _ in 0..STEPS {
+                for v in acc.iter_mut() {
+                    // Small values: the pairs never saturate, the chain stays a chain.
+                    *v = _mm256_maddubs_epi16(*v, b);
+                }
+            }
+            let sum = acc
+                .iter()
+                .fold(_mm256_setzero_si256(), |s, v| _mm256_add_epi16(s, *v));
+            _mm256_extract_epi32::<0>(sum)
+        }
+        // 12 chains x 32 byte products per step.
+        group.throughput(Throughput::Elements((threads * STEPS * 12 * 32) as u64));
+        group.bench_function("int8_dot_multiply_adds", |b| {
+            b.iter(|| {
+                (0..threads)
+                    .into_par_iter()
+                    // SAFETY: the active path is AVX2, which this CPU has.
+                    .map(|t| unsafe { maddubs_chains(t as i32) })
+                    .sum::<i32>()
+            })
+        });
+    }
     let data = vec![1u64; (1 << 30) / 8];
     group.throughput(Throughput::Bytes((data.len() * 8) as u64));
     group.bench_function("read_bytes", |b| {

@@ -71,11 +71,47 @@ pub(crate) mod tests {
         seed: u64,
     ) -> QuantMatrix {
         let mut rng = StdRng::seed_from_u64(seed);
+        matrix_of(
+            format,
+            rows,
+            cols,
+            &mut rng,
+            |data, rng| rng.fill(data),
+            |rng| half::f16::from_f32(rng.random_range(-0.05f32..0.05)).to_le_bytes(),
+        )
+    }
+
+    /// Every byte `byte` but the f16 scales (and minimums), which are 0.01: with 0xFF
+    /// every value is its format's largest (0x80 for Q8_0's most negative), the products'
+    /// worst case for sums kept in narrow integers.
+    pub(crate) fn saturated_matrix(
+        format: QuantFormat,
+        rows: usize,
+        cols: usize,
+        byte: u8,
+    ) -> QuantMatrix {
+        matrix_of(
+            format,
+            rows,
+            cols,
+            &mut StdRng::seed_from_u64(0),
+            |data, _| data.fill(byte),
+            |_| half::f16::from_f32(0.01).to_le_bytes(),
+        )
+    }
+
+    /// Blocks of `fill`'s bytes with each f16 scale (and minimum) from `scale`.
+    fn matrix_of(
+        format: QuantFormat,
+        rows: usize,
+        cols: usize,
+        rng: &mut StdRng,
+        fill: impl FnOnce(&mut [u8], &mut StdRng),
+        scale: impl Fn(&mut StdRng) -> [u8; 2],
+    ) -> QuantMatrix {
         let blocks = rows * cols / format.block_values();
         let mut data = vec![0u8; blocks * format.block_bytes()];
-        rng.fill(&mut data[..]);
-        let f16 =
-            |rng: &mut StdRng| half::f16::from_f32(rng.random_range(-0.05f32..0.05)).to_le_bytes();
+        fill(&mut data[..], rng);
         for block in data.chunks_exact_mut(format.block_bytes()) {
             // Where each format keeps its f16 scales (and minimum).
             let at: &[usize] = match format {
@@ -87,7 +123,7 @@ pub(crate) mod tests {
                 QuantFormat::Q3_K => &[108],
             };
             for &i in at {
-                block[i..i + 2].copy_from_slice(&f16(&mut rng));
+                block[i..i + 2].copy_from_slice(&scale(rng));
             }
         }
         QuantMatrix::new(format, rows, cols, data).unwrap()

@@ -334,7 +334,7 @@ fn plain_tile(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::tests::random_matrix;
+    use crate::kernels::tests::{random_matrix, saturated_matrix};
     use rand::{Rng, SeedableRng, rngs::StdRng};
 
     fn paths() -> Vec<SimdPath> {
@@ -358,6 +358,13 @@ mod tests {
                 for (blk, b) in bytes.chunks_exact(format.block_bytes()).enumerate() {
                     (format.spec().int_decode)(b, &mut subs);
                     for (i, sub) in subs.iter().take(bv / QK).enumerate() {
+                        // AVX2's `dot4` takes values below 64 (its pairs of byte
+                        // products saturate at 32767); Q8_0 is multiplied signed there.
+                        let top = sub.u.iter().max().copied().unwrap_or(0);
+                        assert!(
+                            format == QuantFormat::Q8_0 || top < 64,
+                            "{format:?}: u = {top}"
+                        );
                         for k in 0..QK {
                             let v = sub.d
                                 * (sub.sc[k / 16] * (i32::from(sub.u[k]) - f.offset)) as f32
@@ -439,6 +446,50 @@ mod tests {
                                 got[r * n_out + j].to_bits(),
                                 want.to_bits(),
                                 "{format:?} {path:?} rows {rows} ({r}, {j})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_largest_values_sum_exactly_on_every_path() {
+        // Every weight at its format's largest value (0xFF bytes; Q8_0 also at -128)
+        // against activations at +-127 throughout: the sums that AVX2 keeps in 16 bits
+        // at their worst case, which would wrap or saturate if a bound were wrong.
+        for format in QuantFormat::ALL {
+            let bytes: &[u8] = if format == QuantFormat::Q8_0 {
+                &[0xFF, 0x80, 0x7F]
+            } else {
+                &[0xFF]
+            };
+            for &byte in bytes {
+                let (n_out, n_in) = (32, 512);
+                let w = saturated_matrix(format, n_out, n_in, byte);
+                let mut x = vec![1.0f32; n_in];
+                x.extend(vec![-1.0f32; n_in]);
+                // Blocks of either sign (two positive to one negative: a nonzero result).
+                x.extend((0..n_in).map(|i| if i % 96 < 64 { 1.0 } else { -1.0 }));
+                for path in paths() {
+                    let got = matmul_transposed_int8_on(path, &x, 3, &w).unwrap();
+                    for r in 0..3 {
+                        // One row alone takes other tiles than three together.
+                        let alone =
+                            matmul_transposed_int8_on(path, &x[r * n_in..][..n_in], 1, &w).unwrap();
+                        assert_eq!(alone, got[r * n_out..][..n_out], "{format:?} {path:?}");
+                        let want = int8_reference(
+                            format,
+                            &w.row_ggml_bytes(0).unwrap(),
+                            &x[r * n_in..(r + 1) * n_in],
+                        );
+                        assert!(want.is_finite() && want != 0.0, "{format:?} {want}");
+                        for j in 0..n_out {
+                            assert_eq!(
+                                got[r * n_out + j].to_bits(),
+                                want.to_bits(),
+                                "{format:?} byte {byte:#x} {path:?} ({r}, {j})"
                             );
                         }
                     }
