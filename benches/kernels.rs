@@ -131,10 +131,32 @@ fn benches(c: &mut Criterion) {
     }
 }
 
+/// Benchmarks `chains(t)` run on every thread `t` of rayon's pool at once, each doing
+/// `per_thread` operations (the throughput is their total); the results are kept, so the
+/// chains cannot be optimized away.
+#[cfg(target_arch = "x86_64")]
+fn on_every_thread<R: Send>(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    per_thread: usize,
+    chains: impl Fn(usize) -> R + Sync,
+) {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads();
+    group.throughput(Throughput::Elements((threads * per_thread) as u64));
+    group.bench_function(name, |b| {
+        b.iter(|| {
+            (0..threads)
+                .into_par_iter()
+                .for_each(|t| drop(std::hint::black_box(chains(t))))
+        })
+    });
+}
+
 /// The machine's roof, on every core at once (rayon): f32 fused multiply-adds and 8-bit
-/// integer dot products (`vpdpbusd`, 4 multiply-adds per lane) from registers, in
-/// independent chains, and a plain read of 1 GiB. Each kernel's figure is then a
-/// fraction of these (docs/src/cpu-kernels.md).
+/// integer dot products (`vpdpbusd`, 4 multiply-adds per lane; on AVX2 `vpmaddubsw`) from
+/// registers, in independent chains, and a plain read of 1 GiB. Each kernel's figure is
+/// then a fraction of these (docs/src/cpu-kernels.md).
 #[cfg(target_arch = "x86_64")]
 fn roof(c: &mut Criterion) {
     use rayon::prelude::*;
@@ -156,15 +178,9 @@ fn roof(c: &mut Criterion) {
             acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
         }
         // 12 chains x 16 lanes per step.
-        group.throughput(Throughput::Elements((threads * STEPS * 12 * 16) as u64));
-        group.bench_function("f32_fma_multiply_adds", |b| {
-            b.iter(|| {
-                (0..threads)
-                    .into_par_iter()
-                    // SAFETY: the active path is AVX-512, which this CPU has (with FMA).
-                    .map(|t| unsafe { fma_chains(t as f32) })
-                    .sum::<f32>()
-            })
+        on_every_thread(&mut group, "f32_fma_multiply_adds", STEPS * 12 * 16, |t| {
+            // SAFETY: the active path is AVX-512, which this CPU has (with FMA).
+            unsafe { fma_chains(t as f32) }
         });
         if std::arch::is_x86_feature_detected!("avx512vnni") {
             #[target_feature(enable = "avx512f,avx512vnni")]
@@ -179,15 +195,9 @@ fn roof(c: &mut Criterion) {
                 acc.iter().map(|v| _mm512_reduce_add_epi32(*v)).sum()
             }
             // 12 chains x 16 lanes x 4 byte products per step.
-            group.throughput(Throughput::Elements((threads * STEPS * 12 * 64) as u64));
-            group.bench_function("int8_dot_multiply_adds", |b| {
-                b.iter(|| {
-                    (0..threads)
-                        .into_par_iter()
-                        // SAFETY: the CPU has AVX-512 VNNI (checked above).
-                        .map(|t| unsafe { dot_chains(t as i32) })
-                        .sum::<i32>()
-                })
+            on_every_thread(&mut group, "int8_dot_multiply_adds", STEPS * 12 * 64, |t| {
+                // SAFETY: the CPU has AVX-512 VNNI (checked above).
+                unsafe { dot_chains(t as i32) }
             });
         }
     }
@@ -210,15 +220,9 @@ fn roof(c: &mut Criterion) {
             out.iter().sum()
         }
         // 12 chains x 8 lanes per step.
-        group.throughput(Throughput::Elements((threads * STEPS * 12 * 8) as u64));
-        group.bench_function("f32_fma_multiply_adds", |b| {
-            b.iter(|| {
-                (0..threads)
-                    .into_par_iter()
-                    // SAFETY: the active path is AVX2, which this CPU has (with FMA).
-                    .map(|t| unsafe { fma_chains(t as f32) })
-                    .sum::<f32>()
-            })
+        on_every_thread(&mut group, "f32_fma_multiply_adds", STEPS * 12 * 8, |t| {
+            // SAFETY: the active path is AVX2, which this CPU has (with FMA).
+            unsafe { fma_chains(t as f32) }
         });
         // AVX2 has no byte dot product into 32 bits: `vpmaddubsw` is its only instruction
         // that multiplies bytes (32 byte products, summed in pairs into 16 bits). Its
@@ -240,15 +244,9 @@ fn roof(c: &mut Criterion) {
             _mm256_extract_epi32::<0>(sum)
         }
         // 12 chains x 32 byte products per step.
-        group.throughput(Throughput::Elements((threads * STEPS * 12 * 32) as u64));
-        group.bench_function("int8_dot_multiply_adds", |b| {
-            b.iter(|| {
-                (0..threads)
-                    .into_par_iter()
-                    // SAFETY: the active path is AVX2, which this CPU has.
-                    .map(|t| unsafe { maddubs_chains(t as i32) })
-                    .sum::<i32>()
-            })
+        on_every_thread(&mut group, "int8_dot_multiply_adds", STEPS * 12 * 32, |t| {
+            // SAFETY: the active path is AVX2, which this CPU has.
+            unsafe { maddubs_chains(t as i32) }
         });
     }
     let data = vec![1u64; (1 << 30) / 8];
