@@ -31,6 +31,9 @@ pub(crate) struct IntForm {
     pub(crate) scales: IntScales,
     /// Whether the format has a minimum (`m`).
     pub(crate) mins: bool,
+    /// The largest value `u` takes (15 for the 4-bit formats, 63 for Q6_K): AVX2's
+    /// kernels add byte products in 16 bits while this bound says they cannot overflow.
+    pub(crate) max: i32,
     /// Sub-blocks in a run that shares one activation scale and whose scaled integer
     /// sums are added exactly before one float step: 8 (a super-block of 256 values)
     /// for the K-quants, whose activations are quantized per 256 values as ggml's

@@ -52,8 +52,9 @@ pub(crate) struct Spec {
     pub(crate) head_bytes: usize,
     /// Whether the `exact` precision's SIMD kernels decode the format in registers.
     pub(crate) exact_simd: bool,
-    /// The format's integer form (the `fast` precision), without its run.
-    pub(crate) int: (i32, IntScales, bool),
+    /// The format's integer form (the `fast` precision), without its run: offset,
+    /// scales, minimum, largest unsigned value.
+    pub(crate) int: (i32, IntScales, bool, i32),
     /// The GPU product kernel's code for the format (`gpu/kernels.rs`).
     #[cfg_attr(not(feature = "cubecl-kernels"), allow(dead_code))]
     pub(crate) gpu_code: u32,
@@ -73,7 +74,7 @@ macro_rules! quant_formats {
         $variant:ident {
             head: $head:expr,
             exact_simd: $simd:expr,
-            int: ($offset:expr, $scales:ident, $mins:expr),
+            int: ($offset:expr, $scales:ident, $mins:expr, $max:expr),
             gpu: $gpu:expr,
             dequantize: $deq:path,
             quantize: $quant:path,
@@ -116,7 +117,7 @@ macro_rules! quant_formats {
                     $(Self::$variant => Spec {
                         head_bytes: $head,
                         exact_simd: $simd,
-                        int: ($offset, IntScales::$scales, $mins),
+                        int: ($offset, IntScales::$scales, $mins, $max),
                         gpu_code: $gpu,
                         dequantize: $deq,
                         quantize: $quant,
@@ -148,47 +149,47 @@ macro_rules! quant_formats {
 quant_formats! { $
     /// 32 values: an f16 scale and 32 signed bytes.
     Q8_0 {
-        head: 2, exact_simd: true, int: (128, One, false), gpu: 0,
+        head: 2, exact_simd: true, int: (128, One, false, 255), gpu: 0,
         dequantize: dequant::q8_0, quantize: quantize::q8_0, int_decode: int_form::q8_0,
     }
     /// 32 values: an f16 scale and 32 nibbles offset by 8.
     Q4_0 {
-        head: 2, exact_simd: true, int: (8, One, false), gpu: 1,
+        head: 2, exact_simd: true, int: (8, One, false, 15), gpu: 1,
         dequantize: dequant::q4_0, quantize: quantize::q4_0, int_decode: int_form::q4_0,
     }
     /// 32 values: an f16 scale, an f16 minimum and 32 nibbles.
     Q4_1 {
-        head: 4, exact_simd: true, int: (0, One, true), gpu: 2,
+        head: 4, exact_simd: true, int: (0, One, true, 15), gpu: 2,
         dequantize: dequant::q4_1, quantize: quantize::q4_1, int_decode: int_form::q4_1,
     }
     /// 256 values: f16 scale and minimum, eight 6-bit sub-scales and minimums, nibbles.
     Q4_K {
-        head: 0, exact_simd: true, int: (0, PerBlock, true), gpu: 3,
+        head: 0, exact_simd: true, int: (0, PerBlock, true, 15), gpu: 3,
         dequantize: dequant::q4_k, quantize: kquant::q4_k, int_decode: int_form::q4_k,
     }
     /// 256 values: 6-bit values, sixteen 8-bit sub-scales and an f16 scale.
     Q6_K {
-        head: 0, exact_simd: true, int: (32, PerHalf, false), gpu: 4,
+        head: 0, exact_simd: true, int: (32, PerHalf, false, 63), gpu: 4,
         dequantize: dequant::q6_k, quantize: kquant::q6_k, int_decode: int_form::q6_k,
     }
     /// 32 values: an f16 scale, 32 fifth bits and 32 nibbles offset by 16.
     Q5_0 {
-        head: 0, exact_simd: false, int: (16, One, false), gpu: 6,
+        head: 0, exact_simd: false, int: (16, One, false, 31), gpu: 6,
         dequantize: dequant::q5_0, quantize: quantize::q5_0, int_decode: int_form::q5_0,
     }
     /// 32 values: an f16 scale, an f16 minimum, 32 fifth bits and 32 nibbles.
     Q5_1 {
-        head: 0, exact_simd: false, int: (0, One, true), gpu: 7,
+        head: 0, exact_simd: false, int: (0, One, true, 31), gpu: 7,
         dequantize: dequant::q5_1, quantize: quantize::q5_1, int_decode: int_form::q5_1,
     }
     /// 256 values: 2-bit values with a high-bit mask, sixteen 6-bit sub-scales, f16 scale.
     Q3_K {
-        head: 0, exact_simd: false, int: (4, PerHalf, false), gpu: 8,
+        head: 0, exact_simd: false, int: (4, PerHalf, false, 7), gpu: 8,
         dequantize: dequant::q3_k, quantize: kquant::q3_k, int_decode: int_form::q3_k,
     }
     /// 256 values: as [`Q4_K`](Self::Q4_K) with a fifth bit per value.
     Q5_K {
-        head: 0, exact_simd: false, int: (0, PerBlock, true), gpu: 5,
+        head: 0, exact_simd: false, int: (0, PerBlock, true, 31), gpu: 5,
         dequantize: dequant::q5_k, quantize: kquant::q5_k, int_decode: int_form::q5_k,
     }
 }
@@ -234,11 +235,12 @@ impl QuantFormat {
 
     /// The format's integer form for the `fast` precision's kernels.
     pub(crate) const fn int_form(self) -> IntForm {
-        let (offset, scales, mins) = self.spec().int;
+        let (offset, scales, mins, max) = self.spec().int;
         IntForm {
             offset,
             scales,
             mins,
+            max,
             run: self.block_values() / QK,
         }
     }

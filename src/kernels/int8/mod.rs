@@ -72,6 +72,26 @@ const ROW_TILE: usize = 8;
 /// Activation rows per tile of the in-register group kernels (`x86.rs`).
 const GROUP_TILE: usize = 8;
 
+/// Activation rows per tile of the AVX2 panel kernel (`x86.rs`): each holds 16-bit and
+/// 32-bit sums for sixteen lanes in registers, of which AVX2 has sixteen. Two and three
+/// measured best on a Zen 3 machine (one and four a quarter slower).
+#[cfg(target_arch = "x86_64")]
+const AVX2_TILE: usize = 3;
+
+/// Sub-blocks per pass of the AVX2 panel kernel over a panel: about 12 KiB of it, which
+/// stays in the first-level cache while every row's tile reads it.
+#[cfg(target_arch = "x86_64")]
+const AVX2_PASS: usize = 16;
+
+/// One activation row's partial results against a panel's sixteen rows, carried between
+/// the AVX2 panel kernel's passes: the float sums and the current run's integer sums.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct RowSums {
+    acc: [f32; LANES],
+    iacc: [i32; LANES],
+}
+
 /// Sixteen weight rows in their integer form, sub-block by sub-block: `u[(s * 8 + t) *
 /// 16 + lane]` holds values `4t .. 4t + 4` of sub-block `s` of row `lane` as one little-
 /// endian word; `sc`, `d` and `m` hold each lane's scales (`sc` per half).
@@ -165,6 +185,8 @@ pub fn matmul_transposed_int8_on(
     let vnni = path.has_vnni();
     let in_registers = vnni;
     let avx2_registers = !vnni && path.has_avx2_integer();
+    // More rows than a group tile: decoded once into the panel, reused for every row.
+    let avx2_panel = avx2_registers && rows > GROUP_TILE;
     super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
         let (start, end) = (
             bounds[chunk] * LANES,
@@ -174,9 +196,11 @@ pub fn matmul_transposed_int8_on(
             for first in (start..end).step_by(LANES) {
                 let n = LANES.min(end - first);
                 #[cfg(target_arch = "x86_64")]
-                if n == LANES && ((in_registers && rows <= GROUP_TILE) || avx2_registers) {
-                    // Each group decoded in registers and multiplied at once: with VNNI
-                    // for few rows, on AVX2 (no 16-lane panel kernel) for every tile.
+                if n == LANES
+                    && ((in_registers && rows <= GROUP_TILE) || (avx2_registers && !avx2_panel))
+                {
+                    // Each group decoded in registers and multiplied at once, for few
+                    // rows.
                     for g in [first, first + GROUP_ROWS] {
                         let group = w.group(g).0;
                         for r in (0..rows).step_by(GROUP_TILE) {
@@ -217,6 +241,45 @@ pub fn matmul_transposed_int8_on(
                     continue;
                 }
                 #[cfg(target_arch = "x86_64")]
+                if avx2_panel {
+                    if n == LANES {
+                        // SAFETY: `avx2_panel` says this CPU has AVX2, FMA and F16C;
+                        // `first` starts two full groups.
+                        unsafe { panel.fill_in_registers_avx2(w, first) };
+                    } else {
+                        panel.fill(w, first, n);
+                    }
+                    SUMS.with_borrow_mut(|sums| {
+                        sums.clear();
+                        sums.resize(rows, RowSums::default());
+                        let subs = w.cols() / QK;
+                        for s0 in (0..subs).step_by(AVX2_PASS) {
+                            let pass = s0..(s0 + AVX2_PASS).min(subs);
+                            for (t, tile) in sums.chunks_mut(AVX2_TILE).enumerate() {
+                                // SAFETY: as above; the panel and the rows come from `w`,
+                                // rows `t * AVX2_TILE ..` + `tile.len()` exist and the
+                                // pass lies within their sub-blocks.
+                                unsafe {
+                                    x86::avx2_panel_tile(
+                                        panel,
+                                        w.format(),
+                                        &acts,
+                                        t * AVX2_TILE,
+                                        pass.clone(),
+                                        tile,
+                                    )
+                                };
+                            }
+                        }
+                        for (r, row) in sums.iter().enumerate() {
+                            // SAFETY: row `r < rows`; columns `first .. first + n` lie in
+                            // this chunk's `start..end`, which no other chunk writes.
+                            unsafe { target.write(r, first, &row.acc[..n]) };
+                        }
+                    });
+                    continue;
+                }
+                #[cfg(target_arch = "x86_64")]
                 if in_registers && n == LANES {
                     // More rows: decoded once into the panel, reused for every row.
                     // SAFETY: as above; `first` starts two full groups.
@@ -247,6 +310,9 @@ pub fn matmul_transposed_int8_on(
 thread_local! {
     /// Each worker thread's panel, kept between calls.
     static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
+    /// Each worker thread's partial results of the AVX2 panel kernel, kept between calls.
+    #[cfg(target_arch = "x86_64")]
+    static SUMS: std::cell::RefCell<Vec<RowSums>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Results of activation rows `r0 .. r0 + tile` against the panel's sixteen rows.
@@ -358,9 +424,11 @@ mod tests {
                 for (blk, b) in bytes.chunks_exact(format.block_bytes()).enumerate() {
                     (format.spec().int_decode)(b, &mut subs);
                     for (i, sub) in subs.iter().take(bv / QK).enumerate() {
-                        // AVX2's `dot4` takes values below 64 (its pairs of byte
-                        // products saturate at 32767); Q8_0 is multiplied signed there.
+                        // The table's bound, which AVX2's 16-bit sums rely on; and
+                        // `dot4` takes values below 64 (its pairs of byte products
+                        // saturate at 32767): Q8_0 is multiplied signed there.
                         let top = sub.u.iter().max().copied().unwrap_or(0);
+                        assert!(i32::from(top) <= f.max, "{format:?}: u = {top}");
                         assert!(
                             format == QuantFormat::Q8_0 || top < 64,
                             "{format:?}: u = {top}"
@@ -429,7 +497,7 @@ mod tests {
             let (n_out, n_in) = (37, 512);
             let w = random_matrix(format, n_out, n_in, 17);
             let mut rng = StdRng::seed_from_u64(4);
-            for rows in [1, 3, 4, 5, 9] {
+            for rows in [1, 3, 4, 5, 9, 10, 11] {
                 let x: Vec<f32> = (0..rows * n_in)
                     .map(|_| rng.random_range(-1.0f32..1.0))
                     .collect();
@@ -472,13 +540,21 @@ mod tests {
                 x.extend(vec![-1.0f32; n_in]);
                 // Blocks of either sign (two positive to one negative: a nonzero result).
                 x.extend((0..n_in).map(|i| if i % 96 < 64 { 1.0 } else { -1.0 }));
+                // Three rows, and the three four times over: a batch of more rows than
+                // a group tile takes the panel kernels.
+                let many = x.repeat(4);
                 for path in paths() {
                     let got = matmul_transposed_int8_on(path, &x, 3, &w).unwrap();
+                    let batch = matmul_transposed_int8_on(path, &many, 12, &w).unwrap();
                     for r in 0..3 {
                         // One row alone takes other tiles than three together.
                         let alone =
                             matmul_transposed_int8_on(path, &x[r * n_in..][..n_in], 1, &w).unwrap();
                         assert_eq!(alone, got[r * n_out..][..n_out], "{format:?} {path:?}");
+                        for k in 0..4 {
+                            let row = &batch[(3 * k + r) * n_out..][..n_out];
+                            assert_eq!(alone, row, "{format:?} {path:?} batch row {}", 3 * k + r);
+                        }
                         let want = int8_reference(
                             format,
                             &w.row_ggml_bytes(0).unwrap(),

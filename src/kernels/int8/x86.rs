@@ -20,6 +20,7 @@ const fn same_form(id: u8) -> u8 {
             && g.scales as u8 == f.scales as u8
             && g.mins == f.mins
             && g.run == f.run
+            && g.max == f.max
         {
             return i;
         }
@@ -295,8 +296,8 @@ const fn decoder_of(format: QuantFormat) -> Decoder {
 
 impl Panel {
     /// [`fill`](Self::fill) for sixteen rows of a format [`registers_decode`] takes,
-    /// decoded in registers and stored (lanes 0-7 from the first group, 8-15 from the
-    /// second): the same values.
+    /// decoded in registers with AVX-512 and stored (lanes 0-7 from the first group, 8-15
+    /// from the second): the same values.
     ///
     /// # Safety
     ///
@@ -304,6 +305,28 @@ impl Panel {
     /// `w`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
     pub(super) unsafe fn fill_in_registers(&mut self, w: &QuantMatrix, first: usize) {
+        // SAFETY: forwarded.
+        unsafe { self.fill_with::<Vnni>(w, first) }
+    }
+
+    /// [`fill_in_registers`](Self::fill_in_registers) with AVX2's instructions.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2, FMA and F16C; `first` starts two full groups of `w`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fill_in_registers_avx2(&mut self, w: &QuantMatrix, first: usize) {
+        // SAFETY: forwarded.
+        unsafe { self.fill_with::<Avx2>(w, first) }
+    }
+
+    /// The panel of rows `first .. first + 16`, decoded with `I`'s instructions.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has `I`'s features; `first` starts two full groups of `w`.
+    #[inline(always)]
+    unsafe fn fill_with<I: Isa>(&mut self, w: &QuantMatrix, first: usize) {
         let subs = w.cols() / QK;
         self.u.resize(subs * 8 * LANES, 0);
         self.sc.resize(subs * 2 * LANES, 0);
@@ -321,9 +344,7 @@ impl Panel {
             };
             // SAFETY: the caller's contract; every store is inside the vectors sized
             // above (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`).
-            unsafe {
-                with_format!(w.format(), F => decode_group::<Vnni, F>(group, subs, &mut sink))
-            };
+            unsafe { with_format!(w.format(), F => decode_group::<I, F>(group, subs, &mut sink)) };
         }
     }
 }
@@ -1052,5 +1073,242 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
     for (o, a) in out.iter_mut().zip(acc) {
         // SAFETY: `o` holds 16 floats.
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+    }
+}
+
+/// Words (four values) of a sub-block whose `vpmaddubsw` results AVX2 can add in 16
+/// bits without overflow: each word adds at most `2 * max * 127` to a 16-bit lane
+/// (the activations are at most 127 in magnitude), so eight words for the 4-bit
+/// formats, four for the 5-bit ones, two for Q6_K, and one for Q8_0, whose signed form
+/// (`|q| <= 128`) is multiplied.
+const fn words_per_i16(f: IntForm) -> usize {
+    let max = if f.offset == 128 { 128 } else { f.max };
+    let n = 32767 / (2 * max * 127);
+    if n < 1 {
+        1
+    } else if n > 8 {
+        8
+    } else {
+        n as usize
+    }
+}
+
+/// Each 32-bit lane's low 16 bits of `lo` and of `hi`, as the lane's low and high 16-bit
+/// halves (for `vpmaddwd`; the values fit in 16 bits).
+///
+/// # Safety
+///
+/// The CPU has AVX2.
+#[inline(always)]
+unsafe fn pair16(
+    lo: std::arch::x86_64::__m256i,
+    hi: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract. Blend 0xAA takes each lane's high 16-bit word from
+    // the second operand.
+    unsafe { _mm256_blend_epi16::<0xAA>(lo, _mm256_slli_epi32::<16>(hi)) }
+}
+
+/// Evaluates `$call` with the constant `$t` equal to `$tile` (1 to [`AVX2_TILE`]): the
+/// AVX2 panel kernel's row counts, as [`with_tile`]'s.
+macro_rules! with_avx2_tile {
+    ($tile:expr, $t:ident => $call:expr) => {{
+        const { assert!(super::AVX2_TILE == 3) };
+        debug_assert!((1..=super::AVX2_TILE).contains(&$tile));
+        match $tile {
+            1 => {
+                const $t: usize = 1;
+                $call
+            }
+            2 => {
+                const $t: usize = 2;
+                $call
+            }
+            _ => {
+                const $t: usize = 3;
+                $call
+            }
+        }
+    }};
+}
+
+/// The AVX2 kernel of a decoded panel: activation rows `r0 .. r0 + sums.len()` (at most
+/// [`AVX2_TILE`](super::AVX2_TILE)) against the panel's sixteen rows over sub-blocks
+/// `subs`, carrying each row's sums from and into `sums` (so that a pass over a range of
+/// sub-blocks keeps its part of the panel in the first-level cache).
+///
+/// Per word of four values and pair of 8-lane halves, one load of the panel serves
+/// every row of the tile; `vpmaddubsw`'s 16-bit pair sums are added in 16 bits for as
+/// many words as [`words_per_i16`] allows, then widened by one `vpmaddwd` that also
+/// applies the integer scale; the offset's correction, `offset * (sc0 * lo + sc1 *
+/// hi)`, is one more `vpmaddwd` per row and half with the panel's scales. Every step is
+/// exact in its width: the integer sums, and then the float steps in sub-block order,
+/// are the module's, so the bits are the other paths'.
+///
+/// # Safety
+///
+/// The CPU has AVX2, FMA and F16C; the panel and rows come from one matrix; rows `r0 ..
+/// r0 + sums.len()` exist and `subs` lies within the row's sub-blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn avx2_panel_tile(
+    panel: &Panel,
+    format: QuantFormat,
+    acts: &QuantizedRows,
+    r0: usize,
+    subs: std::ops::Range<usize>,
+    sums: &mut [super::RowSums],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        with_format!(format, F => with_avx2_tile!(sums.len(), T => avx2_panel_rows::<T, { same_form(F) }>(panel, acts, r0, subs, sums)))
+    }
+}
+
+/// [`avx2_panel_tile`] for `T` rows of the format whose id is `F`.
+///
+/// # Safety
+///
+/// As [`avx2_panel_tile`], with `sums.len() == T`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(never)]
+unsafe fn avx2_panel_rows<const T: usize, const F: u8>(
+    panel: &Panel,
+    acts: &QuantizedRows,
+    r0: usize,
+    subs: std::ops::Range<usize>,
+    sums: &mut [super::RowSums],
+) {
+    use std::arch::x86_64::*;
+    let f = const { format_at(F).int_form() };
+    // Q8_0: multiplied signed (`|q| * sign(x, q)`), no offset to take back.
+    let signed = const { format_at(F).int_form().offset == 128 };
+    let n = const { words_per_i16(format_at(F).int_form()) };
+    let per_half = const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) };
+    let offset = if signed { 0 } else { f.offset };
+    let total = acts.blocks();
+    debug_assert!(sums.len() == T && subs.end <= total);
+    debug_assert!(acts.q.len() >= (r0 + T) * acts.n_in && acts.d.len() >= (r0 + T) * total);
+    let (up, scp) = (panel.u.as_ptr(), panel.sc.as_ptr());
+    let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
+    let xq = acts.q.as_ptr();
+    let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
+    // SAFETY (every access): `sums` holds `T` rows of 16 lanes; the panel holds every
+    // sub-block of `subs` for 16 lanes (`u`: 8 words, `sc`: 2 scales, `d`, `m`); rows
+    // `r0 .. r0 + T` of the activations hold every block of `subs`; AVX2, FMA and F16C
+    // (this function's features).
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 2]; T];
+        let mut iacc = [[_mm256_setzero_si256(); 2]; T];
+        for (i, row) in sums.iter().enumerate().take(T) {
+            for l in 0..2 {
+                acc[i][l] = _mm256_loadu_ps(row.acc.as_ptr().add(8 * l));
+                iacc[i][l] = _mm256_loadu_si256(row.iacc.as_ptr().add(8 * l).cast());
+            }
+        }
+        let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
+        for s in subs {
+            // Per half of the lanes: the integer scales as 16-bit pairs for the words of
+            // the first and the second half of the sub-block, and the offset's
+            // correction pair `(offset * sc0, offset * sc1)` (at most 32 * 128).
+            let mut first = [ones; 2];
+            let mut second = [ones; 2];
+            let mut corr = [_mm256_setzero_si256(); 2];
+            for l in 0..2 {
+                let sc0 = _mm256_loadu_si256(scp.add(s * 2 * LANES + 8 * l).cast());
+                let sc1 = _mm256_loadu_si256(scp.add((s * 2 + 1) * LANES + 8 * l).cast());
+                match f.scales {
+                    IntScales::PerHalf => {
+                        first[l] = pair16(sc0, sc0);
+                        second[l] = pair16(sc1, sc1);
+                        corr[l] = pair16(sc0, sc1);
+                    }
+                    IntScales::PerBlock => {
+                        first[l] = pair16(sc0, sc0);
+                        second[l] = first[l];
+                        corr[l] = first[l];
+                    }
+                    IntScales::One => corr[l] = ones,
+                }
+                if offset != 0 {
+                    corr[l] = _mm256_mullo_epi16(corr[l], _mm256_set1_epi16(offset as i16));
+                }
+            }
+            // The activation rows' words of this sub-block.
+            let xp: [*const i32; T] =
+                std::array::from_fn(|i| xq.add((r0 + i) * acts.n_in + s * QK).cast::<i32>());
+            // Words `from .. from + n` (within one half when the halves' scales differ),
+            // summed in 16 bits, widened and scaled into `iacc`.
+            let mut from = 0;
+            while from < 8 {
+                let end = if per_half && from < 4 {
+                    (from + n).min(4)
+                } else {
+                    (from + n).min(8)
+                };
+                let scale = if from < 4 { first } else { second };
+                let mut part = [[_mm256_setzero_si256(); 2]; T];
+                for t in from..end {
+                    let mut w = [
+                        _mm256_loadu_si256(up.add((s * 8 + t) * LANES).cast()),
+                        _mm256_loadu_si256(up.add((s * 8 + t) * LANES + 8).cast()),
+                    ];
+                    let mut q = w;
+                    if signed {
+                        for (w, q) in w.iter_mut().zip(q.iter_mut()) {
+                            *q = _mm256_xor_si256(*w, flip);
+                            *w = _mm256_abs_epi8(*q);
+                        }
+                    }
+                    each_row!(T, i => {
+                        let x = _mm256_set1_epi32(xp[i].add(t).read_unaligned());
+                        for l in 0..2 {
+                            let x = if signed { _mm256_sign_epi8(x, q[l]) } else { x };
+                            let p = _mm256_maddubs_epi16(w[l], x);
+                            part[i][l] = if t == from { p } else { _mm256_add_epi16(part[i][l], p) };
+                        }
+                    });
+                }
+                each_row!(T, i => {
+                    for l in 0..2 {
+                        iacc[i][l] = _mm256_add_epi32(iacc[i][l], _mm256_madd_epi16(part[i][l], scale[l]));
+                    }
+                });
+                from = end;
+            }
+            each_row!(T, i => {
+                let b = (r0 + i) * total + s;
+                if offset != 0 {
+                    // `(lo, hi)` as a 16-bit pair (each at most 16 * 127 in magnitude).
+                    let (lo, hi) = (*asum.add(2 * b), *asum.add(2 * b + 1));
+                    let sums16 = _mm256_set1_epi32((lo & 0xFFFF) | (hi << 16));
+                    for l in 0..2 {
+                        iacc[i][l] = _mm256_sub_epi32(iacc[i][l], _mm256_madd_epi16(corr[l], sums16));
+                    }
+                }
+                if (s + 1).is_multiple_of(f.run) {
+                    let dx = _mm256_set1_ps(*ad.add(b));
+                    for l in 0..2 {
+                        let scale = _mm256_mul_ps(_mm256_loadu_ps(dp.add(s * LANES + 8 * l)), dx);
+                        acc[i][l] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i][l]), scale, acc[i][l]);
+                        iacc[i][l] = _mm256_setzero_si256();
+                    }
+                }
+                if f.mins {
+                    let sx = _mm256_set1_ps(*asx.add(b));
+                    for l in 0..2 {
+                        let m = _mm256_loadu_ps(mp.add(s * LANES + 8 * l));
+                        acc[i][l] = _mm256_fmadd_ps(m, sx, acc[i][l]);
+                    }
+                }
+            });
+        }
+        for (i, row) in sums.iter_mut().enumerate().take(T) {
+            for l in 0..2 {
+                _mm256_storeu_ps(row.acc.as_mut_ptr().add(8 * l), acc[i][l]);
+                _mm256_storeu_si256(row.iacc.as_mut_ptr().add(8 * l).cast(), iacc[i][l]);
+            }
+        }
     }
 }
