@@ -74,7 +74,7 @@ const GROUP_TILE: usize = 8;
 
 /// Activation rows per tile of the AVX2 panel kernel (`x86.rs`): each holds 16-bit and
 /// 32-bit sums for sixteen lanes in registers, of which AVX2 has sixteen. Two and three
-/// measured best on a Zen 3 machine (one and four a quarter slower).
+/// measured best on a Zen 3 machine (one and four slower).
 #[cfg(target_arch = "x86_64")]
 const AVX2_TILE: usize = 3;
 

@@ -1172,6 +1172,8 @@ pub(super) unsafe fn avx2_panel_tile(
 /// As [`avx2_panel_tile`], with `sums.len() == T`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline(never)]
+// The lane halves `l` index several arrays in step (sums, scales, weights).
+#[allow(clippy::needless_range_loop)]
 unsafe fn avx2_panel_rows<const T: usize, const F: u8>(
     panel: &Panel,
     acts: &QuantizedRows,
