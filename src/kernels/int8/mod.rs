@@ -240,15 +240,22 @@ pub fn matmul_transposed_int8_on(
                     }
                     continue;
                 }
+                // More rows: decoded once into the panel, reused for every row.
+                #[cfg(target_arch = "x86_64")]
+                if avx2_panel && n == LANES {
+                    // SAFETY: `avx2_panel` says this CPU has AVX2, FMA and F16C; `first`
+                    // starts two full groups.
+                    unsafe { panel.fill_in_registers_avx2(w, first) };
+                } else if in_registers && n == LANES {
+                    // SAFETY: as above (AVX-512 with VNNI).
+                    unsafe { panel.fill_in_registers(w, first) };
+                } else {
+                    panel.fill(w, first, n);
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                panel.fill(w, first, n);
                 #[cfg(target_arch = "x86_64")]
                 if avx2_panel {
-                    if n == LANES {
-                        // SAFETY: `avx2_panel` says this CPU has AVX2, FMA and F16C;
-                        // `first` starts two full groups.
-                        unsafe { panel.fill_in_registers_avx2(w, first) };
-                    } else {
-                        panel.fill(w, first, n);
-                    }
                     SUMS.with_borrow_mut(|sums| {
                         sums.clear();
                         sums.resize(rows, RowSums::default());
@@ -279,16 +286,6 @@ pub fn matmul_transposed_int8_on(
                     });
                     continue;
                 }
-                #[cfg(target_arch = "x86_64")]
-                if in_registers && n == LANES {
-                    // More rows: decoded once into the panel, reused for every row.
-                    // SAFETY: as above; `first` starts two full groups.
-                    unsafe { panel.fill_in_registers(w, first) };
-                } else {
-                    panel.fill(w, first, n);
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                panel.fill(w, first, n);
                 let mut r = 0;
                 while r < rows {
                     let tile = ROW_TILE.min(rows - r);

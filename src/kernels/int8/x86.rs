@@ -68,44 +68,26 @@ macro_rules! each_row {
     };
 }
 
-/// Evaluates `$call` with the constant `$t` equal to `$tile` (1 to 8): the tile kernels
-/// take their number of rows as a const parameter, so their accumulators are registers
-/// (with a runtime count they lived on the stack, and every fused multiply-add went
-/// through a store and a load: 35% of the 16-row kernel's time).
+/// Evaluates `$call` with the constant `$t` equal to `$tile` (1 to 8, or to the last of
+/// the listed counts `; 1 2 ...; last` where a kernel has fewer): the tile kernels take
+/// their number of rows as a const parameter, so their accumulators are registers (with
+/// a runtime count they lived on the stack, and every fused multiply-add went through a
+/// store and a load: 35% of the 16-row kernel's time).
 macro_rules! with_tile {
-    ($tile:expr, $t:ident => $call:expr) => {{
-        debug_assert!((1..=8).contains(&$tile));
+    ($tile:expr, $t:ident => $call:expr) => {
+        with_tile!($tile, $t => $call; 1 2 3 4 5 6 7; 8)
+    };
+    ($tile:expr, $t:ident => $call:expr; $($n:literal)*; $last:literal) => {{
+        debug_assert!((1..=$last).contains(&$tile));
         match $tile {
-            1 => {
-                const $t: usize = 1;
-                $call
-            }
-            2 => {
-                const $t: usize = 2;
-                $call
-            }
-            3 => {
-                const $t: usize = 3;
-                $call
-            }
-            4 => {
-                const $t: usize = 4;
-                $call
-            }
-            5 => {
-                const $t: usize = 5;
-                $call
-            }
-            6 => {
-                const $t: usize = 6;
-                $call
-            }
-            7 => {
-                const $t: usize = 7;
-                $call
-            }
+            $(
+                $n => {
+                    const $t: usize = $n;
+                    $call
+                }
+            )*
             _ => {
-                const $t: usize = 8;
+                const $t: usize = $last;
                 $call
             }
         }
@@ -1110,29 +1092,6 @@ unsafe fn pair16(
     unsafe { _mm256_blend_epi16::<0xAA>(lo, _mm256_slli_epi32::<16>(hi)) }
 }
 
-/// Evaluates `$call` with the constant `$t` equal to `$tile` (1 to [`AVX2_TILE`]): the
-/// AVX2 panel kernel's row counts, as [`with_tile`]'s.
-macro_rules! with_avx2_tile {
-    ($tile:expr, $t:ident => $call:expr) => {{
-        const { assert!(super::AVX2_TILE == 3) };
-        debug_assert!((1..=super::AVX2_TILE).contains(&$tile));
-        match $tile {
-            1 => {
-                const $t: usize = 1;
-                $call
-            }
-            2 => {
-                const $t: usize = 2;
-                $call
-            }
-            _ => {
-                const $t: usize = 3;
-                $call
-            }
-        }
-    }};
-}
-
 /// The AVX2 kernel of a decoded panel: activation rows `r0 .. r0 + sums.len()` (at most
 /// [`AVX2_TILE`](super::AVX2_TILE)) against the panel's sixteen rows over sub-blocks
 /// `subs`, carrying each row's sums from and into `sums` (so that a pass over a range of
@@ -1161,7 +1120,8 @@ pub(super) unsafe fn avx2_panel_tile(
 ) {
     // SAFETY: forwarded.
     unsafe {
-        with_format!(format, F => with_avx2_tile!(sums.len(), T => avx2_panel_rows::<T, { same_form(F) }>(panel, acts, r0, subs, sums)))
+        const { assert!(super::AVX2_TILE == 3) };
+        with_format!(format, F => with_tile!(sums.len(), T => avx2_panel_rows::<T, { same_form(F) }>(panel, acts, r0, subs, sums); 1 2; 3))
     }
 }
 
