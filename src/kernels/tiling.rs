@@ -87,22 +87,93 @@ pub(crate) fn prefetch_step(step: *const u8) {
 }
 
 /// How far ahead (in bytes) the in-register kernels ask for a group's steps of `len`
-/// bytes: the fewest whole steps that make at least 1 KiB (one step of Q4_K, Q5_K or
-/// Q6_K; eight of Q4_0). Each group step is prefetched whole, all of its lines: the
-/// weights stream from memory once per product, and the kernel's work between loads
-/// hides the hardware prefetcher's stride.
+/// bytes: the fewest whole steps that make at least [`group_prefetch_bytes`] (on most
+/// machines 1 KiB: one step of Q4_K, Q5_K or Q6_K; eight of Q4_0). Each group step is
+/// prefetched whole, all of its lines: the weights stream from memory once per product,
+/// and the kernel's work between loads hides the hardware prefetcher's stride.
 ///
 /// Measured with `one_row_step FILE 6` (each format's products at one row beside a
-/// plain read of their bytes, two threads, alternated, 3 rounds): a fixed 2 KiB held
-/// Q4_K at 78-98% and Q6_K at 77-86% of the read, one step ahead 91-103% and 95-99%
+/// plain read of their bytes, two threads, alternated, 3 rounds) on Zen 4: a fixed 2 KiB
+/// held Q4_K at 78-98% and Q6_K at 77-86% of the read, one step ahead 91-103% and 95-99%
 /// (Q4_0 and Q8_0 at the read either way). More lines in flight than that fall off a
-/// cliff: Q6_K at 1.5 steps (2.5 KiB) read at 51%. Before, without any hint, Q4_K_M
+/// cliff there: Q6_K at 1.5 steps (2.5 KiB) read at 51%. Before, without any hint, Q4_K_M
 /// decoded at 29.4-30.4 tokens/s and with 2 KiB at 37.4-39.6 (`generate --json`).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn group_prefetch_ahead(len: usize) -> usize {
     let len = len.max(64);
-    len * 1024usize.div_ceil(len)
+    len * group_prefetch_bytes().div_ceil(len)
+}
+
+/// The least distance, in bytes, at which [`prefetch_group_step`] asks for the weights
+/// ahead of the step it is on: `LLAMA_BURN_PREFETCH_BYTES` if set to a number (0 asks
+/// for the step itself, no look-ahead), else this machine's entry in
+/// [`prefetch_bytes_for`]. Read once per process.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn group_prefetch_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::env::var("LLAMA_BURN_PREFETCH_BYTES")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| prefetch_bytes_for(cpu_vendor_family()))
+    })
+}
+
+/// The prefetch distance for a CPU (vendor, family): 4 KiB on AMD's Zen 5 and later
+/// (family 0x1A), 1 KiB elsewhere.
+///
+/// Measured on a 2-core Zen 5 EPYC (family 0x1A, 2026-12-01) with `one_row_step FILE 20
+/// fast 1`, each format's products at one row against a plain read of their bytes, one
+/// binary with the distance alternated: Q6_K at 75-80% of the read with one step (1.6
+/// KiB) ahead, 86% at 2.6 KiB, 92-96% at two steps (3.3 KiB), 100-102% at three or four;
+/// Q4_K 92-94% at one or two steps (1.1-2.3 KiB), 101-104% at three or four (3.4-4.6
+/// KiB); Q4_0 97-102% -> 104-112% and Q8_0 98-113% -> 101-107% at 4 KiB. Zen 4 fell off
+/// a cliff past one step (above), so the distance is the machine's, not the format's.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn prefetch_bytes_for(cpu: (CpuVendor, u32)) -> usize {
+    match cpu {
+        (CpuVendor::Amd, family) if family >= 0x1A => 4096,
+        _ => 1024,
+    }
+}
+
+/// A CPU's maker, as far as the kernels' tuning tells them apart.
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CpuVendor {
+    /// `AuthenticAMD`.
+    Amd,
+    /// `GenuineIntel`.
+    Intel,
+    /// Any other.
+    Other,
+}
+
+/// This CPU's maker and family (CPUID leaf 1: the base family, plus the extended family
+/// when the base is 0xF).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn cpu_vendor_family() -> (CpuVendor, u32) {
+    use std::arch::x86_64::__cpuid;
+    // SAFETY: CPUID is part of every x86-64 CPU; leaves 0 and 1 always exist.
+    #[allow(unused_unsafe)]
+    let (vendor, sig) = unsafe { (__cpuid(0), __cpuid(1).eax) };
+    let name: Vec<u8> = [vendor.ebx, vendor.edx, vendor.ecx]
+        .iter()
+        .flat_map(|r| r.to_le_bytes())
+        .collect();
+    let vendor = match &name[..] {
+        b"AuthenticAMD" => CpuVendor::Amd,
+        b"GenuineIntel" => CpuVendor::Intel,
+        _ => CpuVendor::Other,
+    };
+    let base = (sig >> 8) & 0xF;
+    let family = if base == 0xF {
+        base + ((sig >> 20) & 0xFF)
+    } else {
+        base
+    };
+    (vendor, family)
 }
 
 /// Asks for a later group step of `len` bytes than the one at `step`, whole, a line at a
@@ -124,6 +195,41 @@ pub(crate) fn prefetch_group_step(step: *const u8, len: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_prefetch_distance_is_the_machines() {
+        // Zen 5 (family 0x1A) and later ask 4 KiB ahead; Zen 4 (0x19), Intel and others 1 KiB.
+        assert_eq!(prefetch_bytes_for((CpuVendor::Amd, 0x1A)), 4096);
+        assert_eq!(prefetch_bytes_for((CpuVendor::Amd, 0x1B)), 4096);
+        assert_eq!(prefetch_bytes_for((CpuVendor::Amd, 0x19)), 1024);
+        assert_eq!(prefetch_bytes_for((CpuVendor::Intel, 6)), 1024);
+        assert_eq!(prefetch_bytes_for((CpuVendor::Other, 0x1A)), 1024);
+        // Whole steps of at least that many bytes: Q6_K's 1,680-byte steps (8 rows of 210).
+        let steps = |len: usize, bytes: usize| len * bytes.div_ceil(len.max(64));
+        assert_eq!(steps(1680, 4096), 3 * 1680);
+        assert_eq!(steps(1680, 1024), 1680);
+        assert_eq!(group_prefetch_ahead(1680) % 1680, 0);
+        assert!(group_prefetch_ahead(1680) >= group_prefetch_bytes());
+        // This machine is read as what /proc/cpuinfo says (Linux only).
+        if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+            let (vendor, family) = cpu_vendor_family();
+            let field = |key: &str| {
+                info.lines()
+                    .find(|l| l.starts_with(key))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|v| v.trim().to_string())
+            };
+            if let Some(f) = field("cpu family") {
+                assert_eq!(f.parse::<u32>().ok(), Some(family));
+            }
+            match field("vendor_id").as_deref() {
+                Some("AuthenticAMD") => assert_eq!(vendor, CpuVendor::Amd),
+                Some("GenuineIntel") => assert_eq!(vendor, CpuVendor::Intel),
+                _ => {}
+            }
+        }
+    }
 
     #[test]
     fn guided_chunks_cover_every_unit_once_shrinking() {
