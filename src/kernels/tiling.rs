@@ -101,8 +101,15 @@ pub(crate) fn prefetch_step(step: *const u8) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn group_prefetch_ahead(len: usize) -> usize {
+    whole_steps_ahead(len, group_prefetch_bytes())
+}
+
+/// The fewest whole steps of `len` bytes (at least a line) that make `bytes`, in bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn whole_steps_ahead(len: usize, bytes: usize) -> usize {
     let len = len.max(64);
-    len * group_prefetch_bytes().div_ceil(len)
+    len * bytes.div_ceil(len)
 }
 
 /// The least distance, in bytes, at which [`prefetch_group_step`] asks for the weights
@@ -205,12 +212,21 @@ mod tests {
         assert_eq!(prefetch_bytes_for((CpuVendor::Amd, 0x19)), 1024);
         assert_eq!(prefetch_bytes_for((CpuVendor::Intel, 6)), 1024);
         assert_eq!(prefetch_bytes_for((CpuVendor::Other, 0x1A)), 1024);
-        // Whole steps of at least that many bytes: Q6_K's 1,680-byte steps (8 rows of 210).
-        let steps = |len: usize, bytes: usize| len * bytes.div_ceil(len.max(64));
-        assert_eq!(steps(1680, 4096), 3 * 1680);
-        assert_eq!(steps(1680, 1024), 1680);
-        assert_eq!(group_prefetch_ahead(1680) % 1680, 0);
-        assert!(group_prefetch_ahead(1680) >= group_prefetch_bytes());
+        // Whole group steps (8 rows) of at least that many bytes: Q6_K's 1,680-byte steps
+        // three ahead at 4 KiB and one at 1 KiB, Q4_K's 1,152 four and one, Q4_0's 144
+        // twenty-nine and eight; a step under a line counts as a line; 0 is the step itself.
+        assert_eq!(whole_steps_ahead(1680, 4096), 3 * 1680);
+        assert_eq!(whole_steps_ahead(1680, 1024), 1680);
+        assert_eq!(whole_steps_ahead(1152, 4096), 4 * 1152);
+        assert_eq!(whole_steps_ahead(1152, 1024), 1152);
+        assert_eq!(whole_steps_ahead(144, 4096), 29 * 144);
+        assert_eq!(whole_steps_ahead(144, 1024), 8 * 144);
+        assert_eq!(whole_steps_ahead(10, 1024), 1024);
+        assert_eq!(whole_steps_ahead(1680, 0), 0);
+        assert_eq!(
+            group_prefetch_ahead(1680),
+            whole_steps_ahead(1680, group_prefetch_bytes())
+        );
         // This machine is read as what /proc/cpuinfo says (Linux only).
         if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
             let (vendor, family) = cpu_vendor_family();
