@@ -339,6 +339,7 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
     // The K-quants' full groups are word-interleaved (`QuantFormat::interleaves_words`).
     let interleaved = (F == Q4_K || F == Q6_K) && n == GROUP_ROWS;
     let mut whole = [0u8; GROUP_ROWS * 210];
+    let prefetch = super::tiling::GroupPrefetch::new(n * bb);
     for blk in 0..w.blocks_per_row() {
         // SAFETY: step `blk` of the group holds `n` blocks: their scales, then their
         // values (put back together into `whole` if interleaved); each row `c` writes
@@ -347,7 +348,7 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
             let mut step = group.as_ptr().add(blk * n * bb);
             if interleaved {
                 // A whole step (1 to 2 KiB) is read at once: ask for all of the next.
-                super::tiling::prefetch_group_step(step, n * bb);
+                prefetch.ask(step);
                 ungroup_step(step, bb, whole.as_mut_ptr());
                 step = whole.as_ptr();
             } else {
@@ -437,6 +438,7 @@ unsafe fn fused<const F: u8, const R: usize, const C: usize>(
     // The K-quants' full groups are word-interleaved (`QuantFormat::interleaves_words`).
     let interleaved = (F == Q4_K || F == Q6_K) && n == GROUP_ROWS;
     let mut whole = [0u8; GROUP_ROWS * 210];
+    let prefetch = super::tiling::GroupPrefetch::new(n * bb);
     for blk in 0..blocks {
         // SAFETY: step `blk` of the group and its values in every activation row exist
         // (the caller's contract; an interleaved step is put back together into
@@ -445,7 +447,7 @@ unsafe fn fused<const F: u8, const R: usize, const C: usize>(
             let mut step = group.add(blk * n * bb);
             if interleaved {
                 // A whole step (1 to 2 KiB) is read at once: ask for all of the next.
-                super::tiling::prefetch_group_step(step, n * bb);
+                prefetch.ask(step);
                 ungroup_step(step, bb, whole.as_mut_ptr());
                 step = whole.as_ptr();
             } else {

@@ -112,7 +112,7 @@ fn whole_steps_ahead(len: usize, bytes: usize) -> usize {
     len * bytes.div_ceil(len)
 }
 
-/// The least distance, in bytes, at which [`prefetch_group_step`] asks for the weights
+/// The least distance, in bytes, at which [`GroupPrefetch`] asks for the weights
 /// ahead of the step it is on: `LLAMA_BURN_PREFETCH_BYTES` if set to a number (0 asks
 /// for the step itself, no look-ahead), else this machine's entry in
 /// [`prefetch_bytes_for`]. Read once per process.
@@ -183,19 +183,40 @@ pub(crate) fn cpu_vendor_family() -> (CpuVendor, u32) {
     (vendor, family)
 }
 
-/// Asks for a later group step of `len` bytes than the one at `step`, whole, a line at a
-/// time, [`group_prefetch_ahead`] bytes past it.
+/// Asks for later group steps of `len` bytes than the one being read, whole, a line at a
+/// time, [`group_prefetch_ahead`] bytes past it. The distance is worked out once, where
+/// a group's loop over its steps begins, not at every step.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-pub(crate) fn prefetch_group_step(step: *const u8, len: usize) {
-    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    let ahead = group_prefetch_ahead(len);
-    let mut line = 0;
-    while line < len {
-        // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint: any address
-        // is allowed.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(step.wrapping_add(ahead + line).cast()) };
-        line += 64;
+#[derive(Clone, Copy)]
+pub(crate) struct GroupPrefetch {
+    /// Bytes per step.
+    len: usize,
+    /// Bytes past a step at which its later step is asked for.
+    ahead: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl GroupPrefetch {
+    /// For steps of `len` bytes.
+    #[inline(always)]
+    pub(crate) fn new(len: usize) -> Self {
+        Self {
+            len,
+            ahead: group_prefetch_ahead(len),
+        }
+    }
+
+    /// Asks for the step [`group_prefetch_ahead`] bytes past the one at `step`.
+    #[inline(always)]
+    pub(crate) fn ask(self, step: *const u8) {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let mut line = 0;
+        while line < self.len {
+            // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint: any
+            // address is allowed.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(step.wrapping_add(self.ahead + line).cast()) };
+            line += 64;
+        }
     }
 }
 

@@ -224,10 +224,11 @@ unsafe fn decode_group<I: Isa, const F: u8>(group: &[u8], subs: usize, sink: &mu
     let bb = format.block_bytes();
     let per_block = format.block_values() / QK;
     debug_assert!(group.len() >= subs / per_block * GROUP_ROWS * bb);
+    let prefetch = crate::kernels::tiling::GroupPrefetch::new(GROUP_ROWS * bb);
     for blk in 0..subs / per_block {
         // SAFETY: block `blk` of the group is `8 * bb` bytes at `blk * 8 * bb`.
         let step = unsafe { group.as_ptr().add(blk * GROUP_ROWS * bb) };
-        crate::kernels::tiling::prefetch_group_step(step, GROUP_ROWS * bb);
+        prefetch.ask(step);
         // SAFETY (each arm): `step` holds the format's eight blocks in the grouped layout.
         // Each condition is a constant (`const` blocks, evaluated per `F`), so only the
         // format's own decoder is compiled for it: a `match` on `format` compiled every
