@@ -61,6 +61,10 @@ def bench_model(report):
     return (others or models or [None])[0]
 
 
+# gpu_bench reports in bench.json: `fast` in f32 and bf16, `exact` in bf16.
+VARIANTS = ("f32", "bf16", "bf16_exact")
+
+
 def ours(report, want_dtype):
     """(figures, weight bytes, launches per layer) of one gpu_bench report."""
     figures = {"decode": {r: None for r in ROWS}, "prefill_512": None}
@@ -122,9 +126,14 @@ def collect(folder, launches_override):
     extra = {"weight_bytes": {}, "torch_params": {}, "first_from": None}
     # The short counting run first, then a full run made with --count-launches.
     launches = launches_per_layer(bench.get("launches"))
-    for dtype in ("f32", "bf16"):
-        figures, weight_bytes, found = ours(bench.get(dtype), dtype)
-        result["llama_burn"][f"1b_q4_k_m_{dtype}"] = figures
+    # `fast` (the integer product, the CPU's bits) in f32 and bf16; `exact` in bf16.
+    for key in VARIANTS:
+        dtype = key.split("_")[0]
+        if key not in bench:
+            continue
+        figures, weight_bytes, found = ours(bench.get(key), dtype)
+        result["llama_burn"][f"1b_q4_k_m_{key}"] = figures
+        dtype = key
         extra["weight_bytes"][dtype] = weight_bytes
         if launches is None:
             launches = found
@@ -169,9 +178,13 @@ def share(weight_bytes, tps, bandwidth):
 def table(result, extra, bandwidth):
     bytes_per = {"bf16": 2, "f16": 2, "f32": 4}
     rows = []
-    for dtype in ("f32", "bf16"):
-        f = result["llama_burn"][f"1b_q4_k_m_{dtype}"]
-        rows.append((f"llama-burn {dtype}, 1B Q4_K_M", f, extra["weight_bytes"].get(dtype)))
+    for key in VARIANTS:
+        f = result["llama_burn"].get(f"1b_q4_k_m_{key}")
+        if f is None:
+            continue
+        dtype, _, precision = key.partition("_")
+        name = f"llama-burn {dtype} {precision or 'fast'}, 1B Q4_K_M"
+        rows.append((name, f, extra["weight_bytes"].get(key)))
     torch_dtype = extra.get("torch_dtype", "bf16")
     params = extra.get("torch_params")
     torch_bytes = params * bytes_per.get(torch_dtype, 2) if params else None

@@ -20,16 +20,17 @@
 #
 #   first  concurrent_server on that model, cold: time from start to "== 1." (the model
 #          loaded) and the first request's own time (20 tokens); stopped after it.
-#   bench  gpu_bench --no-demo on that model, f32 then --dtype bf16 ($SUITE_BENCH_ARGS,
-#          default "--reps 2 --steps 16"), then a short --count-launches run (one row)
-#          where gpu_bench has that option.
+#   bench  gpu_bench --no-demo on that model, `fast` in f32 and bf16, then `exact` in
+#          bf16 ($SUITE_BENCH_ARGS, default "--reps 2 --steps 16"), then a short
+#          --count-launches run (one row) where gpu_bench has that option.
 #   tests  the gpu_backend test binary, one thread (the test needing the demo model is
 #          skipped unless the demo model is in the cache).
 #   torch  bench/torch_bench.py --shape 1b (eager), then with SUITE_COMPILE=1 (default)
 #          static KV cache + torch.compile with the time left.
 #
 # Files under $OUT (at most 8): suite.json (GPU, driver, date, each stage's status),
-# first.log/first.json, bench.log/bench.json (gpu_bench's JSON: {"f32", "bf16", "launches"}),
+# first.log/first.json, bench.log/bench.json (gpu_bench's JSON: {"f32", "bf16", "launches",
+# "bf16_exact"}),
 # tests.log, torch.log/torch.json. Every stage has its own timeout; the whole run stays
 # within $SUITE_BUDGET seconds (540); a failing stage does not stop the others.
 
@@ -288,13 +289,20 @@ stage_bench() {
     local -a args
     read -r -a args <<<"${SUITE_BENCH_ARGS:---reps 2 --steps 16}"
     : >"$log"
-    # Variants: dtype[:nofusion] (Burn's CUDA backend without its fusion stream).
+    # Variants: dtype[:nofusion][:exact] (Burn's CUDA backend without its fusion stream;
+    # the `exact` precision's f32 product instead of `fast`'s integer one, the CPU's
+    # `fast` bits). Precision is always said: its default follows the host CPU.
     local variant
-    for variant in ${SUITE_BENCH_VARIANTS:-f32 bf16}; do
+    for variant in ${SUITE_BENCH_VARIANTS:-f32 bf16 bf16:exact}; do
         dtype=${variant%%:*}
         local -a type_arg=()
         [[ $dtype != f32 ]] && type_arg=(--dtype "$dtype")
         [[ $variant == *:nofusion* ]] && type_arg+=(--no-fusion)
+        if [[ $variant == *:exact* ]]; then
+            type_arg+=(--precision exact)
+        else
+            type_arg+=(--precision fast)
+        fi
         timed 200 "$BIN/gpu_bench" --no-demo --model "$MODEL" --json "${args[@]}" \
             "${type_arg[@]}" >"$TMP/bench_${variant//:/_}.json" 2>>"$log"
         cat "$TMP/bench_${variant//:/_}.json" >>"$log"
@@ -309,7 +317,7 @@ stage_bench() {
     fi
     # Other variants' JSON is in bench.log only.
     python3 - "$OUT/bench.json" "$TMP/bench_f32.json" "$TMP/bench_bf16.json" \
-        "$TMP/bench_launches.json" <<'PY'
+        "$TMP/bench_launches.json" "$TMP/bench_bf16_exact.json" <<'PY'
 import json, sys
 def load(path):
     try:
@@ -323,7 +331,8 @@ def load(path):
         except ValueError:
             continue
     return None
-json.dump({"f32": load(sys.argv[2]), "bf16": load(sys.argv[3]), "launches": load(sys.argv[4])},
+json.dump({"f32": load(sys.argv[2]), "bf16": load(sys.argv[3]), "launches": load(sys.argv[4]),
+           "bf16_exact": load(sys.argv[5])},
           open(sys.argv[1], "w"), indent=1)
 PY
 }

@@ -238,7 +238,10 @@ fn bench_model<C: LlamaBackend>(
     }
     let prefill_tps = args.prefill as f64 / prefill_best;
     if !args.json {
-        println!("{name} on {BACKEND_NAME} ({dtype}): prefill {prefill_tps:.1} tokens/s");
+        println!(
+            "{name} on {BACKEND_NAME} ({dtype}, {}): prefill {prefill_tps:.1} tokens/s",
+            c.precision
+        );
     }
 
     // Decode at each batch size.
@@ -371,6 +374,7 @@ fn bench_model<C: LlamaBackend>(
     Ok(json!({
         "model": name,
         "dtype": dtype,
+        "precision": c.precision.name(),
         "layers": c.n_layers,
         "d_model": c.d_model,
         "vocab": c.vocab_size,

@@ -50,7 +50,8 @@ pub enum Precision {
     /// weights' own quantized values, as llama.cpp computes: several times the
     /// multiply-adds per instruction. The logits move by
     /// about 1% of their scale; greedy tokens mostly agree with `Exact`. The same bits on
-    /// every SIMD path.
+    /// every SIMD path, and on the CubeCL GPU backends, whose integer product gives the
+    /// CPU's `fast` product bit for bit.
     Fast,
 }
 

@@ -648,6 +648,554 @@ fn k_block<F: Float, I: Numeric>(
     }
 }
 
+/// An f16 of the weights at byte `at`.
+#[cube]
+fn half_at<I: Numeric>(words: &Tensor<I>, at: usize) -> f32 {
+    half_to_f32(byte_at::<I>(words, at) | (byte_at::<I>(words, at + 1) << 8))
+}
+
+/// Value `k` (0..32) of sub-block `s` of the block at byte `at`, in the format's integer
+/// form (`quant::int_form`: the value plus the format's offset, 0..=255).
+#[cube]
+#[allow(unused_assignments)]
+fn int_value<I: Numeric>(
+    words: &Tensor<I>,
+    at: usize,
+    s: usize,
+    k: usize,
+    #[comptime] format: u32,
+) -> u32 {
+    let mut u = 0u32;
+    if comptime!(format == 0) {
+        u = byte_at::<I>(words, at + 2 + k) ^ 128;
+    } else if comptime!(format == 1 || format == 2) {
+        let head = comptime!(if format == 1 { 2usize } else { 4usize });
+        let b = byte_at::<I>(words, at + head + k % 16);
+        u = select(k < 16, b & 15, b >> 4);
+    } else if comptime!(format == 6 || format == 7) {
+        let head = comptime!(if format == 6 { 2usize } else { 4usize });
+        let b = byte_at::<I>(words, at + head + 4 + k % 16);
+        let nib = select(k < 16, b & 15, b >> 4);
+        let qh = byte_at::<I>(words, at + head + k / 8);
+        u = nib | (((qh >> ((k % 8) as u32)) & 1) << 4);
+    } else if comptime!(format == 3 || format == 5) {
+        let qs = comptime!(if format == 5 { 48usize } else { 16usize });
+        let b = byte_at::<I>(words, at + qs + 32 * (s / 2) + k);
+        u = select(s % 2 == 1, b >> 4, b & 15);
+        if comptime!(format == 5) {
+            u |= ((byte_at::<I>(words, at + 16 + k) >> (s as u32)) & 1) << 4;
+        }
+    } else if comptime!(format == 4) {
+        let (half, j) = (s / 4, s % 4);
+        let low = byte_at::<I>(words, at + 64 * half + k + 32 * (j % 2));
+        let low = select(j < 2, low & 15, low >> 4);
+        let qh = byte_at::<I>(words, at + 128 + 32 * half + k);
+        u = low | (((qh >> ((2 * j) as u32)) & 3) << 4);
+    } else {
+        let (half, pass) = (s / 4, s % 4);
+        let low = (byte_at::<I>(words, at + 32 + 32 * half + k) >> ((2 * pass) as u32)) & 3;
+        let high = (byte_at::<I>(words, at + k) >> ((4 * half + pass) as u32)) & 1;
+        u = low + 4 * high;
+    }
+    u
+}
+
+/// The integer scale of half `h` of sub-block `s` of the block at byte `at`.
+#[cube]
+fn int_scale<I: Numeric>(
+    words: &Tensor<I>,
+    at: usize,
+    s: usize,
+    h: usize,
+    #[comptime] format: u32,
+) -> i32 {
+    let mut sc = 1i32;
+    if comptime!(format == 3 || format == 5) {
+        sc = i32::cast_from(k_scale::<I>(words, at + 4, s));
+    } else if comptime!(format == 4) {
+        let b = byte_at::<I>(words, at + 192 + 8 * (s / 4) + 2 * (s % 4) + h);
+        sc = i32::cast_from(b) - select(b >= 128, 256i32, 0i32);
+    } else if comptime!(format == 8) {
+        let i = 2 * s + h;
+        let low = select(
+            i < 8,
+            byte_at::<I>(words, at + 96 + i) & 15,
+            byte_at::<I>(words, at + 96 + i % 8) >> 4,
+        );
+        let high = (byte_at::<I>(words, at + 104 + i % 4) >> ((2 * (i / 4)) as u32)) & 3;
+        sc = i32::cast_from(low | (high << 4)) - 32;
+    }
+    sc
+}
+
+/// The float scale `d` of the block at byte `at`.
+#[cube]
+#[allow(unused_assignments)]
+fn int_d<I: Numeric>(words: &Tensor<I>, at: usize, #[comptime] format: u32) -> f32 {
+    let mut d = f32::new(0.0);
+    if comptime!(format == 4) {
+        d = half_at::<I>(words, at + 208);
+    } else if comptime!(format == 8) {
+        d = half_at::<I>(words, at + 108);
+    } else {
+        d = half_at::<I>(words, at);
+    }
+    d
+}
+
+/// The coefficient `m` of the activations' sum for sub-block `s` of the block at byte
+/// `at` (formats with a minimum: Q4_1, Q5_1, Q4_K, Q5_K).
+#[cube]
+#[allow(unused_assignments)]
+fn int_m<I: Numeric>(words: &Tensor<I>, at: usize, s: usize, #[comptime] format: u32) -> f32 {
+    let mut m = f32::new(0.0);
+    if comptime!(format == 3 || format == 5) {
+        m = -(half_at::<I>(words, at + 2) * f32::cast_from(k_min::<I>(words, at + 4, s)));
+    } else {
+        m = half_at::<I>(words, at + 2);
+    }
+    m
+}
+
+/// The integer sum of one weight block (at byte `at`) times each tile row's activations
+/// (`x` from `x_at[t] + xb`), quantized here by the CPU's rule with the run's inverse
+/// scale (`scales[2 (first + t) + 1]`): over its sub-blocks `s` and halves `h`, `sc * (sum
+/// of u * q - offset * sum of q)`, exact in 32 bits, as f32 (`isum as f32`, the CPU's
+/// conversion), into `sums[t]`. With `keep`, each sub-block's sum of `q` goes to
+/// `qsums[(first + t) * subs + s]` (the formats with a minimum need it for their float
+/// steps).
+#[cube]
+// A comptime condition and a runtime one: two `if`s for CubeCL.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+fn int_block<F: Float, I: Numeric>(
+    x: &Tensor<F>,
+    words: &Tensor<I>,
+    at: usize,
+    x_at: &Array<u32>,
+    xb: usize,
+    scales: &SharedMemory<f32>,
+    qsums: &mut SharedMemory<i32>,
+    first: usize,
+    keep: bool,
+    sums: &mut Array<f32>,
+    #[comptime] format: u32,
+    #[comptime] tile: usize,
+) {
+    let subs = comptime!(if matches!(format, 3 | 4 | 5 | 8) {
+        8usize
+    } else {
+        1usize
+    });
+    let mins = comptime!(matches!(format, 2 | 3 | 5 | 7));
+    let offset = comptime!(match format {
+        0 => 128i32,
+        1 => 8i32,
+        4 => 32i32,
+        6 => 16i32,
+        8 => 4i32,
+        _ => 0i32,
+    });
+    let mut isum = Array::<i32>::new(tile);
+    let mut id = Array::<f32>::new(tile);
+    #[unroll]
+    for t in 0..tile {
+        isum[t] = 0i32;
+        id[t] = scales[2 * (first + t) + 1];
+    }
+    for s in 0..subs {
+        let mut qs = Array::<i32>::new(tile);
+        #[unroll]
+        for t in 0..tile {
+            qs[t] = 0i32;
+        }
+        #[unroll]
+        for h in 0..2usize {
+            let sc = int_scale::<I>(words, at, s, h, format);
+            let mut dot = Array::<i32>::new(tile);
+            let mut q_sum = Array::<i32>::new(tile);
+            #[unroll]
+            for t in 0..tile {
+                dot[t] = 0i32;
+                q_sum[t] = 0i32;
+            }
+            for k in 0..16usize {
+                let i = 16 * h + k;
+                let u = i32::cast_from(int_value::<I>(words, at, s, i, format));
+                #[unroll]
+                for t in 0..tile {
+                    let v = f32::cast_from(x[x_at[t] as usize + xb + 32 * s + i]);
+                    // |round(v / d)| <= 127.
+                    let q = i32::cast_from(round_half_away(v * id[t]).clamp(-127.0, 127.0));
+                    dot[t] += u * q;
+                    q_sum[t] += q;
+                }
+            }
+            #[unroll]
+            for t in 0..tile {
+                isum[t] += sc * (dot[t] - offset * q_sum[t]);
+                qs[t] += q_sum[t];
+            }
+        }
+        if comptime!(mins) {
+            if keep {
+                #[unroll]
+                for t in 0..tile {
+                    qsums[(first + t) * subs + s] = qs[t];
+                }
+            }
+        }
+    }
+    #[unroll]
+    for t in 0..tile {
+        sums[t] = f32::cast_from(isum[t]);
+    }
+}
+
+/// `x` unchanged, through an integer operation with `zero` (a kernel argument that is
+/// always 0): a compiler cannot see through it, so it cannot rewrite the error-free
+/// float sequences below (`a - (a - b)` into `b`, say), which shader compilers may do to
+/// operations not marked exact.
+#[cube]
+fn opaque(x: f32, zero: u32) -> f32 {
+    f32::from_bits(x.to_bits() | zero)
+}
+
+/// `a * b + c` rounded once (an IEEE fused multiply-add), the CPU's `mul_add`. With
+/// `native` the device's `fma` (CUDA's is fused by definition); else, for targets whose
+/// `fma` may round twice (Vulkan's), from operations rounded once each: the product
+/// exactly as two floats (Dekker's product with Veltkamp's split), the sum of `c` and the
+/// product's high part exactly (Knuth's two-sum), the two low parts added with rounding to
+/// odd, then one rounding to nearest (Boldo and Melquiond's emulation of the FMA, correct
+/// without underflow or overflow; checked against the CPU's `mul_add` on 50 million
+/// triples of the kernels' magnitudes, and bitwise in the `fast` product tests). `zero`
+/// is 0 (see [`opaque`]).
+#[cube]
+#[allow(unused_assignments)]
+fn fused_mul_add(a: f32, b: f32, c: f32, zero: u32, #[comptime] native: bool) -> f32 {
+    let mut out = f32::new(0.0);
+    if comptime!(native) {
+        out = fma(a, b, c);
+    } else {
+        let split = f32::new(4097.0); // 2^12 + 1
+        let ca = opaque(a * split, zero);
+        let ah = opaque(ca - opaque(ca - a, zero), zero);
+        let al = opaque(a - ah, zero);
+        let cb = opaque(b * split, zero);
+        let bh = opaque(cb - opaque(cb - b, zero), zero);
+        let bl = opaque(b - bh, zero);
+        let uh = opaque(a * b, zero);
+        let e1 = opaque(opaque(ah * bh, zero) - uh, zero);
+        let e2 = opaque(e1 + opaque(ah * bl, zero), zero);
+        let e3 = opaque(e2 + opaque(al * bh, zero), zero);
+        let ul = opaque(e3 + opaque(al * bl, zero), zero);
+        let th = opaque(c + uh, zero);
+        let z = opaque(th - c, zero);
+        let tl = opaque(
+            opaque(c - opaque(th - z, zero), zero) + opaque(uh - z, zero),
+            zero,
+        );
+        let s = opaque(tl + ul, zero);
+        let z2 = opaque(s - tl, zero);
+        let r = opaque(
+            opaque(tl - opaque(s - z2, zero), zero) + opaque(ul - z2, zero),
+            zero,
+        );
+        let mut v = s;
+        let bits = s.to_bits();
+        if r != 0.0 && (bits & 1) == 0 {
+            // The neighbour of `s` towards the exact sum, whose last bit is odd.
+            let away = (s > 0.0) == (r > 0.0);
+            v = f32::from_bits(select(away, bits + 1, bits - 1));
+        }
+        out = th + v;
+    }
+    out
+}
+
+/// `a / b` rounded to nearest for positive finite `a` and `b` whose quotient is normal
+/// (a shader's division may be a reciprocal and a product, or within 2.5 units of the
+/// last place, Vulkan's bound): of the device's quotient and its two neighbours, the one
+/// whose exact residual `a - q * b` is the smallest.
+#[cube]
+fn rounded_div(a: f32, b: f32, zero: u32, #[comptime] native: bool) -> f32 {
+    let q = a / b;
+    let bits = q.to_bits();
+    let (lo, hi) = (f32::from_bits(bits - 1), f32::from_bits(bits + 1));
+    let r = fused_mul_add(-q, b, a, zero, native).abs();
+    let r_lo = fused_mul_add(-lo, b, a, zero, native).abs();
+    let r_hi = fused_mul_add(-hi, b, a, zero, native).abs();
+    let mut best = q;
+    let mut best_r = r;
+    if r_lo < best_r {
+        best = lo;
+        best_r = r_lo;
+    }
+    if r_hi < best_r {
+        best = hi;
+    }
+    best
+}
+
+/// The float steps of one weight block (at byte `at`) for each tile row, in the CPU's
+/// order (`kernels::int8`'s definition): per sub-block, at the end of the run `acc =
+/// fma(isum, d * dx, acc)`, then for the formats with a minimum `acc = fma(m, dx * sum of
+/// q, acc)`. The run's scale `dx` of row `t` is `scales[2 (first + t)]`, its integer sum
+/// `isums[slot + t]`, its sub-blocks' sums of `q` `qsums[(first + t) * subs + s]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn int_steps<I: Numeric>(
+    words: &Tensor<I>,
+    at: usize,
+    scales: &SharedMemory<f32>,
+    qsums: &SharedMemory<i32>,
+    first: usize,
+    isums: &SharedMemory<f32>,
+    slot: usize,
+    acc: &mut Array<f32>,
+    zero: u32,
+    #[comptime] format: u32,
+    #[comptime] tile: usize,
+    #[comptime] native_fma: bool,
+) {
+    let subs = comptime!(if matches!(format, 3 | 4 | 5 | 8) {
+        8usize
+    } else {
+        1usize
+    });
+    let mins = comptime!(matches!(format, 2 | 3 | 5 | 7));
+    let d = int_d::<I>(words, at, format);
+    #[unroll]
+    for s in 0..subs {
+        let mut m = f32::new(0.0);
+        if comptime!(mins) {
+            m = int_m::<I>(words, at, s, format);
+        }
+        #[unroll]
+        for t in 0..tile {
+            let dx = scales[2 * (first + t)];
+            if s == subs - 1 {
+                acc[t] = fused_mul_add(isums[slot + t], d * dx, acc[t], zero, native_fma);
+            }
+            if comptime!(mins) {
+                let sx = dx * f32::cast_from(qsums[(first + t) * subs + s]);
+                acc[t] = fused_mul_add(m, sx, acc[t], zero, native_fma);
+            }
+        }
+    }
+}
+
+/// `x @ W^T` in the `fast` precision, the CPU's `fast` product's bits: the activations
+/// quantized as the CPU quantizes them (`kernels::int8::activations`: each run of 32
+/// values, or of 256 against the K-quants, scaled by `d = max|x| / 127`, each value
+/// `round(x / d)` with halves away from zero, computed as `x * (1 / d)`), the weights'
+/// own integers (`quant::int_form`), exact integer block sums, and the float steps in the
+/// CPU's order. `W` is `[n_out, cols]` in ggml's blocks (`format` as
+/// [`quantized_matmul_kernel`]'s); a cube is [`QUANT_OUTPUTS`] outputs by `lanes` units
+/// (the weight's shape alone chooses them, [`super::quant_lanes`]) and a tile of `tile`
+/// rows, as there. The weight blocks of a row are taken `lanes` at a time, and for each
+/// such chunk:
+///
+/// 1. the cube finds the scale of every run of the chunk for every row of the tile (each
+///    lane's 32 units the largest magnitudes of their share of its block, then one unit
+///    per row the run's; exact in any order), in the prologue, so the quantization costs
+///    no launch of its own;
+/// 2. lane `l` quantizes its block's activations and computes its exact integer sums for
+///    every row of the tile (integers: any order);
+/// 3. the first lane takes the float steps of the chunk's blocks in order.
+///
+/// So each output is one chain of float steps over its blocks in order, the CPU's,
+/// whatever the tile, the lanes or the batch. With `pair`, `up` is multiplied the same
+/// way and the output is `silu(gate) * up` in f32, as [`quantized_matmul_kernel`]'s.
+/// `zero` is 0 (see [`opaque`]); `native_fma` says whether the device's `fma` is fused.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn int_matmul_kernel<F: Float, I: Numeric>(
+    x: &Tensor<F>,
+    words: &Tensor<I>,
+    up: &Tensor<I>,
+    out: &mut Tensor<F>,
+    rows: u32,
+    n_out: u32,
+    cols: u32,
+    zero: u32,
+    #[comptime] format: u32,
+    #[comptime] tile: usize,
+    #[comptime] lanes: usize,
+    #[comptime] pair: bool,
+    #[comptime] native_fma: bool,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let lane = UNIT_POS_Y as usize;
+    let column = UNIT_POS_X as usize;
+    let wanted = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let r0 = CUBE_POS_Y as usize * tile;
+    let (rows, n_out, cols) = (rows as usize, n_out as usize, cols as usize);
+    let live = wanted < n_out;
+    let o = select(live, wanted, n_out - 1);
+    let block_bytes = comptime!(match format {
+        0 => 34usize,
+        1 => 18usize,
+        2 => 20usize,
+        3 => 144usize,
+        4 => 210usize,
+        5 => 176usize,
+        6 => 22usize,
+        7 => 24usize,
+        _ => 110usize,
+    });
+    let subs = comptime!(if matches!(format, 3 | 4 | 5 | 8) {
+        8usize
+    } else {
+        1usize
+    });
+    let block_values = comptime!(32 * subs);
+    let blocks = cols / block_values;
+    let row_at = o * blocks * block_bytes;
+    let mut x_at = Array::<u32>::new(tile);
+    let mut acc = Array::<f32>::new(tile);
+    let mut acc_up = Array::<f32>::new(tile);
+    let mut sums = Array::<f32>::new(tile);
+    #[unroll]
+    for t in 0..tile {
+        let mut r = r0 + t;
+        if r >= rows {
+            r = rows - 1;
+        }
+        x_at[t] = (r * cols) as u32;
+        acc[t] = f32::new(0.0);
+        acc_up[t] = f32::new(0.0);
+    }
+    let stride = comptime!(QUANT_OUTPUTS * lanes * tile);
+    // The lanes' integer sums, and before them in each chunk the units' largest
+    // magnitudes (`QUANT_OUTPUTS` per run and row).
+    let mut scratch = SharedMemory::<f32>::new(comptime!(
+        (if pair { 2 } else { 1 }) * QUANT_OUTPUTS * lanes * tile
+    ));
+    // Per run and row of the chunk: its scale and inverse scale.
+    let mut scales = SharedMemory::<f32>::new(comptime!(2 * lanes * tile));
+    // Per run, row and sub-block: the sum of its quantized values.
+    let mut qsums = SharedMemory::<i32>::new(comptime!(lanes * tile * subs));
+    let slot = (lane * QUANT_OUTPUTS + column) * tile;
+    let first = lane * tile;
+    let chunks = blocks.div_ceil(lanes);
+    for c in 0..chunks {
+        let b = c * lanes + lane;
+        let live_block = b < blocks;
+        let xb = b * block_values;
+        // 1. The largest magnitudes of the runs.
+        #[unroll]
+        for t in 0..tile {
+            let mut m = f32::new(0.0);
+            if live_block {
+                for i in 0..subs {
+                    let v = f32::cast_from(x[x_at[t] as usize + xb + 32 * i + column]).abs();
+                    if v > m {
+                        m = v;
+                    }
+                }
+            }
+            scratch[((first + t) * QUANT_OUTPUTS) + column] = m;
+        }
+        sync_cube();
+        if column < tile {
+            let run = first + column;
+            let mut amax = f32::new(0.0);
+            for j in 0..QUANT_OUTPUTS {
+                let v = scratch[run * QUANT_OUTPUTS + j];
+                if v > amax {
+                    amax = v;
+                }
+            }
+            let mut d = f32::new(0.0);
+            let mut id = f32::new(0.0);
+            if amax > 0.0 {
+                d = rounded_div(amax, f32::new(127.0), zero, native_fma);
+                id = rounded_div(f32::new(1.0), d, zero, native_fma);
+            }
+            scales[2 * run] = d;
+            scales[2 * run + 1] = id;
+        }
+        sync_cube();
+        // 2. The integer sums.
+        if live_block {
+            let at = row_at + b * block_bytes;
+            let keep = column == 0;
+            int_block::<F, I>(
+                x, words, at, &x_at, xb, &scales, &mut qsums, first, keep, &mut sums, format, tile,
+            );
+            #[unroll]
+            for t in 0..tile {
+                scratch[slot + t] = sums[t];
+            }
+            if comptime!(pair) {
+                int_block::<F, I>(
+                    x, up, at, &x_at, xb, &scales, &mut qsums, first, false, &mut sums, format,
+                    tile,
+                );
+                #[unroll]
+                for t in 0..tile {
+                    scratch[stride + slot + t] = sums[t];
+                }
+            }
+        }
+        sync_cube();
+        // 3. The float steps, in block order.
+        if lane == 0 {
+            for l in 0..lanes {
+                let b = c * lanes + l;
+                if b < blocks {
+                    let at = row_at + b * block_bytes;
+                    let from = (l * QUANT_OUTPUTS + column) * tile;
+                    int_steps::<I>(
+                        words,
+                        at,
+                        &scales,
+                        &qsums,
+                        l * tile,
+                        &scratch,
+                        from,
+                        &mut acc,
+                        zero,
+                        format,
+                        tile,
+                        native_fma,
+                    );
+                    if comptime!(pair) {
+                        int_steps::<I>(
+                            up,
+                            at,
+                            &scales,
+                            &qsums,
+                            l * tile,
+                            &scratch,
+                            stride + from,
+                            &mut acc_up,
+                            zero,
+                            format,
+                            tile,
+                            native_fma,
+                        );
+                    }
+                }
+            }
+        }
+        sync_cube();
+    }
+    if lane == 0 && live {
+        #[unroll]
+        for t in 0..tile {
+            if r0 + t < rows {
+                let mut total = acc[t];
+                if comptime!(pair) {
+                    // silu(g) = g / (1 + e^-g), in f32.
+                    total = total / (f32::new(1.0) + (-total).exp()) * acc_up[t];
+                }
+                out[(r0 + t) * n_out + o] = F::cast_from(total);
+            }
+        }
+    }
+}
+
 /// Units per row of [`argmax_kernel`].
 pub(crate) const ARGMAX_WIDTH: usize = 256;
 

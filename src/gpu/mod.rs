@@ -22,6 +22,11 @@
 //!   Q4_K, Q5_K, Q6_K) is multiplied by a fused dequantize-and-multiply kernel. Decode takes one row per unit; prompts and batches of
 //!   4 rows or more take tiles of 4 or 8 rows per unit, each weight decoded once per tile
 //!   ([`quant_tile`]), with a row's arithmetic the same at every tile size.
+//!   In the `fast` precision the product is the CPU `fast` product's bits instead
+//!   (`kernels::int_matmul_kernel`): the activations quantized in the kernel's prologue
+//!   by the CPU's rule, exact integer block sums, the float steps in the CPU's order, with
+//!   a fused multiply-add emulated exactly where the device's may round twice
+//!   (`native_fma`).
 //! - [`dense_matmul`](LlamaBackend::dense_matmul): projections and the output head held
 //!   in the float type (F32/F16/BF16 checkpoints) through our own kernel, each output its
 //!   own sum in one order, so that they are batch-invariant too: Burn's matmul is not
@@ -80,6 +85,11 @@ pub struct QuantShape {
     pub format: u32,
     /// Blocks per row of the weight (`cols` over the format's values per block).
     pub blocks: usize,
+    /// The `fast` precision's integer product: the activations quantized on the device
+    /// as the CPU quantizes them, integer block sums, the float steps in the CPU's order,
+    /// so the outputs are the CPU `fast` product's bits (else the f32 product of the
+    /// dequantized weights, `exact`).
+    pub integer: bool,
 }
 
 /// The shape of a dense product (see [`CubeKernels::dense_matmul_primitive`]).
@@ -297,6 +307,33 @@ where
         let tile = quant_tile(shape.rows);
         let lanes = quant_lanes(shape.blocks);
         let outputs = kernels::QUANT_OUTPUTS as u32;
+        if shape.integer {
+            // The activations are quantized in the kernel's prologue.
+            kernels::int_matmul_kernel::launch::<R>(
+                &client,
+                CubeCount::Static(
+                    (shape.n_out as u32).div_ceil(outputs),
+                    shape.rows.div_ceil(tile) as u32,
+                    1,
+                ),
+                CubeDim::new_2d(outputs, lanes as u32),
+                x.into_tensor_arg(),
+                words.into_tensor_arg(),
+                up.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                shape.rows as u32,
+                shape.n_out as u32,
+                shape.cols as u32,
+                0,
+                shape.format,
+                tile,
+                lanes,
+                pair,
+                native_fma::<R>(&client),
+                [f_dtype.into(), i_dtype.into()],
+            );
+            return out;
+        }
         kernels::quantized_matmul_kernel::launch::<R>(
             &client,
             CubeCount::Static(
@@ -1367,6 +1404,14 @@ pub(crate) fn quant_tile(rows: usize) -> usize {
     }
 }
 
+/// Whether the device's `fma` rounds once by definition (CUDA's and HIP's), so the
+/// `fast` product's float steps use it; elsewhere (Vulkan, WGPU, Metal) they are computed
+/// from singly rounded operations, exactly as a fused multiply-add (see
+/// `kernels::fused_mul_add`).
+fn native_fma<R: CubeRuntime>(client: &cubecl::client::ComputeClient<R>) -> bool {
+    matches!(R::name(client), "cuda" | "hip")
+}
+
 /// Units of [`kernels::quantized_matmul_kernel`] that share one output: the largest power
 /// of two up to 8 (a cube of 32 outputs is then at most 256 units, wgpu's limit) and up
 /// to the row's `blocks`. It depends on the weight's shape only, so a row's sums are
@@ -1425,6 +1470,7 @@ fn check_quantized_input(n_in: usize, w: &QuantMatrix) -> Result<()> {
 fn quantized_matmul<B: LlamaBackend + CubeKernels>(
     x: Tensor<B, 2>,
     w: &QuantMatrix,
+    precision: Precision,
 ) -> Result<Tensor<B, 2>> {
     let [rows, n_in] = x.dims();
     check_quantized_input(n_in, w)?;
@@ -1435,6 +1481,7 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
         cols: n_in,
         format: weight.format,
         blocks: n_in / w.format().block_values(),
+        integer: precision == Precision::Fast,
     };
     let out = B::quantized_matmul_primitive(
         x.into_primitive().tensor(),
@@ -1451,6 +1498,7 @@ fn quantized_swiglu<B: LlamaBackend + CubeKernels>(
     x: Tensor<B, 2>,
     gate: &QuantMatrix,
     up: &QuantMatrix,
+    precision: Precision,
 ) -> Result<Option<Tensor<B, 2>>> {
     let [rows, n_in] = x.dims();
     if gate.format() != up.format() || gate.rows() != up.rows() || gate.cols() != up.cols() {
@@ -1468,6 +1516,7 @@ fn quantized_swiglu<B: LlamaBackend + CubeKernels>(
         cols: n_in,
         format: g.format,
         blocks: n_in / gate.format().block_values(),
+        integer: precision == Precision::Fast,
     };
     let out = B::quantized_matmul_primitive(
         x.into_primitive().tensor(),
@@ -1739,18 +1788,18 @@ macro_rules! cube_llama_backend {
         fn quantized_matmul(
             x: Tensor<Self, 2>,
             w: &QuantMatrix,
-            _precision: Precision,
+            precision: Precision,
         ) -> Result<Tensor<Self, 2>> {
-            quantized_matmul(x, w)
+            quantized_matmul(x, w, precision)
         }
 
         fn quantized_swiglu(
             x: Tensor<Self, 2>,
             gate: &QuantMatrix,
             up: &QuantMatrix,
-            _precision: Precision,
+            precision: Precision,
         ) -> Result<Option<Tensor<Self, 2>>> {
-            quantized_swiglu(x, gate, up)
+            quantized_swiglu(x, gate, up, precision)
         }
 
         fn dense_matmul(

@@ -392,8 +392,9 @@ impl<B: LlamaBackend> Transformer<B> {
         &self.config
     }
 
-    /// Sets how the CPU kernels multiply quantized weights from the next forward pass
-    /// on (the weights are the same in both precisions, so this is free).
+    /// Sets how the kernels (the CPU's and the GPU backends') multiply quantized weights
+    /// from the next forward pass on (the weights are the same in both precisions, so
+    /// this is free).
     pub fn set_precision(&mut self, precision: Precision) {
         self.config.precision = precision;
     }
