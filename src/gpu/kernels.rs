@@ -2,6 +2,30 @@
 
 use cubecl::prelude::*;
 
+use crate::quant::{IntForm, QuantFormat};
+
+/// The kept format of GPU product code `code` (its row of `quant::QuantFormat`'s table).
+fn format_of(code: u32) -> Option<QuantFormat> {
+    QuantFormat::ALL.into_iter().find(|f| f.gpu_code() == code)
+}
+
+/// Bytes per block of the format of GPU code `code` (a kernel's comptime constant).
+fn block_bytes_of(code: u32) -> usize {
+    format_of(code).map_or(0, QuantFormat::block_bytes)
+}
+
+/// The integer form of the format of GPU code `code` (the `fast` kernel's comptime
+/// constants: offset, minimum, run).
+fn int_form_of(code: u32) -> IntForm {
+    format_of(code).map_or(QuantFormat::Q8_0.int_form(), QuantFormat::int_form)
+}
+
+/// Sub-blocks per run (and per block) of the format of GPU code `code`: 8 for the
+/// K-quants, 1 for the 32-value formats.
+fn run_of(code: u32) -> usize {
+    int_form_of(code).run
+}
+
 /// Paged attention: one cube per (query token, query head), one unit per value of the
 /// head (`dim` units). Keys are taken `dim` at a time: each unit scores one key of the
 /// tile (a dot product of `dim` products in order), then every unit folds the tile's
@@ -202,17 +226,7 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     // and stores nothing.
     let live = wanted < n_out;
     let o = select(live, wanted, n_out - 1);
-    let block_bytes = comptime!(match format {
-        0 => 34usize,
-        1 => 18usize,
-        2 => 20usize,
-        3 => 144usize,
-        4 => 210usize,
-        5 => 176usize,
-        6 => 22usize,
-        7 => 24usize,
-        _ => 110usize,
-    });
+    let block_bytes = comptime!(block_bytes_of(format));
     let k_quant = comptime!(matches!(format, 3 | 4 | 5 | 8));
     let block_values = comptime!(if k_quant { 256usize } else { 32usize });
     let blocks = cols / block_values;
@@ -781,20 +795,9 @@ fn int_block<F: Float, I: Numeric>(
     #[comptime] format: u32,
     #[comptime] tile: usize,
 ) {
-    let subs = comptime!(if matches!(format, 3 | 4 | 5 | 8) {
-        8usize
-    } else {
-        1usize
-    });
-    let mins = comptime!(matches!(format, 2 | 3 | 5 | 7));
-    let offset = comptime!(match format {
-        0 => 128i32,
-        1 => 8i32,
-        4 => 32i32,
-        6 => 16i32,
-        8 => 4i32,
-        _ => 0i32,
-    });
+    let subs = comptime!(run_of(format));
+    let mins = comptime!(int_form_of(format).mins);
+    let offset = comptime!(int_form_of(format).offset);
     let mut isum = Array::<i32>::new(tile);
     let mut id = Array::<f32>::new(tile);
     #[unroll]
@@ -957,12 +960,8 @@ fn int_steps<I: Numeric>(
     #[comptime] tile: usize,
     #[comptime] native_fma: bool,
 ) {
-    let subs = comptime!(if matches!(format, 3 | 4 | 5 | 8) {
-        8usize
-    } else {
-        1usize
-    });
-    let mins = comptime!(matches!(format, 2 | 3 | 5 | 7));
+    let subs = comptime!(run_of(format));
+    let mins = comptime!(int_form_of(format).mins);
     let d = int_d::<I>(words, at, format);
     #[unroll]
     for s in 0..subs {
@@ -1032,22 +1031,8 @@ pub(crate) fn int_matmul_kernel<F: Float, I: Numeric>(
     let (rows, n_out, cols) = (rows as usize, n_out as usize, cols as usize);
     let live = wanted < n_out;
     let o = select(live, wanted, n_out - 1);
-    let block_bytes = comptime!(match format {
-        0 => 34usize,
-        1 => 18usize,
-        2 => 20usize,
-        3 => 144usize,
-        4 => 210usize,
-        5 => 176usize,
-        6 => 22usize,
-        7 => 24usize,
-        _ => 110usize,
-    });
-    let subs = comptime!(if matches!(format, 3 | 4 | 5 | 8) {
-        8usize
-    } else {
-        1usize
-    });
+    let block_bytes = comptime!(block_bytes_of(format));
+    let subs = comptime!(run_of(format));
     let block_values = comptime!(32 * subs);
     let blocks = cols / block_values;
     let row_at = o * blocks * block_bytes;
