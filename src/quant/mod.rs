@@ -21,8 +21,11 @@
 //!
 //! That is the whole of the format for the loader (reading, quantizing at load, random
 //! files), the plain-Rust kernels of both precisions and the tests that loop over
-//! [`QuantFormat::ALL`]. Then its kernels: the GPU product's decoder
-//! (`gpu/kernels.rs`, under the row's `gpu` code), the x86 integer kernels' decode step
+//! [`QuantFormat::ALL`]. Then its kernels: the GPU products' decoders
+//! (`gpu/kernels.rs`, under the row's `gpu` code: the `exact` product's `small_block` or
+//! `k_block`, and the `fast` product's `int_value`, `int_scale`, `int_d` and `int_m`,
+//! which read the integer form of `int_form.rs` from the GGUF blocks; the kernels' block
+//! size, run, offset and minimum come from the row), the x86 integer kernels' decode step
 //! (`kernels/int8/x86.rs`), and, if the row says `exact_simd: true`, the `exact`
 //! precision's in-register decoders (`kernels/avx2.rs`, `kernels/avx512.rs`).
 
