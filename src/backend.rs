@@ -402,6 +402,29 @@ pub trait LlamaBackend: Backend {
         )
     }
 
+    /// RoPE on a step's queries and keys and the paged write of its keys and values, the
+    /// attention's preparation: `qk` `[tokens, q_width + kv_heads * head_dim]` is the
+    /// projection's queries then keys before RoPE (its rows may lie further apart than
+    /// their width: a column view of a wider product), `v` `[tokens, kv_heads *
+    /// head_dim]` the values, `rotation` the angles for `qk` as [`rope`](Self::rope)
+    /// takes them. Returns the rotated queries `[tokens, q_width]` and the pools with the
+    /// rotated keys and the values written at `slots` as
+    /// [`paged_store`](Self::paged_store) writes them; the pools come back on an error
+    /// too (unchanged). The default is [`rope`](Self::rope), then
+    /// [`paged_store`](Self::paged_store) of the keys' columns; the CubeCL backends do
+    /// both in one kernel, with the same bits.
+    fn rope_paged_store(
+        pools: (Tensor<Self, 4>, Tensor<Self, 4>),
+        qk: Tensor<Self, 2>,
+        v: Tensor<Self, 2>,
+        rotation: Rotation<'_, Self>,
+        q_width: usize,
+        slots: &[crate::cache::paged::Slot],
+        batch: &PagedBatch<'_, Self>,
+    ) -> (Result<Tensor<Self, 2>>, (Tensor<Self, 4>, Tensor<Self, 4>)) {
+        rope_then_store(pools, qk, v, rotation, q_width, slots, batch)
+    }
+
     /// Rotary position embedding in the rotate-half layout: `x * cos + rotate_half(x) *
     /// sin` for `x`, `cos` and `sin` `[rows, heads * head_dim]` (the first half's sign
     /// folded into `sin`), where `swap` is the `[head_dim, head_dim]` permutation that
@@ -638,6 +661,49 @@ pub(crate) fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) ->
             expected: vec![d],
             actual: weight.dims().to_vec(),
         })
+    }
+}
+
+/// The rotation of a step's queries and keys: each row's angles
+/// ([`RopeAngles`](crate::model::rope::RopeAngles): positions and tables, and the
+/// cosines and sines gathered for [`LlamaBackend::rope`]) and `swap`, the `[head_dim,
+/// head_dim]` permutation that swaps a head's halves.
+#[derive(Debug, Clone, Copy)]
+pub struct Rotation<'a, B: Backend> {
+    /// The rows' angles.
+    pub angles: &'a crate::model::rope::RopeAngles<B>,
+    /// The permutation swapping a head's halves (its size is the head's).
+    pub swap: &'a Tensor<B, 2>,
+}
+
+/// [`LlamaBackend::rope_paged_store`]'s portable path: the backend's RoPE over `qk`,
+/// then its paged write of the keys' columns and the values.
+pub(crate) fn rope_then_store<B: LlamaBackend>(
+    pools: (Tensor<B, 4>, Tensor<B, 4>),
+    qk: Tensor<B, 2>,
+    v: Tensor<B, 2>,
+    rotation: Rotation<'_, B>,
+    q_width: usize,
+    slots: &[crate::cache::paged::Slot],
+    batch: &PagedBatch<'_, B>,
+) -> (Result<Tensor<B, 2>>, (Tensor<B, 4>, Tensor<B, 4>)) {
+    let [rows, width] = qk.dims();
+    if q_width > width {
+        let error = LlamaError::ShapeMismatch {
+            name: "rope and store: query width".into(),
+            expected: vec![width],
+            actual: vec![q_width],
+        };
+        return (Err(error), pools);
+    }
+    let (cos, sin) = rotation.angles.gathered();
+    match B::rope(qk, cos, sin, rotation.swap) {
+        Ok(qk) => {
+            let q = qk.clone().slice([0..rows, 0..q_width]);
+            let k = qk.slice([0..rows, q_width..width]);
+            (Ok(q), B::paged_store(pools, k, v, slots, batch))
+        }
+        Err(e) => (Err(e), pools),
     }
 }
 

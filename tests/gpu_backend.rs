@@ -854,6 +854,147 @@ fn row_kernels_give_the_reference_and_the_store_writes_each_slot() {
     assert!(kept.iter().enumerate().all(|(i, &v)| v == -1.0 - i as f32));
 }
 
+/// RoPE and the paged store in one launch (`rope_paged_store`, what a decode step runs):
+/// the queries and the pools bitwise what the RoPE kernel then the store kernel give,
+/// from a column view of a fused projection's output as the model passes it, the angles
+/// read from the tables at each token's position; angles at other positions than the
+/// batch's taken as given (the portable path); the CPU backend's path within RoPE's
+/// rounding; tables of the wrong head size an error with the pools given back unchanged.
+#[test]
+fn rope_and_the_paged_store_in_one_launch_give_the_two_kernels_bits() {
+    use burn::tensor::{Tensor, TensorData};
+    use llama_burn::backend::Rotation;
+    use llama_burn::model::attention::{PagedBatch, PagedSeq};
+    use llama_burn::model::rope::RopeAngles;
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Angles {
+        OfTheBatch,
+        Shifted,
+        WrongHeadSize,
+    }
+
+    fn run<B: LlamaBackend>(
+        device: &B::Device,
+        fused: bool,
+        angles: Angles,
+    ) -> (Result<Vec<f32>, LlamaError>, Vec<f32>, Vec<f32>) {
+        let (n_heads, kv_heads, dim, blocks, block_size) = (4, 2, 8, 6, 4);
+        let (q_width, kv_width) = (n_heads * dim, kv_heads * dim);
+        let width = q_width + kv_width;
+        let table_a = [4u32, 1];
+        let table_b = [0u32];
+        let seqs = vec![
+            PagedSeq {
+                tokens: 3,
+                start: 2,
+                blocks: &table_a,
+            },
+            PagedSeq {
+                tokens: 2,
+                start: 0,
+                blocks: &table_b,
+            },
+        ];
+        let batch = PagedBatch::<B>::new(seqs, n_heads, block_size, blocks, device).expect("batch");
+        let slots = [(4, 2), (4, 3), (1, 0), (0, 0), (0, 1)];
+        let tokens = slots.len();
+        let matrix = |v: Vec<f32>, rows: usize, cols: usize| {
+            Tensor::<B, 2>::from_data(TensorData::new(v, [rows, cols]), device)
+        };
+        // The fused projection's output: queries, keys, values side by side.
+        let qkv = matrix(
+            values(tokens * (width + kv_width), 21),
+            tokens,
+            width + kv_width,
+        );
+        let qk = qkv.clone().slice([0..tokens, 0..width]);
+        let v = qkv.slice([0..tokens, width..width + kv_width]);
+        let table_dim = if angles == Angles::WrongHeadSize {
+            dim - 2
+        } else {
+            dim
+        };
+        let positions = match angles {
+            Angles::Shifted => vec![3, 4, 5, 1, 2],
+            _ => vec![2, 3, 4, 0, 1],
+        };
+        let angles = RopeAngles::new(
+            matrix(values(8 * table_dim, 22), 8, table_dim),
+            matrix(values(8 * table_dim, 23), 8, table_dim),
+            positions,
+            n_heads + kv_heads,
+        )
+        .expect("angles");
+        let mut swap = vec![0f32; dim * dim];
+        for i in 0..dim {
+            swap[i * dim + (i + dim / 2) % dim] = 1.0;
+        }
+        let swap = matrix(swap, dim, dim);
+        let pool_len = blocks * kv_heads * block_size * dim;
+        let pool = |base: f32| {
+            let init: Vec<f32> = (0..pool_len).map(|i| base - i as f32).collect();
+            Tensor::<B, 4>::from_data(
+                TensorData::new(init, [blocks, kv_heads, block_size, dim]),
+                device,
+            )
+        };
+        let pools = (pool(-1.0), pool(-1000.0));
+        let (q, (keys, values_pool)) = if fused {
+            let rotation = Rotation {
+                angles: &angles,
+                swap: &swap,
+            };
+            B::rope_paged_store(pools, qk, v, rotation, q_width, &slots, &batch)
+        } else {
+            let (cos, sin) = angles.gathered();
+            let qk = B::rope(qk, cos, sin, &swap).expect("rope");
+            let q = qk.clone().slice([0..tokens, 0..q_width]);
+            let k = qk.slice([0..tokens, q_width..width]);
+            (Ok(q), B::paged_store(pools, k, v, &slots, &batch))
+        };
+        let read = |t: Tensor<B, 2>| t.into_data().into_vec::<f32>().expect("f32");
+        let flat = |t: Tensor<B, 4>| t.into_data().into_vec::<f32>().expect("f32");
+        (q.map(read), flat(keys), flat(values_pool))
+    }
+
+    let device = Default::default();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for angles in [Angles::OfTheBatch, Angles::Shifted] {
+        let (q, keys, vals) = run::<Gpu>(&device, true, angles);
+        let q = q.expect("fused rope and store");
+        let (q2, keys2, vals2) = run::<Gpu>(&device, false, angles);
+        assert_eq!(bits(&q), bits(&q2.expect("rope")), "rotated queries");
+        assert_eq!(bits(&keys), bits(&keys2), "key pool");
+        assert_eq!(bits(&vals), bits(&vals2), "value pool");
+        // The CPU backend's portable path: RoPE then its store.
+        let (q3, keys3, vals3) = run::<Flex>(&Default::default(), true, angles);
+        let q3 = q3.expect("cpu rope and store");
+        assert!(max_diff(&q, &q3) <= 1e-6, "queries: {}", max_diff(&q, &q3));
+        assert!(
+            max_diff(&keys, &keys3) <= 1e-6,
+            "keys: {}",
+            max_diff(&keys, &keys3)
+        );
+        assert_eq!(bits(&vals), bits(&vals3), "values are copied");
+        // Every token's slot was written (the pools start far from the inputs' range).
+        let written = keys.iter().filter(|k| k.abs() < 2.0).count();
+        assert_eq!(written, 5 * 2 * 8);
+    }
+    // Tables of the wrong head size: an error naming the angles, the pools unchanged.
+    let (q, keys, vals) = run::<Gpu>(&device, true, Angles::WrongHeadSize);
+    assert!(
+        matches!(&q, Err(LlamaError::ShapeMismatch { name, .. }) if name == "rope cos"),
+        "{q:?}"
+    );
+    assert!(keys.iter().enumerate().all(|(i, &k)| k == -1.0 - i as f32));
+    assert!(
+        vals.iter()
+            .enumerate()
+            .all(|(i, &v)| v == -1000.0 - i as f32)
+    );
+}
+
 #[test]
 fn encoded_kv_pools_on_the_device_hold_the_host_bytes_and_give_the_cpu_attention() {
     use burn::tensor::{Tensor, TensorData};

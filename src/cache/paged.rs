@@ -462,6 +462,47 @@ impl<B: Backend> PagedKvCache<B> {
         Ok(())
     }
 
+    /// Rotates a step's queries and keys of `layer` and writes the keys and values into
+    /// their slots, as [`write`](Self::write) does; returns the rotated queries. A float
+    /// pool takes the backend's [`rope_paged_store`](LlamaBackend::rope_paged_store) (one
+    /// kernel on the CubeCL backends); an encoded one the backend's RoPE, then its write.
+    ///
+    /// # Errors
+    ///
+    /// What RoPE reports (shapes); as [`write`](Self::write).
+    pub(crate) fn write_rotated(
+        &mut self,
+        layer: usize,
+        step: crate::model::attention::QkvStep<'_, B>,
+        slots: &[Slot],
+        batch: &PagedBatch<'_, B>,
+    ) -> Result<Tensor<B, 2>>
+    where
+        B: LlamaBackend,
+    {
+        let LayerPool::Float { k: keys, v: values } = &mut self.layers[layer] else {
+            let (q, k, v) = step.rotated()?;
+            self.write(layer, k, v, slots, batch)?;
+            return Ok(q);
+        };
+        let rotation = step.rope.rotation(step.angles);
+        let (qk, v, q_dim) = (step.qk, step.v, step.q_dim);
+        let mut rotated = None;
+        keys.inplace(|keys| {
+            let mut written = None;
+            values.inplace(|values| {
+                let (q, (keys, values)) =
+                    B::rope_paged_store((keys, values), qk, v, rotation, q_dim, slots, batch);
+                rotated = Some(q);
+                written = Some(keys);
+                values
+            });
+            // `inplace` ran the closure: `written` holds the keys.
+            written.unwrap_or_else(|| unreachable!("Tensor::inplace runs its closure"))
+        });
+        rotated.unwrap_or_else(|| unreachable!("Tensor::inplace runs its closure"))
+    }
+
     /// A description of how a block's bytes are laid out ([`read_block`](Self::read_block)):
     /// the types, the float pool's dtype, layers, heads, head size and block size. Two
     /// caches with the same tag read each other's blocks.

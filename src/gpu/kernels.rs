@@ -1728,6 +1728,71 @@ pub(crate) fn paged_store_kernel<F: Float, I: Numeric>(
     }
 }
 
+/// RoPE on a step's queries and keys and the paged write of its keys and values, one
+/// launch for [`rope_kernel`] and [`paged_store_kernel`]: `qk` `[tokens, q_width +
+/// kv_heads * head_dim]` (the projection's queries then keys, rows `qk.stride(0)` apart)
+/// is rotated with [`rope_kernel`]'s expression by the angles of each token's position,
+/// read from the tables `cos`/`sin` (`[positions, head_dim]`, contiguous; the position is
+/// the one `meta` gives for the store, so no gathered copy is made); the queries go to `q`
+/// (`[tokens, q_width]`), the keys
+/// and `v` (`[tokens, kv_heads * head_dim]`, rows `v.stride(0)` apart) to the pools at
+/// each token's slot, as [`paged_store_kernel`] writes them (`meta` its table). One cube
+/// per token.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_paged_store_kernel<F: Float, I: Numeric>(
+    qk: &Tensor<F>,
+    v: &Tensor<F>,
+    cos: &Tensor<F>,
+    sin: &Tensor<F>,
+    meta: &Tensor<I>,
+    q: &mut Tensor<F>,
+    keys: &mut Tensor<F>,
+    values: &mut Tensor<F>,
+    q_width: u32,
+    kv_heads: u32,
+    block_size: u32,
+    head_dim: u32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let token = CUBE_POS_X as usize;
+    let (q_width, kv_heads, block_size, head_dim) = (
+        q_width as usize,
+        kv_heads as usize,
+        block_size as usize,
+        head_dim as usize,
+    );
+    let table = u32::cast_from(meta[2 * token]) as usize;
+    let position = u32::cast_from(meta[2 * token + 1]) as usize;
+    let block = u32::cast_from(meta[table + position / block_size]) as usize;
+    let slot = position % block_size;
+    let kv_width = kv_heads * head_dim;
+    let width = q_width + kv_width;
+    let half = head_dim / 2;
+    let (qk_row, v_row, angle_row) = (
+        token * qk.stride(0),
+        token * v.stride(0),
+        position * head_dim,
+    );
+    let mut c = UNIT_POS_X as usize;
+    while c < width {
+        let partner = select(c % head_dim < half, c + half, c - half);
+        let i = angle_row + c % head_dim;
+        let rotated =
+            qk[qk_row + c * qk.stride(1)] * cos[i] + qk[qk_row + partner * qk.stride(1)] * sin[i];
+        if c < q_width {
+            q[token * q_width + c] = rotated;
+        } else {
+            let kc = c - q_width;
+            let dst =
+                ((block * kv_heads + kc / head_dim) * block_size + slot) * head_dim + kc % head_dim;
+            keys[dst] = rotated;
+            values[dst] = v[v_row + kc * v.stride(1)];
+        }
+        c += CUBE_DIM_X as usize;
+    }
+}
+
 /// The most quantized blocks (32 values each) one token's keys or values may hold in
 /// [`paged_store_encoded_kernel`]: `kv_heads * head_dim / 32`, one scale each in shared
 /// memory.

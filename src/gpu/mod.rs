@@ -203,6 +203,22 @@ pub trait CubeKernels: Backend {
         shape: PagedShape,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
+    /// RoPE on `qk` (`[tokens, (n_heads + kv_heads) * dim]`, queries then keys; rows may
+    /// be a column slice of a wider tensor) with `angles` (the tables of cosines and sines,
+    /// `[positions, dim]`, read at each token's position in `table`), then the rotated keys and `v` written into the pools as
+    /// [`paged_store_primitive`](Self::paged_store_primitive) writes them, in one launch:
+    /// returns the rotated queries `[tokens, n_heads * dim]` and the pools. The caller has
+    /// checked the shapes.
+    fn rope_paged_store_primitive(
+        qk: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        angles: [FloatTensor<Self>; 2],
+        table: IntTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        shape: PagedShape,
+    ) -> [FloatTensor<Self>; 3];
+
     /// Writes `x` (`[tokens, kv_heads * dim]`, rows may be a column slice of a wider
     /// tensor) encoded in `kv.ty` into the word pool `pool` at the slots `table` names
     /// (see [`kernels::paged_store_encoded_kernel`]); returns the pool, written in place
@@ -575,6 +591,55 @@ where
         (keys, values)
     }
 
+    fn rope_paged_store_primitive(
+        qk: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        angles: [FloatTensor<Self>; 2],
+        table: IntTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        shape: PagedShape,
+    ) -> [FloatTensor<Self>; 3] {
+        use burn_cubecl::kernel::into_contiguous;
+        use cubecl::{CubeCount, CubeDim};
+        // The pools as `paged_store_primitive` takes them: in place where the cache alone
+        // holds them.
+        let own = |pool: FloatTensor<Self>| {
+            let pool = into_contiguous(pool);
+            if pool.can_mut() { pool } else { pool.copy() }
+        };
+        let (keys, values) = (own(keys), own(values));
+        let [cos, sin] = angles.map(into_contiguous);
+        let table = into_contiguous(table);
+        let q_width = shape.n_heads * shape.dim;
+        let q = empty_on(
+            &qk,
+            burn::tensor::Shape::new([shape.tokens, q_width]),
+            qk.dtype,
+        );
+        let client = keys.client.clone();
+        let (f_dtype, i_dtype) = (keys.dtype, table.dtype);
+        kernels::rope_paged_store_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(shape.tokens as u32, 1, 1),
+            CubeDim::new_1d(128),
+            qk.into_tensor_arg(),
+            v.into_tensor_arg(),
+            cos.into_tensor_arg(),
+            sin.into_tensor_arg(),
+            table.into_tensor_arg(),
+            q.clone().into_tensor_arg(),
+            keys.clone().into_tensor_arg(),
+            values.clone().into_tensor_arg(),
+            q_width as u32,
+            shape.kv_heads as u32,
+            shape.block_size as u32,
+            shape.dim as u32,
+            [f_dtype.into(), i_dtype.into()],
+        );
+        [q, keys, values]
+    }
+
     fn paged_store_encoded_primitive(
         x: FloatTensor<Self>,
         table: IntTensor<Self>,
@@ -903,6 +968,35 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
             },
         );
         (keys, values)
+    }
+
+    fn rope_paged_store_primitive(
+        qk: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        angles: [FloatTensor<Self>; 2],
+        table: IntTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        shape: PagedShape,
+    ) -> [FloatTensor<Self>; 3] {
+        let outs = [
+            (
+                burn::tensor::Shape::new([shape.tokens, shape.n_heads * shape.dim]),
+                qk.dtype,
+            ),
+            (keys.shape.clone(), keys.dtype),
+            (values.shape.clone(), values.dtype),
+        ];
+        let [cos, sin] = angles;
+        stream_kernel::<B, 6, 1, 3>(
+            "llama_burn_rope_paged_store",
+            [qk, v, cos, sin, keys, values],
+            [table],
+            outs,
+            move |[qk, v, cos, sin, keys, values], [table]| {
+                B::rope_paged_store_primitive(qk, v, [cos, sin], table, keys, values, shape)
+            },
+        )
     }
 
     fn paged_store_encoded_primitive(
@@ -1672,6 +1766,84 @@ fn paged_store<B: LlamaBackend + CubeKernels>(
     )
 }
 
+/// [`LlamaBackend::rope_paged_store`] through [`CubeKernels::rope_paged_store_primitive`]:
+/// RoPE on the queries and keys and the write of the keys and values in one launch, with
+/// [`rope`]'s and [`paged_store`]'s bits. The portable path where the step does not match
+/// the pools or the angles.
+fn rope_paged_store<B: LlamaBackend + CubeKernels>(
+    pools: (Tensor<B, 4>, Tensor<B, 4>),
+    qk: Tensor<B, 2>,
+    v: Tensor<B, 2>,
+    rotation: crate::backend::Rotation<'_, B>,
+    q_width: usize,
+    slots: &[crate::cache::paged::Slot],
+    batch: &PagedBatch<'_, B>,
+) -> (Result<Tensor<B, 2>>, (Tensor<B, 4>, Tensor<B, 4>)) {
+    let (keys, values) = &pools;
+    let [blocks, kv_heads, block_size, dim] = keys.dims();
+    let [tokens, width] = qk.dims();
+    let (table, max_block) = batch.device_table();
+    let n_heads = batch.n_heads();
+    let dtype = keys.dtype();
+    let (cos, sin) = rotation.angles.tables();
+    // The kernel reads each token's angles at the position the store's table gives it:
+    // the angles' positions must be those.
+    let batch_positions = batch
+        .seqs()
+        .iter()
+        .flat_map(|s| s.start..s.start + s.tokens);
+    let fits = tokens > 0
+        && tokens == slots.len()
+        && dim > 0
+        && q_width == n_heads * dim
+        && width == q_width + kv_heads * dim
+        && v.dims() == [tokens, kv_heads * dim]
+        && cos.dims()[1] == dim
+        && rotation.angles.positions().len() == tokens
+        && batch_positions.eq(rotation.angles.positions().iter().copied())
+        && rotation.swap.dims() == [dim, dim]
+        && values.dims() == keys.dims()
+        && block_size == batch.block_size()
+        && max_block < blocks
+        && [
+            qk.dtype(),
+            v.dtype(),
+            values.dtype(),
+            cos.dtype(),
+            sin.dtype(),
+        ]
+        .into_iter()
+        .all(|d| d == dtype);
+    if !fits {
+        return crate::backend::rope_then_store(pools, qk, v, rotation, q_width, slots, batch);
+    }
+    let (keys, values) = pools;
+    let shape = PagedShape {
+        tokens,
+        n_heads,
+        kv_heads,
+        block_size,
+        dim,
+    };
+    let [q, keys, values] = B::rope_paged_store_primitive(
+        qk.into_primitive().tensor(),
+        v.into_primitive().tensor(),
+        [
+            cos.clone().into_primitive().tensor(),
+            sin.clone().into_primitive().tensor(),
+        ],
+        table.clone().into_primitive(),
+        keys.into_primitive().tensor(),
+        values.into_primitive().tensor(),
+        shape,
+    );
+    let pool = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    (
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(q))),
+        (pool(keys), pool(values)),
+    )
+}
+
 /// Burn's CubeCL backends without fusion: our kernels where we have them, the portable
 /// defaults elsewhere.
 /// RMSNorm whose sums of squares are added in one fixed order per row (our dense kernel
@@ -1745,6 +1917,18 @@ macro_rules! cube_llama_backend {
             batch: &PagedBatch<'_, Self>,
         ) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
             paged_store(pools, k, v, slots, batch)
+        }
+
+        fn rope_paged_store(
+            pools: (Tensor<Self, 4>, Tensor<Self, 4>),
+            qk: Tensor<Self, 2>,
+            v: Tensor<Self, 2>,
+            rotation: crate::backend::Rotation<'_, Self>,
+            q_width: usize,
+            slots: &[crate::cache::paged::Slot],
+            batch: &PagedBatch<'_, Self>,
+        ) -> (Result<Tensor<Self, 2>>, (Tensor<Self, 4>, Tensor<Self, 4>)) {
+            rope_paged_store(pools, qk, v, rotation, q_width, slots, batch)
         }
 
         fn paged_attention(

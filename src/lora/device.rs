@@ -230,6 +230,13 @@ impl<'a, B: LlamaBackend> LoraStep<'a, B> {
         B::lora_add(y, x.clone(), &groups)
     }
 
+    /// Whether a group of the step changes projection `weight` of `layer`.
+    pub(crate) fn touches(&self, layer: usize, weight: usize) -> bool {
+        self.groups
+            .iter()
+            .any(|g| g.weights.pair(layer, weight).is_some())
+    }
+
     /// The rows of every group that changes projection `weight` of `layer`, each group's
     /// rows with its own changes: `(rows, index, f(x rows) as changed)` for a caller that
     /// recomputes those rows apart (the fused feed-forward kernel's rows).

@@ -50,6 +50,35 @@ pub(crate) fn contiguous_in_place<B: LlamaBackend>(
     B::paged_attention(q, keys, values, view)
 }
 
+/// One layer's queries, keys and values as the projection gave them, RoPE not yet
+/// applied: the attention step rotates them itself, so that a backend may rotate and
+/// store the keys in one kernel ([`LlamaBackend::rope_paged_store`]).
+pub(crate) struct QkvStep<'a, B: Backend> {
+    /// Queries then keys, `[tokens, q_dim + n_kv_heads * head_dim]` (possibly a column
+    /// view of the fused projection's output).
+    pub(crate) qk: Tensor<B, 2>,
+    /// Values, `[tokens, n_kv_heads * head_dim]`.
+    pub(crate) v: Tensor<B, 2>,
+    /// Columns of the queries, `n_heads * head_dim`.
+    pub(crate) q_dim: usize,
+    pub(crate) rope: &'a super::rope::RopeTable<B>,
+    pub(crate) angles: &'a super::rope::RopeAngles<B>,
+}
+
+impl<B: Backend> QkvStep<'_, B> {
+    /// Queries and keys rotated (the backend's RoPE), with the values: `(q, k, v)`.
+    pub(crate) fn rotated(self) -> Result<(Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)>
+    where
+        B: LlamaBackend,
+    {
+        let [rows, width] = self.qk.dims();
+        let qk = self.rope.apply(self.qk, self.angles)?;
+        let q = qk.clone().slice([0..rows, 0..self.q_dim]);
+        let k = qk.slice([0..rows, self.q_dim..width]);
+        Ok((q, k, self.v))
+    }
+}
+
 /// One row of a paged forward pass, as the engine's executor describes it: no request,
 /// only tokens, positions and blocks.
 #[derive(Debug, Clone, Copy)]
@@ -153,22 +182,19 @@ impl<'a, B: Backend> PagedPlan<'a, B> {
         })
     }
 
-    /// Attention of one layer: writes this step's keys and values into their slots, then
-    /// the backend attends over each sequence's blocks. `q` is
-    /// `[tokens, n_heads * head_dim]`, `k`/`v` `[tokens, n_kv_heads * head_dim]`; returns
-    /// `[tokens, n_heads * head_dim]`.
+    /// Attention of one layer: rotates this step's queries and keys and writes the keys
+    /// and values into their slots (one kernel on the CubeCL backends), then the backend
+    /// attends over each sequence's blocks. Returns `[tokens, n_heads * head_dim]`.
     pub(crate) fn attention(
         &self,
         layer: usize,
-        q: Tensor<B, 2>,
-        k: Tensor<B, 2>,
-        v: Tensor<B, 2>,
+        step: QkvStep<'_, B>,
         cache: &mut PagedKvCache<B>,
     ) -> Result<Tensor<B, 2>>
     where
         B: LlamaBackend,
     {
-        cache.write(layer, k, v, &self.slots, &self.batch)?;
+        let q = cache.write_rotated(layer, step, &self.slots, &self.batch)?;
         cache.attention(layer, q, &self.batch)
     }
 }

@@ -26,6 +26,16 @@ enum Part<B: Backend> {
     Quantized(Arc<QuantMatrix>),
 }
 
+impl<B: Backend> Part<B> {
+    /// Output columns.
+    fn columns(&self) -> usize {
+        match self {
+            Part::Dense(t) => t.dims()[1],
+            Part::Quantized(m) => m.rows(),
+        }
+    }
+}
+
 /// A weight matrix `[in, out]`, stored as one or more contiguous column ranges, each
 /// dense or quantized.
 #[derive(Debug, Clone)]
@@ -45,7 +55,8 @@ impl<B: Backend> Projection<B> {
     }
 
     /// A projection over quantized matrices `[out_i, in]`, their outputs side by side
-    /// (`out = sum of out_i`). Matrices of one format are stacked into one.
+    /// (`out = sum of out_i`). Consecutive matrices of one format are stacked into one
+    /// (one product, one launch on a GPU).
     ///
     /// # Errors
     ///
@@ -63,15 +74,23 @@ impl<B: Backend> Projection<B> {
             ));
         }
         let n_out = matrices.iter().map(QuantMatrix::rows).sum();
-        let same_format = matrices.iter().all(|m| m.format() == first.format());
-        let parts = if same_format && matrices.len() > 1 {
-            vec![Part::Quantized(Arc::new(QuantMatrix::stack(&matrices)?))]
-        } else {
-            matrices
-                .into_iter()
-                .map(|m| Part::Quantized(Arc::new(m)))
-                .collect()
-        };
+        let mut runs: Vec<Vec<QuantMatrix>> = Vec::new();
+        for m in matrices {
+            match runs.last_mut() {
+                Some(run) if run[0].format() == m.format() => run.push(m),
+                _ => runs.push(vec![m]),
+            }
+        }
+        let parts = runs
+            .into_iter()
+            .map(|mut run| {
+                let m = match run.len() {
+                    1 => run.remove(0),
+                    _ => QuantMatrix::stack(&run)?,
+                };
+                Ok(Part::Quantized(Arc::new(m)))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             parts,
             dims: [n_in, n_out],
@@ -138,13 +157,67 @@ impl<B: LlamaBackend> Projection<B> {
     ///
     /// What the backend's quantized product reports (a shape it cannot take).
     pub fn forward(&self, x: Tensor<B, 2>, precision: Precision) -> Result<Tensor<B, 2>> {
+        Self::forward_parts(&self.parts, x, precision)
+    }
+
+    /// `x @ W` as two tensors, the output columns before `at` and from `at` on (a fused
+    /// projection's outputs taken apart, such as the queries and keys from the values).
+    /// Where a part ends at `at` each side is its own products (no copy, no
+    /// concatenation); elsewhere both are column views of the whole product.
+    ///
+    /// # Errors
+    ///
+    /// What [`forward`](Self::forward) reports; [`LlamaError::ShapeMismatch`] if `at`
+    /// is past the outputs.
+    pub fn forward_split(
+        &self,
+        x: Tensor<B, 2>,
+        precision: Precision,
+        at: usize,
+    ) -> Result<(Tensor<B, 2>, Tensor<B, 2>)> {
+        let n_out = self.dims[1];
+        if at > n_out {
+            return Err(LlamaError::ShapeMismatch {
+                name: "projection split".into(),
+                expected: vec![n_out],
+                actual: vec![at],
+            });
+        }
+        let mut end = 0;
+        let boundary = self.parts.iter().position(|p| {
+            let starts_at = end;
+            end += p.columns();
+            starts_at == at
+        });
+        match boundary {
+            Some(i) if i > 0 => Ok((
+                Self::forward_parts(&self.parts[..i], x.clone(), precision)?,
+                Self::forward_parts(&self.parts[i..], x, precision)?,
+            )),
+            _ => {
+                let out = self.forward(x, precision)?;
+                let rows = out.dims()[0];
+                Ok((
+                    out.clone().slice([0..rows, 0..at]),
+                    out.slice([0..rows, at..n_out]),
+                ))
+            }
+        }
+    }
+
+    fn forward_parts(
+        parts: &[Part<B>],
+        x: Tensor<B, 2>,
+        precision: Precision,
+    ) -> Result<Tensor<B, 2>> {
         let part = |p: &Part<B>| match p {
             Part::Dense(w) => B::dense_matmul(x.clone(), w, false),
             Part::Quantized(m) => B::quantized_matmul(x.clone(), m, precision),
         };
-        match self.parts.as_slice() {
+        let quantized = parts.iter().any(|p| matches!(p, Part::Quantized(_)));
+        match parts {
             [only] => part(only),
-            parts if !self.is_quantized() => {
+            parts if !quantized => {
                 // Dense column blocks run one per core.
                 let outs = parts.par_iter().map(part).collect::<Result<Vec<_>>>()?;
                 Ok(Tensor::cat(outs, 1))

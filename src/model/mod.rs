@@ -21,7 +21,7 @@ use crate::cache::{KvCache, PagedKvCache};
 use crate::config::{LlamaConfig, Precision};
 use crate::error::{LlamaError, Result};
 pub use attention::PagedRow;
-use attention::{PagedPlan, grouped_query_attention};
+use attention::{PagedPlan, QkvStep, grouped_query_attention};
 pub use linear::Projection;
 use norm::rms_norm;
 use rope::RopeTable;
@@ -29,12 +29,11 @@ use weights::{BLOCK_WEIGHTS, WeightKind};
 
 /// Indices of the block's projections in [`BLOCK_WEIGHTS`] (checked by a test), as an
 /// adapter's changes are keyed.
-const WQK: usize = 1;
-const WV: usize = 2;
-const WO: usize = 3;
-const W_GATE: usize = 5;
-const W_UP: usize = 6;
-const W_DOWN: usize = 7;
+const WQKV: usize = 1;
+const WO: usize = 2;
+const W_GATE: usize = 4;
+const W_UP: usize = 5;
+const W_DOWN: usize = 6;
 
 /// Weights of one transformer block. Projection matrices are stored `[in, out]`, so a
 /// projection is `x @ w` over contiguous memory: on the CPU backend that was 1.5-6x faster
@@ -43,10 +42,11 @@ const W_DOWN: usize = 7;
 pub struct Block<B: Backend> {
     /// RMSNorm weight before attention, `[d_model]`.
     pub attn_norm: Tensor<B, 1>,
-    /// Fused query and key projections, `[d_model, (n_heads + n_kv_heads) head_dim]`.
-    pub wqk: Projection<B>,
-    /// Value projection, `[d_model, n_kv_heads head_dim]`.
-    pub wv: Projection<B>,
+    /// Fused query, key and value projections,
+    /// `[d_model, (n_heads + 2 n_kv_heads) head_dim]`: one product (one launch on a GPU)
+    /// where the three share a format, the queries and keys in one where only the values
+    /// differ (as in Q4_K_M files).
+    pub wqkv: Projection<B>,
     /// Attention output projection, `[n_heads head_dim, d_model]`.
     pub wo: Projection<B>,
     /// RMSNorm weight before the feed-forward block, `[d_model]`.
@@ -125,7 +125,7 @@ impl<B: Backend> Block<B> {
     pub fn from_weights(weights: impl IntoIterator<Item = BlockTensor<B>>) -> Result<Self> {
         let weights: Vec<BlockTensor<B>> = weights.into_iter().collect();
         let given = weights.len();
-        let [attn_norm, wqk, wv, wo, ffn_norm, w_gate, w_up, w_down] =
+        let [attn_norm, wqkv, wo, ffn_norm, w_gate, w_up, w_down] =
             <[BlockTensor<B>; BLOCK_WEIGHTS.len()]>::try_from(weights).map_err(|_| {
                 LlamaError::Config(format!(
                     "a block has {} weights, {given} were given",
@@ -134,8 +134,7 @@ impl<B: Backend> Block<B> {
             })?;
         Ok(Self {
             attn_norm: attn_norm.into_norm("attn_norm")?,
-            wqk: wqk.into_projection("wqk")?,
-            wv: wv.into_projection("wv")?,
+            wqkv: wqkv.into_projection("wqkv")?,
             wo: wo.into_projection("wo")?,
             ffn_norm: ffn_norm.into_norm("ffn_norm")?,
             w_gate: w_gate.into_projection("w_gate")?,
@@ -149,8 +148,7 @@ impl<B: Backend> Block<B> {
         use BlockTensorRef::{Norm, Projection as Proj};
         [
             Norm(&self.attn_norm),
-            Proj(&self.wqk),
-            Proj(&self.wv),
+            Proj(&self.wqkv),
             Proj(&self.wo),
             Norm(&self.ffn_norm),
             Proj(&self.w_gate),
@@ -503,14 +501,11 @@ impl<B: LlamaBackend> Transformer<B> {
     ///
     /// As [`forward`](Self::forward).
     pub fn forward_hidden(&self, tokens: &[u32], cache: &mut KvCache<B>) -> Result<Tensor<B, 2>> {
-        on_workers(|| {
-            let x = self.contiguous_blocks(tokens, cache, None)?;
-            rms_norm(x, &self.norm, self.config.norm_eps)
-        })
+        on_workers(|| self.contiguous_blocks(tokens, cache, None))
     }
 
     /// The transformer blocks over a chunk of a contiguous cache's rows (appended to
-    /// `cache`, which advances): the residual stream before the final norm,
+    /// `cache`, which advances): the final hidden states (after the model's last norm),
     /// `[batch * seq, d_model]`.
     fn contiguous_blocks(
         &self,
@@ -557,15 +552,13 @@ impl<B: LlamaBackend> Transformer<B> {
             Some(w) => crate::lora::LoraStep::new(&[w], [(tokens.len(), Some(0))], c, &device)?,
             None => crate::lora::LoraStep::none(),
         };
-        let x = self.run_blocks(
-            tokens,
-            &positions,
-            &lora,
-            |layer, q, k, v| match &in_place {
+        let x = self.run_blocks(tokens, &positions, &lora, |layer, step| {
+            let (q, k, v) = step.rotated()?;
+            match &in_place {
                 Some(view) => attention::contiguous_in_place(q, k, v, cache, layer, view),
                 None => grouped_query_attention(q, k, v, cache, layer, mask.as_ref(), c.n_heads),
-            },
-        )?;
+            }
+        })?;
         cache.advance(seq);
         Ok(x)
     }
@@ -640,8 +633,8 @@ impl<B: LlamaBackend> Transformer<B> {
             &self.device,
         )?;
         let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-        let x = self.run_blocks(&tokens, &plan.positions, &lora, |layer, q, k, v| {
-            plan.attention(layer, q, k, v, cache)
+        let x = self.run_blocks(&tokens, &plan.positions, &lora, |layer, step| {
+            plan.attention(layer, step, cache)
         })?;
         let x = match &plan.logit_rows {
             Some(index) => x.select(0, index.clone()),
@@ -730,18 +723,19 @@ impl<B: LlamaBackend> Transformer<B> {
     }
 
     /// The transformer blocks over `tokens` (one flat sequence of rows) at `positions`;
-    /// `attend(layer, q, k, v)` computes attention from this chunk's queries
-    /// `[tokens, n_heads * head_dim]` and keys/values `[tokens, n_kv_heads * head_dim]`
-    /// (RoPE applied) and returns `[tokens, n_heads * head_dim]`.
+    /// `attend(layer, step)` computes attention from this chunk's queries, keys and
+    /// values ([`QkvStep`]: RoPE not yet applied, so that a backend may rotate and store
+    /// in one kernel) and returns `[tokens, n_heads * head_dim]`. Returns the final
+    /// hidden states, after the model's last norm.
     fn run_blocks(
         &self,
         tokens: &[u32],
         positions: &[usize],
         lora: &crate::lora::LoraStep<'_, B>,
-        mut attend: impl FnMut(usize, Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) -> Result<Tensor<B, 2>>,
+        mut attend: impl FnMut(usize, QkvStep<'_, B>) -> Result<Tensor<B, 2>>,
     ) -> Result<Tensor<B, 2>> {
         let c = &self.config;
-        let angles = self.rope.angles(positions, c.n_heads + c.n_kv_heads);
+        let angles = self.rope.angles(positions, c.n_heads + c.n_kv_heads)?;
         let rows = tokens.len();
         let mut x = self.embed.lookup(tokens, &self.device)?;
 
@@ -762,12 +756,25 @@ impl<B: LlamaBackend> Transformer<B> {
             // Each projection's output gets the adapter rows' LoRA changes (none in a
             // step without adapters); queries and keys before RoPE, as in the
             // checkpoint's own model.
-            let qk = lora.apply(layer, WQK, &h, block.wqk.forward(h.clone(), p)?)?;
-            let qk = self.rope.apply(qk, &angles)?;
-            let q = qk.clone().slice([0..rows, 0..q_dim]);
-            let k = qk.slice([0..rows, q_dim..q_dim + kv_dim]);
-            let v = lora.apply(layer, WV, &h, block.wv.forward(h.clone(), p)?)?;
-            let attn = attend(layer, q, k, v)?;
+            let (qk, v) = if lora.touches(layer, WQKV) {
+                let qkv = lora.apply(layer, WQKV, &h, block.wqkv.forward(h.clone(), p)?)?;
+                (
+                    qkv.clone().slice([0..rows, 0..q_dim + kv_dim]),
+                    qkv.slice([0..rows, q_dim + kv_dim..q_dim + 2 * kv_dim]),
+                )
+            } else {
+                block.wqkv.forward_split(h.clone(), p, q_dim + kv_dim)?
+            };
+            let attn = attend(
+                layer,
+                QkvStep {
+                    qk,
+                    v,
+                    q_dim,
+                    rope: &self.rope,
+                    angles: &angles,
+                },
+            )?;
             let out = lora.apply(layer, WO, &attn, block.wo.forward(attn.clone(), p)?)?;
             let (sum, h) = B::add_rms_norm(sum, out, &block.ffn_norm, c.norm_eps)?;
             let gated = self.feed_forward_gate(block, layer, h.clone(), lora)?;
@@ -775,10 +782,12 @@ impl<B: LlamaBackend> Transformer<B> {
             pending = Some(lora.apply(layer, W_DOWN, &gated, down)?);
             x = sum;
         }
-        if let Some(delta) = pending {
-            x = x + delta;
+        // The last block's residual add, with the model's final norm (one kernel on the
+        // CubeCL backends).
+        match pending {
+            Some(delta) => Ok(B::add_rms_norm(x, delta, &self.norm, c.norm_eps)?.1),
+            None => rms_norm(x, &self.norm, c.norm_eps),
         }
-        Ok(x)
     }
 
     /// The feed-forward block's gated activations, `silu(h @ gate) * (h @ up)`, with the
@@ -830,9 +839,9 @@ impl<B: LlamaBackend> Transformer<B> {
         Ok(gated)
     }
 
-    /// Final norm and output head: `[rows, d_model]` to `[rows, vocab]`.
+    /// The output head on final hidden states (normed by [`run_blocks`](Self::run_blocks)):
+    /// `[rows, d_model]` to `[rows, vocab]`.
     fn head(&self, x: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
-        let x = rms_norm(x, &self.norm, self.config.norm_eps)?;
         self.lm_head.project(x, self.config.precision)
     }
 }
@@ -843,7 +852,7 @@ mod tests {
 
     #[test]
     fn projection_indices_name_the_weight_tables_rows() {
-        let names = [WQK, WV, WO, W_GATE, W_UP, W_DOWN].map(|i| BLOCK_WEIGHTS[i].name);
-        assert_eq!(names, ["wqk", "wv", "wo", "w_gate", "w_up", "w_down"]);
+        let names = [WQKV, WO, W_GATE, W_UP, W_DOWN].map(|i| BLOCK_WEIGHTS[i].name);
+        assert_eq!(names, ["wqkv", "wo", "w_gate", "w_up", "w_down"]);
     }
 }

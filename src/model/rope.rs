@@ -27,11 +27,86 @@ pub struct RopeTable<B: Backend> {
     max_positions: usize,
 }
 
-/// Cosines and sines gathered for one forward pass, `[rows, heads * head_dim]`.
-#[derive(Debug, Clone)]
+/// The angles of one forward pass: each row's position in the table, and the cosines and
+/// sines gathered for them (`[rows, heads * head_dim]`) on first use, once for every
+/// layer; a kernel that reads the table at each row's position itself
+/// ([`LlamaBackend::rope_paged_store`] on the CubeCL backends) never gathers them.
+#[derive(Debug)]
 pub struct RopeAngles<B: Backend> {
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
+    cos_table: Tensor<B, 2>,
+    sin_table: Tensor<B, 2>,
+    positions: Vec<usize>,
+    heads: usize,
+    gathered: std::cell::OnceCell<(Tensor<B, 2>, Tensor<B, 2>)>,
+}
+
+impl<B: Backend> RopeAngles<B> {
+    /// The angles of rows at `positions` for `heads` heads, from tables `cos_table` and
+    /// `sin_table` `[positions in the table, head_dim]` (the sines negative on each
+    /// head's first half, as [`LlamaBackend::rope`] takes them).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`](crate::LlamaError::ShapeMismatch) if the tables'
+    /// shapes differ; [`LlamaError::PromptTooLong`](crate::LlamaError::PromptTooLong) if a
+    /// position is past them.
+    pub fn new(
+        cos_table: Tensor<B, 2>,
+        sin_table: Tensor<B, 2>,
+        positions: Vec<usize>,
+        heads: usize,
+    ) -> Result<Self> {
+        if cos_table.dims() != sin_table.dims() {
+            return Err(crate::LlamaError::ShapeMismatch {
+                name: "rope sine table".into(),
+                expected: cos_table.dims().to_vec(),
+                actual: sin_table.dims().to_vec(),
+            });
+        }
+        let max = cos_table.dims()[0];
+        if let Some(&p) = positions.iter().find(|&&p| p >= max) {
+            return Err(crate::LlamaError::PromptTooLong { tokens: p + 1, max });
+        }
+        Ok(Self {
+            cos_table,
+            sin_table,
+            positions,
+            heads,
+            gathered: std::cell::OnceCell::new(),
+        })
+    }
+
+    /// Each row's position.
+    pub fn positions(&self) -> &[usize] {
+        &self.positions
+    }
+
+    /// The tables, `[positions, head_dim]` each: cosines, then sines.
+    pub fn tables(&self) -> (&Tensor<B, 2>, &Tensor<B, 2>) {
+        (&self.cos_table, &self.sin_table)
+    }
+
+    /// Heads per row the gathered angles cover.
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+
+    /// The cosines and sines of every row, `[rows, heads * head_dim]` each, gathered from
+    /// the tables on the first call.
+    pub fn gathered(&self) -> (&Tensor<B, 2>, &Tensor<B, 2>) {
+        let (cos, sin) = self.gathered.get_or_init(|| {
+            let device = self.cos_table.device();
+            let idx: Vec<i64> = self.positions.iter().map(|&p| p as i64).collect();
+            let idx = Tensor::<B, 1, Int>::from_data(
+                TensorData::new(idx, [self.positions.len()]),
+                &device,
+            );
+            let pick =
+                |t: &Tensor<B, 2>| t.clone().select(0, idx.clone()).repeat_dim(1, self.heads);
+            (pick(&self.cos_table), pick(&self.sin_table))
+        });
+        (cos, sin)
+    }
 }
 
 impl<B: Backend> RopeTable<B> {
@@ -71,16 +146,31 @@ impl<B: Backend> RopeTable<B> {
         self.max_positions
     }
 
-    /// Cosines and sines for the given positions (one per row), repeated for `heads`
-    /// heads: `[positions.len(), heads * head_dim]`.
-    pub fn angles(&self, positions: &[usize], heads: usize) -> RopeAngles<B> {
-        let device = self.cos.device();
-        let idx: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
-        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(idx, [positions.len()]), &device);
-        let pick = |t: &Tensor<B, 2>| t.clone().select(0, idx.clone()).repeat_dim(1, heads);
-        RopeAngles {
-            cos: pick(&self.cos),
-            sin: pick(&self.sin),
+    /// The angles of rows at `positions` (one per row) for `heads` heads (gathered
+    /// `[positions.len(), heads * head_dim]` where a kernel needs them so).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::PromptTooLong`](crate::LlamaError::PromptTooLong) if a position is
+    /// past the table.
+    pub fn angles(&self, positions: &[usize], heads: usize) -> Result<RopeAngles<B>> {
+        RopeAngles::new(
+            self.cos.clone(),
+            self.sin.clone(),
+            positions.to_vec(),
+            heads,
+        )
+    }
+
+    /// `angles` with this table's half swap, as [`LlamaBackend::rope_paged_store`] takes
+    /// them.
+    pub(crate) fn rotation<'a>(
+        &'a self,
+        angles: &'a RopeAngles<B>,
+    ) -> crate::backend::Rotation<'a, B> {
+        crate::backend::Rotation {
+            angles,
+            swap: &self.swap_halves,
         }
     }
 
@@ -95,7 +185,8 @@ impl<B: Backend> RopeTable<B> {
     where
         B: LlamaBackend,
     {
-        B::rope(x, &angles.cos, &angles.sin, &self.swap_halves)
+        let (cos, sin) = angles.gathered();
+        B::rope(x, cos, sin, &self.swap_halves)
     }
 }
 

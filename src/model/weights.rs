@@ -31,7 +31,7 @@ pub struct LayerTensor {
 }
 
 /// One weight of a transformer block, made of one checkpoint tensor or several stacked
-/// along the outputs (queries and keys share one projection).
+/// along the outputs (queries, keys and values share one projection).
 #[derive(Debug, Clone, Copy)]
 pub struct BlockWeight {
     /// Its name in the model (the [`Block`](super::Block) field), as shape errors give it.
@@ -110,7 +110,7 @@ const fn tensor(
 
 /// The weights of one transformer block, in the order the loader reads them and
 /// [`Block::weights`](super::Block::weights) lists them.
-pub const BLOCK_WEIGHTS: [BlockWeight; 8] = [
+pub const BLOCK_WEIGHTS: [BlockWeight; 7] = [
     norm(
         "attn_norm",
         &[tensor(
@@ -120,17 +120,13 @@ pub const BLOCK_WEIGHTS: [BlockWeight; 8] = [
         )],
     ),
     projection(
-        "wqk",
+        "wqkv",
         d_model,
         &[
             tensor("self_attn.q_proj.weight", "attn_q.weight", q_rows),
             tensor("self_attn.k_proj.weight", "attn_k.weight", kv_rows),
+            tensor("self_attn.v_proj.weight", "attn_v.weight", kv_rows),
         ],
-    ),
-    projection(
-        "wv",
-        d_model,
-        &[tensor("self_attn.v_proj.weight", "attn_v.weight", kv_rows)],
     ),
     projection(
         "wo",

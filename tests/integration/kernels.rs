@@ -128,6 +128,6 @@ fn the_demo_model_keeps_its_blocks_in_memory() {
             .model
             .blocks
             .iter()
-            .all(|b| b.w_down.is_quantized() && b.wqk.is_quantized())
+            .all(|b| b.w_down.is_quantized() && b.wqkv.is_quantized())
     );
 }
