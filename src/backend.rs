@@ -421,7 +421,7 @@ pub trait LlamaBackend: Backend {
         q_width: usize,
         slots: &[crate::cache::paged::Slot],
         batch: &PagedBatch<'_, Self>,
-    ) -> (Result<Tensor<Self, 2>>, (Tensor<Self, 4>, Tensor<Self, 4>)) {
+    ) -> (Result<Tensor<Self, 2>>, LayerPools<Self>) {
         rope_then_store(pools, qk, v, rotation, q_width, slots, batch)
     }
 
@@ -664,6 +664,10 @@ pub(crate) fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) ->
     }
 }
 
+/// A layer's paged pools, keys then values, `[blocks, kv_heads, block_size, head_dim]`
+/// each.
+pub type LayerPools<B> = (Tensor<B, 4>, Tensor<B, 4>);
+
 /// The rotation of a step's queries and keys: each row's angles
 /// ([`RopeAngles`](crate::model::rope::RopeAngles): positions and tables, and the
 /// cosines and sines gathered for [`LlamaBackend::rope`]) and `swap`, the `[head_dim,
@@ -686,7 +690,7 @@ pub(crate) fn rope_then_store<B: LlamaBackend>(
     q_width: usize,
     slots: &[crate::cache::paged::Slot],
     batch: &PagedBatch<'_, B>,
-) -> (Result<Tensor<B, 2>>, (Tensor<B, 4>, Tensor<B, 4>)) {
+) -> (Result<Tensor<B, 2>>, LayerPools<B>) {
     let [rows, width] = qk.dims();
     if q_width > width {
         let error = LlamaError::ShapeMismatch {

@@ -1778,7 +1778,7 @@ fn rope_paged_store<B: LlamaBackend + CubeKernels>(
     q_width: usize,
     slots: &[crate::cache::paged::Slot],
     batch: &PagedBatch<'_, B>,
-) -> (Result<Tensor<B, 2>>, (Tensor<B, 4>, Tensor<B, 4>)) {
+) -> (Result<Tensor<B, 2>>, crate::backend::LayerPools<B>) {
     let (keys, values) = &pools;
     let [blocks, kv_heads, block_size, dim] = keys.dims();
     let [tokens, width] = qk.dims();
@@ -1927,7 +1927,7 @@ macro_rules! cube_llama_backend {
             q_width: usize,
             slots: &[crate::cache::paged::Slot],
             batch: &PagedBatch<'_, Self>,
-        ) -> (Result<Tensor<Self, 2>>, (Tensor<Self, 4>, Tensor<Self, 4>)) {
+        ) -> (Result<Tensor<Self, 2>>, crate::backend::LayerPools<Self>) {
             rope_paged_store(pools, qk, v, rotation, q_width, slots, batch)
         }
 
