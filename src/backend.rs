@@ -266,6 +266,24 @@ pub trait LlamaBackend: Backend {
         Ok(None)
     }
 
+    /// `x @ [A | B]` for two quantized matrices `[n_a, in]` and `[n_b, in]` of any formats
+    /// (a fused projection's parts, such as the queries and keys beside values of another
+    /// format): `[rows, n_a + n_b]`, each output as [`quantized_matmul`](Self::quantized_matmul)
+    /// computes it, in one launch where the backend can (the CubeCL backends), else
+    /// `Ok(None)` (the default): the caller then runs the two products.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] if `x`'s columns are not the matrices' inputs.
+    fn quantized_matmul_two(
+        _x: Tensor<Self, 2>,
+        _a: &QuantMatrix,
+        _b: &QuantMatrix,
+        _precision: Precision,
+    ) -> Result<Option<Tensor<Self, 2>>> {
+        Ok(None)
+    }
+
     /// The feed-forward gate: `silu(gate) * up`, element by element. The default is
     /// Burn's operations.
     ///

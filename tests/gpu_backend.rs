@@ -854,6 +854,75 @@ fn row_kernels_give_the_reference_and_the_store_writes_each_slot() {
     assert!(kept.iter().enumerate().all(|(i, &v)| v == -1.0 - i as f32));
 }
 
+/// Two quantized matrices of unlike formats in one launch (`quantized_matmul_two`: a
+/// Q4_K_M file's Q4_K queries and keys beside its Q6_K values, say): every output bitwise
+/// the two products' own, in both precisions, at 1, 5 and 19 rows, with a first matrix
+/// whose outputs end inside a cube; matrices that take different units per output are
+/// left to two launches (`None`).
+#[test]
+fn two_matrices_of_unlike_formats_in_one_launch_give_each_products_bits() {
+    use burn::tensor::{Tensor, TensorData};
+    use llama_burn::Precision;
+    use llama_burn::kernels::{QuantFormat, QuantMatrix};
+
+    let device = Default::default();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let read = |t: Tensor<Gpu, 2>| t.into_data().into_vec::<f32>().expect("f32");
+    let input = |rows: usize, cols: usize| {
+        Tensor::<Gpu, 2>::from_data(
+            TensorData::new(values(rows * cols, 40 + rows as u64), [rows, cols]),
+            &device,
+        )
+    };
+    // (first, second, columns): K-quants of 2 blocks a row (2 units an output each),
+    // 32-value formats of 3 blocks (2 units each), and a 32-value beside a K-quant at 2048
+    // columns (64 and 8 blocks: 8 units each).
+    let cases = [
+        (QuantFormat::Q4_K, QuantFormat::Q6_K, 512),
+        (QuantFormat::Q8_0, QuantFormat::Q4_1, 96),
+        (QuantFormat::Q5_0, QuantFormat::Q3_K, 2048),
+    ];
+    for (fa, fb, cols) in cases {
+        let (na, nb) = (40, 37);
+        let a = QuantMatrix::quantize(fa, na, cols, &values(na * cols, 31)).expect("quantize");
+        let b = QuantMatrix::quantize(fb, nb, cols, &values(nb * cols, 32)).expect("quantize");
+        for precision in [Precision::Exact, Precision::Fast] {
+            for rows in [1, 5, 19] {
+                let both = Gpu::quantized_matmul_two(input(rows, cols), &a, &b, precision)
+                    .expect("one launch")
+                    .expect("these two share units per output");
+                assert_eq!(both.dims(), [rows, na + nb]);
+                let both = read(both);
+                let first = read(Gpu::quantized_matmul(input(rows, cols), &a, precision).unwrap());
+                let second = read(Gpu::quantized_matmul(input(rows, cols), &b, precision).unwrap());
+                for r in 0..rows {
+                    let row = &both[r * (na + nb)..(r + 1) * (na + nb)];
+                    assert_eq!(
+                        bits(&row[..na]),
+                        bits(&first[r * na..(r + 1) * na]),
+                        "{fa:?} beside {fb:?}, {precision:?}, {rows} rows: row {r}'s first part"
+                    );
+                    assert_eq!(
+                        bits(&row[na..]),
+                        bits(&second[r * nb..(r + 1) * nb]),
+                        "{fa:?} beside {fb:?}, {precision:?}, {rows} rows: row {r}'s second part"
+                    );
+                }
+            }
+        }
+    }
+    // Q8_0 (16 blocks: 8 units) beside Q6_K (2 blocks: 2 units) at 512 columns: two launches.
+    let a = QuantMatrix::quantize(QuantFormat::Q8_0, 8, 512, &values(8 * 512, 33)).unwrap();
+    let b = QuantMatrix::quantize(QuantFormat::Q6_K, 8, 512, &values(8 * 512, 34)).unwrap();
+    let none = Gpu::quantized_matmul_two(input(1, 512), &a, &b, Precision::Exact).expect("ok");
+    assert!(none.is_none());
+    // Inputs of the wrong width: the shape error, not a launch.
+    assert!(matches!(
+        Gpu::quantized_matmul_two(input(1, 256), &a, &b, Precision::Exact),
+        Err(LlamaError::ShapeMismatch { .. })
+    ));
+}
+
 /// RoPE and the paged store in one launch (`rope_paged_store`, what a decode step runs):
 /// the queries and the pools bitwise what the RoPE kernel then the store kernel give,
 /// from a column view of a fused projection's output as the model passes it, the angles

@@ -201,6 +201,12 @@ fn signed_byte(b: u32) -> f32 {
 /// format and shape) each unit computes both products of its output the same way and
 /// stores `silu(gate) * up` in f32, rounded once: SwiGLU in the product's epilogue, one
 /// launch for three operations. Without it `up` is not read.
+///
+/// With `second` (a format code, else [`NO_SECOND`]), `up` is a second matrix of that
+/// format and `n_second` outputs (the values beside the queries and keys, say), computed
+/// in the same launch: the cubes past the first matrix's take the second's, each output
+/// by the same steps as in a launch of its own, stored after the first's `n_out` outputs
+/// in rows of `n_out + n_second`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
@@ -210,18 +216,81 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     out: &mut Tensor<F>,
     rows: u32,
     n_out: u32,
+    n_second: u32,
     cols: u32,
     #[comptime] format: u32,
+    #[comptime] second: u32,
     #[comptime] tile: usize,
     #[comptime] lanes: usize,
     #[comptime] pair: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
+    let (rows, n_out, n_second, cols) = (
+        rows as usize,
+        n_out as usize,
+        n_second as usize,
+        cols as usize,
+    );
+    let width = n_out + n_second;
+    let cube = CUBE_POS_X as usize;
+    if comptime!(second == NO_SECOND) {
+        quantized_product::<F, I>(
+            x, words, up, out, rows, n_out, cols, cube, width, 0, format, tile, lanes, pair,
+        );
+    } else {
+        let cubes = n_out.div_ceil(QUANT_OUTPUTS);
+        if cube < cubes {
+            quantized_product::<F, I>(
+                x, words, up, out, rows, n_out, cols, cube, width, 0, format, tile, lanes, false,
+            );
+        } else {
+            quantized_product::<F, I>(
+                x,
+                up,
+                up,
+                out,
+                rows,
+                n_second,
+                cols,
+                cube - cubes,
+                width,
+                n_out,
+                second,
+                tile,
+                lanes,
+                false,
+            );
+        }
+    }
+}
+
+/// No second matrix in a product launch (see [`quantized_matmul_kernel`]).
+pub(crate) const NO_SECOND: u32 = u32::MAX;
+
+/// One matrix's part of [`quantized_matmul_kernel`]: its cube `cube` (along the outputs),
+/// outputs stored at `out_offset` in rows of `width`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn quantized_product<F: Float, I: Numeric>(
+    x: &Tensor<F>,
+    words: &Tensor<I>,
+    up: &Tensor<I>,
+    out: &mut Tensor<F>,
+    rows: usize,
+    n_out: usize,
+    cols: usize,
+    cube: usize,
+    width: usize,
+    out_offset: usize,
+    #[comptime] format: u32,
+    #[comptime] tile: usize,
+    #[comptime] lanes: usize,
+    #[comptime] pair: bool,
+) {
     let lane = UNIT_POS_Y as usize;
     let column = UNIT_POS_X as usize;
-    let wanted = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let wanted = cube * QUANT_OUTPUTS + column;
     let r0 = CUBE_POS_Y as usize * tile;
-    let (rows, n_out, cols) = (rows as usize, n_out as usize, cols as usize);
     // Every unit reaches the barrier below: one past the outputs works on the last one
     // and stores nothing.
     let live = wanted < n_out;
@@ -291,7 +360,7 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
                     // silu(g) = g / (1 + e^-g), in f32.
                     total = total / (f32::new(1.0) + (-total).exp()) * total_up;
                 }
-                out[(r0 + t) * n_out + o] = F::cast_from(total);
+                out[(r0 + t) * width + out_offset + o] = F::cast_from(total);
             }
         }
     }
@@ -1003,7 +1072,8 @@ fn int_steps<I: Numeric>(
 /// 3. the first lane takes the float steps of the chunk's blocks in order.
 ///
 /// So each output is one chain of float steps over its blocks in order, the CPU's,
-/// whatever the tile, the lanes or the batch. With `pair`, `up` is multiplied the same
+/// whatever the tile, the lanes or the batch. A `second` matrix in `up` as in
+/// [`quantized_matmul_kernel`]. With `pair`, `up` is multiplied the same
 /// way and the output is `silu(gate) * up` in f32, as [`quantized_matmul_kernel`]'s.
 /// `zero` is 0 (see [`opaque`]); `native_fma` says whether the device's `fma` is fused.
 #[cube(launch)]
@@ -1015,20 +1085,86 @@ pub(crate) fn int_matmul_kernel<F: Float, I: Numeric>(
     out: &mut Tensor<F>,
     rows: u32,
     n_out: u32,
+    n_second: u32,
     cols: u32,
     zero: u32,
     #[comptime] format: u32,
+    #[comptime] second: u32,
     #[comptime] tile: usize,
     #[comptime] lanes: usize,
     #[comptime] pair: bool,
     #[comptime] native_fma: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
+    let (rows, n_out, n_second, cols) = (
+        rows as usize,
+        n_out as usize,
+        n_second as usize,
+        cols as usize,
+    );
+    let width = n_out + n_second;
+    let cube = CUBE_POS_X as usize;
+    if comptime!(second == NO_SECOND) {
+        int_product::<F, I>(
+            x, words, up, out, rows, n_out, cols, cube, width, 0, zero, format, tile, lanes, pair,
+            native_fma,
+        );
+    } else {
+        let cubes = n_out.div_ceil(QUANT_OUTPUTS);
+        if cube < cubes {
+            int_product::<F, I>(
+                x, words, up, out, rows, n_out, cols, cube, width, 0, zero, format, tile, lanes,
+                false, native_fma,
+            );
+        } else {
+            int_product::<F, I>(
+                x,
+                up,
+                up,
+                out,
+                rows,
+                n_second,
+                cols,
+                cube - cubes,
+                width,
+                n_out,
+                zero,
+                second,
+                tile,
+                lanes,
+                false,
+                native_fma,
+            );
+        }
+    }
+}
+
+/// One matrix's part of [`int_matmul_kernel`], as [`quantized_product`] is of
+/// [`quantized_matmul_kernel`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn int_product<F: Float, I: Numeric>(
+    x: &Tensor<F>,
+    words: &Tensor<I>,
+    up: &Tensor<I>,
+    out: &mut Tensor<F>,
+    rows: usize,
+    n_out: usize,
+    cols: usize,
+    cube: usize,
+    width: usize,
+    out_offset: usize,
+    zero: u32,
+    #[comptime] format: u32,
+    #[comptime] tile: usize,
+    #[comptime] lanes: usize,
+    #[comptime] pair: bool,
+    #[comptime] native_fma: bool,
+) {
     let lane = UNIT_POS_Y as usize;
     let column = UNIT_POS_X as usize;
-    let wanted = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let wanted = cube * QUANT_OUTPUTS + column;
     let r0 = CUBE_POS_Y as usize * tile;
-    let (rows, n_out, cols) = (rows as usize, n_out as usize, cols as usize);
     let live = wanted < n_out;
     let o = select(live, wanted, n_out - 1);
     let block_bytes = comptime!(block_bytes_of(format));
@@ -1175,7 +1311,7 @@ pub(crate) fn int_matmul_kernel<F: Float, I: Numeric>(
                     // silu(g) = g / (1 + e^-g), in f32.
                     total = total / (f32::new(1.0) + (-total).exp()) * acc_up[t];
                 }
-                out[(r0 + t) * n_out + o] = F::cast_from(total);
+                out[(r0 + t) * width + out_offset + o] = F::cast_from(total);
             }
         }
     }

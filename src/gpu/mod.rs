@@ -90,6 +90,11 @@ pub struct QuantShape {
     /// so the outputs are the CPU `fast` product's bits (else the f32 product of the
     /// dequantized weights, `exact`).
     pub integer: bool,
+    /// A second matrix in the same launch (its format code and outputs), its words in
+    /// the product's `up` tensor: the outputs are the first matrix's `n_out` then the
+    /// second's, in rows of `n_out + n_second`. It takes the same `cols` and units per
+    /// output as the first.
+    pub second: Option<(u32, usize)>,
 }
 
 /// The shape of a dense product (see [`CubeKernels::dense_matmul_primitive`]).
@@ -128,7 +133,9 @@ pub trait CubeKernels: Backend {
     ///
     /// With `up` (the words of a second matrix of the same format and shape), each
     /// output is `silu(x @ W^T) * (x @ Up^T)` instead, in f32 (the feed-forward's gate,
-    /// up and SwiGLU in one launch).
+    /// up and SwiGLU in one launch). With `shape.second` instead, `up` is a second matrix
+    /// (of that format and outputs, the same `cols`) multiplied in the same launch, its
+    /// outputs after the first's: `[rows, n_out + n_second]`.
     fn quantized_matmul_primitive(
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
@@ -313,9 +320,11 @@ where
         let pair = up.is_some();
         // Without a pair the kernel never reads `up`: the weight's words stand in.
         let up = up.map_or_else(|| words.clone(), into_contiguous);
+        let (second, n_second) = shape.second.unwrap_or((kernels::NO_SECOND, 0));
+        let pair = pair && shape.second.is_none();
         let out = empty_on(
             &x,
-            burn::tensor::Shape::new([shape.rows, shape.n_out]),
+            burn::tensor::Shape::new([shape.rows, shape.n_out + n_second]),
             x.dtype,
         );
         let (f_dtype, i_dtype) = (x.dtype, words.dtype);
@@ -323,15 +332,12 @@ where
         let tile = quant_tile(shape.rows);
         let lanes = quant_lanes(shape.blocks);
         let outputs = kernels::QUANT_OUTPUTS as u32;
+        let cubes = (shape.n_out as u32).div_ceil(outputs) + (n_second as u32).div_ceil(outputs);
         if shape.integer {
             // The activations are quantized in the kernel's prologue.
             kernels::int_matmul_kernel::launch::<R>(
                 &client,
-                CubeCount::Static(
-                    (shape.n_out as u32).div_ceil(outputs),
-                    shape.rows.div_ceil(tile) as u32,
-                    1,
-                ),
+                CubeCount::Static(cubes, shape.rows.div_ceil(tile) as u32, 1),
                 CubeDim::new_2d(outputs, lanes as u32),
                 x.into_tensor_arg(),
                 words.into_tensor_arg(),
@@ -339,9 +345,11 @@ where
                 out.clone().into_tensor_arg(),
                 shape.rows as u32,
                 shape.n_out as u32,
+                n_second as u32,
                 shape.cols as u32,
                 0,
                 shape.format,
+                second,
                 tile,
                 lanes,
                 pair,
@@ -352,11 +360,7 @@ where
         }
         kernels::quantized_matmul_kernel::launch::<R>(
             &client,
-            CubeCount::Static(
-                (shape.n_out as u32).div_ceil(outputs),
-                shape.rows.div_ceil(tile) as u32,
-                1,
-            ),
+            CubeCount::Static(cubes, shape.rows.div_ceil(tile) as u32, 1),
             CubeDim::new_2d(outputs, lanes as u32),
             x.into_tensor_arg(),
             words.into_tensor_arg(),
@@ -364,8 +368,10 @@ where
             out.clone().into_tensor_arg(),
             shape.rows as u32,
             shape.n_out as u32,
+            n_second as u32,
             shape.cols as u32,
             shape.format,
+            second,
             tile,
             lanes,
             pair,
@@ -745,7 +751,11 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
         up: Option<IntTensor<Self>>,
         shape: QuantShape,
     ) -> FloatTensor<Self> {
-        let out = (burn::tensor::Shape::new([shape.rows, shape.n_out]), x.dtype);
+        let n_second = shape.second.map_or(0, |(_, n)| n);
+        let out = (
+            burn::tensor::Shape::new([shape.rows, shape.n_out + n_second]),
+            x.dtype,
+        );
         let [product] = match up {
             None => stream_kernel::<B, 1, 1, 1>(
                 "llama_burn_quantized_matmul",
@@ -1576,6 +1586,7 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
         format: weight.format,
         blocks: n_in / w.format().block_values(),
         integer: precision == Precision::Fast,
+        second: None,
     };
     let out = B::quantized_matmul_primitive(
         x.into_primitive().tensor(),
@@ -1584,6 +1595,45 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
         shape,
     );
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// [`LlamaBackend::quantized_matmul_two`] on the device: both products in one launch where
+/// the two matrices take the same inputs and the same units per output (a Q4_K query and
+/// key matrix beside a Q6_K value matrix, say), else `None`.
+fn quantized_matmul_two<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    a: &QuantMatrix,
+    b: &QuantMatrix,
+    precision: Precision,
+) -> Result<Option<Tensor<B, 2>>> {
+    let [rows, n_in] = x.dims();
+    check_quantized_input(n_in, a)?;
+    check_quantized_input(n_in, b)?;
+    let blocks = |w: &QuantMatrix| n_in / w.format().block_values();
+    if quant_lanes(blocks(a)) != quant_lanes(blocks(b)) {
+        return Ok(None);
+    }
+    let device = x.device();
+    let (wa, wb) = (
+        device_weight::<B>(a, &device)?,
+        device_weight::<B>(b, &device)?,
+    );
+    let shape = QuantShape {
+        rows,
+        n_out: a.rows(),
+        cols: n_in,
+        format: wa.format,
+        blocks: blocks(a),
+        integer: precision == Precision::Fast,
+        second: Some((wb.format, b.rows())),
+    };
+    let out = B::quantized_matmul_primitive(
+        x.into_primitive().tensor(),
+        wa.words.into_primitive(),
+        Some(wb.words.into_primitive()),
+        shape,
+    );
+    Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
 }
 
 /// [`LlamaBackend::quantized_swiglu`] on the device: both products and SwiGLU in one
@@ -1611,6 +1661,7 @@ fn quantized_swiglu<B: LlamaBackend + CubeKernels>(
         format: g.format,
         blocks: n_in / gate.format().block_values(),
         integer: precision == Precision::Fast,
+        second: None,
     };
     let out = B::quantized_matmul_primitive(
         x.into_primitive().tensor(),
@@ -1984,6 +2035,15 @@ macro_rules! cube_llama_backend {
             precision: Precision,
         ) -> Result<Option<Tensor<Self, 2>>> {
             quantized_swiglu(x, gate, up, precision)
+        }
+
+        fn quantized_matmul_two(
+            x: Tensor<Self, 2>,
+            a: &QuantMatrix,
+            b: &QuantMatrix,
+            precision: Precision,
+        ) -> Result<Option<Tensor<Self, 2>>> {
+            quantized_matmul_two(x, a, b, precision)
         }
 
         fn dense_matmul(

@@ -163,7 +163,9 @@ impl<B: LlamaBackend> Projection<B> {
     /// `x @ W` as two tensors, the output columns before `at` and from `at` on (a fused
     /// projection's outputs taken apart, such as the queries and keys from the values).
     /// Where a part ends at `at` each side is its own products (no copy, no
-    /// concatenation); elsewhere both are column views of the whole product.
+    /// concatenation), or, for two quantized parts, both in one launch where the backend
+    /// can ([`LlamaBackend::quantized_matmul_two`]); elsewhere both are column views of
+    /// the whole product.
     ///
     /// # Errors
     ///
@@ -189,6 +191,17 @@ impl<B: LlamaBackend> Projection<B> {
             end += p.columns();
             starts_at == at
         });
+        if let ([Part::Quantized(a), Part::Quantized(b)], Some(1)) =
+            (self.parts.as_slice(), boundary)
+            && let Some(out) = B::quantized_matmul_two(x.clone(), a, b, precision)?
+        {
+            // Both parts in one launch, each side a column view of it.
+            let rows = out.dims()[0];
+            return Ok((
+                out.clone().slice([0..rows, 0..at]),
+                out.slice([0..rows, at..n_out]),
+            ));
+        }
         match boundary {
             Some(i) if i > 0 => Ok((
                 Self::forward_parts(&self.parts[..i], x.clone(), precision)?,
