@@ -844,7 +844,9 @@ fn int_m<I: Numeric>(words: &Tensor<I>, at: usize, s: usize, #[comptime] format:
 /// (`x` from `x_at[t] + xb`), quantized here by the CPU's rule with the run's inverse
 /// scale (`scales[2 (first + t) + 1]`): over its sub-blocks `s` and halves `h`, `sc * (sum
 /// of u * q - offset * sum of q)`, exact in 32 bits, as f32 (`isum as f32`, the CPU's
-/// conversion), into `sums[t]`. With `keep`, each sub-block's sum of `q` goes to
+/// conversion), into `sums[t]`. With `pair`, the block at the same byte of `up` (a matrix
+/// of the same format) is multiplied by the same quantized values into `sums_up[t]`: each
+/// value is quantized once for both. With `keep`, each sub-block's sum of `q` goes to
 /// `qsums[(first + t) * subs + s]` (the formats with a minimum need it for their float
 /// steps).
 #[cube]
@@ -853,6 +855,7 @@ fn int_m<I: Numeric>(words: &Tensor<I>, at: usize, s: usize, #[comptime] format:
 fn int_block<F: Float, I: Numeric>(
     x: &Tensor<F>,
     words: &Tensor<I>,
+    up: &Tensor<I>,
     at: usize,
     x_at: &Array<u32>,
     xb: usize,
@@ -861,17 +864,21 @@ fn int_block<F: Float, I: Numeric>(
     first: usize,
     keep: bool,
     sums: &mut Array<f32>,
+    sums_up: &mut Array<f32>,
     #[comptime] format: u32,
     #[comptime] tile: usize,
+    #[comptime] pair: bool,
 ) {
     let subs = comptime!(run_of(format));
     let mins = comptime!(int_form_of(format).mins);
     let offset = comptime!(int_form_of(format).offset);
     let mut isum = Array::<i32>::new(tile);
+    let mut isum_up = Array::<i32>::new(tile);
     let mut id = Array::<f32>::new(tile);
     #[unroll]
     for t in 0..tile {
         isum[t] = 0i32;
+        isum_up[t] = 0i32;
         id[t] = scales[2 * (first + t) + 1];
     }
     for s in 0..subs {
@@ -883,28 +890,44 @@ fn int_block<F: Float, I: Numeric>(
         #[unroll]
         for h in 0..2usize {
             let sc = int_scale::<I>(words, at, s, h, format);
+            let mut sc_up = 0i32;
+            if comptime!(pair) {
+                sc_up = int_scale::<I>(up, at, s, h, format);
+            }
             let mut dot = Array::<i32>::new(tile);
+            let mut dot_up = Array::<i32>::new(tile);
             let mut q_sum = Array::<i32>::new(tile);
             #[unroll]
             for t in 0..tile {
                 dot[t] = 0i32;
+                dot_up[t] = 0i32;
                 q_sum[t] = 0i32;
             }
             for k in 0..16usize {
                 let i = 16 * h + k;
                 let u = i32::cast_from(int_value::<I>(words, at, s, i, format));
+                let mut u_up = 0i32;
+                if comptime!(pair) {
+                    u_up = i32::cast_from(int_value::<I>(up, at, s, i, format));
+                }
                 #[unroll]
                 for t in 0..tile {
                     let v = f32::cast_from(x[x_at[t] as usize + xb + 32 * s + i]);
                     // |round(v / d)| <= 127.
                     let q = i32::cast_from(round_half_away(v * id[t]).clamp(-127.0, 127.0));
                     dot[t] += u * q;
+                    if comptime!(pair) {
+                        dot_up[t] += u_up * q;
+                    }
                     q_sum[t] += q;
                 }
             }
             #[unroll]
             for t in 0..tile {
                 isum[t] += sc * (dot[t] - offset * q_sum[t]);
+                if comptime!(pair) {
+                    isum_up[t] += sc_up * (dot_up[t] - offset * q_sum[t]);
+                }
                 qs[t] += q_sum[t];
             }
         }
@@ -920,6 +943,7 @@ fn int_block<F: Float, I: Numeric>(
     #[unroll]
     for t in 0..tile {
         sums[t] = f32::cast_from(isum[t]);
+        sums_up[t] = f32::cast_from(isum_up[t]);
     }
 }
 
@@ -1176,6 +1200,7 @@ fn int_product<F: Float, I: Numeric>(
     let mut acc = Array::<f32>::new(tile);
     let mut acc_up = Array::<f32>::new(tile);
     let mut sums = Array::<f32>::new(tile);
+    let mut sums_up = Array::<f32>::new(tile);
     #[unroll]
     for t in 0..tile {
         let mut r = r0 + t;
@@ -1241,21 +1266,29 @@ fn int_product<F: Float, I: Numeric>(
         if live_block {
             let at = row_at + b * block_bytes;
             let keep = column == 0;
+            // Gate and up from one quantization of the activations.
             int_block::<F, I>(
-                x, words, at, &x_at, xb, &scales, &mut qsums, first, keep, &mut sums, format, tile,
+                x,
+                words,
+                up,
+                at,
+                &x_at,
+                xb,
+                &scales,
+                &mut qsums,
+                first,
+                keep,
+                &mut sums,
+                &mut sums_up,
+                format,
+                tile,
+                pair,
             );
             #[unroll]
             for t in 0..tile {
                 scratch[slot + t] = sums[t];
-            }
-            if comptime!(pair) {
-                int_block::<F, I>(
-                    x, up, at, &x_at, xb, &scales, &mut qsums, first, false, &mut sums, format,
-                    tile,
-                );
-                #[unroll]
-                for t in 0..tile {
-                    scratch[stride + slot + t] = sums[t];
+                if comptime!(pair) {
+                    scratch[stride + slot + t] = sums_up[t];
                 }
             }
         }
