@@ -1569,6 +1569,61 @@ fn check_quantized_input(n_in: usize, w: &QuantMatrix) -> Result<()> {
     Ok(())
 }
 
+/// What a product launch multiplies beside its first matrix.
+#[derive(Clone, Copy)]
+enum Beside<'a> {
+    /// Nothing: `x @ W^T`.
+    Nothing,
+    /// The feed-forward's up matrix (the first is the gate): `silu(x @ G^T) * (x @ U^T)`.
+    SwiGluUp(&'a QuantMatrix),
+    /// A second matrix whose outputs follow the first's: `x @ [A | B]^T`.
+    Second(&'a QuantMatrix),
+}
+
+/// One quantized product launch on the device (the matrices' copies there): `w` and what
+/// goes `beside` it, in `precision`.
+fn product_launch<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    w: &QuantMatrix,
+    beside: Beside<'_>,
+    precision: Precision,
+) -> Result<Tensor<B, 2>> {
+    let [rows, n_in] = x.dims();
+    check_quantized_input(n_in, w)?;
+    let other = match beside {
+        Beside::Nothing => None,
+        Beside::SwiGluUp(m) | Beside::Second(m) => Some(m),
+    };
+    if let Some(m) = other {
+        check_quantized_input(n_in, m)?;
+    }
+    let device = x.device();
+    let first = device_weight::<B>(w, &device)?;
+    let other = other
+        .map(|m| Ok::<_, LlamaError>((m, device_weight::<B>(m, &device)?)))
+        .transpose()?;
+    let second = match (beside, &other) {
+        (Beside::Second(_), Some((m, copy))) => Some((copy.format, m.rows())),
+        _ => None,
+    };
+    let shape = QuantShape {
+        rows,
+        n_out: w.rows(),
+        cols: n_in,
+        format: first.format,
+        blocks: n_in / w.format().block_values(),
+        integer: precision == Precision::Fast,
+        second,
+    };
+    let out = B::quantized_matmul_primitive(
+        x.into_primitive().tensor(),
+        first.words.into_primitive(),
+        other.map(|(_, copy)| copy.words.into_primitive()),
+        shape,
+    );
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
 /// [`LlamaBackend::quantized_matmul`] on the device: the matrix's copy there, through the
 /// fused kernel.
 fn quantized_matmul<B: LlamaBackend + CubeKernels>(
@@ -1576,25 +1631,7 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
     w: &QuantMatrix,
     precision: Precision,
 ) -> Result<Tensor<B, 2>> {
-    let [rows, n_in] = x.dims();
-    check_quantized_input(n_in, w)?;
-    let weight = device_weight::<B>(w, &x.device())?;
-    let shape = QuantShape {
-        rows,
-        n_out: w.rows(),
-        cols: n_in,
-        format: weight.format,
-        blocks: n_in / w.format().block_values(),
-        integer: precision == Precision::Fast,
-        second: None,
-    };
-    let out = B::quantized_matmul_primitive(
-        x.into_primitive().tensor(),
-        weight.words.into_primitive(),
-        None,
-        shape,
-    );
-    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+    product_launch(x, w, Beside::Nothing, precision)
 }
 
 /// [`LlamaBackend::quantized_matmul_two`] on the device: both products in one launch where
@@ -1606,34 +1643,14 @@ fn quantized_matmul_two<B: LlamaBackend + CubeKernels>(
     b: &QuantMatrix,
     precision: Precision,
 ) -> Result<Option<Tensor<B, 2>>> {
-    let [rows, n_in] = x.dims();
+    let n_in = x.dims()[1];
     check_quantized_input(n_in, a)?;
     check_quantized_input(n_in, b)?;
     let blocks = |w: &QuantMatrix| n_in / w.format().block_values();
     if quant_lanes(blocks(a)) != quant_lanes(blocks(b)) {
         return Ok(None);
     }
-    let device = x.device();
-    let (wa, wb) = (
-        device_weight::<B>(a, &device)?,
-        device_weight::<B>(b, &device)?,
-    );
-    let shape = QuantShape {
-        rows,
-        n_out: a.rows(),
-        cols: n_in,
-        format: wa.format,
-        blocks: blocks(a),
-        integer: precision == Precision::Fast,
-        second: Some((wb.format, b.rows())),
-    };
-    let out = B::quantized_matmul_primitive(
-        x.into_primitive().tensor(),
-        wa.words.into_primitive(),
-        Some(wb.words.into_primitive()),
-        shape,
-    );
-    Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+    product_launch(x, a, Beside::Second(b), precision).map(Some)
 }
 
 /// [`LlamaBackend::quantized_swiglu`] on the device: both products and SwiGLU in one
@@ -1644,32 +1661,10 @@ fn quantized_swiglu<B: LlamaBackend + CubeKernels>(
     up: &QuantMatrix,
     precision: Precision,
 ) -> Result<Option<Tensor<B, 2>>> {
-    let [rows, n_in] = x.dims();
     if gate.format() != up.format() || gate.rows() != up.rows() || gate.cols() != up.cols() {
         return Ok(None);
     }
-    check_quantized_input(n_in, gate)?;
-    let device = x.device();
-    let (g, u) = (
-        device_weight::<B>(gate, &device)?,
-        device_weight::<B>(up, &device)?,
-    );
-    let shape = QuantShape {
-        rows,
-        n_out: gate.rows(),
-        cols: n_in,
-        format: g.format,
-        blocks: n_in / gate.format().block_values(),
-        integer: precision == Precision::Fast,
-        second: None,
-    };
-    let out = B::quantized_matmul_primitive(
-        x.into_primitive().tensor(),
-        g.words.into_primitive(),
-        Some(u.words.into_primitive()),
-        shape,
-    );
-    Ok(Some(Tensor::from_primitive(TensorPrimitive::Float(out))))
+    product_launch(x, gate, Beside::SwiGluUp(up), precision).map(Some)
 }
 
 /// [`LlamaBackend::dense_matmul`] on the device, through [`CubeKernels::dense_matmul_primitive`].
