@@ -27,6 +27,13 @@
 //!   by the CPU's rule, exact integer block sums, the float steps in the CPU's order, with
 //!   a fused multiply-add emulated exactly where the device's may round twice
 //!   (`native_fma`).
+//!   Two matrices of unlike formats (a Q4_K_M layer's Q+K beside its Q6_K values) go in
+//!   one launch ([`quantized_matmul_two`](LlamaBackend::quantized_matmul_two)), and so do
+//!   gate, up and SwiGLU ([`quantized_swiglu`](LlamaBackend::quantized_swiglu)).
+//! - [`rope_paged_store`](LlamaBackend::rope_paged_store): RoPE on a step's queries and
+//!   keys and the paged write of its keys and values in one kernel, the angles read from
+//!   the RoPE table at each token's position; with Q, K and V in one product and each
+//!   residual add inside the next norm, a decode step launches 8 kernels a layer.
 //! - [`dense_matmul`](LlamaBackend::dense_matmul): projections and the output head held
 //!   in the float type (F32/F16/BF16 checkpoints) through our own kernel, each output its
 //!   own sum in one order, so that they are batch-invariant too: Burn's matmul is not
