@@ -698,6 +698,35 @@ pub struct Rotation<'a, B: Backend> {
     pub swap: &'a Tensor<B, 2>,
 }
 
+impl<B: LlamaBackend> Rotation<'_, B> {
+    /// Rotates `qk` (`[rows, q_width + keys' width]`: queries then keys) with the
+    /// backend's [`rope`](LlamaBackend::rope) and splits it after column `q_width`:
+    /// `(queries, keys)`, column views of the one rotated tensor.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] if `q_width` is past `qk`'s columns, or as
+    /// [`rope`](LlamaBackend::rope).
+    pub fn rotate_split(
+        &self,
+        qk: Tensor<B, 2>,
+        q_width: usize,
+    ) -> Result<(Tensor<B, 2>, Tensor<B, 2>)> {
+        let [rows, width] = qk.dims();
+        if q_width > width {
+            return Err(LlamaError::ShapeMismatch {
+                name: "rope: query width".into(),
+                expected: vec![width],
+                actual: vec![q_width],
+            });
+        }
+        let (cos, sin) = self.angles.gathered();
+        let qk = B::rope(qk, cos, sin, self.swap)?;
+        let q = qk.clone().slice([0..rows, 0..q_width]);
+        Ok((q, qk.slice([0..rows, q_width..width])))
+    }
+}
+
 /// [`LlamaBackend::rope_paged_store`]'s portable path: the backend's RoPE over `qk`,
 /// then its paged write of the keys' columns and the values.
 pub(crate) fn rope_then_store<B: LlamaBackend>(
@@ -709,22 +738,8 @@ pub(crate) fn rope_then_store<B: LlamaBackend>(
     slots: &[crate::cache::paged::Slot],
     batch: &PagedBatch<'_, B>,
 ) -> (Result<Tensor<B, 2>>, LayerPools<B>) {
-    let [rows, width] = qk.dims();
-    if q_width > width {
-        let error = LlamaError::ShapeMismatch {
-            name: "rope and store: query width".into(),
-            expected: vec![width],
-            actual: vec![q_width],
-        };
-        return (Err(error), pools);
-    }
-    let (cos, sin) = rotation.angles.gathered();
-    match B::rope(qk, cos, sin, rotation.swap) {
-        Ok(qk) => {
-            let q = qk.clone().slice([0..rows, 0..q_width]);
-            let k = qk.slice([0..rows, q_width..width]);
-            (Ok(q), B::paged_store(pools, k, v, slots, batch))
-        }
+    match rotation.rotate_split(qk, q_width) {
+        Ok((q, k)) => (Ok(q), B::paged_store(pools, k, v, slots, batch)),
         Err(e) => (Err(e), pools),
     }
 }

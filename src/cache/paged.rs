@@ -211,6 +211,29 @@ impl EncodedPool {
     }
 }
 
+/// Runs `store` on a layer's float pools taken out of the cache and puts back the pools
+/// it returns, so that a backend writes them in place when the cache alone holds them
+/// (Burn's `inplace`); returns what `store` gives beside them.
+fn store_in_place<B: Backend, T>(
+    keys: &mut Tensor<B, 4>,
+    values: &mut Tensor<B, 4>,
+    store: impl FnOnce((Tensor<B, 4>, Tensor<B, 4>)) -> (T, (Tensor<B, 4>, Tensor<B, 4>)),
+) -> T {
+    let mut out = None;
+    keys.inplace(|keys| {
+        let mut written = None;
+        values.inplace(|values| {
+            let (result, (keys, values)) = store((keys, values));
+            out = Some(result);
+            written = Some(keys);
+            values
+        });
+        // `inplace` ran the closure: `written` holds the keys.
+        written.unwrap_or_else(|| unreachable!("Tensor::inplace runs its closure"))
+    });
+    out.unwrap_or_else(|| unreachable!("Tensor::inplace runs its closure"))
+}
+
 /// The block pool of every layer.
 #[derive(Debug, Clone)]
 pub struct PagedKvCache<B: Backend> {
@@ -449,15 +472,8 @@ impl<B: Backend> PagedKvCache<B> {
                 return B::paged_store_encoded(vp, v, batch);
             }
         };
-        keys.inplace(|keys| {
-            let mut written = None;
-            values.inplace(|values| {
-                let (keys, values) = B::paged_store((keys, values), k, v, slots, batch);
-                written = Some(keys);
-                values
-            });
-            // `inplace` ran the closure: `written` holds the keys.
-            written.unwrap_or_else(|| unreachable!("Tensor::inplace runs its closure"))
+        store_in_place(keys, values, |pools| {
+            ((), B::paged_store(pools, k, v, slots, batch))
         });
         Ok(())
     }
@@ -487,20 +503,9 @@ impl<B: Backend> PagedKvCache<B> {
         };
         let rotation = step.rope.rotation(step.angles);
         let (qk, v, q_dim) = (step.qk, step.v, step.q_dim);
-        let mut rotated = None;
-        keys.inplace(|keys| {
-            let mut written = None;
-            values.inplace(|values| {
-                let (q, (keys, values)) =
-                    B::rope_paged_store((keys, values), qk, v, rotation, q_dim, slots, batch);
-                rotated = Some(q);
-                written = Some(keys);
-                values
-            });
-            // `inplace` ran the closure: `written` holds the keys.
-            written.unwrap_or_else(|| unreachable!("Tensor::inplace runs its closure"))
-        });
-        rotated.unwrap_or_else(|| unreachable!("Tensor::inplace runs its closure"))
+        store_in_place(keys, values, |pools| {
+            B::rope_paged_store(pools, qk, v, rotation, q_dim, slots, batch)
+        })
     }
 
     /// A description of how a block's bytes are laid out ([`read_block`](Self::read_block)):

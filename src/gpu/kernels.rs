@@ -60,7 +60,7 @@ pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
     let kv_head = head / groups as usize;
 
     let table = u32::cast_from(meta[2 * token]) as usize;
-    let len = u32::cast_from(meta[2 * token + 1]) as usize + 1;
+    let len = token_position::<I>(meta, token) + 1;
 
     let mut qs = SharedMemory::<f32>::new(dim);
     let mut scores = SharedMemory::<f32>::new(dim);
@@ -1858,11 +1858,34 @@ pub(crate) fn rope_kernel<F: Float>(
     out[i] = x[i] * cos[i] + x[partner] * sin[i];
 }
 
+/// The position of query token `token` in a step's `meta` (the layout of
+/// [`PagedBatch::device_table`](crate::model::attention::PagedBatch::device_table)).
+#[cube]
+fn token_position<I: Numeric>(meta: &Tensor<I>, token: usize) -> usize {
+    u32::cast_from(meta[2 * token + 1]) as usize
+}
+
+/// The row of head 0 at query token `token`'s slot in a pool of rows laid out `(block,
+/// head, slot)`: the block that its table in `meta` names for its position, slot
+/// `position % block_size`. Head `h`'s row is `h * block_size` past it.
+#[cube]
+fn slot_row<I: Numeric>(
+    meta: &Tensor<I>,
+    token: usize,
+    kv_heads: usize,
+    block_size: usize,
+) -> usize {
+    let table = u32::cast_from(meta[2 * token]) as usize;
+    let position = token_position::<I>(meta, token);
+    let block = u32::cast_from(meta[table + position / block_size]) as usize;
+    block * kv_heads * block_size + position % block_size
+}
+
 /// Writes a step's keys `k` and values `v` (`[tokens, kv_heads * head_dim]`, rows
 /// `k.stride(0)` apart: a column slice of a wider product is read in place) into a
 /// layer's pools `keys`/`values` (`[blocks, kv_heads, block_size, head_dim]`) at each
 /// token's slot: the block its table names for its position, `position % block_size`.
-/// `meta` is the layout of [`PagedBatch::device_table`](crate::model::PagedBatch::device_table)
+/// `meta` is the layout of [`PagedBatch::device_table`](crate::model::attention::PagedBatch::device_table)
 /// (per token its table's offset and its position, then the tables), the same upload as
 /// the attention's. One cube per token.
 #[cube(launch)]
@@ -1881,16 +1904,13 @@ pub(crate) fn paged_store_kernel<F: Float, I: Numeric>(
     let token = CUBE_POS_X as usize;
     let (kv_heads, block_size, head_dim) =
         (kv_heads as usize, block_size as usize, head_dim as usize);
-    let table = u32::cast_from(meta[2 * token]) as usize;
-    let position = u32::cast_from(meta[2 * token + 1]) as usize;
-    let block = u32::cast_from(meta[table + position / block_size]) as usize;
-    let slot = position % block_size;
+    let row = slot_row::<I>(meta, token, kv_heads, block_size);
     let width = kv_heads * head_dim;
     let (k_row, v_row) = (token * k.stride(0), token * v.stride(0));
     let mut c = UNIT_POS_X as usize;
     while c < width {
         let h = c / head_dim;
-        let dst = ((block * kv_heads + h) * block_size + slot) * head_dim + c % head_dim;
+        let dst = (row + h * block_size) * head_dim + c % head_dim;
         keys[dst] = k[k_row + c * k.stride(1)];
         values[dst] = v[v_row + c * v.stride(1)];
         c += CUBE_DIM_X as usize;
@@ -1931,10 +1951,8 @@ pub(crate) fn rope_paged_store_kernel<F: Float, I: Numeric>(
         block_size as usize,
         head_dim as usize,
     );
-    let table = u32::cast_from(meta[2 * token]) as usize;
-    let position = u32::cast_from(meta[2 * token + 1]) as usize;
-    let block = u32::cast_from(meta[table + position / block_size]) as usize;
-    let slot = position % block_size;
+    let position = token_position::<I>(meta, token);
+    let row = slot_row::<I>(meta, token, kv_heads, block_size);
     let kv_width = kv_heads * head_dim;
     let width = q_width + kv_width;
     let half = head_dim / 2;
@@ -1953,8 +1971,7 @@ pub(crate) fn rope_paged_store_kernel<F: Float, I: Numeric>(
             q[token * q_width + c] = rotated;
         } else {
             let kc = c - q_width;
-            let dst =
-                ((block * kv_heads + kc / head_dim) * block_size + slot) * head_dim + kc % head_dim;
+            let dst = (row + kc / head_dim * block_size) * head_dim + kc % head_dim;
             keys[dst] = rotated;
             values[dst] = v[v_row + kc * v.stride(1)];
         }
@@ -2113,10 +2130,7 @@ pub(crate) fn paged_store_encoded_kernel<F: Float, I: Numeric>(
         head_dim as usize,
         row_words as usize,
     );
-    let table = u32::cast_from(meta[2 * token]) as usize;
-    let position = u32::cast_from(meta[2 * token + 1]) as usize;
-    let block = u32::cast_from(meta[table + position / block_size]) as usize;
-    let slot = position % block_size;
+    let row = slot_row::<I>(meta, token, kv_heads, block_size);
     let x_row = token * x.stride(0);
     let xs = x.stride(1);
 
@@ -2166,7 +2180,7 @@ pub(crate) fn paged_store_encoded_kernel<F: Float, I: Numeric>(
                 word |= byte << ((j * 8) as u32);
             }
         }
-        let dst = ((block * kv_heads + h) * block_size + slot) * row_words + rw;
+        let dst = (row + h * block_size) * row_words + rw;
         pool[dst] = I::cast_from(word);
         w += CUBE_DIM_X as usize;
     }
@@ -2245,7 +2259,7 @@ pub(crate) fn paged_attention_encoded_kernel<F: Float, I: Numeric>(
     let kv_head = head / groups as usize;
 
     let table = u32::cast_from(meta[2 * token]) as usize;
-    let len = u32::cast_from(meta[2 * token + 1]) as usize + 1;
+    let len = token_position::<I>(meta, token) + 1;
 
     let mut qs = SharedMemory::<f32>::new(dim);
     let mut scores = SharedMemory::<f32>::new(dim);

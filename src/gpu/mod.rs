@@ -577,13 +577,7 @@ where
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         use burn_cubecl::kernel::into_contiguous;
         use cubecl::{CubeCount, CubeDim};
-        // Written in place when nothing else holds the pool (the cache owns it), else
-        // into a copy, so that no other tensor sees the write.
-        let own = |pool: FloatTensor<Self>| {
-            let pool = into_contiguous(pool);
-            if pool.can_mut() { pool } else { pool.copy() }
-        };
-        let (keys, values) = (own(keys), own(values));
+        let (keys, values) = (owned_pool(keys), owned_pool(values));
         let table = into_contiguous(table);
         let client = keys.client.clone();
         let (f_dtype, i_dtype) = (keys.dtype, table.dtype);
@@ -615,13 +609,7 @@ where
     ) -> [FloatTensor<Self>; 3] {
         use burn_cubecl::kernel::into_contiguous;
         use cubecl::{CubeCount, CubeDim};
-        // The pools as `paged_store_primitive` takes them: in place where the cache alone
-        // holds them.
-        let own = |pool: FloatTensor<Self>| {
-            let pool = into_contiguous(pool);
-            if pool.can_mut() { pool } else { pool.copy() }
-        };
-        let (keys, values) = (own(keys), own(values));
+        let (keys, values) = (owned_pool(keys), owned_pool(values));
         let [cos, sin] = angles.map(into_contiguous);
         let table = into_contiguous(table);
         let q_width = shape.n_heads * shape.dim;
@@ -662,8 +650,7 @@ where
     ) -> IntTensor<Self> {
         use burn_cubecl::kernel::into_contiguous;
         use cubecl::{CubeCount, CubeDim};
-        let pool = into_contiguous(pool);
-        let pool = if pool.can_mut() { pool } else { pool.copy() };
+        let pool = owned_pool(pool);
         let table = into_contiguous(table);
         let client = pool.client.clone();
         let (f_dtype, i_dtype) = (x.dtype, table.dtype);
@@ -1124,6 +1111,15 @@ fn dims2<R: CubeRuntime>(t: &burn_cubecl::tensor::CubeTensor<R>) -> [usize; 2] {
             shape[shape.num_dims() - 1],
         ],
     }
+}
+
+/// A pool to write in place, contiguous: the tensor itself when nothing else holds it
+/// (the cache owns it), else a copy, so that no other tensor sees the write.
+fn owned_pool<R: CubeRuntime>(
+    pool: burn_cubecl::tensor::CubeTensor<R>,
+) -> burn_cubecl::tensor::CubeTensor<R> {
+    let pool = burn_cubecl::kernel::into_contiguous(pool);
+    if pool.can_mut() { pool } else { pool.copy() }
 }
 
 /// A new contiguous tensor of `shape` and `dtype` on `t`'s device and client (a kernel's
@@ -1839,12 +1835,6 @@ fn rope_paged_store<B: LlamaBackend + CubeKernels>(
     let n_heads = batch.n_heads();
     let dtype = keys.dtype();
     let (cos, sin) = rotation.angles.tables();
-    // The kernel reads each token's angles at the position the store's table gives it:
-    // the angles' positions must be those.
-    let batch_positions = batch
-        .seqs()
-        .iter()
-        .flat_map(|s| s.start..s.start + s.tokens);
     let fits = tokens > 0
         && tokens == slots.len()
         && dim > 0
@@ -1852,8 +1842,9 @@ fn rope_paged_store<B: LlamaBackend + CubeKernels>(
         && width == q_width + kv_heads * dim
         && v.dims() == [tokens, kv_heads * dim]
         && cos.dims()[1] == dim
-        && rotation.angles.positions().len() == tokens
-        && batch_positions.eq(rotation.angles.positions().iter().copied())
+        // The kernel reads each token's angles at the position the store's table gives
+        // it: the angles' positions must be those.
+        && batch.rotates_its_tokens(rotation.angles)
         && rotation.swap.dims() == [dim, dim]
         && values.dims() == keys.dims()
         && block_size == batch.block_size()

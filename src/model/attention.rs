@@ -71,10 +71,8 @@ impl<B: Backend> QkvStep<'_, B> {
     where
         B: LlamaBackend,
     {
-        let [rows, width] = self.qk.dims();
-        let qk = self.rope.apply(self.qk, self.angles)?;
-        let q = qk.clone().slice([0..rows, 0..self.q_dim]);
-        let k = qk.slice([0..rows, self.q_dim..width]);
+        let rotation = self.rope.rotation(self.angles);
+        let (q, k) = rotation.rotate_split(self.qk, self.q_dim)?;
         Ok((q, k, self.v))
     }
 }

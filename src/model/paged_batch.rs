@@ -49,6 +49,9 @@ pub struct PagedBatch<'a, B: Backend> {
     gathered: OnceCell<Gathered<B>>,
     /// Built on first use, by backends whose kernel reads the block tables on the device.
     table: OnceCell<DeviceTable<B>>,
+    /// The [`RopeAngles::id`](crate::model::rope::RopeAngles) last found to be this
+    /// step's positions ([`rotates_its_tokens`](Self::rotates_its_tokens)).
+    rotated_by: std::cell::Cell<Option<u64>>,
 }
 
 /// A step's block tables on the device (see [`PagedBatch::device_table`]).
@@ -110,6 +113,7 @@ impl<'a, B: Backend> PagedBatch<'a, B> {
             device: device.clone(),
             gathered: OnceCell::new(),
             table: OnceCell::new(),
+            rotated_by: std::cell::Cell::new(None),
         }
     }
 }
@@ -128,6 +132,22 @@ impl<'a, B: Backend> PagedBatch<'a, B> {
     /// Positions per block of the pool.
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// Whether `angles` are those of this step's tokens, in query order (their positions
+    /// each sequence's `start..start + tokens`): what a kernel that reads the angles at
+    /// the positions of the block tables needs. Compared once per step's angles (the
+    /// forward pass asks in every layer), then remembered.
+    pub fn rotates_its_tokens(&self, angles: &crate::model::rope::RopeAngles<B>) -> bool {
+        if self.rotated_by.get() == Some(angles.id()) {
+            return true;
+        }
+        let positions = self.seqs.iter().flat_map(|s| s.start..s.start + s.tokens);
+        let matches = positions.eq(angles.positions().iter().copied());
+        if matches {
+            self.rotated_by.set(Some(angles.id()));
+        }
+        matches
     }
 
     /// The step's block tables as one integer tensor on the device, for kernels that
@@ -309,4 +329,43 @@ impl<'a, B: Backend> PagedBatch<'a, B> {
 pub(crate) fn int_tensor<B: Backend>(values: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
     let n = values.len();
     Tensor::from_data(TensorData::new(values, [n]), device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{DefaultBackend as B, default_device};
+    use crate::model::rope::RopeAngles;
+
+    #[test]
+    fn a_step_knows_its_own_angles_and_remembers_only_those() {
+        let device = default_device();
+        let (table_a, table_b) = ([0u32, 1], [2u32]);
+        let seqs = vec![
+            PagedSeq {
+                tokens: 2,
+                start: 5,
+                blocks: &table_a,
+            },
+            PagedSeq {
+                tokens: 1,
+                start: 0,
+                blocks: &table_b,
+            },
+        ];
+        let batch = PagedBatch::<B>::new(seqs, 2, 4, 3, &device).expect("batch");
+        let table = || Tensor::<B, 2>::zeros([8, 4], &device);
+        let angles = |positions: Vec<usize>| {
+            RopeAngles::new(table(), table(), positions, 3).expect("angles")
+        };
+        let own = angles(vec![5, 6, 0]);
+        let shifted = angles(vec![6, 7, 1]);
+        let short = angles(vec![5, 6]);
+        assert!(batch.rotates_its_tokens(&own));
+        // Remembered for `own`, never taken for other angles.
+        assert!(batch.rotates_its_tokens(&own));
+        assert!(!batch.rotates_its_tokens(&shifted));
+        assert!(!batch.rotates_its_tokens(&short));
+        assert!(batch.rotates_its_tokens(&angles(vec![5, 6, 0])));
+    }
 }
