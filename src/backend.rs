@@ -1120,6 +1120,10 @@ impl LlamaBackend for burn::backend::Flex {
         batch: &PagedBatch<'_, Self>,
     ) -> Result<Tensor<Self, 2>> {
         use crate::kernels::attention::{PagedPool, paged_attention};
+        if batch.is_left_padded() {
+            // The host kernel attends from each table's first slot.
+            return batch.attention_by_gathering(q, keys, values, Self::masked_attention);
+        }
         let [_, heads, block_size, dim] = keys.dims();
         let dims = q.dims();
         let device = q.device();

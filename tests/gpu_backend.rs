@@ -117,6 +117,58 @@ fn the_gpu_gives_the_cpu_backend_tokens_and_logits() {
         "the contiguous path's last logits differ from the engine path's"
     );
 
+    // A left-padded batch (prompts of different lengths) through our attention kernel,
+    // its padding skipped: each row's logits, the prompt's last and a decode step's,
+    // bit for bit those of the row alone (Burn's masked attention gave other bits).
+    {
+        use llama_burn::model::Logits;
+        let rows: Vec<Vec<u32>> = PROMPTS
+            .iter()
+            .map(|p| gpu.encode_prompt(p).expect("encode"))
+            .collect();
+        let width = rows.iter().map(Vec::len).max().expect("rows");
+        let starts: Vec<usize> = rows.iter().map(|r| width - r.len()).collect();
+        let padded: Vec<u32> = rows
+            .iter()
+            .flat_map(|r| std::iter::repeat_n(0, width - r.len()).chain(r.iter().copied()))
+            .collect();
+        let model = &gpu.model;
+        let mut cache = model.new_cache(starts, width + 2);
+        let last =
+            |t: burn::tensor::Tensor<Gpu, 3>| bits(&t.into_data().into_vec::<f32>().expect("f32"));
+        let prompt = last(
+            model
+                .forward(&padded, &mut cache, Logits::Last)
+                .expect("batch"),
+        );
+        let next: Vec<u32> = (0..rows.len() as u32).map(|r| 7 + r).collect();
+        let step = last(
+            model
+                .forward(&next, &mut cache, Logits::Last)
+                .expect("step"),
+        );
+        let vocab = prompt.len() / rows.len();
+        for (r, ids) in rows.iter().enumerate() {
+            let mut alone = model.new_cache(vec![0], ids.len() + 2);
+            let want = last(model.forward(ids, &mut alone, Logits::Last).expect("alone"));
+            assert_eq!(
+                prompt[r * vocab..(r + 1) * vocab],
+                want,
+                "row {r}'s prompt logits"
+            );
+            let want = last(
+                model
+                    .forward(&next[r..=r], &mut alone, Logits::Last)
+                    .expect("step"),
+            );
+            assert_eq!(
+                step[r * vocab..(r + 1) * vocab],
+                want,
+                "row {r}'s decode logits"
+            );
+        }
+    }
+
     // A left-padded batch of rows of different lengths equals the rows alone.
     let batch = llama_burn::inference::generate_batch(&mut gpu, &PROMPTS, TOKENS, 0.0, 1.0, 0)
         .expect("batch");

@@ -184,8 +184,10 @@ impl<B: Backend> KvCache<B> {
 
     /// The next `seq` columns of every row as a paged step over this cache seen as a
     /// pool of one block of `capacity` positions per row (row `r`'s block is `rows[r]`,
-    /// which the caller fills with `0..batch`): for rows without left padding, whose
-    /// column is their position. Call after [`reserve`](Self::reserve).
+    /// which the caller fills with `0..batch`), its slots its columns and its left
+    /// padding the slots before its start
+    /// ([`with_left_padding`](crate::model::attention::PagedBatch)). Call after
+    /// [`reserve`](Self::reserve).
     ///
     /// # Errors
     ///
@@ -219,7 +221,8 @@ impl<B: Backend> KvCache<B> {
             self.capacity,
             self.batch(),
             device,
-        )
+        )?
+        .with_left_padding(self.starts.clone())
     }
 
     /// Forgets the columns from `len` on (speculative decoding's rejected positions):

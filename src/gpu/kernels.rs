@@ -34,7 +34,9 @@ fn run_of(code: u32) -> usize {
 /// no value crosses from one cube to another, whatever the batch.
 ///
 /// `meta` is [`PagedBatch::device_table`](crate::model::attention::PagedBatch::device_table)'s
-/// layout: per token its table's offset and its position, then the tables.
+/// layout: per token its table's offset, its position and its first key slot (the tile
+/// loop starts there: a left-padded row's keys, in the order of the row alone), then the
+/// tables.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
@@ -59,7 +61,7 @@ pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
     let block_size = block_size as usize;
     let kv_head = head / groups as usize;
 
-    let table = u32::cast_from(meta[2 * token]) as usize;
+    let table = table_at::<I>(meta, token);
     let len = token_position::<I>(meta, token) + 1;
 
     let mut qs = SharedMemory::<f32>::new(dim);
@@ -74,7 +76,7 @@ pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
     let mut max = f32::new(-1.0e30);
     let mut sum = f32::new(0.0);
     let mut acc = f32::new(0.0);
-    let mut tile = 0usize;
+    let mut tile = first_key::<I>(meta, token);
     while tile < len {
         let j = tile + d;
         if j < len {
@@ -1862,7 +1864,20 @@ pub(crate) fn rope_kernel<F: Float>(
 /// [`PagedBatch::device_table`](crate::model::attention::PagedBatch::device_table)).
 #[cube]
 fn token_position<I: Numeric>(meta: &Tensor<I>, token: usize) -> usize {
-    u32::cast_from(meta[2 * token + 1]) as usize
+    u32::cast_from(meta[3 * token + 1]) as usize
+}
+
+/// The first slot of its table whose key query token `token` sees (0 unless its
+/// sequence is left-padded: [`PagedBatch::first_key`](crate::model::attention::PagedBatch::first_key)).
+#[cube]
+fn first_key<I: Numeric>(meta: &Tensor<I>, token: usize) -> usize {
+    u32::cast_from(meta[3 * token + 2]) as usize
+}
+
+/// Where query token `token`'s block table starts in `meta`.
+#[cube]
+fn table_at<I: Numeric>(meta: &Tensor<I>, token: usize) -> usize {
+    u32::cast_from(meta[3 * token]) as usize
 }
 
 /// The row of head 0 at query token `token`'s slot in a pool of rows laid out `(block,
@@ -1875,7 +1890,7 @@ fn slot_row<I: Numeric>(
     kv_heads: usize,
     block_size: usize,
 ) -> usize {
-    let table = u32::cast_from(meta[2 * token]) as usize;
+    let table = table_at::<I>(meta, token);
     let position = token_position::<I>(meta, token);
     let block = u32::cast_from(meta[table + position / block_size]) as usize;
     block * kv_heads * block_size + position % block_size
@@ -1886,7 +1901,8 @@ fn slot_row<I: Numeric>(
 /// layer's pools `keys`/`values` (`[blocks, kv_heads, block_size, head_dim]`) at each
 /// token's slot: the block its table names for its position, `position % block_size`.
 /// `meta` is the layout of [`PagedBatch::device_table`](crate::model::attention::PagedBatch::device_table)
-/// (per token its table's offset and its position, then the tables), the same upload as
+/// (per token its table's offset, its position and its first key, then the tables), the
+/// same upload as
 /// the attention's. One cube per token.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -2258,7 +2274,7 @@ pub(crate) fn paged_attention_encoded_kernel<F: Float, I: Numeric>(
     let (k_words, v_words) = (k_words as usize, v_words as usize);
     let kv_head = head / groups as usize;
 
-    let table = u32::cast_from(meta[2 * token]) as usize;
+    let table = table_at::<I>(meta, token);
     let len = token_position::<I>(meta, token) + 1;
 
     let mut qs = SharedMemory::<f32>::new(dim);
@@ -2271,7 +2287,7 @@ pub(crate) fn paged_attention_encoded_kernel<F: Float, I: Numeric>(
     let mut max = f32::new(-1.0e30);
     let mut sum = f32::new(0.0);
     let mut acc = f32::new(0.0);
-    let mut tile = 0usize;
+    let mut tile = first_key::<I>(meta, token);
     while tile < len {
         let j = tile + d;
         if j < len {

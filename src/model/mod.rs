@@ -535,11 +535,12 @@ impl<B: LlamaBackend> Transformer<B> {
         let device = self.device.clone();
         let positions = cache.chunk_positions(seq);
         let groups = c.n_heads / c.n_kv_heads;
-        // On a backend with kernels of its own (the CubeCL backends), rows without left
-        // padding attend through its paged attention, each row's cache one block: the
-        // engine's kernel, no mask, no per-shape compilation of Burn's attention.
+        // On a backend with kernels of its own (the CubeCL backends), the rows attend
+        // through its paged attention, each row's cache one block whose slots before the
+        // row's start are left padding: the engine's kernel, no mask, no per-shape
+        // compilation of Burn's attention.
         let rows: Vec<crate::cache::BlockId> = (0..batch as crate::cache::BlockId).collect();
-        let in_place = if B::compiles_kernels() && cache.starts().iter().all(|&s| s == 0) {
+        let in_place = if B::compiles_kernels() {
             Some(cache.as_paged_batch(&rows, seq, c.n_heads, &device)?)
         } else {
             None

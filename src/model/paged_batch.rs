@@ -52,6 +52,11 @@ pub struct PagedBatch<'a, B: Backend> {
     /// The [`RopeAngles::id`](crate::model::rope::RopeAngles) last found to be this
     /// step's positions ([`rotates_its_tokens`](Self::rotates_its_tokens)).
     rotated_by: std::cell::Cell<Option<u64>>,
+    /// Per sequence, the first slot of its blocks that holds its own keys (the slots
+    /// before it are left padding: the contiguous cache's rows of a batch of prompts of
+    /// different lengths); empty when no sequence is padded. See
+    /// [`with_left_padding`](Self::with_left_padding).
+    firsts: Vec<usize>,
 }
 
 /// A step's block tables on the device (see [`PagedBatch::device_table`]).
@@ -114,7 +119,35 @@ impl<'a, B: Backend> PagedBatch<'a, B> {
             gathered: OnceCell::new(),
             table: OnceCell::new(),
             rotated_by: std::cell::Cell::new(None),
+            firsts: Vec::new(),
         }
+    }
+
+    /// The batch with left padding: sequence `i`'s slots before `firsts[i]` hold no keys
+    /// of its own. A token at a slot `p >= firsts[i]` (slots count from the table's first
+    /// block, as positions do: `start + s` for token `s`) sees the keys of slots
+    /// `firsts[i]..=p`; a padding token (`p < firsts[i]`) sees its own key only, so no
+    /// softmax is empty (its output is the caller's to drop). A real token's result is
+    /// the one it has in a sequence of its own, unpadded: the same keys, in the same
+    /// order.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::InvalidBatch`] unless there is one first slot per sequence.
+    pub(crate) fn with_left_padding(mut self, firsts: Vec<usize>) -> Result<Self> {
+        if firsts.len() != self.seqs.len() {
+            return Err(LlamaError::InvalidBatch(format!(
+                "{} first slots for {} sequences",
+                firsts.len(),
+                self.seqs.len()
+            )));
+        }
+        self.firsts = if firsts.iter().all(|&f| f == 0) {
+            Vec::new()
+        } else {
+            firsts
+        };
+        Ok(self)
     }
 }
 
@@ -132,6 +165,24 @@ impl<'a, B: Backend> PagedBatch<'a, B> {
     /// Positions per block of the pool.
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// Whether some sequence is left-padded (see
+    /// [`first_key`](Self::first_key)): a kernel that attends from slot 0 would read its
+    /// padding.
+    pub fn is_left_padded(&self) -> bool {
+        !self.firsts.is_empty()
+    }
+
+    /// The first slot whose key the token at slot `slot` of sequence `seq` sees: 0
+    /// without left padding; with it, the sequence's first own slot, or `slot` itself for
+    /// a padding token.
+    pub fn first_key(&self, seq: usize, slot: usize) -> usize {
+        match self.firsts.get(seq) {
+            Some(&first) if slot >= first => first,
+            Some(_) => slot,
+            None => 0,
+        }
     }
 
     /// Whether `angles` are those of this step's tokens, in query order (their positions
@@ -152,24 +203,29 @@ impl<'a, B: Backend> PagedBatch<'a, B> {
 
     /// The step's block tables as one integer tensor on the device, for kernels that
     /// read them there, and the largest block id they name. For query token `t` (the
-    /// sequences' new tokens one after another), entry `2 t` is where its sequence's
-    /// block table starts in this tensor and entry `2 t + 1` its position; the tables
-    /// follow, each holding the blocks of its sequence's `start + tokens` positions. Built
-    /// on first use (one upload per step) and shared by every layer.
+    /// sequences' new tokens one after another), entry `3 t` is where its sequence's
+    /// block table starts in this tensor, entry `3 t + 1` its position (its slot in the
+    /// table) and entry `3 t + 2` the first slot whose key it sees
+    /// ([`first_key`](Self::first_key)); the tables follow, each holding the blocks of its
+    /// sequence's `start + tokens` positions. Built on first use (one upload per step)
+    /// and shared by every layer.
     pub fn device_table(&self) -> (&Tensor<B, 1, Int>, usize) {
         let table = self.table.get_or_init(|| {
             let tokens: usize = self.seqs.iter().map(|s| s.tokens).sum();
-            let mut values = Vec::with_capacity(2 * tokens);
+            let mut values = Vec::with_capacity(3 * tokens);
             let mut tables = Vec::new();
-            for seq in &self.seqs {
-                let at = 2 * tokens + tables.len();
+            for (i, seq) in self.seqs.iter().enumerate() {
+                let at = 3 * tokens + tables.len();
                 let used = (seq.start + seq.tokens).div_ceil(self.block_size.max(1));
                 tables.extend(
                     seq.blocks[..used.min(seq.blocks.len())]
                         .iter()
                         .map(|&b| b as i64),
                 );
-                values.extend((0..seq.tokens).flat_map(|s| [at as i64, (seq.start + s) as i64]));
+                values.extend(
+                    (seq.start..seq.start + seq.tokens)
+                        .flat_map(|p| [at as i64, p as i64, self.first_key(i, p) as i64]),
+                );
             }
             let max_block = tables.iter().copied().max().unwrap_or(0) as usize;
             values.extend(tables);
@@ -296,10 +352,15 @@ impl<'a, B: Backend> PagedBatch<'a, B> {
                 tables.extend(std::iter::repeat_n(seq.blocks[0], blocks - used));
                 let mut per_query = Vec::with_capacity(queries * keys);
                 for s in 0..queries {
-                    // A real query sees the keys up to its own position; a padding query
-                    // sees key 0 only, so no softmax row is empty.
-                    let last = if s < q { seq.start + s } else { 0 };
-                    per_query.extend((0..keys).map(|k| k > last));
+                    // A real query sees the keys from its first (0 without left padding)
+                    // up to its own position; a padding query of the group sees key 0
+                    // only, so no softmax row is empty.
+                    let (first, last) = if s < q {
+                        (self.first_key(i, seq.start + s), seq.start + s)
+                    } else {
+                        (0, 0)
+                    };
+                    per_query.extend((0..keys).map(|k| k < first || k > last));
                 }
                 for _ in 0..groups_per_kv {
                     mask.extend_from_slice(&per_query);
@@ -367,5 +428,115 @@ mod tests {
         assert!(!batch.rotates_its_tokens(&shifted));
         assert!(!batch.rotates_its_tokens(&short));
         assert!(batch.rotates_its_tokens(&angles(vec![5, 6, 0])));
+    }
+
+    #[test]
+    fn left_padding_hides_the_slots_before_a_rows_first_key() {
+        use crate::backend::LlamaBackend;
+        let device = default_device();
+        let (kv_heads, block_size, dim, n_heads, n, pad) = (2, 8, 4, 4, 3, 4);
+        let value = |i: usize, seed: usize| ((i * 7 + seed * 13) % 17) as f32 / 8.0 - 1.0;
+        // Block 0 holds the row's keys at slots 0..n; block 1 the same keys after `pad`
+        // slots of other values.
+        let pool = |seed: usize| {
+            let mut data = vec![0f32; 2 * kv_heads * block_size * dim];
+            for h in 0..kv_heads {
+                for slot in 0..block_size {
+                    for e in 0..dim {
+                        let at =
+                            |b: usize, s: usize| ((b * kv_heads + h) * block_size + s) * dim + e;
+                        let own = value((h * block_size + slot) * dim + e, seed);
+                        data[at(0, slot)] = own;
+                        if slot >= pad {
+                            data[at(1, slot)] =
+                                value((h * block_size + slot - pad) * dim + e, seed);
+                        } else {
+                            data[at(1, slot)] = 5.0 + own;
+                        }
+                    }
+                }
+            }
+            Tensor::<B, 4>::from_data(
+                burn::tensor::TensorData::new(data, [2, kv_heads, block_size, dim]),
+                &device,
+            )
+        };
+        let (keys, values) = (pool(1), pool(2));
+        let width = n_heads * dim;
+        let q: Vec<f32> = (0..n * width).map(|i| value(i, 3)).collect();
+        let queries = |rows: usize, data: Vec<f32>| {
+            Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(data, [rows, width]), &device)
+        };
+        let (alone_table, padded_table) = ([0u32], [1u32]);
+        let alone = PagedBatch::<B>::new(
+            vec![PagedSeq {
+                tokens: n,
+                start: 0,
+                blocks: &alone_table,
+            }],
+            n_heads,
+            block_size,
+            2,
+            &device,
+        )
+        .expect("batch");
+        let padded = PagedBatch::<B>::new(
+            vec![PagedSeq {
+                tokens: pad + n,
+                start: 0,
+                blocks: &padded_table,
+            }],
+            n_heads,
+            block_size,
+            2,
+            &device,
+        )
+        .expect("batch")
+        .with_left_padding(vec![pad])
+        .expect("padding");
+        assert!(padded.is_left_padded() && !alone.is_left_padded());
+        assert_eq!(
+            (0..pad + n)
+                .map(|p| padded.first_key(0, p))
+                .collect::<Vec<_>>(),
+            [0, 1, 2, 3, 4, 4, 4]
+        );
+        let want = B::paged_attention(queries(n, q.clone()), &keys, &values, &alone)
+            .expect("alone")
+            .into_data()
+            .into_vec::<f32>()
+            .expect("f32");
+        let mut padded_q = vec![0.5f32; pad * width];
+        padded_q.extend(&q);
+        let got = B::paged_attention(queries(pad + n, padded_q), &keys, &values, &padded)
+            .expect("padded")
+            .into_data()
+            .into_vec::<f32>()
+            .expect("f32");
+        let diff = want
+            .iter()
+            .zip(&got[pad * width..])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff <= 1e-6,
+            "the padded row differs from the row alone by {diff}"
+        );
+        assert!(matches!(
+            PagedBatch::<B>::new(
+                vec![PagedSeq {
+                    tokens: 1,
+                    start: 0,
+                    blocks: &alone_table
+                }],
+                n_heads,
+                block_size,
+                2,
+                &device,
+            )
+            .expect("batch")
+            .with_left_padding(vec![1, 2]),
+            Err(LlamaError::InvalidBatch(_))
+        ));
     }
 }
