@@ -3,7 +3,7 @@
 //! Keys and values of layer `l` live in two tensors shaped
 //! `[num_blocks, n_kv_heads, block_size, head_dim]` in the activations' float type, or,
 //! for the other [`KvCacheType`]s, in two buffers of encoded rows in the same order (one
-//! row per token and head, encoded when written; see [`super::kv_type`]): on the host for
+//! row per token and head, encoded when written; see the `kv_type` module): on the host for
 //! the CPU backend, on the device ([`DeviceKvPool`]) for the CubeCL backends. A request's tokens sit in the blocks
 //! of its block table (token `i` in block `table[i / block_size]`, slot
 //! `i % block_size`); which block belongs to whom is the
@@ -51,7 +51,7 @@ enum LayerPool<B: Backend> {
 }
 
 /// Keys or values of one layer encoded in a [`KvCacheType`] on a backend's device: the
-/// host [`EncodedPool`]'s bytes (one row of [`KvCacheType::row_bytes`] per
+/// host encoded pool's bytes (one row of [`KvCacheType::row_bytes`] per
 /// `(block, head, slot)`, in that order) four to a little-endian word of an integer
 /// tensor, so that a block read from either is the same bytes. A row must be a whole
 /// number of words (a head size that is a multiple of 64 for `q8_0`/`q4_0`, even for a

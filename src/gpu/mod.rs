@@ -21,7 +21,7 @@
 //!   uploaded once on first use; every kept format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K,
 //!   Q4_K, Q5_K, Q6_K) is multiplied by a fused dequantize-and-multiply kernel. Decode takes one row per unit; prompts and batches of
 //!   4 rows or more take tiles of 4 or 8 rows per unit, each weight decoded once per tile
-//!   ([`quant_tile`]), with a row's arithmetic the same at every tile size.
+//!   (`quant_tile`), with a row's arithmetic the same at every tile size.
 //!   In the `fast` precision the product is the CPU `fast` product's bits instead
 //!   (`kernels::int_matmul_kernel`): the activations quantized in the kernel's prologue
 //!   by the CPU's rule, exact integer block sums, the float steps in the CPU's order, with
@@ -235,7 +235,7 @@ pub trait CubeKernels: Backend {
 
     /// Writes `x` (`[tokens, kv_heads * dim]`, rows may be a column slice of a wider
     /// tensor) encoded in `kv.ty` into the word pool `pool` at the slots `table` names
-    /// (see [`kernels::paged_store_encoded_kernel`]); returns the pool, written in place
+    /// (see `kernels::paged_store_encoded_kernel`); returns the pool, written in place
     /// where no other tensor shares it. The caller has checked the shapes.
     fn paged_store_encoded_primitive(
         x: FloatTensor<Self>,
@@ -259,7 +259,7 @@ pub trait CubeKernels: Backend {
 }
 
 /// How the rows of an encoded device pool are stored (see
-/// [`DeviceKvPool`](crate::cache::paged::DeviceKvPool)).
+/// [`crate::cache::paged::DeviceKvPool`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EncodedRows {
     /// The type's [`kernel_code`](crate::cache::KvCacheType::kernel_code).

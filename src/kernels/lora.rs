@@ -4,8 +4,8 @@
 //!
 //! One call takes every adapter group of a projection and writes into the projection's
 //! output in place. It runs in two splits over the kernels' own thread pool
-//! ([`pool::for_each_chunk`], the one the quantized products use): first the rank
-//! vectors `t = x @ a`, one chunk per row; then blocks of [`COLUMN_BLOCK`] output
+//! (`pool::for_each_chunk`, the one the quantized products use): first the rank
+//! vectors `t = x @ a`, one chunk per row; then blocks of `COLUMN_BLOCK` output
 //! columns, each for every row of every group, so each block of `b` is read once a step
 //! while it is in the core's cache. Both loops are element-wise (separate multiplies and
 //! adds, which the compiler never fuses), compiled for the widest vectors of the
