@@ -468,7 +468,10 @@ pub trait LlamaBackend: Backend {
     /// `[blocks, kv_heads, block_size, head_dim]`, each sequence through its block table
     /// and causally (see [`PagedBatch`]); returns the shape of `q`. The default gathers
     /// blocks into padded batches for [`masked_attention`](Self::masked_attention)
-    /// ([`PagedBatch::attention_by_gathering`]).
+    /// ([`PagedBatch::attention_by_gathering`]). On a backend whose
+    /// [`compiles_kernels`](Self::compiles_kernels) is true, the contiguous cache's
+    /// left-padded batches come here too ([`PagedBatch::is_left_padded`]): a token then
+    /// sees the keys from [`PagedBatch::first_key`] to its own slot.
     ///
     /// # Errors
     ///
