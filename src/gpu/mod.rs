@@ -1646,6 +1646,8 @@ fn quantized_matmul_two<B: LlamaBackend + CubeKernels>(
     b: &QuantMatrix,
     precision: Precision,
 ) -> Result<Option<Tensor<B, 2>>> {
+    // Checked before the lanes are compared, so that inputs of the wrong width are an
+    // error here rather than a `None` (`product_launch` checks them again).
     let n_in = x.dims()[1];
     check_quantized_input(n_in, a)?;
     check_quantized_input(n_in, b)?;

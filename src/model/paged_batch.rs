@@ -49,9 +49,6 @@ pub struct PagedBatch<'a, B: Backend> {
     gathered: OnceCell<Gathered<B>>,
     /// Built on first use, by backends whose kernel reads the block tables on the device.
     table: OnceCell<DeviceTable<B>>,
-    /// The [`RopeAngles::id`](crate::model::rope::RopeAngles) last found to be this
-    /// step's positions ([`rotates_its_tokens`](Self::rotates_its_tokens)).
-    rotated_by: std::cell::Cell<Option<u64>>,
     /// Per sequence, the first slot of its blocks that holds its own keys (the slots
     /// before it are left padding: the contiguous cache's rows of a batch of prompts of
     /// different lengths); empty when no sequence is padded. See
@@ -118,7 +115,6 @@ impl<'a, B: Backend> PagedBatch<'a, B> {
             device: device.clone(),
             gathered: OnceCell::new(),
             table: OnceCell::new(),
-            rotated_by: std::cell::Cell::new(None),
             firsts: Vec::new(),
         }
     }
@@ -187,18 +183,10 @@ impl<'a, B: Backend> PagedBatch<'a, B> {
 
     /// Whether `angles` are those of this step's tokens, in query order (their positions
     /// each sequence's `start..start + tokens`): what a kernel that reads the angles at
-    /// the positions of the block tables needs. Compared once per step's angles (the
-    /// forward pass asks in every layer), then remembered.
+    /// the positions of the block tables needs (a comparison of one integer a token).
     pub fn rotates_its_tokens(&self, angles: &crate::model::rope::RopeAngles<B>) -> bool {
-        if self.rotated_by.get() == Some(angles.id()) {
-            return true;
-        }
         let positions = self.seqs.iter().flat_map(|s| s.start..s.start + s.tokens);
-        let matches = positions.eq(angles.positions().iter().copied());
-        if matches {
-            self.rotated_by.set(Some(angles.id()));
-        }
-        matches
+        positions.eq(angles.positions().iter().copied())
     }
 
     /// The step's block tables as one integer tensor on the device, for kernels that
@@ -399,7 +387,7 @@ mod tests {
     use crate::model::rope::RopeAngles;
 
     #[test]
-    fn a_step_knows_its_own_angles_and_remembers_only_those() {
+    fn a_step_knows_its_own_angles() {
         let device = default_device();
         let (table_a, table_b) = ([0u32, 1], [2u32]);
         let seqs = vec![
@@ -423,7 +411,7 @@ mod tests {
         let shifted = angles(vec![6, 7, 1]);
         let short = angles(vec![5, 6]);
         assert!(batch.rotates_its_tokens(&own));
-        // Remembered for `own`, never taken for other angles.
+        // Asked again (every layer asks), and for other angles.
         assert!(batch.rotates_its_tokens(&own));
         assert!(!batch.rotates_its_tokens(&shifted));
         assert!(!batch.rotates_its_tokens(&short));

@@ -38,15 +38,7 @@ pub struct RopeAngles<B: Backend> {
     positions: Vec<usize>,
     heads: usize,
     gathered: std::cell::OnceCell<(Tensor<B, 2>, Tensor<B, 2>)>,
-    /// Unique to this value (its positions never change): lets a step check once that
-    /// these are its tokens' positions ([`PagedBatch::rotates_its_tokens`]).
-    ///
-    /// [`PagedBatch::rotates_its_tokens`]: crate::model::attention::PagedBatch::rotates_its_tokens
-    id: u64,
 }
-
-/// The next [`RopeAngles::id`].
-static NEXT_ANGLES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl<B: Backend> RopeAngles<B> {
     /// The angles of rows at `positions` for `heads` heads, from tables `cos_table` and
@@ -81,13 +73,7 @@ impl<B: Backend> RopeAngles<B> {
             positions,
             heads,
             gathered: std::cell::OnceCell::new(),
-            id: NEXT_ANGLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
-    }
-
-    /// A number no other angles of this process have.
-    pub(crate) fn id(&self) -> u64 {
-        self.id
     }
 
     /// Each row's position.
