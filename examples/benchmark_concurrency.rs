@@ -98,6 +98,16 @@ struct Args {
     /// Turn the continuous engine's prefix caching off.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Continuous strategy: most tokens computed per step (one per decoding request, the
+    /// rest for prompt chunks; the engine's default, 256, without it).
+    #[arg(long)]
+    step_tokens: Option<usize>,
+    /// Continuous strategy: before the timed run, one untimed request reads the
+    /// `--shared-prefix-tokens` passage into the prefix cache, so that every timed request
+    /// finds it there (decode over a long shared context, without each request of a burst
+    /// computing the passage again).
+    #[arg(long)]
+    warm_prefix: bool,
     /// Continuous strategy: every request runs with a LoRA adapter of this rank on
     /// every projection (random factors; 0 = none), request `i` with adapter
     /// `i % --lora-adapters`.
@@ -262,6 +272,8 @@ fn percentile(values: &mut [f64], p: f64) -> f64 {
 struct Memory {
     peak_kv_bytes: usize,
     preemptions: u64,
+    /// The most requests admitted at once (the continuous strategy).
+    peak_running: usize,
     prefix_hit_tokens: u64,
     /// Proposed and accepted tokens (speculative decoding).
     draft_tokens: u64,
@@ -298,6 +310,7 @@ fn summarise(
         "peak_kv_bytes": memory.peak_kv_bytes,
         "peak_rss_bytes": peak_rss_bytes(),
         "preemptions": memory.preemptions,
+        "peak_running": memory.peak_running,
         "prefix_hit_tokens": memory.prefix_hit_tokens,
         "draft_tokens": memory.draft_tokens,
         "accepted_draft_tokens": memory.accepted_draft_tokens,
@@ -538,6 +551,9 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
             prefix_caching: !args.no_prefix_cache,
             ..ContinuousConfig::default()
         };
+        if let Some(step_tokens) = args.step_tokens {
+            config.step_tokens = step_tokens;
+        }
         if let Some(tokens) = args.kv_budget_tokens {
             config = config.with_kv_budget_tokens(tokens);
         }
@@ -561,20 +577,28 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
                 })??;
             }
         }
+        if args.warm_prefix && !prefix.is_empty() {
+            let warm = GenerateRequest::new(prefix.clone())
+                .with_max_tokens(1)
+                .with_ignore_eos(true);
+            service.infer(warm).spawn().join()?;
+        }
         let (wall, traces) = through_service(&service, &reqs, &arrive)?;
         let m = service.with_model_blocking(|engine| engine.metrics())?;
         eprintln!(
-            "continuous KV pool ({}): {} blocks of {} tokens = {} tokens in {} bytes; {} preemptions",
+            "continuous KV pool ({}): {} blocks of {} tokens = {} tokens in {} bytes; {} preemptions; at most {} requests admitted at once",
             config_types(args),
             m.kv_blocks_total,
             m.block_size,
             m.kv_blocks_total * m.block_size,
             m.kv_pool_bytes,
-            m.preemptions
+            m.preemptions,
+            m.peak_running
         );
         let memory = Memory {
             peak_kv_bytes: m.peak_kv_bytes_used,
             preemptions: m.preemptions,
+            peak_running: m.peak_running,
             prefix_hit_tokens: m.prefix_hit_tokens,
             draft_tokens: m.spec_decode_num_draft_tokens,
             accepted_draft_tokens: m.spec_decode_num_accepted_tokens,
@@ -617,6 +641,8 @@ fn run(args: &Args, mut llama: Llama<B>) -> llama_burn::Result<()> {
                 "long_max_tokens": args.long_max_tokens,
                 "shared_prefix_tokens": args.shared_prefix_tokens,
                 "prefix_caching": !args.no_prefix_cache,
+                "warm_prefix": args.warm_prefix,
+                "step_tokens": args.step_tokens,
                 "kv_budget_tokens": args.kv_budget_tokens,
                 "kv_budget_bytes": args.kv_budget_bytes,
                 "kv_cache_types": config_types(args),

@@ -1040,6 +1040,7 @@ impl<B: LlamaBackend, T: Tokenizer> Worker<B, T> {
             m.running = self.scheduler.decoding();
             m.prefilling = self.scheduler.prefilling();
             m.waiting = self.scheduler.waiting();
+            m.peak_running = m.peak_running.max(m.running + m.prefilling);
             m.kv_blocks_used = blocks.in_use();
             m.kv_blocks_cached = blocks.cached_unused();
             m.kv_blocks_total = blocks.total_blocks();

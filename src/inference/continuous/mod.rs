@@ -276,6 +276,10 @@ pub struct EngineMetrics {
     pub prefilling: usize,
     /// Requests waiting for admission (preempted ones included).
     pub waiting: usize,
+    /// The most requests admitted at once (decoding or prefilling, as counted after each
+    /// step): with a byte budget and no preemptions, how many requests the pool held
+    /// together.
+    pub peak_running: usize,
     /// KV blocks held by admitted requests.
     pub kv_blocks_used: usize,
     /// KV blocks nobody holds that keep a cached prefix (reused or evicted on demand).
