@@ -109,6 +109,18 @@ impl SimdPath {
         }
     }
 
+    /// Whether the path runs the `fast` precision's AMX tile kernel for products of
+    /// sixteen rows or more: the AVX-512 path where the CPU has VNNI, AMX-TILE and
+    /// AMX-INT8, Linux has granted this process the tile data, and `LLAMA_BURN_AMX`
+    /// is not `off` (read once per process; the results are the same bits either way).
+    pub fn has_amx(self) -> bool {
+        static ENABLED: OnceLock<bool> = OnceLock::new();
+        self.has_vnni()
+            && *ENABLED.get_or_init(|| {
+                !std::env::var("LLAMA_BURN_AMX").is_ok_and(|v| v == "off") && amx_granted()
+            })
+    }
+
     /// Whether the path can run the `fast` precision's AVX2 in-register kernels on
     /// this CPU (the AVX-512 path takes them where the CPU lacks VNNI).
     pub(crate) fn has_avx2_integer(self) -> bool {
@@ -187,6 +199,45 @@ fn avx512_supported() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx512_supported() -> bool {
+    false
+}
+
+/// Whether this CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7, EDX bits 24 and 25) and
+/// Linux grants this process the tile data (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA)`, Linux 5.16 and later; the grant is the process's, every thread's).
+/// Asked once per process.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+pub(crate) fn amx_granted() -> bool {
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        // SAFETY: CPUID is part of every x86-64 CPU; leaf 7 exists where leaf 0 says so.
+        #[allow(unused_unsafe)]
+        let edx = unsafe {
+            if std::arch::x86_64::__cpuid(0).eax < 7 {
+                return false;
+            }
+            std::arch::x86_64::__cpuid_count(7, 0).edx
+        };
+        let (tile, int8) = (edx & (1 << 24) != 0, edx & (1 << 25) != 0);
+        if !(tile && int8 && std::arch::is_x86_feature_detected!("avx512vnni")) {
+            return false;
+        }
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: a request for a permission; it reads and writes no memory of ours.
+        unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            ) == 0
+        }
+    })
+}
+
+/// Not on this platform: no AMX.
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+pub(crate) fn amx_granted() -> bool {
     false
 }
 

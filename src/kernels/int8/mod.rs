@@ -101,9 +101,36 @@ pub(crate) struct Panel {
     sc: Vec<i32>,
     d: Vec<f32>,
     m: Vec<f32>,
+    /// The words of `u` in their signed form, `u - offset` in each byte (the AMX
+    /// kernel's; filled by [`fill_signed`](Self::fill_signed)).
+    #[cfg(target_arch = "x86_64")]
+    s: Vec<u32>,
 }
 
 impl Panel {
+    /// Fills `s` from `u`: each byte less `offset`, wrapping (every format's signed
+    /// values fit a byte: `-128..=127` for Q8_0, whose offset is 128).
+    #[cfg(target_arch = "x86_64")]
+    fn fill_signed(&mut self, offset: i32) {
+        let off = offset as u8;
+        self.s.clear();
+        self.s.resize(self.u.len(), 0);
+        // Byte by byte over the words (a loop the compiler vectorizes; word by word
+        // through `to_le_bytes` it did not: 16% of a prompt's products).
+        let bytes = |v: &[u32]| v.len() * 4;
+        // SAFETY: a `u32` slice is `4 * len` initialized bytes, any of which is a `u8`;
+        // `s` and `u` are distinct vectors.
+        let (s, u) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.s.as_mut_ptr().cast::<u8>(), bytes(&self.s)),
+                std::slice::from_raw_parts(self.u.as_ptr().cast::<u8>(), bytes(&self.u)),
+            )
+        };
+        for (s, &u) in s.iter_mut().zip(u) {
+            *s = u.wrapping_sub(off);
+        }
+    }
+
     /// Decodes rows `first .. first + n` of `w` (`n <= 16`, `first` a multiple of 8);
     /// lanes past `n` hold zeros.
     fn fill(&mut self, w: &QuantMatrix, first: usize, n: usize) {
@@ -156,6 +183,28 @@ pub fn matmul_transposed_int8_on(
     rows: usize,
     w: &QuantMatrix,
 ) -> Result<Vec<f32>> {
+    matmul_int8(path, path.has_amx() && rows >= AMX_FROM_ROWS, x, rows, w)
+}
+
+/// Activation rows from which a product takes the AMX kernel where the CPU has it. Its
+/// per-panel work (the signed words, a tile configuration per thread's share) pays back
+/// over many rows: on a 2-core Intel Xeon with AMX (`cargo bench --bench kernels --
+/// real_sizes/1b`, the kernel alternated with `LLAMA_BURN_AMX=off`), at 128 rows it
+/// was 1.29x the VNNI kernel on Q4_0, 1.08x on Q4_K and Q5_K, 1.03-1.07x on Q6_K; at
+/// 64 rows 0.93-1.05x, at 32 rows 0.87x, at 16 rows 0.85x.
+const AMX_FROM_ROWS: usize = 128;
+
+/// [`matmul_transposed_int8_on`] with the AMX tile kernel on or off for each sixteen
+/// rows (`amx` only where the path [has](SimdPath::has_amx) it, or where `amx_granted`
+/// says the CPU runs it: the tests run both, from sixteen rows, whatever
+/// `LLAMA_BURN_AMX` says).
+fn matmul_int8(
+    path: SimdPath,
+    amx: bool,
+    x: &[f32],
+    rows: usize,
+    w: &QuantMatrix,
+) -> Result<Vec<f32>> {
     let (n_in, n_out) = (w.cols(), w.rows());
     // Activations are quantized in runs of `run` blocks (see `IntForm::run`).
     let run = w.format().int_form().run;
@@ -187,11 +236,27 @@ pub fn matmul_transposed_int8_on(
     let avx2_registers = !vnni && path.has_avx2_integer();
     // More rows than a group tile: decoded once into the panel, reused for every row.
     let avx2_panel = avx2_registers && rows > GROUP_TILE;
+    // Sixteen rows or more, where the CPU has AMX: the tile kernel takes each sixteen.
+    #[cfg(target_arch = "x86_64")]
+    let amx = amx && vnni && rows >= x86::AMX_ROWS;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = amx;
+    #[cfg(target_arch = "x86_64")]
+    let tiled = if amx {
+        x86::tiled_rows(&acts, rows)
+    } else {
+        Vec::new()
+    };
     super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
         let (start, end) = (
             bounds[chunk] * LANES,
             (bounds[chunk + 1] * LANES).min(n_out),
         );
+        // SAFETY: `amx` says this CPU has AMX and the kernel granted the tile data
+        // (`SimdPath::has_amx`, or the tests' `amx_granted`); the tiles are released
+        // when this chunk's work ends.
+        #[cfg(target_arch = "x86_64")]
+        let _tiles = amx.then(|| unsafe { x86::Tiles::start(w.format()) });
         PANEL.with_borrow_mut(|panel| {
             for first in (start..end).step_by(LANES) {
                 let n = LANES.min(end - first);
@@ -287,6 +352,24 @@ pub fn matmul_transposed_int8_on(
                     continue;
                 }
                 let mut r = 0;
+                #[cfg(target_arch = "x86_64")]
+                if amx {
+                    panel.fill_signed(w.format().int_form().offset);
+                    r = rows / x86::AMX_ROWS * x86::AMX_ROWS;
+                    AMX_OUT.with_borrow_mut(|res| {
+                        res.clear();
+                        res.resize(r, [0f32; LANES]);
+                        // SAFETY: as above (AMX, AVX-512 with VNNI); this thread's tiles
+                        // are configured for the format; the panel's signed words are
+                        // filled; `tiled` holds the first `r` rows.
+                        unsafe { x86::amx_panel(panel, w.format(), &acts, &tiled, res) };
+                        for (i, row) in res.iter().enumerate() {
+                            // SAFETY: row `i < rows`; columns `first .. first + n` lie in
+                            // this chunk's `start..end`, which no other chunk writes.
+                            unsafe { target.write(i, first, &row[..n]) };
+                        }
+                    });
+                }
                 while r < rows {
                     let tile = ROW_TILE.min(rows - r);
                     let mut res = [[0f32; LANES]; ROW_TILE];
@@ -307,6 +390,9 @@ pub fn matmul_transposed_int8_on(
 thread_local! {
     /// Each worker thread's panel, kept between calls.
     static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
+    /// Each worker thread's results of the AMX kernel for a panel, kept between calls.
+    #[cfg(target_arch = "x86_64")]
+    static AMX_OUT: std::cell::RefCell<Vec<[f32; LANES]>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Each worker thread's partial results of the AVX2 panel kernel, kept between calls.
     #[cfg(target_arch = "x86_64")]
     static SUMS: std::cell::RefCell<Vec<RowSums>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -407,6 +493,28 @@ mod tests {
             .collect()
     }
 
+    /// Every kernel this CPU runs: each path with the AMX tile kernel off, and the
+    /// AVX-512 path with it on where the CPU has AMX (whatever `LLAMA_BURN_AMX` says).
+    fn kernels() -> Vec<(SimdPath, bool)> {
+        let mut all: Vec<_> = paths().into_iter().map(|p| (p, false)).collect();
+        if amx_here() {
+            all.push((SimdPath::Avx512, true));
+        }
+        all
+    }
+
+    /// Whether this CPU runs the AMX kernel; where it does not, says so once per test.
+    fn amx_here() -> bool {
+        let here = SimdPath::Avx512.has_vnni() && crate::kernels::cpu::amx_granted();
+        if !here {
+            eprintln!(
+                "AMX kernel not tested: this CPU lacks AMX-INT8 or AVX-512 VNNI, or the \
+                 kernel did not grant the tile data"
+            );
+        }
+        here
+    }
+
     #[test]
     fn the_integer_form_gives_the_dequantized_values() {
         // sc * d * (u - offset) + m is the loader's value, to f32 rounding.
@@ -494,12 +602,13 @@ mod tests {
             let (n_out, n_in) = (37, 512);
             let w = random_matrix(format, n_out, n_in, 17);
             let mut rng = StdRng::seed_from_u64(4);
-            for rows in [1, 3, 4, 5, 9, 10, 11] {
+            // 16, 17 and 35: the AMX kernel's tiles of sixteen rows, and its tails.
+            for rows in [1, 3, 4, 5, 9, 10, 11, 16, 17, 35] {
                 let x: Vec<f32> = (0..rows * n_in)
                     .map(|_| rng.random_range(-1.0f32..1.0))
                     .collect();
-                for path in paths() {
-                    let got = matmul_transposed_int8_on(path, &x, rows, &w).unwrap();
+                for (path, amx) in kernels() {
+                    let got = matmul_int8(path, amx, &x, rows, &w).unwrap();
                     for r in 0..rows {
                         for j in 0..n_out {
                             let want = int8_reference(
@@ -510,7 +619,7 @@ mod tests {
                             assert_eq!(
                                 got[r * n_out + j].to_bits(),
                                 want.to_bits(),
-                                "{format:?} {path:?} rows {rows} ({r}, {j})"
+                                "{format:?} {path:?} amx {amx} rows {rows} ({r}, {j})"
                             );
                         }
                     }
@@ -537,20 +646,26 @@ mod tests {
                 x.extend(vec![-1.0f32; n_in]);
                 // Blocks of either sign (two positive to one negative: a nonzero result).
                 x.extend((0..n_in).map(|i| if i % 96 < 64 { 1.0 } else { -1.0 }));
-                // Three rows, and the three four times over: a batch of more rows than
-                // a group tile takes the panel kernels.
-                let many = x.repeat(4);
-                for path in paths() {
-                    let got = matmul_transposed_int8_on(path, &x, 3, &w).unwrap();
-                    let batch = matmul_transposed_int8_on(path, &many, 12, &w).unwrap();
+                // Three rows, and the three six times over: a batch of more rows than
+                // a group tile takes the panel kernels (and, of sixteen or more, the
+                // AMX kernel where the CPU has it).
+                let many = x.repeat(6);
+                for (path, amx) in kernels() {
+                    let got = matmul_int8(path, amx, &x, 3, &w).unwrap();
+                    let batch = matmul_int8(path, amx, &many, 18, &w).unwrap();
                     for r in 0..3 {
                         // One row alone takes other tiles than three together.
                         let alone =
                             matmul_transposed_int8_on(path, &x[r * n_in..][..n_in], 1, &w).unwrap();
                         assert_eq!(alone, got[r * n_out..][..n_out], "{format:?} {path:?}");
-                        for k in 0..4 {
+                        for k in 0..6 {
                             let row = &batch[(3 * k + r) * n_out..][..n_out];
-                            assert_eq!(alone, row, "{format:?} {path:?} batch row {}", 3 * k + r);
+                            assert_eq!(
+                                alone,
+                                row,
+                                "{format:?} {path:?} amx {amx} row {}",
+                                3 * k + r
+                            );
                         }
                         let want = int8_reference(
                             format,
@@ -562,7 +677,7 @@ mod tests {
                             assert_eq!(
                                 got[r * n_out + j].to_bits(),
                                 want.to_bits(),
-                                "{format:?} byte {byte:#x} {path:?} ({r}, {j})"
+                                "{format:?} byte {byte:#x} {path:?} amx {amx} ({r}, {j})"
                             );
                         }
                     }
@@ -576,15 +691,23 @@ mod tests {
         for format in QuantFormat::ALL {
             let w = random_matrix(format, 50, 256, 3);
             let mut rng = StdRng::seed_from_u64(9);
-            let x: Vec<f32> = (0..7 * 256)
+            // 7 rows, and 19: sixteen in an AMX tile where the CPU has it, three after.
+            let x: Vec<f32> = (0..19 * 256)
                 .map(|_| rng.random_range(-2.0f32..2.0))
                 .collect();
-            for path in paths() {
-                let batch = matmul_transposed_int8_on(path, &x, 7, &w).unwrap();
-                for r in 0..7 {
-                    let alone =
-                        matmul_transposed_int8_on(path, &x[r * 256..(r + 1) * 256], 1, &w).unwrap();
-                    assert_eq!(alone, batch[r * 50..(r + 1) * 50], "{format:?} {path:?}");
+            for (path, amx) in kernels() {
+                for rows in [7, 19] {
+                    let batch = matmul_int8(path, amx, &x[..rows * 256], rows, &w).unwrap();
+                    for r in 0..rows {
+                        let alone =
+                            matmul_transposed_int8_on(path, &x[r * 256..(r + 1) * 256], 1, &w)
+                                .unwrap();
+                        assert_eq!(
+                            alone,
+                            batch[r * 50..(r + 1) * 50],
+                            "{format:?} {path:?} amx {amx} rows {rows}"
+                        );
+                    }
                 }
             }
         }

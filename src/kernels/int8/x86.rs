@@ -1275,3 +1275,7 @@ unsafe fn avx2_panel_rows<const T: usize, const F: u8>(
         }
     }
 }
+
+// Declared after the macros above, which it uses.
+mod amx;
+pub(super) use amx::{AMX_ROWS, Tiles, amx_panel, tiled_rows};
