@@ -101,36 +101,14 @@ pub(crate) struct Panel {
     sc: Vec<i32>,
     d: Vec<f32>,
     m: Vec<f32>,
-    /// The words of `u` in their signed form, `u - offset` in each byte (the AMX
-    /// kernel's; filled by [`fill_signed`](Self::fill_signed)).
+    /// The AMX kernel's words, made from `u` by `x86::amx_prepare`: the signed words
+    /// `u - offset` (in the first), or for the formats with a scale per sub-block the
+    /// words times the scale's low and high digits.
     #[cfg(target_arch = "x86_64")]
-    s: Vec<u32>,
+    amx: [x86::Lines; 2],
 }
 
 impl Panel {
-    /// Fills `s` from `u`: each byte less `offset`, wrapping (every format's signed
-    /// values fit a byte: `-128..=127` for Q8_0, whose offset is 128).
-    #[cfg(target_arch = "x86_64")]
-    fn fill_signed(&mut self, offset: i32) {
-        let off = offset as u8;
-        self.s.clear();
-        self.s.resize(self.u.len(), 0);
-        // Byte by byte over the words (a loop the compiler vectorizes; word by word
-        // through `to_le_bytes` it did not: 16% of a prompt's products).
-        let bytes = |v: &[u32]| v.len() * 4;
-        // SAFETY: a `u32` slice is `4 * len` initialized bytes, any of which is a `u8`;
-        // `s` and `u` are distinct vectors.
-        let (s, u) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(self.s.as_mut_ptr().cast::<u8>(), bytes(&self.s)),
-                std::slice::from_raw_parts(self.u.as_ptr().cast::<u8>(), bytes(&self.u)),
-            )
-        };
-        for (s, &u) in s.iter_mut().zip(u) {
-            *s = u.wrapping_sub(off);
-        }
-    }
-
     /// Decodes rows `first .. first + n` of `w` (`n <= 16`, `first` a multiple of 8);
     /// lanes past `n` hold zeros.
     fn fill(&mut self, w: &QuantMatrix, first: usize, n: usize) {
@@ -243,9 +221,9 @@ fn matmul_int8(
     let _ = amx;
     #[cfg(target_arch = "x86_64")]
     let tiled = if amx {
-        x86::tiled_rows(&acts, rows)
+        x86::tiled_rows(&acts, rows, w.format())
     } else {
-        Vec::new()
+        x86::Lines::default()
     };
     super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
         let (start, end) = (
@@ -354,7 +332,8 @@ fn matmul_int8(
                 let mut r = 0;
                 #[cfg(target_arch = "x86_64")]
                 if amx {
-                    panel.fill_signed(w.format().int_form().offset);
+                    // SAFETY: as above (AVX-512).
+                    unsafe { x86::amx_prepare(panel, w.format()) };
                     r = rows / x86::AMX_ROWS * x86::AMX_ROWS;
                     AMX_OUT.with_borrow_mut(|res| {
                         res.clear();

@@ -52,12 +52,87 @@ struct TileConfig {
     rows: [u8; 16],
 }
 
-/// Bytes of one product's values: a whole 32-value sub-block, or a 16-value half for
-/// the formats with an integer scale per half.
+/// Bytes of one product's values: a whole 32-value sub-block, a 16-value half for the
+/// formats with an integer scale per half, and two sub-blocks for those with one per
+/// sub-block, whose scales are folded into the weights (see [`amx_prepare`]).
 const fn unit_bytes(scales: IntScales) -> usize {
     match scales {
         IntScales::PerHalf => QK / 2,
-        IntScales::One | IntScales::PerBlock => QK,
+        IntScales::One => QK,
+        IntScales::PerBlock => 2 * QK,
+    }
+}
+
+/// Bytes per row of a tile in [`tiled_rows`]' layout: a product's, or a whole
+/// sub-block's where a product takes a half.
+const fn tile_width(scales: IntScales) -> usize {
+    let k = unit_bytes(scales);
+    if k > QK { k } else { QK }
+}
+
+/// Bits of the low digit of a sub-block's scale, for the formats with one per sub-block
+/// (6-bit scales, values below 32): `sc = (hi << 3) + lo`, digits below 8, so a digit
+/// times a value is below 256, one unsigned byte.
+const DIGIT_BITS: u32 = 3;
+
+/// Makes the panel's words for the AMX kernel from its decoded words `u`: for the
+/// formats with a scale per sub-block (Q4_K, Q5_K: 6-bit scales, values below 32), the
+/// words times the low digit of their sub-block's scale (`amx[0]`) and times the high
+/// digit (`amx[1]`), each byte a product below 256; for the others, the signed words
+/// `u - offset` in each byte (`amx[0]`; every format's signed values fit a byte:
+/// `-128..=127` for Q8_0, whose offset is 128).
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F and BW; the panel holds a matrix of `format`, decoded.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(in crate::kernels::int8) unsafe fn amx_prepare(panel: &mut Panel, format: QuantFormat) {
+    use std::arch::x86_64::*;
+    let f = format.int_form();
+    let words = panel.u.len();
+    debug_assert!(words.is_multiple_of(8 * LANES));
+    for v in panel.amx.iter_mut() {
+        v.zeros(4 * words);
+    }
+    let (lo, hi) = {
+        let [lo, hi] = &mut panel.amx;
+        (lo.bytes_mut().as_mut_ptr(), hi.bytes_mut().as_mut_ptr())
+    };
+    if matches!(f.scales, IntScales::PerBlock) {
+        debug_assert!(f.offset == 0 && f.max < 32);
+        debug_assert!(panel.sc.iter().all(|&sc| (0..64).contains(&sc)));
+        // SAFETY: the panel holds `subs * 8` words of 16 lanes, in `u`, `lo` and `hi`,
+        // and `subs * 2` scales of 16 lanes (the sub-block's in the first of each two).
+        unsafe {
+            let mask = _mm512_set1_epi32((1 << DIGIT_BITS) - 1);
+            for s in 0..words / (8 * LANES) {
+                let sc = _mm512_loadu_si512(panel.sc.as_ptr().add(s * 2 * LANES).cast());
+                // Each digit in both 16-bit halves of its lane: `vpmullw` then multiplies
+                // the lane's four bytes in pairs, and as each byte's product is below 256
+                // no carry reaches its neighbour.
+                let both = |d: __m512i| _mm512_or_si512(d, _mm512_slli_epi32::<16>(d));
+                let (dl, dh) = (
+                    both(_mm512_and_si512(sc, mask)),
+                    both(_mm512_srli_epi32::<DIGIT_BITS>(sc)),
+                );
+                for t in 0..8 {
+                    let at = (s * 8 + t) * LANES;
+                    let u = _mm512_loadu_si512(panel.u.as_ptr().add(at).cast());
+                    _mm512_storeu_si512(lo.add(4 * at).cast(), _mm512_mullo_epi16(u, dl));
+                    _mm512_storeu_si512(hi.add(4 * at).cast(), _mm512_mullo_epi16(u, dh));
+                }
+            }
+        }
+    } else {
+        let _ = hi;
+        // SAFETY: `u` and `lo` hold `words` words each, in whole vectors.
+        unsafe {
+            let off = _mm512_set1_epi8(f.offset as u8 as i8);
+            for at in (0..words).step_by(LANES) {
+                let u = _mm512_loadu_si512(panel.u.as_ptr().add(at).cast());
+                _mm512_storeu_si512(lo.add(4 * at).cast(), _mm512_sub_epi8(u, off));
+            }
+        }
     }
 }
 
@@ -108,27 +183,71 @@ impl Drop for Tiles {
     }
 }
 
+/// A 64-byte line of the caches.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(in crate::kernels::int8) struct Line([u8; 64]);
+
+/// Bytes on whole 64-byte lines, for what tiles load: a tile's rows must not straddle
+/// two lines (tile loads of 64-byte rows 16 bytes off a line's start, as a plain
+/// vector's allocation is, took 3.3 times as long, measured in C on this kernel's loads).
+#[derive(Default)]
+pub(in crate::kernels::int8) struct Lines(Vec<Line>);
+
+impl Lines {
+    /// `bytes` zeros (rounded up to whole lines).
+    fn zeros(&mut self, bytes: usize) {
+        self.0.clear();
+        self.0.resize(bytes.div_ceil(64), Line([0; 64]));
+    }
+
+    /// The bytes.
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `Line` is 64 bytes with no padding; the lines are contiguous.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 64) }
+    }
+
+    /// The bytes, to write.
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`; any byte value is a valid `u8`.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * 64) }
+    }
+}
+
 /// Sums of one chunk: `[product][row][lane]`, two products per sub-block at most.
 #[repr(C, align(64))]
 struct Sums([[[i32; LANES]; AMX_ROWS]; 2 * CHUNK]);
 
-/// Bytes of one sub-block of sixteen rows in [`tiled_rows`]' layout.
+/// Bytes of one sub-block of sixteen rows in [`tiled_rows`]' layout of 32-byte tiles.
 const TILE_BYTES: usize = AMX_ROWS * QK;
 
 /// The quantized values of the first `rows / 16 * 16` activation rows, laid out for the
-/// tile loads: group `g` of sixteen rows, sub-block `s`, row `i`, value `v` at `((g *
-/// subs + s) * 16 + i) * 32 + v`. A tile's sixteen rows are then 512 contiguous bytes
-/// (their rows 32 bytes apart), not sixteen lines a row's length apart, which for rows
+/// tile loads of `format`'s products, in tiles of `w` = [`tile_width`] bytes (one or two
+/// sub-blocks) of sixteen rows: group `g` of sixteen rows, tile `t`, row `i`, value `v`
+/// at `((g * tiles + t) * 16 + i) * w + v`. A tile's sixteen rows are then contiguous
+/// (their rows `w` bytes apart), not sixteen lines a row's length apart, which for rows
 /// of 2 KiB or more fall in the same few sets of the first-level cache. Built once per
 /// product, read by every panel.
-pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, rows: usize) -> Vec<i8> {
+pub(in crate::kernels::int8) fn tiled_rows(
+    acts: &QuantizedRows,
+    rows: usize,
+    format: QuantFormat,
+) -> Lines {
+    let w = tile_width(format.int_form().scales);
     let (n_in, groups) = (acts.n_in, rows / AMX_ROWS);
-    let mut out = vec![0i8; groups * AMX_ROWS * n_in];
-    for (g, group) in out.chunks_exact_mut(AMX_ROWS * n_in).enumerate() {
-        for (s, tile) in group.chunks_exact_mut(TILE_BYTES).enumerate() {
-            for (i, row) in tile.chunks_exact_mut(QK).enumerate() {
+    let mut out = Lines::default();
+    out.zeros(groups * AMX_ROWS * n_in);
+    for (g, group) in out
+        .bytes_mut()
+        .chunks_exact_mut(AMX_ROWS * n_in)
+        .enumerate()
+    {
+        for (t, tile) in group.chunks_exact_mut(AMX_ROWS * w).enumerate() {
+            for (i, row) in tile.chunks_exact_mut(w).enumerate() {
                 let r = g * AMX_ROWS + i;
-                row.copy_from_slice(&acts.q[r * n_in + s * QK..][..QK]);
+                for (b, &q) in row.iter_mut().zip(&acts.q[r * n_in + t * w..][..w]) {
+                    *b = q as u8;
+                }
             }
         }
     }
@@ -136,8 +255,8 @@ pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, rows: usize) ->
 }
 
 /// The results of activation rows `0 .. out.len()` (a multiple of 16) against the
-/// panel's sixteen rows, whose signed words ([`Panel::fill_signed`]) are in place;
-/// `tiled` is the rows' [`tiled_rows`].
+/// panel's sixteen rows, whose AMX words ([`amx_prepare`]) are in place; `tiled` is the
+/// rows' [`tiled_rows`].
 ///
 /// The loop runs over chunks of eight sub-blocks, and within a chunk over the groups of
 /// sixteen rows: the chunk's 4 KiB of the panel stay in the first-level cache while
@@ -153,15 +272,24 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
     panel: &Panel,
     format: QuantFormat,
     acts: &QuantizedRows,
-    tiled: &[i8],
+    tiled: &Lines,
     out: &mut [[f32; LANES]],
 ) {
-    debug_assert!(out.len().is_multiple_of(AMX_ROWS) && tiled.len() >= out.len() * acts.n_in);
+    debug_assert!(
+        out.len().is_multiple_of(AMX_ROWS) && tiled.bytes().len() >= out.len() * acts.n_in
+    );
     // SAFETY: forwarded.
-    unsafe { with_format!(format, F => amx_panel_of::<{ same_form(F) }>(panel, acts, tiled, out)) }
+    unsafe {
+        if matches!(format.int_form().scales, IntScales::PerBlock) {
+            with_format!(format, F => amx_runs_of::<{ same_form(F) }>(panel, acts, tiled, out))
+        } else {
+            with_format!(format, F => amx_panel_of::<{ same_form(F) }>(panel, acts, tiled, out))
+        }
+    }
 }
 
-/// [`amx_panel`] for the format whose id is `F`.
+/// [`amx_panel`] for the format whose id is `F`, with one product per sub-block (or
+/// half) whose sums are scaled as [`vnni_tile`](super::vnni_tile) scales them.
 ///
 /// # Safety
 ///
@@ -171,7 +299,7 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
 unsafe fn amx_panel_of<const F: u8>(
     panel: &Panel,
     acts: &QuantizedRows,
-    tiled: &[i8],
+    tiled: &Lines,
     out: &mut [[f32; LANES]],
 ) {
     use std::arch::x86_64::*;
@@ -180,7 +308,7 @@ unsafe fn amx_panel_of<const F: u8>(
     let per_sub = QK / k;
     let subs = acts.blocks();
     let groups = out.len() / AMX_ROWS;
-    debug_assert!(panel.s.len() >= subs * 8 * LANES);
+    debug_assert!(panel.amx[0].bytes().len() >= subs * 8 * LANES * 4);
     // Written by `products` before it is read, product by product.
     let mut sums = std::mem::MaybeUninit::<Sums>::uninit();
     let sp = sums.as_mut_ptr();
@@ -197,8 +325,12 @@ unsafe fn amx_panel_of<const F: u8>(
             // products, within both and within `sums`.
             unsafe {
                 products(
-                    tiled.as_ptr().add((g * subs + s0) * TILE_BYTES),
-                    panel.s.as_ptr().add(s0 * 8 * LANES).cast(),
+                    tiled
+                        .bytes()
+                        .as_ptr()
+                        .add((g * subs + s0) * TILE_BYTES)
+                        .cast(),
+                    panel.amx[0].bytes().as_ptr().add(s0 * 8 * LANES * 4),
                     k,
                     n * per_sub,
                     sp,
@@ -250,6 +382,141 @@ unsafe fn amx_panel_of<const F: u8>(
                         _mm512_storeu_ps(out[r0 + i].as_mut_ptr(), *a);
                     }
                 }
+            }
+        }
+    }
+}
+
+/// [`amx_panel`] for the format whose id is `F`, one with an integer scale per
+/// sub-block (Q4_K, Q5_K): its scales are in the panel's words ([`amx_prepare`]), so a
+/// run's eight sub-blocks are four products of 64 values per digit, summed in the tile
+/// unit; per run and row, the vector units add the two digits' sums (`(hi << 3) + lo`,
+/// the integer `sum sc * u * q` of the other kernels) and take the float steps in the
+/// other kernels' order: each sub-block's minimum, with the run's scale before the last.
+/// A group of sixteen rows runs through the whole row with its float sums in registers,
+/// and the tile unit computes a run ahead: with the sums in memory (a load and a store
+/// per row and run) and no run ahead, each run waited for the last one's stores, and the
+/// kernel was no faster than the VNNI one.
+///
+/// # Safety
+///
+/// As [`amx_panel`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[inline(never)]
+unsafe fn amx_runs_of<const F: u8>(
+    panel: &Panel,
+    acts: &QuantizedRows,
+    tiled: &Lines,
+    out: &mut [[f32; LANES]],
+) {
+    use std::arch::x86_64::*;
+    let f = const { format_at(F).int_form() };
+    // Compiled for every format (`with_format!`), run for those with a scale per
+    // sub-block: the others' copies are this return.
+    if !matches!(f.scales, IntScales::PerBlock) {
+        return;
+    }
+    const {
+        let f = format_at(F).int_form();
+        assert!(!matches!(f.scales, IntScales::PerBlock) || f.run == 8);
+        assert!(unit_bytes(IntScales::PerBlock) == 64);
+    };
+    let subs = acts.blocks();
+    let groups = out.len() / AMX_ROWS;
+    debug_assert!(panel.amx[1].bytes().len() >= subs * 8 * LANES * 4);
+    // Both digits' sums of a run, `[digit][row][lane]`, for two runs: the tile unit
+    // computes the next run's while the vector units scale this one's.
+    #[repr(C, align(64))]
+    struct RunSums([[[[i32; LANES]; AMX_ROWS]; 2]; 2]);
+    let mut sums = std::mem::MaybeUninit::<RunSums>::uninit();
+    let sp = sums.as_mut_ptr();
+    let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
+    let (ad, asx) = (acts.d.as_ptr(), acts.sx.as_ptr());
+    // A run of sixteen rows: 256 values, four tiles of 64 bytes a row (1 KiB each).
+    const RUN_BYTES: usize = 4 * AMX_ROWS * 64;
+    let runs = subs / 8;
+    for g in 0..groups {
+        // Both digits' products of run `r` of this group into `sums[r % 2]`.
+        let products = |r: usize| {
+            // SAFETY: run `r` of group `g` is 4 KiB of `tiled` (four tiles of 16 rows of
+            // 64 bytes); the digits' words of the run are 4 KiB each (its 64 rows of 64
+            // bytes); `sums[r % 2]` holds two 1 KiB results. The tiles are configured
+            // for 64-byte products.
+            unsafe {
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tileloadd tmm4, [{a} + {row}]",
+                    "tileloadd tmm6, [{lo} + {row}]",
+                    "tdpbsud tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{hi} + {row}]",
+                    "tdpbsud tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{a} + {row} + 1024]",
+                    "tileloadd tmm6, [{lo} + {row} + 1024]",
+                    "tdpbsud tmm0, tmm5, tmm6",
+                    "tileloadd tmm7, [{hi} + {row} + 1024]",
+                    "tdpbsud tmm1, tmm5, tmm7",
+                    "tileloadd tmm4, [{a} + {row} + 2048]",
+                    "tileloadd tmm6, [{lo} + {row} + 2048]",
+                    "tdpbsud tmm0, tmm4, tmm6",
+                    "tileloadd tmm7, [{hi} + {row} + 2048]",
+                    "tdpbsud tmm1, tmm4, tmm7",
+                    "tileloadd tmm5, [{a} + {row} + 3072]",
+                    "tileloadd tmm6, [{lo} + {row} + 3072]",
+                    "tdpbsud tmm0, tmm5, tmm6",
+                    "tileloadd tmm7, [{hi} + {row} + 3072]",
+                    "tdpbsud tmm1, tmm5, tmm7",
+                    "tilestored [{c} + {row}], tmm0",
+                    "tilestored [{c} + {row} + 1024], tmm1",
+                    a = in(reg) tiled.bytes().as_ptr().add((g * runs + r) * RUN_BYTES),
+                    lo = in(reg) panel.amx[0].bytes().as_ptr().add(r * RUN_BYTES),
+                    hi = in(reg) panel.amx[1].bytes().as_ptr().add(r * RUN_BYTES),
+                    row = in(reg) 64usize,
+                    c = in(reg) sp.cast::<[[[i32; LANES]; AMX_ROWS]; 2]>().add(r % 2),
+                    options(nostack),
+                );
+            }
+        };
+        products(0);
+        // SAFETY (every access): `out` has rows `g * 16 ..` + 16; `sums[r % 2]` was
+        // written by `products(r)`; the panel holds `subs * 16` of `d` and `m`; the
+        // group's rows have `subs` block scales and sums `x * d`.
+        unsafe {
+            // The sixteen rows' float sums, in registers through the whole row.
+            let mut acc = [_mm512_setzero_ps(); AMX_ROWS];
+            let row = |i: usize| (g * AMX_ROWS + i) * subs;
+            for r in 0..runs {
+                if r + 1 < runs {
+                    products(r + 1);
+                }
+                let s0 = r * 8;
+                for s in s0..s0 + 7 {
+                    if f.mins {
+                        let m = _mm512_loadu_ps(mp.add(s * LANES));
+                        each_row!(@ AMX_ROWS, i, {
+                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(row(i) + s)), acc[i]);
+                        }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+                    }
+                }
+                let s = s0 + 7;
+                let (m, dw) = (
+                    _mm512_loadu_ps(mp.add(s * LANES)),
+                    _mm512_loadu_ps(dp.add(s * LANES)),
+                );
+                let run = &(*sp).0[r % 2];
+                each_row!(@ AMX_ROWS, i, {
+                    let lo = _mm512_loadu_si512(run[0][i].as_ptr().cast());
+                    let hi = _mm512_loadu_si512(run[1][i].as_ptr().cast());
+                    let isum = _mm512_add_epi32(_mm512_slli_epi32::<DIGIT_BITS>(hi), lo);
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(row(i) + s)));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
+                    if f.mins {
+                        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(row(i) + s)), acc[i]);
+                    }
+                }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out[g * AMX_ROWS + i].as_mut_ptr(), *a);
             }
         }
     }
