@@ -165,11 +165,12 @@ pub fn matmul_transposed_int8_on(
 }
 
 /// Activation rows from which a product takes the AMX kernel where the CPU has it. Its
-/// per-panel work (the signed words, a tile configuration per thread's share) pays back
-/// over many rows: on a 2-core Intel Xeon with AMX (`cargo bench --bench kernels --
-/// real_sizes/1b`, the kernel alternated with `LLAMA_BURN_AMX=off`), at 128 rows it
-/// was 1.29x the VNNI kernel on Q4_0, 1.08x on Q4_K and Q5_K, 1.03-1.07x on Q6_K; at
-/// 64 rows 0.93-1.05x, at 32 rows 0.87x, at 16 rows 0.85x.
+/// per-panel work (the AMX words, a tile configuration per thread's share) pays back
+/// over many rows. On a 2-core Intel Xeon with AMX (`cargo bench --bench kernels --
+/// real_sizes/1b`, alternated with `LLAMA_BURN_AMX=off`) the kernel at 128 rows is
+/// 1.49x the VNNI kernel on Q4_K and 1.29-1.30x on Q8_0 and Q4_0; its first version was
+/// 0.85-0.87x at 16 and 32 rows and 0.93-1.05x at 64 (this one was not measured below
+/// 128 rows).
 const AMX_FROM_ROWS: usize = 128;
 
 /// [`matmul_transposed_int8_on`] with the AMX tile kernel on or off for each sixteen
@@ -216,7 +217,7 @@ fn matmul_int8(
     let avx2_panel = avx2_registers && rows > GROUP_TILE;
     // Sixteen rows or more, where the CPU has AMX: the tile kernel takes each sixteen.
     #[cfg(target_arch = "x86_64")]
-    let amx = amx && vnni && rows >= x86::AMX_ROWS;
+    let amx = amx && vnni && rows >= x86::AMX_ROWS && x86::amx_takes(w.format());
     #[cfg(not(target_arch = "x86_64"))]
     let _ = amx;
     #[cfg(target_arch = "x86_64")]

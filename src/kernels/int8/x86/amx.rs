@@ -1,23 +1,28 @@
-//! The `fast` products on Intel's AMX tile unit, for prompts and batches of at least
-//! sixteen rows: the integer sums of sixteen activation rows against a panel's sixteen
-//! weight rows, one 32-value sub-block (or 16-value half) at a time, in one `tdpbssd`.
+//! The `fast` products on Intel's AMX tile unit, for prompts and batches: the integer
+//! sums of sixteen activation rows against a panel's sixteen weight rows in the tile
+//! unit (`tdpbssd`, `tdpbsud`), then the float steps in the vector units.
 //!
-//! **Same sums, same bits.** The tile unit multiplies signed bytes with signed bytes, so
-//! the panel's unsigned values `u = q + offset` are taken back to their signed form
-//! `u - offset` (which fits a byte for every format: Q8_0's is its own `-128..=127`),
-//! and a sub-block's (or half's) product is `sum (u - offset) * q`, the integer that the
-//! other kernels compute as `sum u * q - offset * sum q`. The tile's results are stored
-//! to a buffer and then scaled, converted and accumulated exactly as
-//! [`vnni_tile`](super::vnni_tile) does, in sub-block order: the results are the other
-//! paths' bits.
+//! **Same sums, same bits.** Every float step is the other kernels', in their order, on
+//! the same integers:
+//! - The formats without an integer scale (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the tile unit
+//!   multiplies signed bytes, so the panel's unsigned values `u = q + offset` are taken
+//!   back to `u - offset` (a byte for every format: Q8_0's own `-128..=127`), and one
+//!   product per sub-block gives `sum (u - offset) * q`, the integer the other kernels
+//!   compute as `sum u * q - offset * sum q`.
+//! - The formats with a 6-bit scale per sub-block (Q4_K, Q5_K; values below 32, offset
+//!   0): each scale is cut into two 3-bit digits, `sc = (hi << 3) + lo`, and the words
+//!   times each digit (products below 256, one unsigned byte) are two panels; a run's
+//!   eight sub-blocks are then four products of 64 values per digit, summed in the tile
+//!   unit, and `(hi_sum << 3) + lo_sum` is the run's `sum sc * u * q`, exactly.
+//! - The formats with a scale per 16-value half (Q6_K, Q3_K) stay on the VNNI kernel
+//!   ([`amx_takes`]).
 //!
-//! **How.** Tiles 4 and 5 hold sixteen activation rows' values of one sub-block (or
-//! half) each, read in place from the quantized rows (a tile row is a row's 32 or 16
-//! bytes, the row stride the row's length); tiles 6 and 7 the panel's words of the same
-//! values (a tile row is four values of each of the sixteen lanes, the panel's own
-//! layout); tiles 0 and 1 the 16 x 16 sums. Eight sub-blocks' sums are computed and
-//! stored, then scaled eight rows at a time (each row's float and integer accumulators
-//! stay in registers), so the tile unit and the vector units work side by side.
+//! **How.** The activation rows are copied once per product into tiles of sixteen rows
+//! ([`tiled_rows`]), the panel's words are the tile's other operand in their own layout
+//! (a tile row is four values of each of the sixteen lanes), and every tile load reads
+//! whole 64-byte lines ([`Lines`]). A group of sixteen rows runs through the whole row
+//! with its float sums in registers while the tile unit computes the next chunk (or
+//! run) of products.
 //!
 //! **Where it runs.** Linux gives a process the tile unit's state only when asked
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `cpu.rs` asks once and says whether it was
@@ -52,22 +57,21 @@ struct TileConfig {
     rows: [u8; 16],
 }
 
-/// Bytes of one product's values: a whole 32-value sub-block, a 16-value half for the
-/// formats with an integer scale per half, and two sub-blocks for those with one per
-/// sub-block, whose scales are folded into the weights (see [`amx_prepare`]).
+/// Bytes of one product's values: a 32-value sub-block, or two for the formats with an
+/// integer scale per sub-block, whose scales are folded into the weights (see
+/// [`amx_prepare`]).
 const fn unit_bytes(scales: IntScales) -> usize {
     match scales {
-        IntScales::PerHalf => QK / 2,
-        IntScales::One => QK,
         IntScales::PerBlock => 2 * QK,
+        IntScales::One | IntScales::PerHalf => QK,
     }
 }
 
-/// Bytes per row of a tile in [`tiled_rows`]' layout: a product's, or a whole
-/// sub-block's where a product takes a half.
-const fn tile_width(scales: IntScales) -> usize {
-    let k = unit_bytes(scales);
-    if k > QK { k } else { QK }
+/// Whether the AMX kernel takes `format`'s products: not those with an integer scale
+/// per 16-value half (Q6_K, Q3_K), whose products of one half each, scaled by the
+/// vector units, ran at 0.95x the VNNI kernel (Q6_K at 128 rows); they stay on it.
+pub(in crate::kernels::int8) const fn amx_takes(format: QuantFormat) -> bool {
+    !matches!(format.int_form().scales, IntScales::PerHalf)
 }
 
 /// Bits of the low digit of a sub-block's scale, for the formats with one per sub-block
@@ -214,15 +218,15 @@ impl Lines {
     }
 }
 
-/// Sums of one chunk: `[product][row][lane]`, two products per sub-block at most.
+/// Sums of one chunk: `[sub-block][row][lane]`.
 #[repr(C, align(64))]
-struct Sums([[[i32; LANES]; AMX_ROWS]; 2 * CHUNK]);
+struct Sums([[[i32; LANES]; AMX_ROWS]; CHUNK]);
 
 /// Bytes of one sub-block of sixteen rows in [`tiled_rows`]' layout of 32-byte tiles.
 const TILE_BYTES: usize = AMX_ROWS * QK;
 
 /// The quantized values of the first `rows / 16 * 16` activation rows, laid out for the
-/// tile loads of `format`'s products, in tiles of `w` = [`tile_width`] bytes (one or two
+/// tile loads of `format`'s products, in tiles of `w` = [`unit_bytes`] bytes (one or two
 /// sub-blocks) of sixteen rows: group `g` of sixteen rows, tile `t`, row `i`, value `v`
 /// at `((g * tiles + t) * 16 + i) * w + v`. A tile's sixteen rows are then contiguous
 /// (their rows `w` bytes apart), not sixteen lines a row's length apart, which for rows
@@ -233,7 +237,7 @@ pub(in crate::kernels::int8) fn tiled_rows(
     rows: usize,
     format: QuantFormat,
 ) -> Lines {
-    let w = tile_width(format.int_form().scales);
+    let w = unit_bytes(format.int_form().scales);
     let (n_in, groups) = (acts.n_in, rows / AMX_ROWS);
     let mut out = Lines::default();
     out.zeros(groups * AMX_ROWS * n_in);
@@ -288,8 +292,10 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
     }
 }
 
-/// [`amx_panel`] for the format whose id is `F`, with one product per sub-block (or
-/// half) whose sums are scaled as [`vnni_tile`](super::vnni_tile) scales them.
+/// [`amx_panel`] for the format whose id is `F`, one without an integer scale (Q8_0,
+/// Q4_0, Q4_1, Q5_0, Q5_1): one product per sub-block, whose sums the vector units
+/// scale as [`vnni_tile`](super::vnni_tile) does. A group of sixteen rows runs through
+/// the whole row with its float sums in registers, a chunk of products ahead.
 ///
 /// # Safety
 ///
@@ -304,25 +310,35 @@ unsafe fn amx_panel_of<const F: u8>(
 ) {
     use std::arch::x86_64::*;
     let f = const { format_at(F).int_form() };
-    let k = const { unit_bytes(format_at(F).int_form().scales) };
-    let per_sub = QK / k;
+    // Compiled for every format (`with_format!`), run for those without an integer
+    // scale: the others' copies are this return.
+    if !matches!(f.scales, IntScales::One) {
+        return;
+    }
+    const {
+        let f = format_at(F).int_form();
+        assert!(!matches!(f.scales, IntScales::One) || f.run == 1);
+    };
     let subs = acts.blocks();
     let groups = out.len() / AMX_ROWS;
     debug_assert!(panel.amx[0].bytes().len() >= subs * 8 * LANES * 4);
-    // Written by `products` before it is read, product by product.
-    let mut sums = std::mem::MaybeUninit::<Sums>::uninit();
-    let sp = sums.as_mut_ptr();
-    let (scp, dp, mp) = (panel.sc.as_ptr(), panel.d.as_ptr(), panel.m.as_ptr());
+    // The sums of a chunk of sub-blocks, for two chunks: the tile unit computes the
+    // next chunk's while the vector units scale this one's.
+    #[repr(C, align(64))]
+    struct ChunkSums([Sums; 2]);
+    let mut sums = std::mem::MaybeUninit::<ChunkSums>::uninit();
+    let sp = sums.as_mut_ptr().cast::<Sums>();
+    let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
     let (ad, asx) = (acts.d.as_ptr(), acts.sx.as_ptr());
-    out.fill([0.0; LANES]);
-    for s0 in (0..subs).step_by(CHUNK) {
-        let n = CHUNK.min(subs - s0);
-        for g in 0..groups {
+    let chunks = subs.div_ceil(CHUNK);
+    for g in 0..groups {
+        // The products of chunk `c` of this group into `sums[c % 2]`.
+        let chunk_products = |c: usize| {
+            let s0 = c * CHUNK;
             // SAFETY: group `g` holds `subs` tiles of 512 bytes and the panel `subs * 8`
-            // words of 16 lanes: product `j` of the chunk reads 16 rows of `k` bytes at
-            // byte `j * k % 32` of tile `s0 + j * k / 32`, and the panel's 64-byte rows
-            // `(s0 * 32 + j * k) / 4 ..`, `k / 4` of them; the chunk has `n * per_sub`
-            // products, within both and within `sums`.
+            // rows of 64 bytes; product `j` of the chunk reads tile `s0 + j` and the
+            // panel's rows `(s0 + j) * 8 ..` + 8; the chunk has at most `CHUNK`
+            // products, within both and within `sums[c % 2]`.
             unsafe {
                 products(
                     tiled
@@ -330,58 +346,41 @@ unsafe fn amx_panel_of<const F: u8>(
                         .as_ptr()
                         .add((g * subs + s0) * TILE_BYTES)
                         .cast(),
-                    panel.amx[0].bytes().as_ptr().add(s0 * 8 * LANES * 4),
-                    k,
-                    n * per_sub,
-                    sp,
+                    panel.amx[0].bytes().as_ptr().add(s0 * TILE_BYTES),
+                    CHUNK.min(subs - s0),
+                    sp.add(c % 2),
                 )
             };
-            for half in [0, 8] {
-                let r0 = g * AMX_ROWS + half;
-                // SAFETY (every access): `out` has rows `r0 .. r0 + 8`; `sums` holds a
-                // product for each of the chunk's sub-blocks (two for `PerHalf`), just
-                // written; the panel holds `subs * 2 * 16` scales and `subs * 16` of `d`
-                // and `m`; rows `r0 .. r0 + 8` have `subs` block scales and sums `x * d`.
-                unsafe {
-                    let dots = |j: usize, i: usize| {
-                        _mm512_loadu_si512((*sp).0[j][half + i].as_ptr().cast())
-                    };
-                    let mut acc = [_mm512_setzero_ps(); 8];
-                    for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm512_loadu_ps(out[r0 + i].as_ptr());
-                    }
-                    let mut iacc = [_mm512_setzero_si512(); 8];
-                    for s in s0..s0 + n {
-                        let j = (s - s0) * per_sub;
-                        let sc0 = _mm512_loadu_si512(scp.add(s * 2 * LANES).cast());
-                        let sc1 = _mm512_loadu_si512(scp.add((s * 2 + 1) * LANES).cast());
-                        let dw = _mm512_loadu_ps(dp.add(s * LANES));
-                        each_row!(8, i => {
-                            let b = (r0 + i) * subs + s;
-                            let isum = match f.scales {
-                                IntScales::PerHalf => _mm512_add_epi32(
-                                    _mm512_mullo_epi32(dots(j, i), sc0),
-                                    _mm512_mullo_epi32(dots(j + 1, i), sc1),
-                                ),
-                                IntScales::PerBlock => _mm512_mullo_epi32(dots(j, i), sc0),
-                                IntScales::One => dots(j, i),
-                            };
-                            iacc[i] = if f.run == 1 { isum } else { _mm512_add_epi32(iacc[i], isum) };
-                            if (s + 1).is_multiple_of(f.run) {
-                                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
-                                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), scale, acc[i]);
-                                iacc[i] = _mm512_setzero_si512();
-                            }
-                            if f.mins {
-                                let m = _mm512_loadu_ps(mp.add(s * LANES));
-                                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(b)), acc[i]);
-                            }
-                        });
-                    }
-                    for (i, a) in acc.iter().enumerate() {
-                        _mm512_storeu_ps(out[r0 + i].as_mut_ptr(), *a);
-                    }
+        };
+        chunk_products(0);
+        // SAFETY (every access): `out` has rows `g * 16 ..` + 16; `sums[c % 2]` was
+        // written by `chunk_products(c)`; the panel holds `subs * 16` of `d` and `m`;
+        // the group's rows have `subs` block scales and sums `x * d`.
+        unsafe {
+            // The sixteen rows' float sums, in registers through the whole row.
+            let mut acc = [_mm512_setzero_ps(); AMX_ROWS];
+            let row = |i: usize| (g * AMX_ROWS + i) * subs;
+            for c in 0..chunks {
+                if c + 1 < chunks {
+                    chunk_products(c + 1);
                 }
+                let s0 = c * CHUNK;
+                let chunk = &(*sp.add(c % 2)).0;
+                for s in s0..s0 + CHUNK.min(subs - s0) {
+                    let dw = _mm512_loadu_ps(dp.add(s * LANES));
+                    let m = _mm512_loadu_ps(mp.add(s * LANES));
+                    each_row!(@ AMX_ROWS, i, {
+                        let dot = _mm512_loadu_si512(chunk[s - s0][i].as_ptr().cast());
+                        let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(row(i) + s)));
+                        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+                        if f.mins {
+                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(row(i) + s)), acc[i]);
+                        }
+                    }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out[g * AMX_ROWS + i].as_mut_ptr(), *a);
             }
         }
     }
@@ -522,46 +521,46 @@ unsafe fn amx_runs_of<const F: u8>(
     }
 }
 
-/// Products `0 .. count` of a chunk: product `j` multiplies `k` bytes of sixteen
-/// activation rows, at byte `j * k % 32` of the 512-byte tile `j * k / 32` from `a`
-/// (rows 32 bytes apart), with the panel's 64-byte rows from `b + j * 16 * k` (`k / 4`
-/// of them) into product `j` of `sums`; two at a time, in tiles 0, 4, 6 and 1, 5, 7.
+/// Products `0 .. count` of a chunk: product `j` multiplies the 32-byte rows of tile
+/// `j` from `a` (sixteen activation rows of one sub-block, 512 bytes) with the panel's
+/// eight 64-byte rows from `b + j * 512` into product `j` of `sums`; two at a time, in
+/// tiles 0, 4, 6 and 1, 5, 7.
 ///
 /// # Safety
 ///
-/// The tiles are configured for products of `k` bytes ([`Tiles::start`]); the rows and
-/// the panel hold what the products read; `count <= 2 * CHUNK`.
+/// The tiles are configured for 32-byte products ([`Tiles::start`]); the rows and the
+/// panel hold what the products read; `count <= CHUNK`.
 #[inline(always)]
-unsafe fn products(a: *const i8, b: *const u8, k: usize, count: usize, sums: *mut Sums) {
+unsafe fn products(a: *const i8, b: *const u8, count: usize, sums: *mut Sums) {
     let out = sums.cast::<u8>();
     const ROW: usize = LANES * 4;
     const RESULT: usize = AMX_ROWS * LANES * 4;
-    let at = |j: usize| j * k / QK * TILE_BYTES + j * k % QK;
     let mut j = 0;
     while j < count {
         // SAFETY: the caller's contract; product `j` (and `j + 1`) lies within it.
         unsafe {
-            let (b, c) = (b.add(j * 16 * k), out.add(j * RESULT));
+            let (a, b, c) = (
+                a.add(j * TILE_BYTES),
+                b.add(j * TILE_BYTES),
+                out.add(j * RESULT),
+            );
             if j + 1 < count {
                 asm!(
                     "tileloadd tmm4, [{a} + {sa}]",
                     "tileloadd tmm6, [{b} + {row}]",
                     "tilezero tmm0",
                     "tdpbssd tmm0, tmm4, tmm6",
-                    "tileloadd tmm5, [{a2} + {sa}]",
-                    "tileloadd tmm7, [{b2} + {row}]",
+                    "tileloadd tmm5, [{a} + {sa} + 512]",
+                    "tileloadd tmm7, [{b} + {row} + 512]",
                     "tilezero tmm1",
                     "tdpbssd tmm1, tmm5, tmm7",
                     "tilestored [{c} + {row}], tmm0",
-                    "tilestored [{c2} + {row}], tmm1",
-                    a = in(reg) a.add(at(j)),
-                    a2 = in(reg) a.add(at(j + 1)),
+                    "tilestored [{c} + {row} + 1024], tmm1",
+                    a = in(reg) a,
                     sa = in(reg) QK,
                     b = in(reg) b,
-                    b2 = in(reg) b.add(16 * k),
                     row = in(reg) ROW,
                     c = in(reg) c,
-                    c2 = in(reg) c.add(RESULT),
                     options(nostack),
                 );
                 j += 2;
@@ -572,7 +571,7 @@ unsafe fn products(a: *const i8, b: *const u8, k: usize, count: usize, sums: *mu
                     "tilezero tmm0",
                     "tdpbssd tmm0, tmm4, tmm6",
                     "tilestored [{c} + {row}], tmm0",
-                    a = in(reg) a.add(at(j)),
+                    a = in(reg) a,
                     sa = in(reg) QK,
                     b = in(reg) b,
                     row = in(reg) ROW,
