@@ -102,10 +102,10 @@ pub(crate) struct Panel {
     d: Vec<f32>,
     m: Vec<f32>,
     /// The AMX kernel's words, made from `u` by `x86::amx_prepare`: the signed words
-    /// `u - offset` (in the first), or for the formats with a scale per sub-block the
-    /// words times the scale's low and high digits.
+    /// `u - offset` (in the first), or for the formats with integer scales the words
+    /// times each digit of their scale (two or four).
     #[cfg(target_arch = "x86_64")]
-    amx: [x86::Lines; 2],
+    amx: [x86::Lines; 4],
 }
 
 impl Panel {

@@ -58,83 +58,125 @@ struct TileConfig {
 }
 
 /// Bytes of one product's values: a 32-value sub-block, or two for the formats with an
-/// integer scale per sub-block, whose scales are folded into the weights (see
-/// [`amx_prepare`]).
+/// integer scale, whose scales are folded into the weights (see [`amx_prepare`]).
 const fn unit_bytes(scales: IntScales) -> usize {
     match scales {
-        IntScales::PerBlock => 2 * QK,
-        IntScales::One | IntScales::PerHalf => QK,
+        IntScales::PerBlock | IntScales::PerHalf => 2 * QK,
+        IntScales::One => QK,
     }
 }
 
-/// Whether the AMX kernel takes `format`'s products: not those with an integer scale
-/// per 16-value half (Q6_K, Q3_K), whose products of one half each, scaled by the
-/// vector units, ran at 0.95x the VNNI kernel (Q6_K at 128 rows); they stay on it.
+/// Whether the AMX kernel takes `format`'s products: every format but Q3_K, whose
+/// integer scales (per 16 values, with 3-bit values) would need digits of their own;
+/// it stays on the VNNI kernel.
 pub(in crate::kernels::int8) const fn amx_takes(format: QuantFormat) -> bool {
-    !matches!(format.int_form().scales, IntScales::PerHalf)
+    let f = format.int_form();
+    match f.scales {
+        IntScales::One | IntScales::PerBlock => true,
+        IntScales::PerHalf => f.offset == 32 && f.max == 63,
+    }
 }
 
-/// Bits of the low digit of a sub-block's scale, for the formats with one per sub-block
-/// (6-bit scales, values below 32): `sc = (hi << 3) + lo`, digits below 8, so a digit
-/// times a value is below 256, one unsigned byte.
-const DIGIT_BITS: u32 = 3;
+/// How a format's integer scales are cut into digits, each digit times a value one
+/// byte: `(bits per digit, digits)`. `sc = sum of digit_i << (bits * i)`, the digits
+/// below the top one unsigned, the top one signed (an arithmetic shift).
+/// - A scale per sub-block (Q4_K, Q5_K: 6-bit scales, values below 32): two 3-bit
+///   digits, below 8, so a digit times a value is below 256, one unsigned byte.
+/// - A scale per half (Q6_K: signed 8-bit scales, values `u - 32` in `-32..=31`): four
+///   2-bit digits, the top one in `-2..=1`, so `|digit * (u - 32)| <= 96`, one signed
+///   byte (and `u * |digit| <= 189` below 256, which [`amx_prepare`] relies on).
+const fn digits(scales: IntScales) -> (u32, usize) {
+    match scales {
+        IntScales::PerBlock => (3, 2),
+        IntScales::PerHalf => (2, 4),
+        IntScales::One => (0, 0),
+    }
+}
 
 /// Makes the panel's words for the AMX kernel from its decoded words `u`: for the
-/// formats with a scale per sub-block (Q4_K, Q5_K: 6-bit scales, values below 32), the
-/// words times the low digit of their sub-block's scale (`amx[0]`) and times the high
-/// digit (`amx[1]`), each byte a product below 256; for the others, the signed words
-/// `u - offset` in each byte (`amx[0]`; every format's signed values fit a byte:
-/// `-128..=127` for Q8_0, whose offset is 128).
+/// formats with integer scales ([`digits`]), the words times each digit of their
+/// scale, one panel per digit (`amx[i]`): unsigned bytes `u * digit` for a scale per
+/// sub-block (offset 0), signed bytes `(u - offset) * digit` for a scale per half; for
+/// the others, the signed words `u - offset` in each byte (`amx[0]`; every format's
+/// signed values fit a byte: `-128..=127` for Q8_0, whose offset is 128).
 ///
 /// # Safety
 ///
-/// The CPU has AVX-512 F and BW; the panel holds a matrix of `format`, decoded.
+/// The CPU has AVX-512 F and BW; the panel holds a matrix of `format`, decoded;
+/// [`amx_takes`] the format.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(in crate::kernels::int8) unsafe fn amx_prepare(panel: &mut Panel, format: QuantFormat) {
     use std::arch::x86_64::*;
     let f = format.int_form();
     let words = panel.u.len();
     debug_assert!(words.is_multiple_of(8 * LANES));
-    for v in panel.amx.iter_mut() {
+    let (bits, count) = digits(f.scales);
+    for v in panel.amx.iter_mut().take(count.max(1)) {
         v.zeros(4 * words);
     }
-    let (lo, hi) = {
-        let [lo, hi] = &mut panel.amx;
-        (lo.bytes_mut().as_mut_ptr(), hi.bytes_mut().as_mut_ptr())
-    };
-    if matches!(f.scales, IntScales::PerBlock) {
-        debug_assert!(f.offset == 0 && f.max < 32);
-        debug_assert!(panel.sc.iter().all(|&sc| (0..64).contains(&sc)));
-        // SAFETY: the panel holds `subs * 8` words of 16 lanes, in `u`, `lo` and `hi`,
-        // and `subs * 2` scales of 16 lanes (the sub-block's in the first of each two).
-        unsafe {
-            let mask = _mm512_set1_epi32((1 << DIGIT_BITS) - 1);
-            for s in 0..words / (8 * LANES) {
-                let sc = _mm512_loadu_si512(panel.sc.as_ptr().add(s * 2 * LANES).cast());
-                // Each digit in both 16-bit halves of its lane: `vpmullw` then multiplies
-                // the lane's four bytes in pairs, and as each byte's product is below 256
-                // no carry reaches its neighbour.
-                let both = |d: __m512i| _mm512_or_si512(d, _mm512_slli_epi32::<16>(d));
-                let (dl, dh) = (
-                    both(_mm512_and_si512(sc, mask)),
-                    both(_mm512_srli_epi32::<DIGIT_BITS>(sc)),
-                );
-                for t in 0..8 {
-                    let at = (s * 8 + t) * LANES;
-                    let u = _mm512_loadu_si512(panel.u.as_ptr().add(at).cast());
-                    _mm512_storeu_si512(lo.add(4 * at).cast(), _mm512_mullo_epi16(u, dl));
-                    _mm512_storeu_si512(hi.add(4 * at).cast(), _mm512_mullo_epi16(u, dh));
-                }
-            }
-        }
-    } else {
-        let _ = hi;
-        // SAFETY: `u` and `lo` hold `words` words each, in whole vectors.
+    let mut out = [std::ptr::null_mut::<u8>(); 4];
+    for (o, v) in out.iter_mut().zip(panel.amx.iter_mut()) {
+        *o = v.bytes_mut().as_mut_ptr();
+    }
+    if count == 0 {
+        // SAFETY: `u` and `amx[0]` hold `words` words each, in whole vectors.
         unsafe {
             let off = _mm512_set1_epi8(f.offset as u8 as i8);
             for at in (0..words).step_by(LANES) {
                 let u = _mm512_loadu_si512(panel.u.as_ptr().add(at).cast());
-                _mm512_storeu_si512(lo.add(4 * at).cast(), _mm512_sub_epi8(u, off));
+                _mm512_storeu_si512(out[0].add(4 * at).cast(), _mm512_sub_epi8(u, off));
+            }
+        }
+        return;
+    }
+    debug_assert!(match f.scales {
+        IntScales::PerBlock =>
+            f.offset == 0 && f.max < 32 && panel.sc.iter().all(|&sc| (0..64).contains(&sc)),
+        _ => f.offset == 32 && f.max == 63 && panel.sc.iter().all(|&sc| (-128..128).contains(&sc)),
+    });
+    let signed = matches!(f.scales, IntScales::PerHalf);
+    // SAFETY: the panel holds `subs * 8` words of 16 lanes, in `u` and in each digit's
+    // panel, and `subs * 2` scales of 16 lanes (a sub-block's in the first of each two
+    // where it has one).
+    unsafe {
+        let mask = _mm512_set1_epi32((1 << bits) - 1);
+        let ones = _mm512_set1_epi32(0x0101_0101);
+        for s in 0..words / (8 * LANES) {
+            for h in 0..2 {
+                let sc = _mm512_loadu_si512(
+                    panel
+                        .sc
+                        .as_ptr()
+                        .add((s * 2 + if signed { h } else { 0 }) * LANES)
+                        .cast(),
+                );
+                for (i, &o) in out.iter().enumerate().take(count) {
+                    let shifted = _mm512_sra_epi32(sc, _mm_cvtsi32_si128((bits * i as u32) as i32));
+                    let d = if i + 1 < count {
+                        _mm512_and_si512(shifted, mask)
+                    } else {
+                        shifted
+                    };
+                    let size = _mm512_abs_epi32(d);
+                    // `|digit|` in both 16-bit halves of its lane: `vpmullw` then
+                    // multiplies the lane's four bytes in pairs, and as each byte's
+                    // product is below 256 no carry reaches its neighbour.
+                    let both = _mm512_or_si512(size, _mm512_slli_epi32::<16>(size));
+                    // `offset * |digit|` in each byte of its lane (below 128).
+                    let off = _mm512_mullo_epi32(
+                        _mm512_mullo_epi32(size, _mm512_set1_epi32(f.offset)),
+                        ones,
+                    );
+                    // The lanes of negative digits, byte by byte.
+                    let negative = _mm512_movepi8_mask(_mm512_srai_epi32::<31>(d));
+                    for t in h * 4..h * 4 + 4 {
+                        let at = (s * 8 + t) * LANES;
+                        let u = _mm512_loadu_si512(panel.u.as_ptr().add(at).cast());
+                        let p = _mm512_sub_epi8(_mm512_mullo_epi16(u, both), off);
+                        let p = _mm512_mask_sub_epi8(p, negative, _mm512_setzero_si512(), p);
+                        _mm512_storeu_si512(o.add(4 * at).cast(), p);
+                    }
+                }
             }
         }
     }
@@ -144,7 +186,7 @@ pub(in crate::kernels::int8) unsafe fn amx_prepare(panel: &mut Panel, format: Qu
 pub(in crate::kernels::int8) struct Tiles(());
 
 impl Tiles {
-    /// Configures this thread's tiles for `format`'s products: tiles 0 and 1 hold 16 x
+    /// Configures this thread's tiles for `format`'s products: tiles 0 to 3 hold 16 x
     /// 16 sums, 4 and 5 sixteen rows of one product's activation bytes, 6 and 7 the
     /// panel's words of the same values.
     ///
@@ -161,7 +203,7 @@ impl Tiles {
             colsb: [0; 16],
             rows: [0; 16],
         };
-        for t in 0..2 {
+        for t in 0..4 {
             config.colsb[t] = (LANES * 4) as u16;
             config.rows[t] = AMX_ROWS as u8;
         }
@@ -284,7 +326,7 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
     );
     // SAFETY: forwarded.
     unsafe {
-        if matches!(format.int_form().scales, IntScales::PerBlock) {
+        if !matches!(format.int_form().scales, IntScales::One) {
             with_format!(format, F => amx_runs_of::<{ same_form(F) }>(panel, acts, tiled, out))
         } else {
             with_format!(format, F => amx_panel_of::<{ same_form(F) }>(panel, acts, tiled, out))
@@ -410,23 +452,24 @@ unsafe fn amx_runs_of<const F: u8>(
 ) {
     use std::arch::x86_64::*;
     let f = const { format_at(F).int_form() };
-    // Compiled for every format (`with_format!`), run for those with a scale per
-    // sub-block: the others' copies are this return.
-    if !matches!(f.scales, IntScales::PerBlock) {
+    // Compiled for every format (`with_format!`), run for those with integer scales:
+    // the others' copies are this return.
+    if matches!(f.scales, IntScales::One) {
         return;
     }
     const {
         let f = format_at(F).int_form();
-        assert!(!matches!(f.scales, IntScales::PerBlock) || f.run == 8);
-        assert!(unit_bytes(IntScales::PerBlock) == 64);
+        assert!(matches!(f.scales, IntScales::One) || f.run == 8);
+        assert!(unit_bytes(IntScales::PerBlock) == 64 && unit_bytes(IntScales::PerHalf) == 64);
     };
+    let (bits, count) = const { digits(format_at(F).int_form().scales) };
     let subs = acts.blocks();
     let groups = out.len() / AMX_ROWS;
-    debug_assert!(panel.amx[1].bytes().len() >= subs * 8 * LANES * 4);
-    // Both digits' sums of a run, `[digit][row][lane]`, for two runs: the tile unit
+    debug_assert!(panel.amx[count - 1].bytes().len() >= subs * 8 * LANES * 4);
+    // Each digit's sums of a run, `[digit][row][lane]`, for two runs: the tile unit
     // computes the next run's while the vector units scale this one's.
     #[repr(C, align(64))]
-    struct RunSums([[[[i32; LANES]; AMX_ROWS]; 2]; 2]);
+    struct RunSums([[[[i32; LANES]; AMX_ROWS]; 4]; 2]);
     let mut sums = std::mem::MaybeUninit::<RunSums>::uninit();
     let sp = sums.as_mut_ptr();
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
@@ -442,38 +485,101 @@ unsafe fn amx_runs_of<const F: u8>(
             // bytes); `sums[r % 2]` holds two 1 KiB results. The tiles are configured
             // for 64-byte products.
             unsafe {
-                asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tileloadd tmm4, [{a} + {row}]",
-                    "tileloadd tmm6, [{lo} + {row}]",
-                    "tdpbsud tmm0, tmm4, tmm6",
-                    "tileloadd tmm7, [{hi} + {row}]",
-                    "tdpbsud tmm1, tmm4, tmm7",
-                    "tileloadd tmm5, [{a} + {row} + 1024]",
-                    "tileloadd tmm6, [{lo} + {row} + 1024]",
-                    "tdpbsud tmm0, tmm5, tmm6",
-                    "tileloadd tmm7, [{hi} + {row} + 1024]",
-                    "tdpbsud tmm1, tmm5, tmm7",
-                    "tileloadd tmm4, [{a} + {row} + 2048]",
-                    "tileloadd tmm6, [{lo} + {row} + 2048]",
-                    "tdpbsud tmm0, tmm4, tmm6",
-                    "tileloadd tmm7, [{hi} + {row} + 2048]",
-                    "tdpbsud tmm1, tmm4, tmm7",
-                    "tileloadd tmm5, [{a} + {row} + 3072]",
-                    "tileloadd tmm6, [{lo} + {row} + 3072]",
-                    "tdpbsud tmm0, tmm5, tmm6",
-                    "tileloadd tmm7, [{hi} + {row} + 3072]",
-                    "tdpbsud tmm1, tmm5, tmm7",
-                    "tilestored [{c} + {row}], tmm0",
-                    "tilestored [{c} + {row} + 1024], tmm1",
-                    a = in(reg) tiled.bytes().as_ptr().add((g * runs + r) * RUN_BYTES),
-                    lo = in(reg) panel.amx[0].bytes().as_ptr().add(r * RUN_BYTES),
-                    hi = in(reg) panel.amx[1].bytes().as_ptr().add(r * RUN_BYTES),
-                    row = in(reg) 64usize,
-                    c = in(reg) sp.cast::<[[[i32; LANES]; AMX_ROWS]; 2]>().add(r % 2),
-                    options(nostack),
-                );
+                let a = tiled.bytes().as_ptr().add((g * runs + r) * RUN_BYTES);
+                let d = |i: usize| panel.amx[i].bytes().as_ptr().add(r * RUN_BYTES);
+                let c = sp.cast::<[[[i32; LANES]; AMX_ROWS]; 4]>().add(r % 2);
+                if count == 2 {
+                    // Unsigned digits' words: `tdpbsud`.
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tileloadd tmm4, [{a} + {row}]",
+                        "tileloadd tmm6, [{d0} + {row}]",
+                        "tdpbsud tmm0, tmm4, tmm6",
+                        "tileloadd tmm7, [{d1} + {row}]",
+                        "tdpbsud tmm1, tmm4, tmm7",
+                        "tileloadd tmm5, [{a} + {row} + 1024]",
+                        "tileloadd tmm6, [{d0} + {row} + 1024]",
+                        "tdpbsud tmm0, tmm5, tmm6",
+                        "tileloadd tmm7, [{d1} + {row} + 1024]",
+                        "tdpbsud tmm1, tmm5, tmm7",
+                        "tileloadd tmm4, [{a} + {row} + 2048]",
+                        "tileloadd tmm6, [{d0} + {row} + 2048]",
+                        "tdpbsud tmm0, tmm4, tmm6",
+                        "tileloadd tmm7, [{d1} + {row} + 2048]",
+                        "tdpbsud tmm1, tmm4, tmm7",
+                        "tileloadd tmm5, [{a} + {row} + 3072]",
+                        "tileloadd tmm6, [{d0} + {row} + 3072]",
+                        "tdpbsud tmm0, tmm5, tmm6",
+                        "tileloadd tmm7, [{d1} + {row} + 3072]",
+                        "tdpbsud tmm1, tmm5, tmm7",
+                        "tilestored [{c} + {row}], tmm0",
+                        "tilestored [{c} + {row} + 1024], tmm1",
+                        a = in(reg) a,
+                        d0 = in(reg) d(0),
+                        d1 = in(reg) d(1),
+                        row = in(reg) 64usize,
+                        c = in(reg) c,
+                        options(nostack),
+                    );
+                } else {
+                    // Four signed digits' words: `tdpbssd`, the activations' tile read
+                    // once per step for the four.
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        "tileloadd tmm4, [{a} + {row}]",
+                        "tileloadd tmm6, [{d0} + {row}]",
+                        "tdpbssd tmm0, tmm4, tmm6",
+                        "tileloadd tmm7, [{d1} + {row}]",
+                        "tdpbssd tmm1, tmm4, tmm7",
+                        "tileloadd tmm6, [{d2} + {row}]",
+                        "tdpbssd tmm2, tmm4, tmm6",
+                        "tileloadd tmm7, [{d3} + {row}]",
+                        "tdpbssd tmm3, tmm4, tmm7",
+                        "tileloadd tmm5, [{a} + {row} + 1024]",
+                        "tileloadd tmm6, [{d0} + {row} + 1024]",
+                        "tdpbssd tmm0, tmm5, tmm6",
+                        "tileloadd tmm7, [{d1} + {row} + 1024]",
+                        "tdpbssd tmm1, tmm5, tmm7",
+                        "tileloadd tmm6, [{d2} + {row} + 1024]",
+                        "tdpbssd tmm2, tmm5, tmm6",
+                        "tileloadd tmm7, [{d3} + {row} + 1024]",
+                        "tdpbssd tmm3, tmm5, tmm7",
+                        "tileloadd tmm4, [{a} + {row} + 2048]",
+                        "tileloadd tmm6, [{d0} + {row} + 2048]",
+                        "tdpbssd tmm0, tmm4, tmm6",
+                        "tileloadd tmm7, [{d1} + {row} + 2048]",
+                        "tdpbssd tmm1, tmm4, tmm7",
+                        "tileloadd tmm6, [{d2} + {row} + 2048]",
+                        "tdpbssd tmm2, tmm4, tmm6",
+                        "tileloadd tmm7, [{d3} + {row} + 2048]",
+                        "tdpbssd tmm3, tmm4, tmm7",
+                        "tileloadd tmm5, [{a} + {row} + 3072]",
+                        "tileloadd tmm6, [{d0} + {row} + 3072]",
+                        "tdpbssd tmm0, tmm5, tmm6",
+                        "tileloadd tmm7, [{d1} + {row} + 3072]",
+                        "tdpbssd tmm1, tmm5, tmm7",
+                        "tileloadd tmm6, [{d2} + {row} + 3072]",
+                        "tdpbssd tmm2, tmm5, tmm6",
+                        "tileloadd tmm7, [{d3} + {row} + 3072]",
+                        "tdpbssd tmm3, tmm5, tmm7",
+                        "tilestored [{c} + {row}], tmm0",
+                        "tilestored [{c} + {row} + 1024], tmm1",
+                        "tilestored [{c} + {row} + 2048], tmm2",
+                        "tilestored [{c} + {row} + 3072], tmm3",
+                        a = in(reg) a,
+                        d0 = in(reg) d(0),
+                        d1 = in(reg) d(1),
+                        d2 = in(reg) d(2),
+                        d3 = in(reg) d(3),
+                        row = in(reg) 64usize,
+                        c = in(reg) c,
+                        options(nostack),
+                    );
+                }
             }
         };
         products(0);
@@ -503,10 +609,14 @@ unsafe fn amx_runs_of<const F: u8>(
                     _mm512_loadu_ps(dp.add(s * LANES)),
                 );
                 let run = &(*sp).0[r % 2];
+                let shift = _mm_cvtsi32_si128(bits as i32);
                 each_row!(@ AMX_ROWS, i, {
-                    let lo = _mm512_loadu_si512(run[0][i].as_ptr().cast());
-                    let hi = _mm512_loadu_si512(run[1][i].as_ptr().cast());
-                    let isum = _mm512_add_epi32(_mm512_slli_epi32::<DIGIT_BITS>(hi), lo);
+                    // The digits' sums, highest first: `isum = (isum << bits) + sum_i`.
+                    let mut isum = _mm512_loadu_si512(run[count - 1][i].as_ptr().cast());
+                    for k in (0..count - 1).rev() {
+                        let low = _mm512_loadu_si512(run[k][i].as_ptr().cast());
+                        isum = _mm512_add_epi32(_mm512_sll_epi32(isum, shift), low);
+                    }
                     let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(row(i) + s)));
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
                     if f.mins {
