@@ -165,13 +165,13 @@ pub fn matmul_transposed_int8_on(
 }
 
 /// Activation rows from which a product takes the AMX kernel where the CPU has it. Its
-/// per-panel work (the AMX words, a tile configuration per thread's share) pays back
-/// over many rows. On a 2-core Intel Xeon with AMX (`cargo bench --bench kernels --
-/// real_sizes/1b`, alternated with `LLAMA_BURN_AMX=off`) the kernel at 128 rows is
-/// 1.49x the VNNI kernel on Q4_K and 1.29-1.30x on Q8_0 and Q4_0; its first version was
-/// 0.85-0.87x at 16 and 32 rows and 0.93-1.05x at 64 (this one was not measured below
-/// 128 rows).
-const AMX_FROM_ROWS: usize = 128;
+/// per-panel work (the words times the scales' digits, a tile configuration per
+/// thread's share) pays back over many rows. On a 2-core Intel Xeon with AMX (`cargo
+/// bench --bench kernels -- real_sizes/1b`, the 1B shape's `ffn_up`, alternated with
+/// `LLAMA_BURN_AMX=off`), against the VNNI kernel: at 128 rows Q4_0 1.40x, Q4_K 1.47x,
+/// Q6_K 1.28x; at 64 rows 1.19-1.24x, 1.21-1.39x and 1.16-1.30x; at 32 rows 0.98-1.08x
+/// (even); at 16 rows 0.69-0.99x.
+const AMX_FROM_ROWS: usize = 64;
 
 /// [`matmul_transposed_int8_on`] with the AMX tile kernel on or off for each sixteen
 /// rows (`amx` only where the path [has](SimdPath::has_amx) it, or where `amx_granted`

@@ -111,8 +111,9 @@ pub(in crate::kernels::int8) unsafe fn amx_prepare(panel: &mut Panel, format: Qu
     let words = panel.u.len();
     debug_assert!(words.is_multiple_of(8 * LANES));
     let (bits, count) = digits(f.scales);
+    // Every byte of the panels is written below.
     for v in panel.amx.iter_mut().take(count.max(1)) {
-        v.zeros(4 * words);
+        v.sized(4 * words);
     }
     let mut out = [std::ptr::null_mut::<u8>(); 4];
     for (o, v) in out.iter_mut().zip(panel.amx.iter_mut()) {
@@ -244,6 +245,12 @@ impl Lines {
     /// `bytes` zeros (rounded up to whole lines).
     fn zeros(&mut self, bytes: usize) {
         self.0.clear();
+        self.0.resize(bytes.div_ceil(64), Line([0; 64]));
+    }
+
+    /// `bytes` bytes (rounded up to whole lines), left as they were where they were
+    /// already there: for a caller that writes every one.
+    fn sized(&mut self, bytes: usize) {
         self.0.resize(bytes.div_ceil(64), Line([0; 64]));
     }
 
