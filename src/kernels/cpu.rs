@@ -109,10 +109,11 @@ impl SimdPath {
         }
     }
 
-    /// Whether the path runs the `fast` precision's AMX tile kernel for products of
-    /// sixteen rows or more: the AVX-512 path where the CPU has VNNI, AMX-TILE and
-    /// AMX-INT8, Linux has granted this process the tile data, and `LLAMA_BURN_AMX`
-    /// is not `off` (read once per process; the results are the same bits either way).
+    /// Whether the path runs the `fast` precision's AMX tile kernel for products of 64
+    /// rows or more (prompts, large batches): the AVX-512 path where the CPU has VNNI,
+    /// AMX-TILE and AMX-INT8, Linux has granted this process the tile data, and
+    /// `LLAMA_BURN_AMX` is not `off` (read once per process; the results are the same
+    /// bits either way).
     pub fn has_amx(self) -> bool {
         static ENABLED: OnceLock<bool> = OnceLock::new();
         self.has_vnni()

@@ -340,8 +340,8 @@ fn matmul_int8(
                         res.clear();
                         res.resize(r, [0f32; LANES]);
                         // SAFETY: as above (AMX, AVX-512 with VNNI); this thread's tiles
-                        // are configured for the format; the panel's signed words are
-                        // filled; `tiled` holds the first `r` rows.
+                        // are configured for the format; the panel's AMX words are made;
+                        // `tiled` holds the first `r` rows.
                         unsafe { x86::amx_panel(panel, w.format(), &acts, &tiled, res) };
                         for (i, row) in res.iter().enumerate() {
                             // SAFETY: row `i < rows`; columns `first .. first + n` lie in
@@ -483,7 +483,7 @@ mod tests {
         all
     }
 
-    /// Whether this CPU runs the AMX kernel; where it does not, says so once per test.
+    /// Whether this CPU runs the AMX kernel; where it does not, says so.
     fn amx_here() -> bool {
         let here = SimdPath::Avx512.has_vnni() && crate::kernels::cpu::amx_granted();
         if !here {
