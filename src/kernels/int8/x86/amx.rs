@@ -14,8 +14,10 @@
 //!   times each digit (products below 256, one unsigned byte) are two panels; a run's
 //!   eight sub-blocks are then four products of 64 values per digit, summed in the tile
 //!   unit, and `(hi_sum << 3) + lo_sum` is the run's `sum sc * u * q`, exactly.
-//! - The formats with a scale per 16-value half (Q6_K, Q3_K) stay on the VNNI kernel
-//!   ([`amx_takes`]).
+//! - Q6_K (a signed 8-bit scale per 16 values, values `u - 32`): each scale is cut into
+//!   four 2-bit digits, the top one signed, and the signed words times each digit are
+//!   four panels; `sum_i sum_k << (2 * i)` is the run's `sum sc * (u - 32) * q`.
+//! - Q3_K stays on the VNNI kernel ([`amx_takes`]).
 //!
 //! **How.** The activation rows are copied once per product into tiles of sixteen rows
 //! ([`tiled_rows`]), the panel's words are the tile's other operand in their own layout
