@@ -220,7 +220,7 @@ pub(crate) fn amx_granted() -> bool {
             std::arch::x86_64::__cpuid_count(7, 0).edx
         };
         let (tile, int8) = (edx & (1 << 24) != 0, edx & (1 << 25) != 0);
-        if !(tile && int8 && std::arch::is_x86_feature_detected!("avx512vnni")) {
+        if !(tile && int8) {
             return false;
         }
         const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;

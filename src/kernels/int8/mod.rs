@@ -578,29 +578,38 @@ mod tests {
     #[test]
     fn every_path_gives_the_reference_bits() {
         for format in QuantFormat::ALL {
-            // 37 outputs: two full panels and a partial one.
-            let (n_out, n_in) = (37, 512);
-            let w = random_matrix(format, n_out, n_in, 17);
-            let mut rng = StdRng::seed_from_u64(4);
-            // 16, 17 and 35: the AMX kernel's tiles of sixteen rows, and its tails.
-            for rows in [1, 3, 4, 5, 9, 10, 11, 16, 17, 35] {
-                let x: Vec<f32> = (0..rows * n_in)
-                    .map(|_| rng.random_range(-1.0f32..1.0))
-                    .collect();
-                for (path, amx) in kernels() {
-                    let got = matmul_int8(path, amx, &x, rows, &w).unwrap();
-                    for r in 0..rows {
-                        for j in 0..n_out {
-                            let want = int8_reference(
-                                format,
-                                &w.row_ggml_bytes(j).unwrap(),
-                                &x[r * n_in..(r + 1) * n_in],
-                            );
-                            assert_eq!(
-                                got[r * n_out + j].to_bits(),
-                                want.to_bits(),
-                                "{format:?} {path:?} amx {amx} rows {rows} ({r}, {j})"
-                            );
+            // 37 outputs: two full panels and a partial one. Rows of 96 values too for
+            // the 32-value formats: three sub-blocks, an odd count of the AMX kernel's
+            // products.
+            let n_out = 37;
+            let widths: &[usize] = if format.int_form().run == 1 {
+                &[512, 96]
+            } else {
+                &[512]
+            };
+            for &n_in in widths {
+                let w = random_matrix(format, n_out, n_in, 17);
+                let mut rng = StdRng::seed_from_u64(4);
+                // 16, 17 and 35: the AMX kernel's tiles of sixteen rows, and its tails.
+                for rows in [1, 3, 4, 5, 9, 10, 11, 16, 17, 35] {
+                    let x: Vec<f32> = (0..rows * n_in)
+                        .map(|_| rng.random_range(-1.0f32..1.0))
+                        .collect();
+                    for (path, amx) in kernels() {
+                        let got = matmul_int8(path, amx, &x, rows, &w).unwrap();
+                        for r in 0..rows {
+                            for j in 0..n_out {
+                                let want = int8_reference(
+                                    format,
+                                    &w.row_ggml_bytes(j).unwrap(),
+                                    &x[r * n_in..(r + 1) * n_in],
+                                );
+                                assert_eq!(
+                                    got[r * n_out + j].to_bits(),
+                                    want.to_bits(),
+                                    "{format:?} {path:?} amx {amx} n_in {n_in} rows {rows} ({r}, {j})"
+                                );
+                            }
                         }
                     }
                 }

@@ -41,11 +41,9 @@ use crate::quant::{IntScales, QuantFormat, with_format};
 /// Activation rows per tile: the tile unit's sixteen rows.
 pub(in crate::kernels::int8) const AMX_ROWS: usize = 16;
 
-/// Sub-blocks whose sums are computed before they are scaled: a multiple of every
-/// format's run (eight sub-blocks for the K-quants), so a run never spans two chunks
-/// and the integer accumulators start each chunk at zero.
+/// Sub-blocks whose sums the formats without an integer scale compute before they are
+/// scaled (each sub-block is its own run there).
 const CHUNK: usize = 8;
-const _: () = assert!(CHUNK.is_multiple_of(8));
 
 /// The 64-byte tile configuration that `ldtilecfg` reads (palette 1).
 #[repr(C, align(64))]
@@ -244,14 +242,8 @@ pub(in crate::kernels::int8) struct Line([u8; 64]);
 pub(in crate::kernels::int8) struct Lines(Vec<Line>);
 
 impl Lines {
-    /// `bytes` zeros (rounded up to whole lines).
-    fn zeros(&mut self, bytes: usize) {
-        self.0.clear();
-        self.0.resize(bytes.div_ceil(64), Line([0; 64]));
-    }
-
     /// `bytes` bytes (rounded up to whole lines), left as they were where they were
-    /// already there: for a caller that writes every one.
+    /// already there (zeros where new): for a caller that writes every one.
     fn sized(&mut self, bytes: usize) {
         self.0.resize(bytes.div_ceil(64), Line([0; 64]));
     }
@@ -291,7 +283,7 @@ pub(in crate::kernels::int8) fn tiled_rows(
     let w = unit_bytes(format.int_form().scales);
     let (n_in, groups) = (acts.n_in, rows / AMX_ROWS);
     let mut out = Lines::default();
-    out.zeros(groups * AMX_ROWS * n_in);
+    out.sized(groups * AMX_ROWS * n_in);
     for (g, group) in out
         .bytes_mut()
         .chunks_exact_mut(AMX_ROWS * n_in)
@@ -312,11 +304,6 @@ pub(in crate::kernels::int8) fn tiled_rows(
 /// The results of activation rows `0 .. out.len()` (a multiple of 16) against the
 /// panel's sixteen rows, whose AMX words ([`amx_prepare`]) are in place; `tiled` is the
 /// rows' [`tiled_rows`].
-///
-/// The loop runs over chunks of eight sub-blocks, and within a chunk over the groups of
-/// sixteen rows: the chunk's 4 KiB of the panel stay in the first-level cache while
-/// every group reads them (a group's whole row, for each group in turn, read the panel
-/// from the second-level cache for every group, at 1 KiB a product).
 ///
 /// # Safety
 ///
@@ -437,12 +424,13 @@ unsafe fn amx_panel_of<const F: u8>(
     }
 }
 
-/// [`amx_panel`] for the format whose id is `F`, one with an integer scale per
-/// sub-block (Q4_K, Q5_K): its scales are in the panel's words ([`amx_prepare`]), so a
-/// run's eight sub-blocks are four products of 64 values per digit, summed in the tile
-/// unit; per run and row, the vector units add the two digits' sums (`(hi << 3) + lo`,
-/// the integer `sum sc * u * q` of the other kernels) and take the float steps in the
-/// other kernels' order: each sub-block's minimum, with the run's scale before the last.
+/// [`amx_panel`] for the format whose id is `F`, one with integer scales (Q4_K, Q5_K,
+/// Q6_K): its scales are in the panel's words as digits ([`amx_prepare`], [`digits`]),
+/// so a run's eight sub-blocks are four products of 64 values per digit, summed in the
+/// tile unit; per run and row, the vector units add the digits' sums (`(hi << 3) + lo`
+/// for two 3-bit digits, the integer `sum sc * u * q` of the other kernels) and take the
+/// float steps in the other kernels' order: each sub-block's minimum, with the run's
+/// scale before the last.
 /// A group of sixteen rows runs through the whole row with its float sums in registers,
 /// and the tile unit computes a run ahead: with the sums in memory (a load and a store
 /// per row and run) and no run ahead, each run waited for the last one's stores, and the
