@@ -948,7 +948,14 @@ pub fn exp(x: f32) -> f32 {
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
+    // `n` as an integer, from `t`'s bits: `t` is `ROUND + n` with `|n| <= 127`, so `n`
+    // is the difference of the two floats' bits (their exponents are the same). This is
+    // `n as i32` for every number; unlike that saturating cast, which compiles to a
+    // scalar conversion and compare per value, it vectorizes. (A NaN `x` gives a NaN
+    // either way.)
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_199_9e-3;
@@ -957,7 +964,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let e = p * (r * r) + r + 1.0;
-    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    e * f32::from_bits((ni.wrapping_add(127) as u32) << 23)
 }
 
 #[cfg(test)]
@@ -1071,6 +1078,7 @@ mod tests {
         }
         assert_eq!(exp(0.0), 1.0);
         assert_eq!(exp(-1000.0), exp(-87.0));
+
         assert_err!(
             attention(&q, &k[1..], &v, None, shape),
             LlamaError::ShapeMismatch { name, .. } if name == "attention keys"
@@ -1100,6 +1108,44 @@ mod tests {
             attention_strided(&q, short, view(&vb), None, shape),
             LlamaError::ShapeMismatch { name, .. } if name == "attention keys"
         );
+    }
+
+    #[test]
+    fn exp_takes_the_power_of_two_from_the_rounding_bits_exactly() {
+        // `exp` as first written: the power of two from a saturating cast of `n`.
+        fn with_cast(x: f32) -> f32 {
+            let x = x.clamp(-87.0, 88.0);
+            let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+            let r = (x - n * 0.693_359_4) - n * -2.121_944_4e-4;
+            let mut p = 1.987_569_1e-4_f32;
+            for c in [
+                1.398_199_9e-3,
+                8.333_452e-3,
+                4.166_579_6e-2,
+                1.666_666_5e-1,
+                0.5,
+            ] {
+                p = p * r + c;
+            }
+            (p * (r * r) + r + 1.0) * f32::from_bits(((n as i32 + 127) as u32) << 23)
+        }
+        let mut rng = StdRng::seed_from_u64(11);
+        let xs = (0..20_000)
+            .map(|_| rng.random_range(-100.0f32..100.0))
+            .chain((-200..=200).map(|i| i as f32 * 0.5))
+            .chain([
+                -87.0,
+                88.0,
+                -0.0,
+                f32::MIN,
+                f32::MAX,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+            ]);
+        for x in xs {
+            assert_eq!(exp(x).to_bits(), with_cast(x).to_bits(), "{x}");
+        }
+        assert!(exp(f32::NAN).is_nan());
     }
 
     #[test]

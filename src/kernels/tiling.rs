@@ -16,10 +16,12 @@ pub(crate) struct Columns {
 unsafe impl Sync for Columns {}
 
 impl Columns {
-    /// The columns of `out`, `n_out` values a row.
-    pub(crate) fn new(out: &mut [f32], n_out: usize) -> Self {
+    /// The columns of `out`'s spare capacity, `n_out` values a row: for a caller that
+    /// writes every value and then sets the length (a product's output of many rows is
+    /// megabytes, which zeroing first costs a pass over, 2.5% of a prefill).
+    pub(crate) fn spare(out: &mut Vec<f32>, n_out: usize) -> Self {
         Self {
-            out: out.as_mut_ptr(),
+            out: out.spare_capacity_mut().as_mut_ptr().cast(),
             n_out,
         }
     }
@@ -32,11 +34,14 @@ impl Columns {
     pub(crate) unsafe fn write(&self, r: usize, col: usize, values: &[f32]) {
         // SAFETY: the caller's contract.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                values.as_ptr(),
-                self.out.add(r * self.n_out + col),
-                values.len(),
-            );
+            let at = self.out.add(r * self.n_out + col);
+            if let Ok(&whole) = <&[f32; 16]>::try_from(values) {
+                // A panel's sixteen values (the common case): two vector stores, not a
+                // call to `memcpy`, which took 6% of a prefill for these small copies.
+                at.cast::<[f32; 16]>().write_unaligned(whole);
+                return;
+            }
+            std::ptr::copy_nonoverlapping(values.as_ptr(), at, values.len());
         }
     }
 }

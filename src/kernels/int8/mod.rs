@@ -208,8 +208,8 @@ fn matmul_int8(
     let threads = rayon::current_num_threads().max(1);
     // Chunks of whole panels (16 outputs), guided: large first, small last.
     let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
-    let mut out = vec![0f32; rows * n_out];
-    let target = Columns::new(&mut out, n_out);
+    let mut out = Vec::with_capacity(rows * n_out);
+    let target = Columns::spare(&mut out, n_out);
     let vnni = path.has_vnni();
     let in_registers = vnni;
     let avx2_registers = !vnni && path.has_avx2_integer();
@@ -364,6 +364,10 @@ fn matmul_int8(
             }
         });
     });
+    // SAFETY: the chunks cover the panels `0..n_out.div_ceil(16)` (`guided_chunks`), and
+    // each branch above wrote its panel's columns of every row `0..rows`: all
+    // `rows * n_out` values of the capacity are written.
+    unsafe { out.set_len(rows * n_out) };
     Ok(out)
 }
 
