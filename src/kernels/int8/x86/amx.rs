@@ -20,9 +20,10 @@
 //! - Q3_K stays on the VNNI kernel ([`amx_takes`]).
 //!
 //! **How.** The activation rows are copied once per product into tiles of sixteen rows
-//! ([`tiled_rows`]), the panel's words are the tile's other operand in their own layout
-//! (a tile row is four values of each of the sixteen lanes), and every tile load reads
-//! whole 64-byte lines ([`Lines`]). A group of sixteen rows runs through the whole row
+//! ([`tiled_rows`]; the last group padded with rows of zeros, so every row is the tile
+//! unit's), each panel of sixteen weight rows is decoded straight into the words the tile
+//! unit multiplies ([`fill_amx`]), in their own layout (a tile row is four values of
+//! each of the sixteen lanes), and every tile load reads whole 64-byte lines ([`Lines`]). A group of sixteen rows runs through the whole row
 //! with its float sums in registers while the tile unit computes the next chunk (or
 //! run) of products.
 //!
@@ -32,10 +33,12 @@
 //! the guard drops, so no tile state outlives one product's share of work.
 
 use std::arch::asm;
+use std::arch::x86_64::*;
 
 use super::super::activations::QuantizedRows;
 use super::super::{LANES, Panel, QK};
-use super::{format_at, same_form};
+use super::{SubScales, SubSink, Vnni, decode_group, format_at, same_form};
+use crate::kernels::matrix::{GROUP_ROWS, QuantMatrix};
 use crate::quant::{IntScales, QuantFormat, with_format};
 
 /// Activation rows per tile: the tile unit's sixteen rows.
@@ -58,7 +61,7 @@ struct TileConfig {
 }
 
 /// Bytes of one product's values: a 32-value sub-block, or two for the formats with an
-/// integer scale, whose scales are folded into the weights (see [`amx_prepare`]).
+/// integer scale, whose scales are folded into the weights (see [`fill_amx`]).
 const fn unit_bytes(scales: IntScales) -> usize {
     match scales {
         IntScales::PerBlock | IntScales::PerHalf => 2 * QK,
@@ -84,7 +87,7 @@ pub(in crate::kernels::int8) const fn amx_takes(format: QuantFormat) -> bool {
 ///   digits, below 8, so a digit times a value is below 256, one unsigned byte.
 /// - A scale per half (Q6_K: signed 8-bit scales, values `u - 32` in `-32..=31`): four
 ///   2-bit digits, the top one in `-2..=1`, so `|digit * (u - 32)| <= 96`, one signed
-///   byte (and `u * |digit| <= 189` below 256, which [`amx_prepare`] relies on).
+///   byte (and `u * |digit| <= 189` below 256, which [`fill_amx`] relies on).
 const fn digits(scales: IntScales) -> (u32, usize) {
     match scales {
         IntScales::PerBlock => (3, 2),
@@ -93,89 +96,117 @@ const fn digits(scales: IntScales) -> (u32, usize) {
     }
 }
 
-/// Makes the panel's words for the AMX kernel from its decoded words `u`: for the
-/// formats with integer scales ([`digits`]), the words times each digit of their
-/// scale, one panel per digit (`amx[i]`): unsigned bytes `u * digit` for a scale per
-/// sub-block (offset 0), signed bytes `(u - offset) * digit` for a scale per half; for
-/// the others, the signed words `u - offset` in each byte (`amx[0]`; every format's
-/// signed values fit a byte: `-128..=127` for Q8_0, whose offset is 128).
+/// Decodes rows `first .. first + 16` of `w` straight into the panel's words for the
+/// AMX kernel, and its float scales `d` and `m` (the panel's plain words and integer
+/// scales, which only the other kernels read, are not made): for the formats with
+/// integer scales ([`digits`]), the words times each digit of their scale, one panel per
+/// digit (`amx[i]`): unsigned bytes `u * digit` for a scale per sub-block (offset 0),
+/// signed bytes `(u - offset) * digit` for a scale per half; for the others, the signed
+/// words `u - offset` in each byte (`amx[0]`; every format's signed values fit a byte:
+/// `-128..=127` for Q8_0, whose offset is 128). The same words as decoding the panel and
+/// then deriving them, without storing and reloading the decoded panel: that pass took
+/// 7% of a 150-token prefill beside the decoder's 10%.
 ///
 /// # Safety
 ///
-/// The CPU has AVX-512 F and BW; the panel holds a matrix of `format`, decoded;
-/// [`amx_takes`] the format.
-#[target_feature(enable = "avx512f,avx512bw")]
-pub(in crate::kernels::int8) unsafe fn amx_prepare(panel: &mut Panel, format: QuantFormat) {
-    use std::arch::x86_64::*;
-    let f = format.int_form();
-    let words = panel.u.len();
-    debug_assert!(words.is_multiple_of(8 * LANES));
-    let (bits, count) = digits(f.scales);
-    // Every byte of the panels is written below.
+/// The CPU has AVX-512 F/BW/VL, FMA, F16C and AVX2; `first` starts two full groups of
+/// `w`; [`amx_takes`] its format.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
+pub(in crate::kernels::int8) unsafe fn fill_amx(panel: &mut Panel, w: &QuantMatrix, first: usize) {
+    let subs = w.cols() / QK;
+    let words = subs * 8 * LANES;
+    let (_, count) = digits(w.format().int_form().scales);
+    // Every byte of the panels, and every scale, is written below.
     for v in panel.amx.iter_mut().take(count.max(1)) {
         v.sized(4 * words);
     }
+    panel.d.resize(subs * LANES, 0.0);
+    panel.m.resize(subs * LANES, 0.0);
     let mut out = [std::ptr::null_mut::<u8>(); 4];
     for (o, v) in out.iter_mut().zip(panel.amx.iter_mut()) {
         *o = v.bytes_mut().as_mut_ptr();
     }
-    if count == 0 {
-        // SAFETY: `u` and `amx[0]` hold `words` words each, in whole vectors.
+    for half in 0..2 {
+        let (group, _) = w.group(first + half * GROUP_ROWS);
+        let (d, m) = (panel.d.as_mut_ptr(), panel.m.as_mut_ptr());
+        let lane = half * GROUP_ROWS;
+        // SAFETY: the caller's contract; every store is inside the panels sized above
+        // (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`, digit `i < count`).
         unsafe {
-            let off = _mm512_set1_epi8(f.offset as u8 as i8);
-            for at in (0..words).step_by(LANES) {
-                let u = _mm512_loadu_si512(panel.u.as_ptr().add(at).cast());
-                _mm512_storeu_si512(out[0].add(4 * at).cast(), _mm512_sub_epi8(u, off));
-            }
-        }
-        return;
+            with_format!(w.format(), F => decode_group::<Vnni, F>(
+                group,
+                subs,
+                &mut AmxStore::<F> { out, d, m, lane }
+            ))
+        };
     }
-    debug_assert!(match f.scales {
-        IntScales::PerBlock =>
-            f.offset == 0 && f.max < 32 && panel.sc.iter().all(|&sc| (0..64).contains(&sc)),
-        _ => f.offset == 32 && f.max == 63 && panel.sc.iter().all(|&sc| (-128..128).contains(&sc)),
-    });
-    let signed = matches!(f.scales, IntScales::PerHalf);
-    // SAFETY: the panel holds `subs * 8` words of 16 lanes, in `u` and in each digit's
-    // panel, and `subs * 2` scales of 16 lanes (a sub-block's in the first of each two
-    // where it has one).
-    unsafe {
-        let mask = _mm512_set1_epi32((1 << bits) - 1);
-        let ones = _mm512_set1_epi32(0x0101_0101);
-        for s in 0..words / (8 * LANES) {
+}
+
+/// Takes each decoded sub-block of eight rows into lanes `lane .. lane + 8` of the AMX
+/// words ([`fill_amx`]) of the format whose id is `F`.
+struct AmxStore<const F: u8> {
+    out: [*mut u8; 4],
+    d: *mut f32,
+    m: *mut f32,
+    lane: usize,
+}
+
+impl<const F: u8> SubSink for AmxStore<F> {
+    #[inline(always)]
+    unsafe fn take(&mut self, wv: &[__m256i; 8], scales: &SubScales, s: usize) {
+        let f = const { format_at(F).int_form() };
+        let (bits, count) = const { digits(format_at(F).int_form().scales) };
+        let signed = const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) };
+        let lane = self.lane;
+        let at = |t: usize| 4 * ((s * 8 + t) * LANES + lane);
+        // SAFETY: the panels hold sub-block `s` for sixteen lanes ([`fill_amx`]).
+        unsafe {
+            _mm256_storeu_ps(self.d.add(s * LANES + lane), scales.d);
+            _mm256_storeu_ps(self.m.add(s * LANES + lane), scales.m);
+            if count == 0 {
+                let off = _mm256_set1_epi8(f.offset as u8 as i8);
+                for (t, v) in wv.iter().enumerate() {
+                    _mm256_storeu_si256(self.out[0].add(at(t)).cast(), _mm256_sub_epi8(*v, off));
+                }
+                return;
+            }
+            debug_assert!(match f.scales {
+                IntScales::PerBlock => f.offset == 0 && f.max < 32,
+                _ => f.offset == 32 && f.max == 63,
+            });
+            let mask = _mm256_set1_epi32((1 << bits) - 1);
+            let ones = _mm256_set1_epi32(0x0101_0101);
             for h in 0..2 {
-                let sc = _mm512_loadu_si512(
-                    panel
-                        .sc
-                        .as_ptr()
-                        .add((s * 2 + if signed { h } else { 0 }) * LANES)
-                        .cast(),
-                );
-                for (i, &o) in out.iter().enumerate().take(count) {
-                    let shifted = _mm512_sra_epi32(sc, _mm_cvtsi32_si128((bits * i as u32) as i32));
+                // A scale per sub-block is in `sc0` (for both halves); a scale per half
+                // in `sc0` and `sc1`.
+                let sc = if signed && h == 1 {
+                    scales.sc1
+                } else {
+                    scales.sc0
+                };
+                for (i, &o) in self.out.iter().enumerate().take(count) {
+                    let shifted = _mm256_sra_epi32(sc, _mm_cvtsi32_si128((bits * i as u32) as i32));
                     let d = if i + 1 < count {
-                        _mm512_and_si512(shifted, mask)
+                        _mm256_and_si256(shifted, mask)
                     } else {
                         shifted
                     };
-                    let size = _mm512_abs_epi32(d);
+                    let size = _mm256_abs_epi32(d);
                     // `|digit|` in both 16-bit halves of its lane: `vpmullw` then
                     // multiplies the lane's four bytes in pairs, and as each byte's
                     // product is below 256 no carry reaches its neighbour.
-                    let both = _mm512_or_si512(size, _mm512_slli_epi32::<16>(size));
+                    let both = _mm256_or_si256(size, _mm256_slli_epi32::<16>(size));
                     // `offset * |digit|` in each byte of its lane (below 128).
-                    let off = _mm512_mullo_epi32(
-                        _mm512_mullo_epi32(size, _mm512_set1_epi32(f.offset)),
+                    let off = _mm256_mullo_epi32(
+                        _mm256_mullo_epi32(size, _mm256_set1_epi32(f.offset)),
                         ones,
                     );
                     // The lanes of negative digits, byte by byte.
-                    let negative = _mm512_movepi8_mask(_mm512_srai_epi32::<31>(d));
-                    for t in h * 4..h * 4 + 4 {
-                        let at = (s * 8 + t) * LANES;
-                        let u = _mm512_loadu_si512(panel.u.as_ptr().add(at).cast());
-                        let p = _mm512_sub_epi8(_mm512_mullo_epi16(u, both), off);
-                        let p = _mm512_mask_sub_epi8(p, negative, _mm512_setzero_si512(), p);
-                        _mm512_storeu_si512(o.add(4 * at).cast(), p);
+                    let negative = _mm256_movepi8_mask(_mm256_srai_epi32::<31>(d));
+                    for (t, &v) in wv.iter().enumerate().skip(h * 4).take(4) {
+                        let p = _mm256_sub_epi8(_mm256_mullo_epi16(v, both), off);
+                        let p = _mm256_mask_sub_epi8(p, negative, _mm256_setzero_si256(), p);
+                        _mm256_storeu_si256(o.add(at(t)).cast(), p);
                     }
                 }
             }
@@ -268,22 +299,19 @@ struct Sums([[[i32; LANES]; AMX_ROWS]; CHUNK]);
 /// Bytes of one sub-block of sixteen rows in [`tiled_rows`]' layout of 32-byte tiles.
 const TILE_BYTES: usize = AMX_ROWS * QK;
 
-/// The quantized values of the first `rows / 16 * 16` activation rows, laid out for the
-/// tile loads of `format`'s products, in tiles of `w` = [`unit_bytes`] bytes (one or two
-/// sub-blocks) of sixteen rows: group `g` of sixteen rows, tile `t`, row `i`, value `v`
-/// at `((g * tiles + t) * 16 + i) * w + v`. A tile's sixteen rows are then contiguous
-/// (their rows `w` bytes apart), not sixteen lines a row's length apart, which for rows
-/// of 2 KiB or more fall in the same few sets of the first-level cache. Built once per
-/// product, read by every panel.
-pub(in crate::kernels::int8) fn tiled_rows(
-    acts: &QuantizedRows,
-    rows: usize,
-    format: QuantFormat,
-) -> Lines {
+/// The quantized values of the activation rows, laid out for the tile loads of
+/// `format`'s products, in groups of sixteen rows (the last one padded with rows of
+/// zeros), in tiles of `w` = [`unit_bytes`] bytes (one or two sub-blocks) of sixteen
+/// rows: group `g`, tile `t`, row `i`, value `v` at `((g * tiles + t) * 16 + i) * w + v`.
+/// A tile's sixteen rows are then contiguous (their rows `w` bytes apart), not sixteen
+/// lines a row's length apart, which for rows of 2 KiB or more fall in the same few sets
+/// of the first-level cache. Built once per product, read by every panel.
+pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFormat) -> Lines {
     let w = unit_bytes(format.int_form().scales);
-    let (n_in, groups) = (acts.n_in, rows / AMX_ROWS);
+    let (n_in, rows) = (acts.n_in, acts.q.len() / acts.n_in.max(1));
     let mut out = Lines::default();
-    out.sized(groups * AMX_ROWS * n_in);
+    // Zeros where new: the padding rows stay zero.
+    out.sized(rows.div_ceil(AMX_ROWS) * AMX_ROWS * n_in);
     for (g, group) in out
         .bytes_mut()
         .chunks_exact_mut(AMX_ROWS * n_in)
@@ -292,6 +320,9 @@ pub(in crate::kernels::int8) fn tiled_rows(
         for (t, tile) in group.chunks_exact_mut(AMX_ROWS * w).enumerate() {
             for (i, row) in tile.chunks_exact_mut(w).enumerate() {
                 let r = g * AMX_ROWS + i;
+                if r >= rows {
+                    break;
+                }
                 for (b, &q) in row.iter_mut().zip(&acts.q[r * n_in + t * w..][..w]) {
                     *b = q as u8;
                 }
@@ -302,14 +333,15 @@ pub(in crate::kernels::int8) fn tiled_rows(
 }
 
 /// The results of activation rows `0 .. out.len()` (a multiple of 16) against the
-/// panel's sixteen rows, whose AMX words ([`amx_prepare`]) are in place; `tiled` is the
+/// panel's sixteen rows, whose AMX words ([`fill_amx`]) are in place; `tiled` is the
 /// rows' [`tiled_rows`].
 ///
 /// # Safety
 ///
 /// The CPU has AVX-512 F/BW/VL, FMA, AMX-TILE and AMX-INT8; this thread's [`Tiles`] are
 /// configured for `format`; the panel and the rows come from one matrix of `format`;
-/// `tiled` holds at least `out.len()` rows.
+/// `tiled` holds at least `out.len()` rows, and `acts` the scales of as many
+/// ([`QuantizedRows::pad_scales`]).
 pub(in crate::kernels::int8) unsafe fn amx_panel(
     panel: &Panel,
     format: QuantFormat,
@@ -318,7 +350,9 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
     out: &mut [[f32; LANES]],
 ) {
     debug_assert!(
-        out.len().is_multiple_of(AMX_ROWS) && tiled.bytes().len() >= out.len() * acts.n_in
+        out.len().is_multiple_of(AMX_ROWS)
+            && tiled.bytes().len() >= out.len() * acts.n_in
+            && acts.d.len().min(acts.sx.len()) >= out.len() * acts.blocks()
     );
     // SAFETY: forwarded.
     unsafe {
@@ -425,7 +459,7 @@ unsafe fn amx_panel_of<const F: u8>(
 }
 
 /// [`amx_panel`] for the format whose id is `F`, one with integer scales (Q4_K, Q5_K,
-/// Q6_K): its scales are in the panel's words as digits ([`amx_prepare`], [`digits`]),
+/// Q6_K): its scales are in the panel's words as digits ([`fill_amx`], [`digits`]),
 /// so a run's eight sub-blocks are four products of 64 values per digit, summed in the
 /// tile unit; per run and row, the vector units add the digits' sums (`(hi << 3) + lo`
 /// for two 3-bit digits, the integer `sum sc * u * q` of the other kernels) and take the
