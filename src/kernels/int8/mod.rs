@@ -103,9 +103,9 @@ pub(crate) struct Panel {
     m: Vec<f32>,
     /// The AMX kernel's words, decoded by `x86::fill_amx` (instead of `u`): the signed words
     /// `u - offset` (in the first), or for the formats with integer scales the words
-    /// times each digit of their scale (two or four).
+    /// times each digit of their scale (two or three).
     #[cfg(target_arch = "x86_64")]
-    amx: [x86::Lines; 4],
+    amx: [x86::Lines; 3],
 }
 
 impl Panel {

@@ -15,8 +15,8 @@
 //!   eight sub-blocks are then four products of 64 values per digit, summed in the tile
 //!   unit, and `(hi_sum << 3) + lo_sum` is the run's `sum sc * u * q`, exactly.
 //! - Q6_K (a signed 8-bit scale per 16 values, values `u - 32`): each scale is cut into
-//!   four 2-bit digits, the top one signed, and the signed words times each digit are
-//!   four panels; `sum_i sum_k << (2 * i)` is the run's `sum sc * (u - 32) * q`.
+//!   three balanced digits in base 7 (`-3..=3`), and the signed words times each digit
+//!   are three panels; `sum_i sum_k * 7^i` is the run's `sum sc * (u - 32) * q`.
 //! - Q3_K stays on the VNNI kernel ([`amx_takes`]).
 //!
 //! **How.** The activation rows are copied once per product into tiles of sixteen rows
@@ -81,17 +81,18 @@ pub(in crate::kernels::int8) const fn amx_takes(format: QuantFormat) -> bool {
 }
 
 /// How a format's integer scales are cut into digits, each digit times a value one
-/// byte: `(bits per digit, digits)`. `sc = sum of digit_i << (bits * i)`, the digits
-/// below the top one unsigned, the top one signed (an arithmetic shift).
-/// - A scale per sub-block (Q4_K, Q5_K: 6-bit scales, values below 32): two 3-bit
-///   digits, below 8, so a digit times a value is below 256, one unsigned byte.
-/// - A scale per half (Q6_K: signed 8-bit scales, values `u - 32` in `-32..=31`): four
-///   2-bit digits, the top one in `-2..=1`, so `|digit * (u - 32)| <= 96`, one signed
-///   byte (and `u * |digit| <= 189` below 256, which [`fill_amx`] relies on).
-const fn digits(scales: IntScales) -> (u32, usize) {
+/// byte: `(base, digits)`, `sc = sum of digit_i * base^i`.
+/// - A scale per sub-block (Q4_K, Q5_K: 6-bit scales, values below 32): two digits in
+///   base 8, `0..8`, so a digit times a value is below 256, one unsigned byte.
+/// - A scale per half (Q6_K: signed 8-bit scales, values `u - 32` in `-32..=31`): three
+///   balanced digits in base 7, `-3..=3` (they reach `-171..=171`), so `|digit * (u -
+///   32)| <= 96`, one signed byte (and `u * |digit| <= 189` below 256, which
+///   [`fill_amx`] relies on). Four 2-bit digits, the first version, made the tile unit
+///   multiply a third more.
+const fn digits(scales: IntScales) -> (i32, usize) {
     match scales {
-        IntScales::PerBlock => (3, 2),
-        IntScales::PerHalf => (2, 4),
+        IntScales::PerBlock => (8, 2),
+        IntScales::PerHalf => (7, 3),
         IntScales::One => (0, 0),
     }
 }
@@ -122,7 +123,7 @@ pub(in crate::kernels::int8) unsafe fn fill_amx(panel: &mut Panel, w: &QuantMatr
     }
     panel.d.resize(subs * LANES, 0.0);
     panel.m.resize(subs * LANES, 0.0);
-    let mut out = [std::ptr::null_mut::<u8>(); 4];
+    let mut out = [std::ptr::null_mut::<u8>(); 3];
     for (o, v) in out.iter_mut().zip(panel.amx.iter_mut()) {
         *o = v.bytes_mut().as_mut_ptr();
     }
@@ -145,7 +146,7 @@ pub(in crate::kernels::int8) unsafe fn fill_amx(panel: &mut Panel, w: &QuantMatr
 /// Takes each decoded sub-block of eight rows into lanes `lane .. lane + 8` of the AMX
 /// words ([`fill_amx`]) of the format whose id is `F`.
 struct AmxStore<const F: u8> {
-    out: [*mut u8; 4],
+    out: [*mut u8; 3],
     d: *mut f32,
     m: *mut f32,
     lane: usize,
@@ -155,7 +156,7 @@ impl<const F: u8> SubSink for AmxStore<F> {
     #[inline(always)]
     unsafe fn take(&mut self, wv: &[__m256i; 8], scales: &SubScales, s: usize) {
         let f = const { format_at(F).int_form() };
-        let (bits, count) = const { digits(format_at(F).int_form().scales) };
+        let (base, count) = const { digits(format_at(F).int_form().scales) };
         let signed = const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) };
         let lane = self.lane;
         let at = |t: usize| 4 * ((s * 8 + t) * LANES + lane);
@@ -174,7 +175,6 @@ impl<const F: u8> SubSink for AmxStore<F> {
                 IntScales::PerBlock => f.offset == 0 && f.max < 32,
                 _ => f.offset == 32 && f.max == 63,
             });
-            let mask = _mm256_set1_epi32((1 << bits) - 1);
             let ones = _mm256_set1_epi32(0x0101_0101);
             for h in 0..2 {
                 // A scale per sub-block is in `sc0` (for both halves); a scale per half
@@ -184,13 +184,27 @@ impl<const F: u8> SubSink for AmxStore<F> {
                 } else {
                     scales.sc0
                 };
-                for (i, &o) in self.out.iter().enumerate().take(count) {
-                    let shifted = _mm256_sra_epi32(sc, _mm_cvtsi32_si128((bits * i as u32) as i32));
-                    let d = if i + 1 < count {
-                        _mm256_and_si256(shifted, mask)
-                    } else {
-                        shifted
+                let ds = if signed {
+                    // Balanced digits in base 7: `q = round(sc / 7)` and `sc - 7 q`, twice
+                    // (exact in floats: `sc / 7` is never a half, and far from one).
+                    let round = |v: __m256i| {
+                        let x = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(1.0 / 7.0));
+                        _mm256_cvttps_epi32(_mm256_round_ps::<
+                            { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+                        >(x))
                     };
+                    let rest = |v: __m256i, q: __m256i| {
+                        _mm256_sub_epi32(v, _mm256_sub_epi32(_mm256_slli_epi32::<3>(q), q))
+                    };
+                    let q1 = round(sc);
+                    let q2 = round(q1);
+                    [rest(sc, q1), rest(q1, q2), q2]
+                } else {
+                    // Two digits in base 8 of a scale below 64.
+                    let low = _mm256_and_si256(sc, _mm256_set1_epi32(base - 1));
+                    [low, _mm256_srli_epi32::<3>(sc), _mm256_setzero_si256()]
+                };
+                for (&o, &d) in self.out.iter().zip(&ds).take(count) {
                     let size = _mm256_abs_epi32(d);
                     // `|digit|` in both 16-bit halves of its lane: `vpmullw` then
                     // multiplies the lane's four bytes in pairs, and as each byte's
@@ -493,14 +507,14 @@ unsafe fn amx_runs_of<const F: u8>(
         assert!(matches!(f.scales, IntScales::One) || f.run == 8);
         assert!(unit_bytes(IntScales::PerBlock) == 64 && unit_bytes(IntScales::PerHalf) == 64);
     };
-    let (bits, count) = const { digits(format_at(F).int_form().scales) };
+    let (base, count) = const { digits(format_at(F).int_form().scales) };
     let subs = acts.blocks();
     let groups = out.len() / AMX_ROWS;
     debug_assert!(panel.amx[count - 1].bytes().len() >= subs * 8 * LANES * 4);
     // Each digit's sums of a run, `[digit][row][lane]`, for two runs: the tile unit
     // computes the next run's while the vector units scale this one's.
     #[repr(C, align(64))]
-    struct RunSums([[[[i32; LANES]; AMX_ROWS]; 4]; 2]);
+    struct RunSums([[[[i32; LANES]; AMX_ROWS]; 3]; 2]);
     let mut sums = std::mem::MaybeUninit::<RunSums>::uninit();
     let sp = sums.as_mut_ptr();
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
@@ -518,7 +532,7 @@ unsafe fn amx_runs_of<const F: u8>(
             unsafe {
                 let a = tiled.bytes().as_ptr().add((g * runs + r) * RUN_BYTES);
                 let d = |i: usize| panel.amx[i].bytes().as_ptr().add(r * RUN_BYTES);
-                let c = sp.cast::<[[[i32; LANES]; AMX_ROWS]; 4]>().add(r % 2);
+                let c = sp.cast::<[[[i32; LANES]; AMX_ROWS]; 3]>().add(r % 2);
                 if count == 2 {
                     // Unsigned digits' words: `tdpbsud`.
                     asm!(
@@ -554,13 +568,12 @@ unsafe fn amx_runs_of<const F: u8>(
                         options(nostack),
                     );
                 } else {
-                    // Four signed digits' words: `tdpbssd`, the activations' tile read
-                    // once per step for the four.
+                    // Three signed digits' words: `tdpbssd`, the activations' tile read
+                    // once per step for the three.
                     asm!(
                         "tilezero tmm0",
                         "tilezero tmm1",
                         "tilezero tmm2",
-                        "tilezero tmm3",
                         "tileloadd tmm4, [{a} + {row}]",
                         "tileloadd tmm6, [{d0} + {row}]",
                         "tdpbssd tmm0, tmm4, tmm6",
@@ -568,17 +581,13 @@ unsafe fn amx_runs_of<const F: u8>(
                         "tdpbssd tmm1, tmm4, tmm7",
                         "tileloadd tmm6, [{d2} + {row}]",
                         "tdpbssd tmm2, tmm4, tmm6",
-                        "tileloadd tmm7, [{d3} + {row}]",
-                        "tdpbssd tmm3, tmm4, tmm7",
                         "tileloadd tmm5, [{a} + {row} + 1024]",
-                        "tileloadd tmm6, [{d0} + {row} + 1024]",
-                        "tdpbssd tmm0, tmm5, tmm6",
-                        "tileloadd tmm7, [{d1} + {row} + 1024]",
-                        "tdpbssd tmm1, tmm5, tmm7",
-                        "tileloadd tmm6, [{d2} + {row} + 1024]",
-                        "tdpbssd tmm2, tmm5, tmm6",
-                        "tileloadd tmm7, [{d3} + {row} + 1024]",
-                        "tdpbssd tmm3, tmm5, tmm7",
+                        "tileloadd tmm7, [{d0} + {row} + 1024]",
+                        "tdpbssd tmm0, tmm5, tmm7",
+                        "tileloadd tmm6, [{d1} + {row} + 1024]",
+                        "tdpbssd tmm1, tmm5, tmm6",
+                        "tileloadd tmm7, [{d2} + {row} + 1024]",
+                        "tdpbssd tmm2, tmm5, tmm7",
                         "tileloadd tmm4, [{a} + {row} + 2048]",
                         "tileloadd tmm6, [{d0} + {row} + 2048]",
                         "tdpbssd tmm0, tmm4, tmm6",
@@ -586,26 +595,20 @@ unsafe fn amx_runs_of<const F: u8>(
                         "tdpbssd tmm1, tmm4, tmm7",
                         "tileloadd tmm6, [{d2} + {row} + 2048]",
                         "tdpbssd tmm2, tmm4, tmm6",
-                        "tileloadd tmm7, [{d3} + {row} + 2048]",
-                        "tdpbssd tmm3, tmm4, tmm7",
                         "tileloadd tmm5, [{a} + {row} + 3072]",
-                        "tileloadd tmm6, [{d0} + {row} + 3072]",
-                        "tdpbssd tmm0, tmm5, tmm6",
-                        "tileloadd tmm7, [{d1} + {row} + 3072]",
-                        "tdpbssd tmm1, tmm5, tmm7",
-                        "tileloadd tmm6, [{d2} + {row} + 3072]",
-                        "tdpbssd tmm2, tmm5, tmm6",
-                        "tileloadd tmm7, [{d3} + {row} + 3072]",
-                        "tdpbssd tmm3, tmm5, tmm7",
+                        "tileloadd tmm7, [{d0} + {row} + 3072]",
+                        "tdpbssd tmm0, tmm5, tmm7",
+                        "tileloadd tmm6, [{d1} + {row} + 3072]",
+                        "tdpbssd tmm1, tmm5, tmm6",
+                        "tileloadd tmm7, [{d2} + {row} + 3072]",
+                        "tdpbssd tmm2, tmm5, tmm7",
                         "tilestored [{c} + {row}], tmm0",
                         "tilestored [{c} + {row} + 1024], tmm1",
                         "tilestored [{c} + {row} + 2048], tmm2",
-                        "tilestored [{c} + {row} + 3072], tmm3",
                         a = in(reg) a,
                         d0 = in(reg) d(0),
                         d1 = in(reg) d(1),
                         d2 = in(reg) d(2),
-                        d3 = in(reg) d(3),
                         row = in(reg) 64usize,
                         c = in(reg) c,
                         options(nostack),
@@ -640,13 +643,19 @@ unsafe fn amx_runs_of<const F: u8>(
                     _mm512_loadu_ps(dp.add(s * LANES)),
                 );
                 let run = &(*sp).0[r % 2];
-                let shift = _mm_cvtsi32_si128(bits as i32);
                 each_row!(@ AMX_ROWS, i, {
-                    // The digits' sums, highest first: `isum = (isum << bits) + sum_i`.
+                    // The digits' sums, highest first: `isum = isum * base + sum_i`
+                    // (base 8: a shift; base 7: `(isum << 3) - isum`).
                     let mut isum = _mm512_loadu_si512(run[count - 1][i].as_ptr().cast());
                     for k in (0..count - 1).rev() {
                         let low = _mm512_loadu_si512(run[k][i].as_ptr().cast());
-                        isum = _mm512_add_epi32(_mm512_sll_epi32(isum, shift), low);
+                        let eight = _mm512_slli_epi32::<3>(isum);
+                        let times = if base == 8 {
+                            eight
+                        } else {
+                            _mm512_sub_epi32(eight, isum)
+                        };
+                        isum = _mm512_add_epi32(times, low);
                     }
                     let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(row(i) + s)));
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
