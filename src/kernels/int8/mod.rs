@@ -221,7 +221,7 @@ fn matmul_int8(
     // 150 rows ran faster padded (one group more of the tile unit) than as nine groups
     // and six rows of VNNI.
     #[cfg(target_arch = "x86_64")]
-    let amx = amx && vnni && rows >= x86::AMX_ROWS && x86::amx_takes(w.format());
+    let amx = amx && vnni && rows >= x86::AMX_ROWS;
     #[cfg(not(target_arch = "x86_64"))]
     let _ = amx;
     #[cfg(target_arch = "x86_64")]

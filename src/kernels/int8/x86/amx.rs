@@ -17,7 +17,8 @@
 //! - Q6_K (a signed 8-bit scale per 16 values, values `u - 32`): each scale is cut into
 //!   three balanced digits in base 7 (`-3..=3`), and the signed words times each digit
 //!   are three panels; `sum_i sum_k * 7^i` is the run's `sum sc * (u - 32) * q`.
-//! - Q3_K stays on the VNNI kernel ([`amx_takes`]).
+//! - Q3_K (a signed 6-bit scale per 16 values, values `u - 4`): two digits in base 8,
+//!   the high one signed, and the signed words times each digit are two panels.
 //!
 //! **How.** The activation rows are copied once per product into tiles of sixteen rows
 //! ([`tiled_rows`]; the last group padded with rows of zeros, so every row is the tile
@@ -39,7 +40,7 @@ use super::super::activations::QuantizedRows;
 use super::super::{LANES, Panel, QK};
 use super::{SubScales, SubSink, Vnni, decode_group, format_at, same_form};
 use crate::kernels::matrix::{GROUP_ROWS, QuantMatrix};
-use crate::quant::{IntScales, QuantFormat, with_format};
+use crate::quant::{IntForm, IntScales, QuantFormat, with_format};
 
 /// Activation rows per tile: the tile unit's sixteen rows.
 pub(in crate::kernels::int8) const AMX_ROWS: usize = 16;
@@ -69,30 +70,23 @@ const fn unit_bytes(scales: IntScales) -> usize {
     }
 }
 
-/// Whether the AMX kernel takes `format`'s products: every format but Q3_K, whose
-/// integer scales (per 16 values, with 3-bit values) would need digits of their own;
-/// it stays on the VNNI kernel.
-pub(in crate::kernels::int8) const fn amx_takes(format: QuantFormat) -> bool {
-    let f = format.int_form();
-    match f.scales {
-        IntScales::One | IntScales::PerBlock => true,
-        IntScales::PerHalf => f.offset == 32 && f.max == 63,
-    }
-}
-
 /// How a format's integer scales are cut into digits, each digit times a value one
 /// byte: `(base, digits)`, `sc = sum of digit_i * base^i`.
 /// - A scale per sub-block (Q4_K, Q5_K: 6-bit scales, values below 32): two digits in
 ///   base 8, `0..8`, so a digit times a value is below 256, one unsigned byte.
-/// - A scale per half (Q6_K: signed 8-bit scales, values `u - 32` in `-32..=31`): three
+/// - Q6_K (a signed 8-bit scale per 16 values, values `u - 32` in `-32..=31`): three
 ///   balanced digits in base 7, `-3..=3` (they reach `-171..=171`), so `|digit * (u -
 ///   32)| <= 96`, one signed byte (and `u * |digit| <= 189` below 256, which
 ///   [`fill_amx`] relies on). Four 2-bit digits, the first version, made the tile unit
 ///   multiply a third more.
-const fn digits(scales: IntScales) -> (i32, usize) {
-    match scales {
+/// - Q3_K (a signed 6-bit scale per 16 values, values `u - 4` in `-4..=3`): two digits
+///   in base 8, the low one in `0..8`, the high one signed, `-4..=3` (an arithmetic
+///   shift), so `|digit * (u - 4)| <= 28`, one signed byte.
+const fn digits(f: IntForm) -> (i32, usize) {
+    match f.scales {
         IntScales::PerBlock => (8, 2),
-        IntScales::PerHalf => (7, 3),
+        IntScales::PerHalf if f.max == 63 => (7, 3),
+        IntScales::PerHalf => (8, 2),
         IntScales::One => (0, 0),
     }
 }
@@ -111,12 +105,12 @@ const fn digits(scales: IntScales) -> (i32, usize) {
 /// # Safety
 ///
 /// The CPU has AVX-512 F/BW/VL, FMA, F16C and AVX2; `first` starts two full groups of
-/// `w`; [`amx_takes`] its format.
+/// `w`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
 pub(in crate::kernels::int8) unsafe fn fill_amx(panel: &mut Panel, w: &QuantMatrix, first: usize) {
     let subs = w.cols() / QK;
     let words = subs * 8 * LANES;
-    let (_, count) = digits(w.format().int_form().scales);
+    let (_, count) = digits(w.format().int_form());
     // Every byte of the panels, and every scale, is written below.
     for v in panel.amx.iter_mut().take(count.max(1)) {
         v.sized(4 * words);
@@ -156,7 +150,7 @@ impl<const F: u8> SubSink for AmxStore<F> {
     #[inline(always)]
     unsafe fn take(&mut self, wv: &[__m256i; 8], scales: &SubScales, s: usize) {
         let f = const { format_at(F).int_form() };
-        let (base, count) = const { digits(format_at(F).int_form().scales) };
+        let (base, count) = const { digits(format_at(F).int_form()) };
         let signed = const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) };
         let lane = self.lane;
         let at = |t: usize| 4 * ((s * 8 + t) * LANES + lane);
@@ -173,7 +167,7 @@ impl<const F: u8> SubSink for AmxStore<F> {
             }
             debug_assert!(match f.scales {
                 IntScales::PerBlock => f.offset == 0 && f.max < 32,
-                _ => f.offset == 32 && f.max == 63,
+                _ => (f.offset, f.max) == (32, 63) || (f.offset, f.max) == (4, 7),
             });
             let ones = _mm256_set1_epi32(0x0101_0101);
             for h in 0..2 {
@@ -184,7 +178,7 @@ impl<const F: u8> SubSink for AmxStore<F> {
                 } else {
                     scales.sc0
                 };
-                let ds = if signed {
+                let ds = if base == 7 {
                     // Balanced digits in base 7: `q = round(sc / 7)` and `sc - 7 q`, twice
                     // (exact in floats: `sc / 7` is never a half, and far from one).
                     let round = |v: __m256i| {
@@ -200,9 +194,10 @@ impl<const F: u8> SubSink for AmxStore<F> {
                     let q2 = round(q1);
                     [rest(sc, q1), rest(q1, q2), q2]
                 } else {
-                    // Two digits in base 8 of a scale below 64.
+                    // Two digits in base 8: the low one unsigned, the high one by an
+                    // arithmetic shift (signed where the scale is: Q3_K's).
                     let low = _mm256_and_si256(sc, _mm256_set1_epi32(base - 1));
-                    [low, _mm256_srli_epi32::<3>(sc), _mm256_setzero_si256()]
+                    [low, _mm256_srai_epi32::<3>(sc), _mm256_setzero_si256()]
                 };
                 for (&o, &d) in self.out.iter().zip(&ds).take(count) {
                     let size = _mm256_abs_epi32(d);
@@ -507,7 +502,7 @@ unsafe fn amx_runs_of<const F: u8>(
         assert!(matches!(f.scales, IntScales::One) || f.run == 8);
         assert!(unit_bytes(IntScales::PerBlock) == 64 && unit_bytes(IntScales::PerHalf) == 64);
     };
-    let (base, count) = const { digits(format_at(F).int_form().scales) };
+    let (base, count) = const { digits(format_at(F).int_form()) };
     let subs = acts.blocks();
     let groups = out.len() / AMX_ROWS;
     debug_assert!(panel.amx[count - 1].bytes().len() >= subs * 8 * LANES * 4);
@@ -534,39 +529,49 @@ unsafe fn amx_runs_of<const F: u8>(
                 let d = |i: usize| panel.amx[i].bytes().as_ptr().add(r * RUN_BYTES);
                 let c = sp.cast::<[[[i32; LANES]; AMX_ROWS]; 3]>().add(r % 2);
                 if count == 2 {
-                    // Unsigned digits' words: `tdpbsud`.
-                    asm!(
-                        "tilezero tmm0",
-                        "tilezero tmm1",
-                        "tileloadd tmm4, [{a} + {row}]",
-                        "tileloadd tmm6, [{d0} + {row}]",
-                        "tdpbsud tmm0, tmm4, tmm6",
-                        "tileloadd tmm7, [{d1} + {row}]",
-                        "tdpbsud tmm1, tmm4, tmm7",
-                        "tileloadd tmm5, [{a} + {row} + 1024]",
-                        "tileloadd tmm6, [{d0} + {row} + 1024]",
-                        "tdpbsud tmm0, tmm5, tmm6",
-                        "tileloadd tmm7, [{d1} + {row} + 1024]",
-                        "tdpbsud tmm1, tmm5, tmm7",
-                        "tileloadd tmm4, [{a} + {row} + 2048]",
-                        "tileloadd tmm6, [{d0} + {row} + 2048]",
-                        "tdpbsud tmm0, tmm4, tmm6",
-                        "tileloadd tmm7, [{d1} + {row} + 2048]",
-                        "tdpbsud tmm1, tmm4, tmm7",
-                        "tileloadd tmm5, [{a} + {row} + 3072]",
-                        "tileloadd tmm6, [{d0} + {row} + 3072]",
-                        "tdpbsud tmm0, tmm5, tmm6",
-                        "tileloadd tmm7, [{d1} + {row} + 3072]",
-                        "tdpbsud tmm1, tmm5, tmm7",
-                        "tilestored [{c} + {row}], tmm0",
-                        "tilestored [{c} + {row} + 1024], tmm1",
-                        a = in(reg) a,
-                        d0 = in(reg) d(0),
-                        d1 = in(reg) d(1),
-                        row = in(reg) 64usize,
-                        c = in(reg) c,
-                        options(nostack),
-                    );
+                    // Two digits' words: unsigned (offset 0: Q4_K, Q5_K) by `tdpbsud`,
+                    // signed (Q3_K) by `tdpbssd`.
+                    macro_rules! two_digits {
+                        ($dp:literal) => {
+                            asm!(
+                                "tilezero tmm0",
+                                "tilezero tmm1",
+                                "tileloadd tmm4, [{a} + {row}]",
+                                "tileloadd tmm6, [{d0} + {row}]",
+                                concat!($dp, " tmm0, tmm4, tmm6"),
+                                "tileloadd tmm7, [{d1} + {row}]",
+                                concat!($dp, " tmm1, tmm4, tmm7"),
+                                "tileloadd tmm5, [{a} + {row} + 1024]",
+                                "tileloadd tmm6, [{d0} + {row} + 1024]",
+                                concat!($dp, " tmm0, tmm5, tmm6"),
+                                "tileloadd tmm7, [{d1} + {row} + 1024]",
+                                concat!($dp, " tmm1, tmm5, tmm7"),
+                                "tileloadd tmm4, [{a} + {row} + 2048]",
+                                "tileloadd tmm6, [{d0} + {row} + 2048]",
+                                concat!($dp, " tmm0, tmm4, tmm6"),
+                                "tileloadd tmm7, [{d1} + {row} + 2048]",
+                                concat!($dp, " tmm1, tmm4, tmm7"),
+                                "tileloadd tmm5, [{a} + {row} + 3072]",
+                                "tileloadd tmm6, [{d0} + {row} + 3072]",
+                                concat!($dp, " tmm0, tmm5, tmm6"),
+                                "tileloadd tmm7, [{d1} + {row} + 3072]",
+                                concat!($dp, " tmm1, tmm5, tmm7"),
+                                "tilestored [{c} + {row}], tmm0",
+                                "tilestored [{c} + {row} + 1024], tmm1",
+                                a = in(reg) a,
+                                d0 = in(reg) d(0),
+                                d1 = in(reg) d(1),
+                                row = in(reg) 64usize,
+                                c = in(reg) c,
+                                options(nostack),
+                            )
+                        };
+                    }
+                    if f.offset == 0 {
+                        two_digits!("tdpbsud");
+                    } else {
+                        two_digits!("tdpbssd");
+                    }
                 } else {
                     // Three signed digits' words: `tdpbssd`, the activations' tile read
                     // once per step for the three.
