@@ -73,7 +73,7 @@ fn real_sizes(c: &mut Criterion) {
             let w = random_matrix(format, ffn, d);
             let mut group = c.benchmark_group(format!("real_sizes/{shape}_{format:?}"));
             group.sample_size(10);
-            for rows in [1usize, 16, 128] {
+            for rows in [1usize, 16, 32, 128] {
                 let x: Vec<f32> = (0..rows * d)
                     .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
                     .collect();

@@ -109,7 +109,7 @@ impl SimdPath {
         }
     }
 
-    /// Whether the path runs the `fast` precision's AMX tile kernel for products of 64
+    /// Whether the path runs the `fast` precision's AMX tile kernel for products of 32
     /// rows or more (prompts, large batches): the AVX-512 path where the CPU has VNNI,
     /// AMX-TILE and AMX-INT8, Linux has granted this process the tile data, and
     /// `LLAMA_BURN_AMX` is not `off` (read once per process; the results are the same

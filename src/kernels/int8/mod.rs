@@ -165,13 +165,13 @@ pub fn matmul_transposed_int8_on(
 }
 
 /// Activation rows from which a product takes the AMX kernel where the CPU has it. Its
-/// per-panel work (the words times the scales' digits, a tile configuration per
-/// thread's share) pays back over many rows. On a 2-core Intel Xeon with AMX (`cargo
-/// bench --bench kernels -- real_sizes/1b`, the 1B shape's `ffn_up`, alternated with
-/// `LLAMA_BURN_AMX=off`), against the VNNI kernel: at 128 rows Q4_0 1.40x, Q4_K 1.47x,
-/// Q6_K 1.28x; at 64 rows 1.19-1.24x, 1.21-1.39x and 1.16-1.30x; at 32 rows 0.98-1.08x
-/// (even); at 16 rows 0.69-0.99x.
-const AMX_FROM_ROWS: usize = 64;
+/// per-panel work (decoding into the words times the scales' digits, a tile
+/// configuration per thread's share) pays back over many rows. On a 2-core Intel Xeon
+/// with AMX (`cargo bench --bench kernels -- real_sizes/1b`, the 1B shape's `ffn_up`,
+/// alternated with `LLAMA_BURN_AMX=off`, two rounds), against the VNNI kernel: at 32
+/// rows Q4_0 1.49-1.63x, Q4_K 1.23-1.25x, Q5_K 1.26-1.28x, Q6_K 1.14-1.19x, Q3_K
+/// 1.52x; at 24 rows (padded to 32) 0.90-1.28x; at 16 rows Q6_K 0.87-0.94x.
+const AMX_FROM_ROWS: usize = 32;
 
 /// [`matmul_transposed_int8_on`] with the AMX tile kernel on or off for each sixteen
 /// rows (`amx` only where the path [has](SimdPath::has_amx) it, or where `amx_granted`
