@@ -204,7 +204,7 @@ fn matmul_int8(
     if rows == 0 || n_out == 0 {
         return Ok(Vec::new());
     }
-    let mut acts = QuantizedRows::new_on(path, x, rows, n_in, run);
+    let acts = QuantizedRows::new_on(path, x, rows, n_in, run);
     let threads = rayon::current_num_threads().max(1);
     // Chunks of whole panels (16 outputs), guided: large first, small last.
     let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
@@ -227,13 +227,14 @@ fn matmul_int8(
     #[cfg(target_arch = "x86_64")]
     let padded = rows.next_multiple_of(x86::AMX_ROWS);
     #[cfg(target_arch = "x86_64")]
-    let tiled = if amx {
+    let (acts, tiled) = if amx {
+        let mut acts = acts;
         acts.pad_scales(padded);
-        x86::tiled_rows(&acts, w.format())
+        let tiled = x86::tiled_rows(&acts, w.format());
+        (acts, tiled)
     } else {
-        x86::Lines::default()
+        (acts, x86::Lines::default())
     };
-    let acts = acts;
     super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
         let (start, end) = (
             bounds[chunk] * LANES,
@@ -296,8 +297,8 @@ fn matmul_int8(
                 // every row multiplied.
                 #[cfg(target_arch = "x86_64")]
                 if amx && n == LANES {
-                    // SAFETY: `amx` says this CPU has AVX-512 with VNNI (and AMX) and the
-                    // kernel takes the format; `first` starts two full groups.
+                    // SAFETY: `amx` says this CPU has AVX-512 with VNNI (and AMX);
+                    // `first` starts two full groups.
                     unsafe { x86::fill_amx(panel, w, first) };
                     AMX_OUT.with_borrow_mut(|res| {
                         res.clear();
@@ -605,7 +606,8 @@ mod tests {
             for &n_in in widths {
                 let w = random_matrix(format, n_out, n_in, 17);
                 let mut rng = StdRng::seed_from_u64(4);
-                // 16, 17 and 35: the AMX kernel's tiles of sixteen rows, and its tails.
+                // 16, 17 and 35: the AMX kernel's groups of sixteen rows, and its last
+                // group padded.
                 for rows in [1, 3, 4, 5, 9, 10, 11, 16, 17, 35] {
                     let x: Vec<f32> = (0..rows * n_in)
                         .map(|_| rng.random_range(-1.0f32..1.0))

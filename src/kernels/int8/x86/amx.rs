@@ -24,9 +24,9 @@
 //! ([`tiled_rows`]; the last group padded with rows of zeros, so every row is the tile
 //! unit's), each panel of sixteen weight rows is decoded straight into the words the tile
 //! unit multiplies ([`fill_amx`]), in their own layout (a tile row is four values of
-//! each of the sixteen lanes), and every tile load reads whole 64-byte lines ([`Lines`]). A group of sixteen rows runs through the whole row
-//! with its float sums in registers while the tile unit computes the next chunk (or
-//! run) of products.
+//! each of the sixteen lanes), and every tile load reads whole 64-byte lines
+//! ([`Lines`]). A group of sixteen rows runs through the whole row with its float sums
+//! in registers while the tile unit computes the next chunk (or run) of products.
 //!
 //! **Where it runs.** Linux gives a process the tile unit's state only when asked
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `cpu.rs` asks once and says whether it was
@@ -99,8 +99,8 @@ const fn digits(f: IntForm) -> (i32, usize) {
 /// signed bytes `(u - offset) * digit` for a scale per half; for the others, the signed
 /// words `u - offset` in each byte (`amx[0]`; every format's signed values fit a byte:
 /// `-128..=127` for Q8_0, whose offset is 128). The same words as decoding the panel and
-/// then deriving them, without storing and reloading the decoded panel: that pass took
-/// 7% of a 150-token prefill beside the decoder's 10%.
+/// then deriving them, in one pass instead of two; it costs about what the two did (16%
+/// of a 150-token prefill against 17%): the decoding, not the stored panel, is the cost.
 ///
 /// # Safety
 ///
@@ -467,7 +467,7 @@ unsafe fn amx_panel_of<const F: u8>(
     }
 }
 
-/// [`amx_panel`] for the format whose id is `F`, one with integer scales (Q4_K, Q5_K,
+/// [`amx_panel`] for the format whose id is `F`, one with integer scales (Q3_K, Q4_K, Q5_K,
 /// Q6_K): its scales are in the panel's words as digits ([`fill_amx`], [`digits`]),
 /// so a run's eight sub-blocks are four products of 64 values per digit, summed in the
 /// tile unit; per run and row, the vector units add the digits' sums (`(hi << 3) + lo`
