@@ -301,7 +301,8 @@ fn matmul_int8(
                     // `first` starts two full groups.
                     unsafe { x86::fill_amx(panel, w, first) };
                     AMX_OUT.with_borrow_mut(|res| {
-                        res.clear();
+                        // Sized, not cleared: `amx_panel` writes every row, so zeroing
+                        // them first for each panel was a pass over them for nothing.
                         res.resize(padded, [0f32; LANES]);
                         // SAFETY: as above (AMX, AVX-512 with VNNI); this thread's tiles
                         // are configured for the format; the panel's AMX words are made;

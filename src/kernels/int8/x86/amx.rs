@@ -341,9 +341,9 @@ pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFo
     out
 }
 
-/// The results of activation rows `0 .. out.len()` (a multiple of 16) against the
-/// panel's sixteen rows, whose AMX words ([`fill_amx`]) are in place; `tiled` is the
-/// rows' [`tiled_rows`].
+/// The results of activation rows `0 .. out.len()` (a multiple of 16; every row is
+/// written, whatever `out` held) against the panel's sixteen rows, whose AMX words
+/// ([`fill_amx`]) are in place; `tiled` is the rows' [`tiled_rows`].
 ///
 /// # Safety
 ///
@@ -389,7 +389,6 @@ unsafe fn amx_panel_of<const F: u8>(
     tiled: &Lines,
     out: &mut [[f32; LANES]],
 ) {
-    use std::arch::x86_64::*;
     let f = const { format_at(F).int_form() };
     // Compiled for every format (`with_format!`), run for those without an integer
     // scale: the others' copies are this return.
@@ -490,7 +489,6 @@ unsafe fn amx_runs_of<const F: u8>(
     tiled: &Lines,
     out: &mut [[f32; LANES]],
 ) {
-    use std::arch::x86_64::*;
     let f = const { format_at(F).int_form() };
     // Compiled for every format (`with_format!`), run for those with integer scales:
     // the others' copies are this return.
