@@ -101,21 +101,24 @@ pub(crate) fn prefetch_step(step: *const u8) {
 }
 
 /// How far ahead (in bytes) the in-register kernels ask for a group's steps of `len`
-/// bytes: the fewest whole steps that make at least [`group_prefetch_bytes`] (on most
-/// machines 1 KiB: one step of Q4_K, Q5_K or Q6_K; eight of Q4_0). Each group step is
-/// prefetched whole, all of its lines: the weights stream from memory once per product,
-/// and the kernel's work between loads hides the hardware prefetcher's stride.
+/// bytes: the fewest whole steps that make at least the machine's
+/// [`GroupPrefetchSetting::bytes`] (on most machines 1 KiB: one step of Q4_K, Q5_K or
+/// Q6_K; eight of Q4_0). Each group step is prefetched whole, all of its lines: the
+/// weights stream from memory once per product, and the kernel's work between loads
+/// hides the hardware prefetcher's stride.
 ///
 /// Measured with `one_row_step FILE 6` (each format's products at one row beside a
 /// plain read of their bytes, two threads, alternated, 3 rounds) on Zen 4: a fixed 2 KiB
 /// held Q4_K at 78-98% and Q6_K at 77-86% of the read, one step ahead 91-103% and 95-99%
 /// (Q4_0 and Q8_0 at the read either way). More lines in flight than that fall off a
 /// cliff there: Q6_K at 1.5 steps (2.5 KiB) read at 51%. Before, without any hint, Q4_K_M
-/// decoded at 29.4-30.4 tokens/s and with 2 KiB at 37.4-39.6 (`generate --json`).
+/// decoded at 29.4-30.4 tokens/s and with 2 KiB at 37.4-39.6 (`generate --json`). That
+/// cliff is the first-level cache's: into the second level, far ahead, it is gone
+/// ([`prefetch_for`]).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn group_prefetch_ahead(len: usize) -> usize {
-    whole_steps_ahead(len, group_prefetch_bytes())
+    whole_steps_ahead(len, group_prefetch().bytes)
 }
 
 /// The fewest whole steps of `len` bytes (at least a line) that make `bytes`, in bytes.
@@ -126,37 +129,61 @@ fn whole_steps_ahead(len: usize, bytes: usize) -> usize {
     len * bytes.div_ceil(len)
 }
 
-/// The least distance, in bytes, at which [`GroupPrefetch`] asks for the weights
-/// ahead of the step it is on: `LLAMA_BURN_PREFETCH_BYTES` if set to a number (0 asks
-/// for the step itself, no look-ahead), else this machine's entry in
-/// [`prefetch_bytes_for`]. Read once per process.
+/// Where and how far ahead the in-register kernels ask for their weights.
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn group_prefetch_bytes() -> usize {
-    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
-        std::env::var("LLAMA_BURN_PREFETCH_BYTES")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| prefetch_bytes_for(cpu_vendor_family()))
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GroupPrefetchSetting {
+    /// The least distance, in bytes, past the step being read (0: the step itself).
+    pub(crate) bytes: usize,
+    /// Into the second-level cache (`prefetcht1`) instead of the first (`prefetcht0`).
+    pub(crate) into_l2: bool,
+}
+
+/// This machine's [`GroupPrefetchSetting`]: its entry in [`prefetch_for`], with
+/// `LLAMA_BURN_PREFETCH_BYTES=N` for the distance and `LLAMA_BURN_PREFETCH_LEVEL=1` or
+/// `2` for the cache level where they are set. Read once per process.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn group_prefetch() -> GroupPrefetchSetting {
+    static SETTING: std::sync::OnceLock<GroupPrefetchSetting> = std::sync::OnceLock::new();
+    *SETTING.get_or_init(|| {
+        let env = |key: &str| -> Option<usize> { std::env::var(key).ok()?.trim().parse().ok() };
+        let machine = prefetch_for(cpu_vendor_family_model());
+        GroupPrefetchSetting {
+            bytes: env("LLAMA_BURN_PREFETCH_BYTES").unwrap_or(machine.bytes),
+            into_l2: env("LLAMA_BURN_PREFETCH_LEVEL").map_or(machine.into_l2, |level| level == 2),
+        }
     })
 }
 
-/// The prefetch distance for a CPU (vendor, family): 4 KiB on AMD's Zen 5 and later
-/// (family 0x1A), 1 KiB elsewhere.
+/// The prefetch setting for a CPU (vendor, family, model): 16 KiB ahead into the
+/// second-level cache on AMD's Zen 4 (family 0x19, models 0x10-0x1F, 0x60-0x7F and
+/// 0xA0-0xAF; Zen 3 shares the family and was not measured), 4 KiB into the first on Zen
+/// 5 and later (0x1A), 1 KiB into the first elsewhere.
 ///
 /// Measured on a 2-core Zen 5 EPYC (family 0x1A, 2026-12-01) with `one_row_step FILE 20
 /// fast 1`, each format's products at one row against a plain read of their bytes, one
 /// binary with the distance alternated: Q6_K at 75-80% of the read with one step (1.6
 /// KiB) ahead, 86% at 2.6 KiB, 92-96% at two steps (3.3 KiB), 100-102% at three or four;
 /// Q4_K 92-94% at one or two steps (1.1-2.3 KiB), 101-104% at three or four (3.4-4.6
-/// KiB); Q4_0 97-102% -> 104-112% and Q8_0 98-113% -> 101-107% at 4 KiB. Zen 4 fell off
-/// a cliff past one step (above), so the distance is the machine's, not the format's.
+/// KiB); Q4_0 97-102% -> 104-112% and Q8_0 98-113% -> 101-107% at 4 KiB.
+///
+/// On a 2-core Zen 4 EPYC (family 0x19, model 0x11, 2026-12-02) whose plain read ran at
+/// 25-35 GB/s, one step ahead into the first level held Q4_K at 70-95% of the read and
+/// Q6_K at 55-75%; further into the first level fell off the cliff above (Q6_K 44-48% at
+/// 3 KiB). Into the second level, the same command: 45-54% at 1 KiB, 75-84% at 4-6 KiB,
+/// Q6_K 74-105% and Q4_K 79-114% at 12-32 KiB. Whole model, one row, three alternated
+/// rounds of `benchmark_concurrency --requests 1 --max-tokens 48 --strategies batched`,
+/// the build before against this one (medians, tokens/s): 1B Q4_K_M 29.9 -> 35.6, Q5_K_M
+/// 25.4 -> 38.3, Q6_K 23.6 -> 27.8, Q4_0 41.8 -> 47.5, Q8_0 26.4 -> 26.0, 3B Q4_K_M 12.1
+/// -> 13.7. Intel machines keep 1 KiB into the first level, as measured before.
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn prefetch_bytes_for(cpu: (CpuVendor, u32)) -> usize {
-    match cpu {
-        (CpuVendor::Amd, family) if family >= 0x1A => 4096,
-        _ => 1024,
-    }
+pub(crate) fn prefetch_for(cpu: (CpuVendor, u32, u32)) -> GroupPrefetchSetting {
+    let (bytes, into_l2) = match cpu {
+        (CpuVendor::Amd, 0x19, 0x10..=0x1F | 0x60..=0x7F | 0xA0..=0xAF) => (16 * 1024, true),
+        (CpuVendor::Amd, family, _) if family >= 0x1A => (4096, false),
+        _ => (1024, false),
+    };
+    GroupPrefetchSetting { bytes, into_l2 }
 }
 
 /// A CPU's maker, as far as the kernels' tuning tells them apart.
@@ -171,10 +198,11 @@ pub(crate) enum CpuVendor {
     Other,
 }
 
-/// This CPU's maker and family (CPUID leaf 1: the base family, plus the extended family
-/// when the base is 0xF).
+/// This CPU's maker, family and model (CPUID leaf 1: the base family, plus the extended
+/// family when the base is 0xF; the base model, plus the extended model times 16 when
+/// the base family is 0x6 or 0xF).
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn cpu_vendor_family() -> (CpuVendor, u32) {
+pub(crate) fn cpu_vendor_family_model() -> (CpuVendor, u32, u32) {
     use std::arch::x86_64::__cpuid;
     // SAFETY: CPUID is part of every x86-64 CPU; leaves 0 and 1 always exist.
     #[allow(unused_unsafe)]
@@ -194,7 +222,12 @@ pub(crate) fn cpu_vendor_family() -> (CpuVendor, u32) {
     } else {
         base
     };
-    (vendor, family)
+    let model = if base == 0x6 || base == 0xF {
+        ((sig >> 4) & 0xF) | (((sig >> 16) & 0xF) << 4)
+    } else {
+        (sig >> 4) & 0xF
+    };
+    (vendor, family, model)
 }
 
 /// Asks for later group steps of `len` bytes than the one being read, whole, a line at a
@@ -207,6 +240,8 @@ pub(crate) struct GroupPrefetch {
     len: usize,
     /// Bytes past a step at which its later step is asked for.
     ahead: usize,
+    /// Into the second-level cache instead of the first.
+    into_l2: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -217,18 +252,27 @@ impl GroupPrefetch {
         Self {
             len,
             ahead: group_prefetch_ahead(len),
+            into_l2: group_prefetch().into_l2,
         }
     }
 
-    /// Asks for the step [`group_prefetch_ahead`] bytes past the one at `step`.
+    /// Asks for the step [`group_prefetch_ahead`] bytes past the one at `step`, into the
+    /// machine's cache level (one branch per step, the same way every time).
     #[inline(always)]
     pub(crate) fn ask(self, step: *const u8) {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+        let at = step.wrapping_add(self.ahead);
         let mut line = 0;
         while line < self.len {
             // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint: any
             // address is allowed.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(step.wrapping_add(self.ahead + line).cast()) };
+            unsafe {
+                if self.into_l2 {
+                    _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(line).cast());
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line).cast());
+                }
+            }
             line += 64;
         }
     }
@@ -241,12 +285,50 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_prefetch_distance_is_the_machines() {
-        // Zen 5 (family 0x1A) and later ask 4 KiB ahead; Zen 4 (0x19), Intel and others 1 KiB.
-        assert_eq!(prefetch_bytes_for((CpuVendor::Amd, 0x1A)), 4096);
-        assert_eq!(prefetch_bytes_for((CpuVendor::Amd, 0x1B)), 4096);
-        assert_eq!(prefetch_bytes_for((CpuVendor::Amd, 0x19)), 1024);
-        assert_eq!(prefetch_bytes_for((CpuVendor::Intel, 6)), 1024);
-        assert_eq!(prefetch_bytes_for((CpuVendor::Other, 0x1A)), 1024);
+        // Zen 4 (family 0x19) asks 16 KiB ahead into the second-level cache; Zen 5 (0x1A)
+        // and later 4 KiB into the first; Intel, older AMD and others 1 KiB into the first.
+        let setting = |bytes, into_l2| GroupPrefetchSetting { bytes, into_l2 };
+        assert_eq!(
+            prefetch_for((CpuVendor::Amd, 0x19, 0x11)),
+            setting(16384, true)
+        );
+        assert_eq!(
+            prefetch_for((CpuVendor::Amd, 0x19, 0x61)),
+            setting(16384, true)
+        );
+        assert_eq!(
+            prefetch_for((CpuVendor::Amd, 0x19, 0xA0)),
+            setting(16384, true)
+        );
+        // Zen 3 (family 0x19 too, models 0x00-0x0F, 0x20-0x5F) keeps 1 KiB.
+        assert_eq!(
+            prefetch_for((CpuVendor::Amd, 0x19, 0x01)),
+            setting(1024, false)
+        );
+        assert_eq!(
+            prefetch_for((CpuVendor::Amd, 0x19, 0x21)),
+            setting(1024, false)
+        );
+        assert_eq!(
+            prefetch_for((CpuVendor::Amd, 0x1A, 0x02)),
+            setting(4096, false)
+        );
+        assert_eq!(
+            prefetch_for((CpuVendor::Amd, 0x1B, 0x00)),
+            setting(4096, false)
+        );
+        assert_eq!(
+            prefetch_for((CpuVendor::Amd, 0x17, 0x31)),
+            setting(1024, false)
+        );
+        assert_eq!(
+            prefetch_for((CpuVendor::Intel, 6, 0x8F)),
+            setting(1024, false)
+        );
+        assert_eq!(
+            prefetch_for((CpuVendor::Other, 0x1A, 0x11)),
+            setting(1024, false)
+        );
         // Whole group steps (8 rows) of at least that many bytes: Q6_K's 1,680-byte steps
         // three ahead at 4 KiB and one at 1 KiB, Q4_K's 1,152 four and one, Q4_0's 144
         // twenty-nine and eight; a step under a line counts as a line; 0 is the step itself.
@@ -260,11 +342,11 @@ mod tests {
         assert_eq!(whole_steps_ahead(1680, 0), 0);
         assert_eq!(
             group_prefetch_ahead(1680),
-            whole_steps_ahead(1680, group_prefetch_bytes())
+            whole_steps_ahead(1680, group_prefetch().bytes)
         );
         // This machine is read as what /proc/cpuinfo says (Linux only).
         if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
-            let (vendor, family) = cpu_vendor_family();
+            let (vendor, family, model) = cpu_vendor_family_model();
             let field = |key: &str| {
                 info.lines()
                     .find(|l| l.starts_with(key))
@@ -273,6 +355,9 @@ mod tests {
             };
             if let Some(f) = field("cpu family") {
                 assert_eq!(f.parse::<u32>().ok(), Some(family));
+            }
+            if let Some(m) = field("model\t") {
+                assert_eq!(m.parse::<u32>().ok(), Some(model));
             }
             match field("vendor_id").as_deref() {
                 Some("AuthenticAMD") => assert_eq!(vendor, CpuVendor::Amd),
