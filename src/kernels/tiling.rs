@@ -170,8 +170,9 @@ pub(crate) fn group_prefetch() -> GroupPrefetchSetting {
 /// On a 2-core Zen 4 EPYC (family 0x19, model 0x11, 2026-12-02) whose plain read ran at
 /// 25-35 GB/s, one step ahead into the first level held Q4_K at 70-95% of the read and
 /// Q6_K at 55-75%; further into the first level fell off the cliff of
-/// [`group_prefetch_ahead`] (Q6_K 44-48% at 3 KiB). Into the second level, the same command: 45-54% at 1 KiB, 75-84% at 4-6 KiB,
-/// Q6_K 74-105% and Q4_K 79-114% at 12-32 KiB. Whole model, one row, three alternated
+/// [`group_prefetch_ahead`] (Q6_K 44-48% at 3 KiB). Into the second level, the same
+/// command: 45-54% at 1 KiB, 75-84% at 4-6 KiB, Q6_K 74-105% and Q4_K 79-114% at 12-32
+/// KiB. Whole model, one row, three alternated
 /// rounds of `benchmark_concurrency --requests 1 --max-tokens 48 --strategies batched`,
 /// the build before against this one (medians, tokens/s): 1B Q4_K_M 29.9 -> 35.6, Q5_K_M
 /// 25.4 -> 38.3, Q6_K 23.6 -> 27.8, Q4_0 41.8 -> 47.5, Q8_0 26.4 -> 26.0, 3B Q4_K_M 12.1
