@@ -7,18 +7,19 @@ use std::sync::OnceLock;
 
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use utoipa::openapi::schema::{AllOfBuilder, Schema};
+use utoipa::openapi::extensions::Extensions;
+use utoipa::openapi::schema::{AllOfBuilder, ObjectBuilder, Schema, Type};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{Ref, RefOr};
 use utoipa::{Modify, OpenApi, PartialSchema, ToSchema};
 
+use super::error::ErrorBody;
 use super::openai::{ChatCompletionRequest, CommonFields, CompletionRequest};
 use super::responses::{ChatCompletionChunk, TextCompletionChunk};
 use super::routes::{self, Extras};
 use super::{structured, tools};
 
-/// The description's root: every route, and the stream chunks (which travel inside
-/// `text/event-stream` answers, so no route names them).
+/// The description's root: every route (a streamed answer's events name the chunks).
 #[derive(OpenApi)]
 #[openapi(
     info(
@@ -44,7 +45,6 @@ use super::{structured, tools};
         routes::metrics,
         openapi_json,
     ),
-    components(schemas(ChatCompletionChunk, TextCompletionChunk)),
     modifiers(&BearerKeys),
     tags(
         (name = "completions", description = "Generation"),
@@ -165,6 +165,146 @@ impl ToSchema for CompletionBody {
     }
 }
 
+/// The schema of one event of a streamed answer. OpenAPI 3.1 describes a
+/// `text/event-stream` answer by the schema of each event, read as an object of its
+/// fields (`data`, `event`, `id`, `retry`), as Schemathesis validates it. `data` is a
+/// string that holds JSON (`contentMediaType`), whose schema is `payload`
+/// (`contentSchema`); `done` says the stream ends with `data: [DONE]`, which is not
+/// JSON and so is left out of the payload's schema by an `if`/`else`. `named` makes
+/// `event` (the event's type) required.
+///
+/// utoipa's schema types have no field for `contentSchema`, `if` or `else`; their
+/// `extensions` are written flattened into the schema, so they carry those keywords
+/// (built here, never parsed: utoipa's parser keeps only `x-` keys).
+fn sse_event(
+    description: &str,
+    payload: serde_json::Value,
+    done: bool,
+    named: bool,
+) -> RefOr<Schema> {
+    let content = serde_json::json!({
+        "contentMediaType": "application/json",
+        "contentSchema": payload,
+    });
+    let keywords: Extensions = match done {
+        true => [
+            ("if", serde_json::json!({"const": "[DONE]"})),
+            ("else", content),
+        ]
+        .into_iter()
+        .collect(),
+        false => content
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    };
+    let data = ObjectBuilder::new()
+        .schema_type(Type::String)
+        .description(Some(match done {
+            true => "A JSON payload, or `[DONE]` at the end",
+            false => "A JSON payload",
+        }))
+        .extensions(Some(keywords));
+    let field = |description: &str, kind: Type| {
+        ObjectBuilder::new()
+            .schema_type(kind)
+            .description(Some(description.to_string()))
+    };
+    let mut event = ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .description(Some(description.to_string()))
+        .property("data", data)
+        .required("data")
+        .property("event", field("The event's type", Type::String))
+        .property("id", field("The event's id", Type::String))
+        .property(
+            "retry",
+            field("A reconnection delay in milliseconds", Type::Integer),
+        );
+    if named {
+        event = event.required("event");
+    }
+    event.into()
+}
+
+/// A reference to a component schema, as JSON (for `contentSchema`).
+fn reference(name: &str) -> serde_json::Value {
+    serde_json::json!({"$ref": format!("#/components/schemas/{name}")})
+}
+
+/// One event of a streamed chat answer: a `ChatCompletionChunk`, an `ErrorBody` if the
+/// generation failed after the headers were sent, or `[DONE]`.
+pub struct ChatCompletionEvent;
+
+impl PartialSchema for ChatCompletionEvent {
+    fn schema() -> RefOr<Schema> {
+        let payload = serde_json::json!({"oneOf": [reference("ChatCompletionChunk"), reference("ErrorBody")]});
+        sse_event(
+            "One server-sent event of a streamed chat answer",
+            payload,
+            true,
+            false,
+        )
+    }
+}
+
+impl ToSchema for ChatCompletionEvent {
+    fn schemas(schemas: &mut Vec<(String, RefOr<Schema>)>) {
+        register::<ChatCompletionChunk>(schemas);
+        register::<ErrorBody<'static>>(schemas);
+    }
+}
+
+/// One event of a streamed text completion: a `TextCompletionChunk`, an `ErrorBody` if
+/// the generation failed after the headers were sent, or `[DONE]`.
+pub struct TextCompletionEvent;
+
+impl PartialSchema for TextCompletionEvent {
+    fn schema() -> RefOr<Schema> {
+        let payload = serde_json::json!({"oneOf": [reference("TextCompletionChunk"), reference("ErrorBody")]});
+        sse_event(
+            "One server-sent event of a streamed text completion",
+            payload,
+            true,
+            false,
+        )
+    }
+}
+
+impl ToSchema for TextCompletionEvent {
+    fn schemas(schemas: &mut Vec<(String, RefOr<Schema>)>) {
+        register::<TextCompletionChunk>(schemas);
+        register::<ErrorBody<'static>>(schemas);
+    }
+}
+
+/// One event of a streamed response (`POST /v1/responses`): `event:` its type, `data:`
+/// a JSON object with the same `type` and the event's `sequence_number`.
+pub struct ResponseStreamEvent;
+
+impl PartialSchema for ResponseStreamEvent {
+    fn schema() -> RefOr<Schema> {
+        let payload = serde_json::json!({
+            "type": "object",
+            "required": ["type", "sequence_number"],
+            "properties": {
+                "type": {"type": "string"},
+                "sequence_number": {"type": "integer", "minimum": 0},
+            },
+        });
+        sse_event(
+            "One server-sent event of a streamed response",
+            payload,
+            false,
+            true,
+        )
+    }
+}
+
+impl ToSchema for ResponseStreamEvent {}
+
 /// The body of `POST /v1/embeddings` in the description: the embedding request's own
 /// fields and `user`.
 pub struct EmbeddingBody;
@@ -247,5 +387,49 @@ mod tests {
         // The shared fields are the parser's: `logit_bias` maps token ids to numbers.
         let bias = &schemas["CommonFields"]["properties"]["logit_bias"];
         assert!(bias.to_string().contains("additionalProperties"), "{bias}");
+    }
+
+    /// A streamed answer is described by the schema of each event, read as an object of
+    /// its fields, as OpenAPI 3.1 readers (Schemathesis among them) validate it: `data`
+    /// holds JSON of the chunk's schema, or `[DONE]` where the stream ends with it.
+    #[test]
+    fn streamed_answers_are_described_event_by_event() {
+        let doc: serde_json::Value = serde_json::from_str(openapi_text()).unwrap();
+        let schemas = &doc["components"]["schemas"];
+        let streamed = |path: &str| {
+            let content = &doc["paths"][path]["post"]["responses"]["200"]["content"];
+            let reference = content["text/event-stream"]["schema"]["$ref"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{path}: {content}"));
+            let name = reference.trim_start_matches("#/components/schemas/");
+            schemas[name].clone()
+        };
+        for (path, chunk) in [
+            ("/v1/chat/completions", "ChatCompletionChunk"),
+            ("/v1/completions", "TextCompletionChunk"),
+        ] {
+            let event = streamed(path);
+            assert_eq!(event["type"], "object", "{path}: {event}");
+            assert_eq!(event["required"], serde_json::json!(["data"]), "{path}");
+            let data = &event["properties"]["data"];
+            assert_eq!(data["type"], "string", "{path}");
+            assert_eq!(data["if"], serde_json::json!({"const": "[DONE]"}), "{path}");
+            assert_eq!(data["else"]["contentMediaType"], "application/json");
+            let payload = data["else"]["contentSchema"]["oneOf"].to_string();
+            for name in [chunk, "ErrorBody"] {
+                assert!(payload.contains(&format!("/{name}\"")), "{path}: {payload}");
+            }
+        }
+        let event = streamed("/v1/responses");
+        assert_eq!(event["required"], serde_json::json!(["data", "event"]));
+        let data = &event["properties"]["data"];
+        assert!(
+            data.get("if").is_none(),
+            "no [DONE] ends a response: {data}"
+        );
+        assert_eq!(
+            data["contentSchema"]["required"],
+            serde_json::json!(["type", "sequence_number"])
+        );
     }
 }

@@ -920,7 +920,7 @@ fn assistant_message(output: &[OutputItem]) -> ChatMessage {
     responses(
         (status = 200, description = "The response", content(
             (ResponseObject = "application/json"),
-            (String = "text/event-stream"),
+            (super::openapi::ResponseStreamEvent = "text/event-stream"),
         )),
         super::routes::GenerationErrors,
     ),

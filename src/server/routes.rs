@@ -25,7 +25,9 @@ use super::openai::{
     ChatCompletionRequest, CompletionRequest, Endpoint, OpenAiRequest, PromptInput, Sampling,
     Usage, chat_choice, chat_logprobs, parse_request, text_logprobs, tool_delta,
 };
-use super::openapi::{ChatCompletionBody, CompletionBody};
+use super::openapi::{
+    ChatCompletionBody, ChatCompletionEvent, CompletionBody, TextCompletionEvent,
+};
 use super::responses::{
     AdapterStatus, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs,
     Health, ModelList, ModelObject, ResponseHead, TextChoice, TextCompletion, TextCompletionChunk,
@@ -632,7 +634,7 @@ pub(super) enum GenerationErrors {
     responses(
         (status = 200, description = "The answer", content(
             (ChatCompletion = "application/json"),
-            (String = "text/event-stream"),
+            (ChatCompletionEvent = "text/event-stream"),
         )),
         GenerationErrors,
     ),
@@ -709,7 +711,7 @@ pub(super) fn with_tools(
     responses(
         (status = 200, description = "The completion", content(
             (TextCompletion = "application/json"),
-            (String = "text/event-stream"),
+            (TextCompletionEvent = "text/event-stream"),
         )),
         GenerationErrors,
     ),
