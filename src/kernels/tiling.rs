@@ -100,27 +100,6 @@ pub(crate) fn prefetch_step(step: *const u8) {
     }
 }
 
-/// How far ahead (in bytes) the in-register kernels ask for a group's steps of `len`
-/// bytes: the fewest whole steps that make at least the machine's
-/// [`GroupPrefetchSetting::bytes`] (on most machines 1 KiB: one step of Q4_K, Q5_K or
-/// Q6_K; eight of Q4_0). Each group step is prefetched whole, all of its lines: the
-/// weights stream from memory once per product, and the kernel's work between loads
-/// hides the hardware prefetcher's stride.
-///
-/// Measured with `one_row_step FILE 6` (each format's products at one row beside a
-/// plain read of their bytes, two threads, alternated, 3 rounds) on Zen 4: a fixed 2 KiB
-/// held Q4_K at 78-98% and Q6_K at 77-86% of the read, one step ahead 91-103% and 95-99%
-/// (Q4_0 and Q8_0 at the read either way). More lines in flight than that fall off a
-/// cliff there: Q6_K at 1.5 steps (2.5 KiB) read at 51%. Before, without any hint, Q4_K_M
-/// decoded at 29.4-30.4 tokens/s and with 2 KiB at 37.4-39.6 (`generate --json`). That
-/// cliff is the first-level cache's: into the second level, far ahead, it is gone
-/// ([`prefetch_for`]).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn group_prefetch_ahead(len: usize) -> usize {
-    whole_steps_ahead(len, group_prefetch().bytes)
-}
-
 /// The fewest whole steps of `len` bytes (at least a line) that make `bytes`, in bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -169,8 +148,8 @@ pub(crate) fn group_prefetch() -> GroupPrefetchSetting {
 ///
 /// On a 2-core Zen 4 EPYC (family 0x19, model 0x11, 2026-12-02) whose plain read ran at
 /// 25-35 GB/s, one step ahead into the first level held Q4_K at 70-95% of the read and
-/// Q6_K at 55-75%; further into the first level fell off the cliff of
-/// [`group_prefetch_ahead`] (Q6_K 44-48% at 3 KiB). Into the second level, the same
+/// Q6_K at 55-75%; further into the first level fell off the cliff that
+/// [`GroupPrefetch::new`] describes (Q6_K 44-48% at 3 KiB). Into the second level, the same
 /// command: 45-54% at 1 KiB, 75-84% at 4-6 KiB, Q6_K 74-105% and Q4_K 79-114% at 12-32
 /// KiB. Whole model, one row, three alternated
 /// rounds of `benchmark_concurrency --requests 1 --max-tokens 48 --strategies batched`,
@@ -232,7 +211,7 @@ pub(crate) fn cpu_vendor_family_model() -> (CpuVendor, u32, u32) {
 }
 
 /// Asks for later group steps of `len` bytes than the one being read, whole, a line at a
-/// time, [`group_prefetch_ahead`] bytes past it. The distance is worked out once, where
+/// time, as far past it as [`GroupPrefetch::new`] says. The distance is worked out once, where
 /// a group's loop over its steps begins, not at every step.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
@@ -247,18 +226,32 @@ pub(crate) struct GroupPrefetch {
 
 #[cfg(target_arch = "x86_64")]
 impl GroupPrefetch {
-    /// For steps of `len` bytes.
+    /// For steps of `len` bytes, asked for this far ahead: the fewest whole steps that
+    /// make at least the machine's [`GroupPrefetchSetting::bytes`] (on most machines 1 KiB: one step of Q4_K, Q5_K or
+    /// Q6_K; eight of Q4_0). Each group step is prefetched whole, all of its lines: the
+    /// weights stream from memory once per product, and the kernel's work between loads
+    /// hides the hardware prefetcher's stride.
+    ///
+    /// Measured with `one_row_step FILE 6` (each format's products at one row beside a
+    /// plain read of their bytes, two threads, alternated, 3 rounds) on Zen 4: a fixed 2 KiB
+    /// held Q4_K at 78-98% and Q6_K at 77-86% of the read, one step ahead 91-103% and 95-99%
+    /// (Q4_0 and Q8_0 at the read either way). More lines in flight than that fall off a
+    /// cliff there: Q6_K at 1.5 steps (2.5 KiB) read at 51%. Before, without any hint, Q4_K_M
+    /// decoded at 29.4-30.4 tokens/s and with 2 KiB at 37.4-39.6 (`generate --json`). That
+    /// cliff is the first-level cache's: into the second level, far ahead, it is gone
+    /// ([`prefetch_for`]).
     #[inline(always)]
     pub(crate) fn new(len: usize) -> Self {
+        let setting = group_prefetch();
         Self {
             len,
-            ahead: group_prefetch_ahead(len),
-            into_l2: group_prefetch().into_l2,
+            ahead: whole_steps_ahead(len, setting.bytes),
+            into_l2: setting.into_l2,
         }
     }
 
-    /// Asks for the step [`group_prefetch_ahead`] bytes past the one at `step`, into the
-    /// machine's cache level (one branch per step, the same way every time).
+    /// Asks for the step `ahead` bytes past the one at `step` ([`GroupPrefetch::new`]),
+    /// into the machine's cache level (one branch per step, the same way every time).
     #[inline(always)]
     pub(crate) fn ask(self, step: *const u8) {
         use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
@@ -288,48 +281,26 @@ mod tests {
     fn the_prefetch_distance_is_the_machines() {
         // Zen 4 (family 0x19) asks 16 KiB ahead into the second-level cache; Zen 5 (0x1A)
         // and later 4 KiB into the first; Intel, older AMD and others 1 KiB into the first.
-        let setting = |bytes, into_l2| GroupPrefetchSetting { bytes, into_l2 };
-        assert_eq!(
-            prefetch_for((CpuVendor::Amd, 0x19, 0x11)),
-            setting(16384, true)
-        );
-        assert_eq!(
-            prefetch_for((CpuVendor::Amd, 0x19, 0x61)),
-            setting(16384, true)
-        );
-        assert_eq!(
-            prefetch_for((CpuVendor::Amd, 0x19, 0xA0)),
-            setting(16384, true)
-        );
-        // Zen 3 (family 0x19 too, models 0x00-0x0F, 0x20-0x5F) keeps 1 KiB.
-        assert_eq!(
-            prefetch_for((CpuVendor::Amd, 0x19, 0x01)),
-            setting(1024, false)
-        );
-        assert_eq!(
-            prefetch_for((CpuVendor::Amd, 0x19, 0x21)),
-            setting(1024, false)
-        );
-        assert_eq!(
-            prefetch_for((CpuVendor::Amd, 0x1A, 0x02)),
-            setting(4096, false)
-        );
-        assert_eq!(
-            prefetch_for((CpuVendor::Amd, 0x1B, 0x00)),
-            setting(4096, false)
-        );
-        assert_eq!(
-            prefetch_for((CpuVendor::Amd, 0x17, 0x31)),
-            setting(1024, false)
-        );
-        assert_eq!(
-            prefetch_for((CpuVendor::Intel, 6, 0x8F)),
-            setting(1024, false)
-        );
-        assert_eq!(
-            prefetch_for((CpuVendor::Other, 0x1A, 0x11)),
-            setting(1024, false)
-        );
+        let table = [
+            // Zen 4: family 0x19, models 0x10-0x1F, 0x60-0x7F, 0xA0-0xAF.
+            ((CpuVendor::Amd, 0x19, 0x11), 16384, true),
+            ((CpuVendor::Amd, 0x19, 0x61), 16384, true),
+            ((CpuVendor::Amd, 0x19, 0xA0), 16384, true),
+            // Zen 3 shares the family (models 0x00-0x0F, 0x20-0x5F) and keeps 1 KiB.
+            ((CpuVendor::Amd, 0x19, 0x01), 1024, false),
+            ((CpuVendor::Amd, 0x19, 0x21), 1024, false),
+            // Zen 5 and later.
+            ((CpuVendor::Amd, 0x1A, 0x02), 4096, false),
+            ((CpuVendor::Amd, 0x1B, 0x00), 4096, false),
+            // Zen 2, Intel and other makers.
+            ((CpuVendor::Amd, 0x17, 0x31), 1024, false),
+            ((CpuVendor::Intel, 6, 0x8F), 1024, false),
+            ((CpuVendor::Other, 0x1A, 0x11), 1024, false),
+        ];
+        for (cpu, bytes, into_l2) in table {
+            let want = GroupPrefetchSetting { bytes, into_l2 };
+            assert_eq!(prefetch_for(cpu), want, "{cpu:?}");
+        }
         // Whole group steps (8 rows) of at least that many bytes: Q6_K's 1,680-byte steps
         // three ahead at 4 KiB and one at 1 KiB, Q4_K's 1,152 four and one, Q4_0's 144
         // twenty-nine and eight; a step under a line counts as a line; 0 is the step itself.
@@ -342,7 +313,7 @@ mod tests {
         assert_eq!(whole_steps_ahead(10, 1024), 1024);
         assert_eq!(whole_steps_ahead(1680, 0), 0);
         assert_eq!(
-            group_prefetch_ahead(1680),
+            GroupPrefetch::new(1680).ahead,
             whole_steps_ahead(1680, group_prefetch().bytes)
         );
         // This machine is read as what /proc/cpuinfo says (Linux only).
