@@ -149,10 +149,10 @@ pub(crate) fn group_prefetch() -> GroupPrefetchSetting {
 /// On a 2-core Zen 4 EPYC (family 0x19, model 0x11, 2026-12-02) whose plain read ran at
 /// 25-35 GB/s, one step ahead into the first level held Q4_K at 70-95% of the read and
 /// Q6_K at 55-75%; further into the first level fell off the cliff that
-/// [`GroupPrefetch::new`] describes (Q6_K 44-48% at 3 KiB). Into the second level, the same
-/// command: 45-54% at 1 KiB, 75-84% at 4-6 KiB, Q6_K 74-105% and Q4_K 79-114% at 12-32
-/// KiB. Whole model, one row, three alternated
-/// rounds of `benchmark_concurrency --requests 1 --max-tokens 48 --strategies batched`,
+/// [`GroupPrefetch::new`] describes (Q6_K 44-48% at 3 KiB). Into the second level, the
+/// same command: 45-54% at 1 KiB, 75-84% at 4-6 KiB, Q6_K 74-105% and Q4_K 79-114% at
+/// 12-32 KiB. Whole model, one row, three alternated rounds of `benchmark_concurrency
+/// --requests 1 --max-tokens 48 --strategies batched`,
 /// the build before against this one (medians, tokens/s): 1B Q4_K_M 29.9 -> 35.6, Q5_K_M
 /// 25.4 -> 38.3, Q6_K 23.6 -> 27.8, Q4_0 41.8 -> 47.5, Q8_0 26.4 -> 26.0, 3B Q4_K_M 12.1
 /// -> 13.7. Intel machines keep 1 KiB into the first level, as measured before.
@@ -211,8 +211,8 @@ pub(crate) fn cpu_vendor_family_model() -> (CpuVendor, u32, u32) {
 }
 
 /// Asks for later group steps of `len` bytes than the one being read, whole, a line at a
-/// time, as far past it as [`GroupPrefetch::new`] says. The distance is worked out once, where
-/// a group's loop over its steps begins, not at every step.
+/// time, as far past it as [`GroupPrefetch::new`] says. The distance is worked out once,
+/// where a group's loop over its steps begins, not at every step.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(crate) struct GroupPrefetch {
@@ -227,19 +227,20 @@ pub(crate) struct GroupPrefetch {
 #[cfg(target_arch = "x86_64")]
 impl GroupPrefetch {
     /// For steps of `len` bytes, asked for this far ahead: the fewest whole steps that
-    /// make at least the machine's [`GroupPrefetchSetting::bytes`] (on most machines 1 KiB: one step of Q4_K, Q5_K or
-    /// Q6_K; eight of Q4_0). Each group step is prefetched whole, all of its lines: the
-    /// weights stream from memory once per product, and the kernel's work between loads
-    /// hides the hardware prefetcher's stride.
+    /// make at least the machine's [`GroupPrefetchSetting::bytes`] (on most machines 1
+    /// KiB: one step of Q4_K, Q5_K or Q6_K; eight of Q4_0). Each group step is
+    /// prefetched whole, all of its lines: the weights stream from memory once per
+    /// product, and the kernel's work between loads hides the hardware prefetcher's
+    /// stride.
     ///
     /// Measured with `one_row_step FILE 6` (each format's products at one row beside a
-    /// plain read of their bytes, two threads, alternated, 3 rounds) on Zen 4: a fixed 2 KiB
-    /// held Q4_K at 78-98% and Q6_K at 77-86% of the read, one step ahead 91-103% and 95-99%
-    /// (Q4_0 and Q8_0 at the read either way). More lines in flight than that fall off a
-    /// cliff there: Q6_K at 1.5 steps (2.5 KiB) read at 51%. Before, without any hint, Q4_K_M
-    /// decoded at 29.4-30.4 tokens/s and with 2 KiB at 37.4-39.6 (`generate --json`). That
-    /// cliff is the first-level cache's: into the second level, far ahead, it is gone
-    /// ([`prefetch_for`]).
+    /// plain read of their bytes, two threads, alternated, 3 rounds) on Zen 4: a fixed 2
+    /// KiB held Q4_K at 78-98% and Q6_K at 77-86% of the read, one step ahead 91-103% and
+    /// 95-99% (Q4_0 and Q8_0 at the read either way). More lines in flight than that fall
+    /// off a cliff there: Q6_K at 1.5 steps (2.5 KiB) read at 51%. Before, without any
+    /// hint, Q4_K_M decoded at 29.4-30.4 tokens/s and with 2 KiB at 37.4-39.6 (`generate
+    /// --json`). That cliff is the first-level cache's: into the second level, far ahead,
+    /// it is gone ([`prefetch_for`]).
     #[inline(always)]
     pub(crate) fn new(len: usize) -> Self {
         let setting = group_prefetch();

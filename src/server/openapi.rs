@@ -165,47 +165,45 @@ impl ToSchema for CompletionBody {
     }
 }
 
+/// How a stream's events are framed, beyond `data:`.
+#[derive(Clone, Copy)]
+enum Framing {
+    /// Unnamed events, and the stream ends with `data: [DONE]` (chat and completions).
+    EndsWithDone,
+    /// Each event names its type (`event:`), and no `[DONE]` ends it (the Responses API).
+    Named,
+}
+
 /// The schema of one event of a streamed answer. OpenAPI 3.1 describes a
 /// `text/event-stream` answer by the schema of each event, read as an object of its
 /// fields (`data`, `event`, `id`, `retry`), as Schemathesis validates it. `data` is a
 /// string that holds JSON (`contentMediaType`), whose schema is `payload`
-/// (`contentSchema`); `done` says the stream ends with `data: [DONE]`, which is not
-/// JSON and so is left out of the payload's schema by an `if`/`else`. `named` makes
-/// `event` (the event's type) required.
+/// (`contentSchema`); a closing `data: [DONE]` is not JSON, and so is left out of the
+/// payload's schema by an `if`/`else`.
 ///
 /// utoipa's schema types have no field for `contentSchema`, `if` or `else`; their
 /// `extensions` are written flattened into the schema, so they carry those keywords
 /// (built here, never parsed: utoipa's parser keeps only `x-` keys).
-fn sse_event(
-    description: &str,
-    payload: serde_json::Value,
-    done: bool,
-    named: bool,
-) -> RefOr<Schema> {
-    let content = serde_json::json!({
-        "contentMediaType": "application/json",
-        "contentSchema": payload,
-    });
-    let keywords: Extensions = match done {
-        true => [
-            ("if", serde_json::json!({"const": "[DONE]"})),
-            ("else", content),
-        ]
-        .into_iter()
-        .collect(),
-        false => content
-            .as_object()
+fn sse_event(description: &str, payload: serde_json::Value, framing: Framing) -> RefOr<Schema> {
+    let content = serde_json::Map::from_iter([
+        ("contentMediaType".to_string(), "application/json".into()),
+        ("contentSchema".to_string(), payload),
+    ]);
+    let (keywords, data_description): (Extensions, _) = match framing {
+        Framing::EndsWithDone => (
+            [
+                ("if", serde_json::json!({"const": "[DONE]"})),
+                ("else", content.into()),
+            ]
             .into_iter()
-            .flatten()
-            .map(|(k, v)| (k.clone(), v.clone()))
             .collect(),
+            "A JSON payload, or `[DONE]` at the end",
+        ),
+        Framing::Named => (content.into_iter().collect(), "A JSON payload"),
     };
     let data = ObjectBuilder::new()
         .schema_type(Type::String)
-        .description(Some(match done {
-            true => "A JSON payload, or `[DONE]` at the end",
-            false => "A JSON payload",
-        }))
+        .description(Some(data_description))
         .extensions(Some(keywords));
     let field = |description: &str, kind: Type| {
         ObjectBuilder::new()
@@ -223,15 +221,29 @@ fn sse_event(
             "retry",
             field("A reconnection delay in milliseconds", Type::Integer),
         );
-    if named {
+    if let Framing::Named = framing {
         event = event.required("event");
     }
     event.into()
 }
 
-/// A reference to a component schema, as JSON (for `contentSchema`).
-fn reference(name: &str) -> serde_json::Value {
-    serde_json::json!({"$ref": format!("#/components/schemas/{name}")})
+/// A reference to `T`'s component schema, as JSON (for `contentSchema`).
+fn reference<T: ToSchema>() -> serde_json::Value {
+    serde_json::json!({"$ref": format!("#/components/schemas/{}", T::name())})
+}
+
+/// The event of a stream of `C` chunks: a chunk, an `ErrorBody` if the generation failed
+/// after the headers were sent, or `[DONE]`.
+fn chunk_event<C: ToSchema>(description: &str) -> RefOr<Schema> {
+    let payload =
+        serde_json::json!({"oneOf": [reference::<C>(), reference::<ErrorBody<'static>>()]});
+    sse_event(description, payload, Framing::EndsWithDone)
+}
+
+/// The component schemas that [`chunk_event`]`::<C>` refers to.
+fn chunk_event_schemas<C: ToSchema>(schemas: &mut Vec<(String, RefOr<Schema>)>) {
+    register::<C>(schemas);
+    register::<ErrorBody<'static>>(schemas);
 }
 
 /// One event of a streamed chat answer: a `ChatCompletionChunk`, an `ErrorBody` if the
@@ -240,20 +252,13 @@ pub struct ChatCompletionEvent;
 
 impl PartialSchema for ChatCompletionEvent {
     fn schema() -> RefOr<Schema> {
-        let payload = serde_json::json!({"oneOf": [reference("ChatCompletionChunk"), reference("ErrorBody")]});
-        sse_event(
-            "One server-sent event of a streamed chat answer",
-            payload,
-            true,
-            false,
-        )
+        chunk_event::<ChatCompletionChunk>("One server-sent event of a streamed chat answer")
     }
 }
 
 impl ToSchema for ChatCompletionEvent {
     fn schemas(schemas: &mut Vec<(String, RefOr<Schema>)>) {
-        register::<ChatCompletionChunk>(schemas);
-        register::<ErrorBody<'static>>(schemas);
+        chunk_event_schemas::<ChatCompletionChunk>(schemas);
     }
 }
 
@@ -263,20 +268,13 @@ pub struct TextCompletionEvent;
 
 impl PartialSchema for TextCompletionEvent {
     fn schema() -> RefOr<Schema> {
-        let payload = serde_json::json!({"oneOf": [reference("TextCompletionChunk"), reference("ErrorBody")]});
-        sse_event(
-            "One server-sent event of a streamed text completion",
-            payload,
-            true,
-            false,
-        )
+        chunk_event::<TextCompletionChunk>("One server-sent event of a streamed text completion")
     }
 }
 
 impl ToSchema for TextCompletionEvent {
     fn schemas(schemas: &mut Vec<(String, RefOr<Schema>)>) {
-        register::<TextCompletionChunk>(schemas);
-        register::<ErrorBody<'static>>(schemas);
+        chunk_event_schemas::<TextCompletionChunk>(schemas);
     }
 }
 
@@ -297,8 +295,7 @@ impl PartialSchema for ResponseStreamEvent {
         sse_event(
             "One server-sent event of a streamed response",
             payload,
-            false,
-            true,
+            Framing::Named,
         )
     }
 }
