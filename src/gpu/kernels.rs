@@ -27,16 +27,26 @@ fn run_of(code: u32) -> usize {
 }
 
 /// Paged attention: one cube per (query token, query head), one unit per value of the
-/// head (`dim` units). Keys are taken `dim` at a time: each unit scores one key of the
-/// tile (a dot product of `dim` products in order), then every unit folds the tile's
-/// scores into its running maximum and sum in the same order (online softmax, f32) and
-/// accumulates its own value column. A token's result depends on its own sequence only:
-/// no value crosses from one cube to another, whatever the batch.
+/// head (`dim` units), in the CPU's order and roundings
+/// ([`crate::kernels::attention::paged_attention`] on its SIMD paths): each key's score
+/// is the dot product of the query and the key in 8 interleaved fused multiply-add sums
+/// (value `e` into sum `e % 8`, added `t[l] = s[l] + s[l + 4]`, then `(t0 + t2) + (t1 +
+/// t3)`; a plain sum in order when `dim` is not a multiple of 8) times the scale; the
+/// largest score; `p = e^(s - max)` with the CPU's [`cpu_exp`]; their sum in 16
+/// interleaved sums (the `p` of place `i` among the visible keys into sum `i % 16`),
+/// finished `t[l] = s[l] + s[l + 8]` and as the dot product; each value column `sum_i p_i
+/// v_i` in two sums (even and odd places, each in key order, products rounded on their
+/// own), added, then divided by the sum (rounded to nearest). For `f32` that is the CPU's
+/// result bit for bit. Scores are taken `dim` keys at a time, one key per unit, twice
+/// (once for the maximum, once for the weights: the same bits both times) rather than
+/// kept for the whole sequence. A token's result depends on its own sequence only: no
+/// value crosses from one cube to another, whatever the batch.
 ///
 /// `meta` is [`PagedBatch::device_table`](crate::model::attention::PagedBatch::device_table)'s
 /// layout: per token its table's offset, its position and its first key slot (the tile
 /// loop starts there: a left-padded row's keys, in the order of the row alone), then the
-/// tables.
+/// tables. `zero` is 0 (see [`opaque`]); `native_fma` says whether the device's `fma` is
+/// fused.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
@@ -50,8 +60,41 @@ pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
     kv_heads: u32,
     block_size: u32,
     scale: f32,
+    zero: u32,
     #[comptime] dim: usize,
+    #[comptime] native_fma: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    attend_in_cpu_order::<F, I, F>(
+        q, keys, values, meta, out, n_heads, groups, kv_heads, block_size, scale, 0, dim as u32, 0,
+        dim as u32, zero, dim, false, native_fma,
+    );
+}
+
+/// The body of [`paged_attention_kernel`] and [`paged_attention_encoded_kernel`]: keys and
+/// values of `K` (the float type, or encoded words with `encoded`) in rows of `k_words`
+/// and `v_words` elements, of type codes `k_ty` and `v_ty` when encoded.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_in_cpu_order<F: Float, I: Numeric, K: Numeric>(
+    q: &Tensor<F>,
+    keys: &Tensor<K>,
+    values: &Tensor<K>,
+    meta: &Tensor<I>,
+    out: &mut Tensor<F>,
+    n_heads: u32,
+    groups: u32,
+    kv_heads: u32,
+    block_size: u32,
+    scale: f32,
+    k_ty: u32,
+    k_words: u32,
+    v_ty: u32,
+    v_words: u32,
+    zero: u32,
+    #[comptime] dim: usize,
+    #[comptime] encoded: bool,
+    #[comptime] native: bool,
 ) {
     let token = CUBE_POS_X as usize;
     let head = CUBE_POS_Y as usize;
@@ -60,63 +103,211 @@ pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
     let kv_heads = kv_heads as usize;
     let block_size = block_size as usize;
     let kv_head = head / groups as usize;
+    let (k_words, v_words) = (k_words as usize, v_words as usize);
 
     let table = table_at::<I>(meta, token);
+    let first = first_key::<I>(meta, token);
     let len = token_position::<I>(meta, token) + 1;
 
     let mut qs = SharedMemory::<f32>::new(dim);
-    let mut scores = SharedMemory::<f32>::new(dim);
+    // A tile's largest scores, then its weights `p`.
+    let mut ps = SharedMemory::<f32>::new(dim);
+    let mut lanes = SharedMemory::<f32>::new(16usize);
+    let mut total = SharedMemory::<f32>::new(1usize);
     // `q`'s rows may be a column slice of a wider product: `stride(0)` apart.
     let q_at = token * q.stride(0) + head * dim;
     let out_at = (token * n_heads + head) * dim;
-    qs[d] = f32::cast_from(q[q_at + d]) * scale;
+    qs[d] = f32::cast_from(q[q_at + d]);
+    let mut l = d;
+    while l < 16usize {
+        lanes[l] = f32::new(0.0);
+        l += dim;
+    }
     sync_cube();
 
-    // A finite stand-in for minus infinity: WGSL rejects an infinite literal.
-    let mut max = f32::new(-1.0e30);
-    let mut sum = f32::new(0.0);
-    let mut acc = f32::new(0.0);
-    let mut tile = first_key::<I>(meta, token);
+    // 1. The largest score. A finite stand-in for minus infinity: WGSL rejects an
+    // infinite literal.
+    let mut largest = f32::new(-1.0e30);
+    let mut tile = first;
     while tile < len {
         let j = tile + d;
         if j < len {
             let block = u32::cast_from(meta[table + j / block_size]) as usize;
-            let at = ((block * kv_heads + kv_head) * block_size + j % block_size) * dim;
-            let mut s = f32::new(0.0);
-            for e in 0..dim {
-                s += qs[e] * f32::cast_from(keys[at + e]);
+            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
+            let s = cpu_score::<K>(
+                &qs,
+                keys,
+                row * k_words,
+                k_ty,
+                scale,
+                zero,
+                dim,
+                encoded,
+                native,
+            );
+            if s > largest {
+                largest = s;
             }
-            scores[d] = s;
+        }
+        tile += dim;
+    }
+    ps[d] = largest;
+    sync_cube();
+    if d == 0 {
+        let mut m = ps[0];
+        for i in 1..dim {
+            if ps[i] > m {
+                m = ps[i];
+            }
+        }
+        total[0] = m;
+    }
+    sync_cube();
+    let max = total[0];
+
+    // 2. The weights, their sum and the weighted values, tile by tile.
+    let mut even = f32::new(0.0);
+    let mut odd = f32::new(0.0);
+    let mut tile = first;
+    while tile < len {
+        let j = tile + d;
+        if j < len {
+            let block = u32::cast_from(meta[table + j / block_size]) as usize;
+            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
+            let s = cpu_score::<K>(
+                &qs,
+                keys,
+                row * k_words,
+                k_ty,
+                scale,
+                zero,
+                dim,
+                encoded,
+                native,
+            );
+            ps[d] = cpu_exp(s - max, zero);
         }
         sync_cube();
-
         let mut n = len - tile;
         if n > dim {
             n = dim;
         }
-        let mut tile_max = max;
+        let place = tile - first;
         for i in 0..n {
-            let s = scores[i];
-            if s > tile_max {
-                tile_max = s;
-            }
-        }
-        let correction = (max - tile_max).exp();
-        sum *= correction;
-        acc *= correction;
-        for i in 0..n {
-            let p = (scores[i] - tile_max).exp();
             let j = tile + i;
             let block = u32::cast_from(meta[table + j / block_size]) as usize;
-            let at = ((block * kv_heads + kv_head) * block_size + j % block_size) * dim;
-            sum += p;
-            acc += p * f32::cast_from(values[at + d]);
+            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
+            let v = kv_value::<K>(values, row * v_words, v_ty, d, encoded);
+            let term = product(ps[i], v, zero);
+            if (place + i) % 2usize == 0usize {
+                even = opaque(even + term, zero);
+            } else {
+                odd = opaque(odd + term, zero);
+            }
         }
-        max = tile_max;
+        // Sum `l` takes the weights of places `l`, `l + 16`, ... in order.
+        let mut l = d;
+        while l < 16usize {
+            let mut i = (l + 16usize - place % 16usize) % 16usize;
+            let mut s = lanes[l];
+            while i < n {
+                s = opaque(s + ps[i], zero);
+                i += 16usize;
+            }
+            lanes[l] = s;
+            l += dim;
+        }
         sync_cube();
         tile += dim;
     }
-    out[out_at + d] = F::cast_from(acc / sum);
+    if d == 0 {
+        let mut t = Array::<f32>::new(8usize);
+        #[unroll]
+        for l in 0..8usize {
+            t[l] = opaque(lanes[l] + lanes[l + 8], zero);
+        }
+        total[0] = finish_eight(&t, zero);
+    }
+    sync_cube();
+    let sum = total[0];
+    let mut o = opaque(even + odd, zero);
+    if sum > 0.0 {
+        o = rounded_div(o, sum, zero, native);
+    }
+    out[out_at + d] = F::cast_from(o);
+}
+
+/// The CPU's final sum of 8 partial sums ([`crate::kernels::cpu`]'s `finish`): `t[l] =
+/// s[l] + s[l + 4]`, then `(t0 + t2) + (t1 + t3)`.
+#[cube]
+fn finish_eight(s: &Array<f32>, zero: u32) -> f32 {
+    let t0 = opaque(s[0] + s[4], zero);
+    let t1 = opaque(s[1] + s[5], zero);
+    let t2 = opaque(s[2] + s[6], zero);
+    let t3 = opaque(s[3] + s[7], zero);
+    opaque(opaque(t0 + t2, zero) + opaque(t1 + t3, zero), zero)
+}
+
+/// Value `e` of the key or value row at element `at` of `pool`: the float itself, or
+/// with `encoded` decoded from words of type code `ty` ([`encoded_value`]).
+#[cube]
+#[allow(unused_assignments)]
+fn kv_value<K: Numeric>(
+    pool: &Tensor<K>,
+    at: usize,
+    ty: u32,
+    e: usize,
+    #[comptime] encoded: bool,
+) -> f32 {
+    let mut v = f32::new(0.0);
+    if comptime!(encoded) {
+        v = encoded_value::<K>(pool, ty, at, e);
+    } else {
+        v = f32::cast_from(pool[at + e]);
+    }
+    v
+}
+
+/// A key's score as the CPU's attention takes it: the dot product of the query `qs` and
+/// the key at element `at` of `keys` in 8 interleaved fused sums, finished as
+/// [`finish_eight`] (in order, each product rounded on its own, when `dim` is not a
+/// multiple of 8), times `scale`, rounded on its own.
+#[cube]
+#[allow(clippy::too_many_arguments, unused_assignments)]
+fn cpu_score<K: Numeric>(
+    qs: &SharedMemory<f32>,
+    keys: &Tensor<K>,
+    at: usize,
+    ty: u32,
+    scale: f32,
+    zero: u32,
+    #[comptime] dim: usize,
+    #[comptime] encoded: bool,
+    #[comptime] native: bool,
+) -> f32 {
+    let mut dot = f32::new(0.0);
+    if comptime!(dim % 8 == 0) {
+        let mut acc = Array::<f32>::new(8usize);
+        #[unroll]
+        for l in 0..8usize {
+            acc[l] = f32::new(0.0);
+        }
+        for c in 0..dim / 8 {
+            #[unroll]
+            for l in 0..8usize {
+                let e = c * 8usize + l;
+                let k = kv_value::<K>(keys, at, ty, e, encoded);
+                acc[l] = fused_mul_add(qs[e], k, acc[l], zero, native);
+            }
+        }
+        dot = finish_eight(&acc, zero);
+    } else {
+        for e in 0..dim {
+            let k = kv_value::<K>(keys, at, ty, e, encoded);
+            dot = opaque(dot + product(qs[e], k, zero), zero);
+        }
+    }
+    product(dot, scale, zero)
 }
 
 /// Byte `at` of little-endian words (ggml's bytes packed four to a word).
@@ -201,8 +392,9 @@ fn signed_byte(b: u32) -> f32 {
 ///
 /// With `pair` (the feed-forward's gate and up projections, `words` and `up` of the same
 /// format and shape) each unit computes both products of its output the same way and
-/// stores `silu(gate) * up` in f32, rounded once: SwiGLU in the product's epilogue, one
-/// launch for three operations. Without it `up` is not read.
+/// stores `silu(gate) * up` as the CPU computes it ([`cpu_swiglu`]): SwiGLU in the
+/// product's epilogue, one launch for three operations. Without it `up` is not read.
+/// `zero` is 0 (see [`opaque`]); `native_fma` says whether the device's `fma` is fused.
 ///
 /// With `second` (a format code, else [`NO_SECOND`]), `up` is a second matrix of that
 /// format and `n_second` outputs (the values beside the queries and keys, say), computed
@@ -220,11 +412,13 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     n_out: u32,
     n_second: u32,
     cols: u32,
+    zero: u32,
     #[comptime] format: u32,
     #[comptime] second: u32,
     #[comptime] tile: usize,
     #[comptime] lanes: usize,
     #[comptime] pair: bool,
+    #[comptime] native_fma: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let (rows, n_out, n_second, cols) = (
@@ -237,13 +431,15 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
     let cube = CUBE_POS_X as usize;
     if comptime!(second == NO_SECOND) {
         quantized_product::<F, I>(
-            x, words, up, out, rows, n_out, cols, cube, width, 0, format, tile, lanes, pair,
+            x, words, up, out, rows, n_out, cols, cube, width, 0, zero, format, tile, lanes, pair,
+            native_fma,
         );
     } else {
         let cubes = n_out.div_ceil(QUANT_OUTPUTS);
         if cube < cubes {
             quantized_product::<F, I>(
-                x, words, up, out, rows, n_out, cols, cube, width, 0, format, tile, lanes, false,
+                x, words, up, out, rows, n_out, cols, cube, width, 0, zero, format, tile, lanes,
+                false, native_fma,
             );
         } else {
             quantized_product::<F, I>(
@@ -257,10 +453,12 @@ pub(crate) fn quantized_matmul_kernel<F: Float, I: Numeric>(
                 cube - cubes,
                 width,
                 n_out,
+                zero,
                 second,
                 tile,
                 lanes,
                 false,
+                native_fma,
             );
         }
     }
@@ -284,10 +482,12 @@ fn quantized_product<F: Float, I: Numeric>(
     cube: usize,
     width: usize,
     out_offset: usize,
+    zero: u32,
     #[comptime] format: u32,
     #[comptime] tile: usize,
     #[comptime] lanes: usize,
     #[comptime] pair: bool,
+    #[comptime] native_fma: bool,
 ) {
     let lane = UNIT_POS_Y as usize;
     let column = UNIT_POS_X as usize;
@@ -359,8 +559,7 @@ fn quantized_product<F: Float, I: Numeric>(
                     for l in 0..lanes {
                         total_up += sums[stride + (l * QUANT_OUTPUTS + column) * tile + t];
                     }
-                    // silu(g) = g / (1 + e^-g), in f32.
-                    total = total / (f32::new(1.0) + (-total).exp()) * total_up;
+                    total = cpu_swiglu(total, total_up, zero, native_fma);
                 }
                 out[(r0 + t) * width + out_offset + o] = F::cast_from(total);
             }
@@ -1010,10 +1209,13 @@ fn fused_mul_add(a: f32, b: f32, c: f32, zero: u32, #[comptime] native: bool) ->
     out
 }
 
-/// `a / b` rounded to nearest for positive finite `a` and `b` whose quotient is normal
+/// `a / b` rounded to nearest for finite `a` and `b` whose quotient is normal or zero
 /// (a shader's division may be a reciprocal and a product, or within 2.5 units of the
 /// last place, Vulkan's bound): of the device's quotient and its two neighbours, the one
-/// whose exact residual `a - q * b` is the smallest.
+/// whose exact residual `a - q * b` is the smallest (a quotient is never halfway between
+/// two floats, so there is no tie). Where the residual cannot be formed (a product past
+/// the float range, `|b|` above about 1e34 without a native FMA) the device's quotient
+/// stands.
 #[cube]
 fn rounded_div(a: f32, b: f32, zero: u32, #[comptime] native: bool) -> f32 {
     let q = a / b;
@@ -1032,6 +1234,96 @@ fn rounded_div(a: f32, b: f32, zero: u32, #[comptime] native: bool) -> f32 {
         best = hi;
     }
     best
+}
+
+/// `sqrt(a)` rounded to nearest for positive normal `a` (Vulkan allows a shader's square
+/// root some units of the last place): of the device's root and its two neighbours, the
+/// one whose exact residual `a - s * s` is the smallest (a root is never halfway between
+/// two floats, so there is no tie).
+#[cube]
+fn rounded_sqrt(a: f32, zero: u32, #[comptime] native: bool) -> f32 {
+    let s = a.sqrt();
+    let bits = s.to_bits();
+    let (lo, hi) = (f32::from_bits(bits - 1), f32::from_bits(bits + 1));
+    let r = fused_mul_add(-s, s, a, zero, native).abs();
+    let r_lo = fused_mul_add(-lo, lo, a, zero, native).abs();
+    let r_hi = fused_mul_add(-hi, hi, a, zero, native).abs();
+    let mut best = s;
+    let mut best_r = r;
+    if r_lo < best_r {
+        best = lo;
+        best_r = r_lo;
+    }
+    if r_hi < best_r {
+        best = hi;
+    }
+    best
+}
+
+/// `a * b` rounded on its own: never fused with the add that follows it (CUDA's compiler
+/// contracts `a * b + c` into one FMA, and so may Mesa's), as the CPU's plain multiply
+/// and add round twice. `zero` is 0 (see [`opaque`]).
+#[cube]
+fn product(a: f32, b: f32, zero: u32) -> f32 {
+    opaque(a * b, zero)
+}
+
+/// The CPU's `e^x` ([`crate::kernels::attention::exp`]: clamped to [-87, 88], a power
+/// of two times Cephes' degree-7 polynomial of the remainder), step by step with the same
+/// roundings, each kept from the compiler's rewriting by [`opaque`]: the same bits as the
+/// CPU's for every `x`. `zero` is 0.
+#[cube]
+fn cpu_exp(x: f32, zero: u32) -> f32 {
+    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
+    let round = f32::new(12_582_912.0);
+    let mut x = x;
+    if x < -87.0 {
+        x = f32::new(-87.0);
+    }
+    if x > 88.0 {
+        x = f32::new(88.0);
+    }
+    let t = opaque(
+        product(x, f32::new(std::f32::consts::LOG2_E), zero) + round,
+        zero,
+    );
+    let n = opaque(t - round, zero);
+    // `t`'s bits are `round`'s plus `n` (their exponents are the same), so this is
+    // `n + 127` as an integer: `n >= -126` after the clamp, so it is never negative.
+    let biased = t.to_bits() + 127 - round.to_bits();
+    let r = opaque(
+        opaque(x - product(n, f32::new(0.693_359_4), zero), zero)
+            - product(n, f32::new(-2.121_944_4e-4), zero),
+        zero,
+    );
+    let mut p = f32::new(1.987_569_1e-4);
+    p = opaque(product(p, r, zero) + 1.398_199_9e-3, zero);
+    p = opaque(product(p, r, zero) + 8.333_452e-3, zero);
+    p = opaque(product(p, r, zero) + 4.166_579_6e-2, zero);
+    p = opaque(product(p, r, zero) + 1.666_666_5e-1, zero);
+    p = opaque(product(p, r, zero) + 0.5, zero);
+    let e = opaque(
+        opaque(product(p, product(r, r, zero), zero) + r, zero) + 1.0,
+        zero,
+    );
+    product(e, f32::from_bits(biased << 23), zero)
+}
+
+/// SwiGLU of one output as the CPU computes it
+/// ([`crate::kernels::activation::swiglu`]): `gate / (1 + e^-gate) * up` with
+/// [`cpu_exp`], a division rounded to nearest and the product rounded on its own.
+#[cube]
+fn cpu_swiglu(gate: f32, up: f32, zero: u32, #[comptime] native: bool) -> f32 {
+    let denominator = opaque(f32::new(1.0) + cpu_exp(-gate, zero), zero);
+    product(rounded_div(gate, denominator, zero, native), up, zero)
+}
+
+/// RoPE's rotation of one value as the CPU computes it
+/// ([`crate::kernels::activation::rope`]): `x * cos + partner * sin`, two products and
+/// an add, each rounded on its own.
+#[cube]
+fn cpu_rotate(x: f32, cos: f32, partner: f32, sin: f32, zero: u32) -> f32 {
+    opaque(product(x, cos, zero) + product(partner, sin, zero), zero)
 }
 
 /// The float steps of one weight block (at byte `at`) for each tile row, in the CPU's
@@ -1343,8 +1635,7 @@ fn int_product<F: Float, I: Numeric>(
             if r0 + t < rows {
                 let mut total = acc[t];
                 if comptime!(pair) {
-                    // silu(g) = g / (1 + e^-g), in f32.
-                    total = total / (f32::new(1.0) + (-total).exp()) * acc_up[t];
+                    total = cpu_swiglu(total, acc_up[t], zero, native_fma);
                 }
                 out[(r0 + t) * width + out_offset + o] = F::cast_from(total);
             }
@@ -1768,55 +2059,127 @@ pub(crate) fn sample_kernel<F: Float, I: Numeric>(
 /// Units per cube of the row kernels ([`rms_norm_kernel`], [`add_rms_norm_kernel`]).
 pub(crate) const NORM_WIDTH: usize = 256;
 
-/// RMSNorm of row `row` of `x` (`d` values from `at`) into `out`: each unit sums the
-/// squares of values `u`, `u + NORM_WIDTH`, ... in order (in f32), the units' sums are
-/// added by [`cube_sum`]'s fixed tree, then `x * inv_rms * weight` in f32, rounded once to
-/// `F`. The order of every sum depends on `d` alone, never on the number of rows.
+/// RMSNorm of the row of `d` values at `at` (of `x`, or of `x + delta` in `F` with `add`)
+/// into `out`, as the CPU computes it ([`crate::kernels::activation::rms_norm`]): the
+/// squares in 16 interleaved sums (value `i` into sum `i % 16`, each in order, one unit
+/// each), added pairwise (`s[l] += s[l + 8]`, then 4, 2, 1), `1 / sqrt(sum / d + eps)`
+/// with the division and root rounded to nearest, then `x * inv * weight`, each step
+/// rounded on its own, so for `f32` the CPU's bits. The order depends on `d` alone,
+/// never on the number of rows.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn norm_row<F: Float>(
     x: &Tensor<F>,
+    delta: &Tensor<F>,
     weight: &Tensor<F>,
     out: &mut Tensor<F>,
     at: usize,
     d: usize,
     eps: f32,
+    zero: u32,
+    #[comptime] add: bool,
+    #[comptime] native: bool,
 ) {
     let u = UNIT_POS_X as usize;
-    let mut squares = f32::new(0.0);
-    let mut i = u;
-    while i < d {
-        let v = f32::cast_from(x[at + i]);
-        squares += v * v;
-        i += NORM_WIDTH;
+    let mut lanes = SharedMemory::<f32>::new(16usize);
+    let mut inv_at = SharedMemory::<f32>::new(1usize);
+    if u < 16usize {
+        let mut squares = f32::new(0.0);
+        let mut i = u;
+        while i < d {
+            let v = norm_input::<F>(x, delta, at + i, add);
+            squares = opaque(squares + product(v, v, zero), zero);
+            i += 16usize;
+        }
+        lanes[u] = squares;
     }
-    let mut scratch = SharedMemory::<f32>::new(NORM_WIDTH);
-    let total = cube_sum(squares, &mut scratch);
-    let inv = f32::new(1.0) / (total / f32::cast_from(d as u32) + eps).sqrt();
+    sync_cube();
+    if u == 0 {
+        let mut s = Array::<f32>::new(16usize);
+        #[unroll]
+        for l in 0..16usize {
+            s[l] = lanes[l];
+        }
+        #[unroll]
+        for l in 0..8usize {
+            s[l] = opaque(s[l] + s[l + 8], zero);
+        }
+        #[unroll]
+        for l in 0..4usize {
+            s[l] = opaque(s[l] + s[l + 4], zero);
+        }
+        #[unroll]
+        for l in 0..2usize {
+            s[l] = opaque(s[l] + s[l + 2], zero);
+        }
+        s[0] = opaque(s[0] + s[1], zero);
+        let mean = rounded_div(s[0], f32::cast_from(d as u32), zero, native);
+        let root = rounded_sqrt(opaque(mean + eps, zero), zero, native);
+        inv_at[0] = rounded_div(f32::new(1.0), root, zero, native);
+    }
+    sync_cube();
+    let inv = inv_at[0];
     let mut i = u;
     while i < d {
-        out[at + i] = F::cast_from(f32::cast_from(x[at + i]) * inv * f32::cast_from(weight[i]));
-        i += NORM_WIDTH;
+        let v = norm_input::<F>(x, delta, at + i, add);
+        out[at + i] = F::cast_from(product(
+            product(v, inv, zero),
+            f32::cast_from(weight[i]),
+            zero,
+        ));
+        i += CUBE_DIM_X as usize;
     }
 }
 
+/// Value `i` of a norm's input: `x[i]`, or with `add` the residual sum `x[i] + delta[i]`
+/// rounded to `F` (the value [`add_rms_norm_kernel`] stores).
+#[cube]
+#[allow(unused_assignments)]
+fn norm_input<F: Float>(x: &Tensor<F>, delta: &Tensor<F>, i: usize, #[comptime] add: bool) -> f32 {
+    let mut v = f32::new(0.0);
+    if comptime!(add) {
+        v = f32::cast_from(x[i] + delta[i]);
+    } else {
+        v = f32::cast_from(x[i]);
+    }
+    v
+}
+
 /// RMSNorm: one cube of [`NORM_WIDTH`] units per row of `x` `[rows, d]` (see [`norm_row`]).
+/// `zero` is 0 (see [`opaque`]); `native_fma` says whether the device's `fma` is fused.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn rms_norm_kernel<F: Float>(
     x: &Tensor<F>,
     weight: &Tensor<F>,
     out: &mut Tensor<F>,
     d: u32,
     eps: f32,
+    zero: u32,
+    #[comptime] native_fma: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let d = d as usize;
-    norm_row::<F>(x, weight, out, CUBE_POS_X as usize * d, d, eps);
+    norm_row::<F>(
+        x,
+        x,
+        weight,
+        out,
+        CUBE_POS_X as usize * d,
+        d,
+        eps,
+        zero,
+        false,
+        native_fma,
+    );
 }
 
 /// The residual add and the next RMSNorm in one pass: `sum = x + delta` (in `F`, as a
 /// plain tensor add rounds it), then `out` = RMSNorm of `sum`, one cube per row as
-/// [`rms_norm_kernel`]. Each unit reads back only the values it wrote itself.
+/// [`rms_norm_kernel`] (the norm recomputes the sum where it reads it rather than reading
+/// another unit's store).
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn add_rms_norm_kernel<F: Float>(
     x: &Tensor<F>,
     delta: &Tensor<F>,
@@ -1825,6 +2188,8 @@ pub(crate) fn add_rms_norm_kernel<F: Float>(
     out: &mut Tensor<F>,
     d: u32,
     eps: f32,
+    zero: u32,
+    #[comptime] native_fma: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let d = d as usize;
@@ -1834,13 +2199,13 @@ pub(crate) fn add_rms_norm_kernel<F: Float>(
         sum[at + i] = x[at + i] + delta[at + i];
         i += NORM_WIDTH;
     }
-    norm_row::<F>(sum, weight, out, at, d, eps);
+    norm_row::<F>(x, delta, weight, out, at, d, eps, zero, true, native_fma);
 }
 
 /// Rotary position embedding in the rotate-half layout, one unit per value:
-/// `x * cos + partner * sin`, where a value's partner is the one half a head away (the
-/// first half's sign is folded into `sin`). `x`, `cos`, `sin` and `out` are `[rows,
-/// width]`, contiguous.
+/// `x * cos + partner * sin` ([`cpu_rotate`], in f32), where a value's partner is the one
+/// half a head away (the first half's sign is folded into `sin`). `x`, `cos`, `sin` and
+/// `out` are `[rows, width]`, contiguous; `zero` is 0 (see [`opaque`]).
 #[cube(launch)]
 pub(crate) fn rope_kernel<F: Float>(
     x: &Tensor<F>,
@@ -1848,6 +2213,7 @@ pub(crate) fn rope_kernel<F: Float>(
     sin: &Tensor<F>,
     out: &mut Tensor<F>,
     head_dim: u32,
+    zero: u32,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -1857,7 +2223,13 @@ pub(crate) fn rope_kernel<F: Float>(
     let head_dim = head_dim as usize;
     let half = head_dim / 2;
     let partner = select(i % head_dim < half, i + half, i - half);
-    out[i] = x[i] * cos[i] + x[partner] * sin[i];
+    out[i] = F::cast_from(cpu_rotate(
+        f32::cast_from(x[i]),
+        f32::cast_from(cos[i]),
+        f32::cast_from(x[partner]),
+        f32::cast_from(sin[i]),
+        zero,
+    ));
 }
 
 /// The position of query token `token` in a step's `meta` (the layout of
@@ -1958,6 +2330,7 @@ pub(crate) fn rope_paged_store_kernel<F: Float, I: Numeric>(
     kv_heads: u32,
     block_size: u32,
     head_dim: u32,
+    zero: u32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let token = CUBE_POS_X as usize;
@@ -1981,8 +2354,13 @@ pub(crate) fn rope_paged_store_kernel<F: Float, I: Numeric>(
     while c < width {
         let partner = select(c % head_dim < half, c + half, c - half);
         let i = angle_row + c % head_dim;
-        let rotated =
-            qk[qk_row + c * qk.stride(1)] * cos[i] + qk[qk_row + partner * qk.stride(1)] * sin[i];
+        let rotated = F::cast_from(cpu_rotate(
+            f32::cast_from(qk[qk_row + c * qk.stride(1)]),
+            f32::cast_from(cos[i]),
+            f32::cast_from(qk[qk_row + partner * qk.stride(1)]),
+            f32::cast_from(sin[i]),
+            zero,
+        ));
         if c < q_width {
             q[token * q_width + c] = rotated;
         } else {
@@ -2243,8 +2621,8 @@ fn encoded_value<I: Numeric>(pool: &Tensor<I>, ty: u32, row: usize, e: usize) ->
 /// [`paged_attention_kernel`] over encoded word pools (see [`paged_store_encoded_kernel`]):
 /// keys of type code `k_ty` in rows of `k_words` words, values of `v_ty` in rows of
 /// `v_words`. Each key is decoded as its score is taken, each value as it is accumulated;
-/// no decoded copy of the cache is made. The same cube layout, the same orders of
-/// addition, so a token's result depends on its own sequence alone.
+/// no decoded copy of the cache is made. The same cube layout, the same orders and
+/// roundings (the CPU's), so a token's result depends on its own sequence alone.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_attention_encoded_kernel<F: Float, I: Numeric>(
@@ -2262,70 +2640,13 @@ pub(crate) fn paged_attention_encoded_kernel<F: Float, I: Numeric>(
     k_words: u32,
     v_ty: u32,
     v_words: u32,
+    zero: u32,
     #[comptime] dim: usize,
+    #[comptime] native_fma: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let token = CUBE_POS_X as usize;
-    let head = CUBE_POS_Y as usize;
-    let d = UNIT_POS_X as usize;
-    let n_heads = n_heads as usize;
-    let kv_heads = kv_heads as usize;
-    let block_size = block_size as usize;
-    let (k_words, v_words) = (k_words as usize, v_words as usize);
-    let kv_head = head / groups as usize;
-
-    let table = table_at::<I>(meta, token);
-    let len = token_position::<I>(meta, token) + 1;
-
-    let mut qs = SharedMemory::<f32>::new(dim);
-    let mut scores = SharedMemory::<f32>::new(dim);
-    let q_at = token * q.stride(0) + head * dim;
-    let out_at = (token * n_heads + head) * dim;
-    qs[d] = f32::cast_from(q[q_at + d]) * scale;
-    sync_cube();
-
-    let mut max = f32::new(-1.0e30);
-    let mut sum = f32::new(0.0);
-    let mut acc = f32::new(0.0);
-    let mut tile = first_key::<I>(meta, token);
-    while tile < len {
-        let j = tile + d;
-        if j < len {
-            let block = u32::cast_from(meta[table + j / block_size]) as usize;
-            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
-            let mut s = f32::new(0.0);
-            for e in 0..dim {
-                s += qs[e] * encoded_value::<I>(keys, k_ty, row * k_words, e);
-            }
-            scores[d] = s;
-        }
-        sync_cube();
-
-        let mut n = len - tile;
-        if n > dim {
-            n = dim;
-        }
-        let mut tile_max = max;
-        for i in 0..n {
-            let s = scores[i];
-            if s > tile_max {
-                tile_max = s;
-            }
-        }
-        let correction = (max - tile_max).exp();
-        sum *= correction;
-        acc *= correction;
-        for i in 0..n {
-            let p = (scores[i] - tile_max).exp();
-            let j = tile + i;
-            let block = u32::cast_from(meta[table + j / block_size]) as usize;
-            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
-            sum += p;
-            acc += p * encoded_value::<I>(values, v_ty, row * v_words, d);
-        }
-        max = tile_max;
-        sync_cube();
-        tile += dim;
-    }
-    out[out_at + d] = F::cast_from(acc / sum);
+    attend_in_cpu_order::<F, I, I>(
+        q, keys, values, meta, out, n_heads, groups, kv_heads, block_size, scale, k_ty, k_words,
+        v_ty, v_words, zero, dim, true, native_fma,
+    );
 }

@@ -307,7 +307,9 @@ where
             shape.kv_heads as u32,
             shape.block_size as u32,
             1.0 / (shape.dim as f32).sqrt(),
+            0,
             shape.dim,
+            native_fma::<R>(&client),
             [f_dtype.into(), i_dtype.into()],
         );
         out
@@ -377,11 +379,13 @@ where
             shape.n_out as u32,
             n_second as u32,
             shape.cols as u32,
+            0,
             shape.format,
             second,
             tile,
             lanes,
             pair,
+            native_fma::<R>(&client),
             [f_dtype.into(), i_dtype.into()],
         );
         out
@@ -500,6 +504,8 @@ where
             out.clone().into_tensor_arg(),
             d as u32,
             eps,
+            0,
+            native_fma::<R>(&client),
             dtype.into(),
         );
         out
@@ -531,6 +537,8 @@ where
             out.clone().into_tensor_arg(),
             d as u32,
             eps,
+            0,
+            native_fma::<R>(&client),
             dtype.into(),
         );
         (sum, out)
@@ -562,6 +570,7 @@ where
             sin.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             head_dim as u32,
+            0,
             dtype.into(),
         );
         out
@@ -636,6 +645,7 @@ where
             shape.kv_heads as u32,
             shape.block_size as u32,
             shape.dim as u32,
+            0,
             [f_dtype.into(), i_dtype.into()],
         );
         [q, keys, values]
@@ -708,7 +718,9 @@ where
             kv[0].row_words as u32,
             kv[1].ty,
             kv[1].row_words as u32,
+            0,
             shape.dim,
+            native_fma::<R>(&client),
             [f_dtype.into(), i_dtype.into()],
         );
         out
