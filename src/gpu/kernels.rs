@@ -199,10 +199,10 @@ fn attend_in_cpu_order<F: Float, I: Numeric, K: Numeric>(
             let row = (block * kv_heads + kv_head) * block_size + j % block_size;
             let v = kv_value::<K>(values, row * v_words, v_ty, d, encoded);
             let term = product(ps[i], v, zero);
-            if (place + i) % 2usize == 0usize {
-                even = opaque(even + term, zero);
-            } else {
+            if (place + i) % 2usize == 1usize {
                 odd = opaque(odd + term, zero);
+            } else {
+                even = opaque(even + term, zero);
             }
         }
         // Sum `l` takes the weights of places `l`, `l + 16`, ... in order.
@@ -286,7 +286,7 @@ fn cpu_score<K: Numeric>(
     #[comptime] native: bool,
 ) -> f32 {
     let mut dot = f32::new(0.0);
-    if comptime!(dim % 8 == 0) {
+    if comptime!(dim.is_multiple_of(8)) {
         let mut acc = Array::<f32>::new(8usize);
         #[unroll]
         for l in 0..8usize {
