@@ -1213,12 +1213,16 @@ fn fused_mul_add(a: f32, b: f32, c: f32, zero: u32, #[comptime] native: bool) ->
 /// (a shader's division may be a reciprocal and a product, or within 2.5 units of the
 /// last place, Vulkan's bound): of the device's quotient and its two neighbours, the one
 /// whose exact residual `a - q * b` is the smallest (a quotient is never halfway between
-/// two floats, so there is no tie). Where the residual cannot be formed (a product past
-/// the float range, `|b|` above about 1e34 without a native FMA) the device's quotient
-/// stands.
+/// two floats, so there is no tie).
 #[cube]
 fn rounded_div(a: f32, b: f32, zero: u32, #[comptime] native: bool) -> f32 {
     let q = a / b;
+    // Past 2^64 the residual's exact product would overflow in the emulated FMA's split:
+    // `a` and `b` scaled by 2^-64 (exactly, the quotient the same; SwiGLU's denominator
+    // reaches 1.7e38 where the gate is below -88).
+    let big = b.abs() > f32::from_bits(0x5F80_0000u32);
+    let scale = select(big, f32::from_bits(0x1F80_0000u32), f32::new(1.0));
+    let (a, b) = (opaque(a * scale, zero), opaque(b * scale, zero));
     let bits = q.to_bits();
     let (lo, hi) = (f32::from_bits(bits - 1), f32::from_bits(bits + 1));
     let r = fused_mul_add(-q, b, a, zero, native).abs();
