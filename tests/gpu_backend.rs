@@ -702,6 +702,21 @@ fn fast_products_on_the_device_give_the_cpu_fast_bits() {
                 let mut on_cpu = vec![0f32; got.len()];
                 llama_burn::kernels::activation::swiglu(&got, &ups, &mut on_cpu);
                 assert_eq!(bits(&gated), bits(&on_cpu), "{format:?}: fast swiglu");
+                // The element-wise kernel (gate and up of unlike formats, dense weights)
+                // gives the same bits.
+                let matrix = |v: &[f32]| {
+                    Tensor::<Gpu, 2>::from_data(TensorData::new(v.to_vec(), [rows, n_out]), &device)
+                };
+                let apart = Gpu::swiglu(matrix(&got), matrix(&ups))
+                    .expect("device swiglu")
+                    .into_data()
+                    .into_vec::<f32>()
+                    .expect("f32");
+                assert_eq!(
+                    bits(&apart),
+                    bits(&on_cpu),
+                    "{format:?}: element-wise swiglu"
+                );
                 assert_eq!(
                     bits(&fused(&x[4 * cols..], 1)),
                     bits(&gated[4 * n_out..]),

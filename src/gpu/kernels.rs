@@ -2236,6 +2236,31 @@ pub(crate) fn rope_kernel<F: Float>(
     ));
 }
 
+/// SwiGLU element by element: `out = gate / (1 + e^-gate) * up` as the CPU computes it
+/// ([`cpu_swiglu`], in f32, rounded once to `F`), one unit per value; `gate`, `up` and
+/// `out` hold `out.len()` values, contiguous. `zero` is 0 (see [`opaque`]);
+/// `native_fma` says whether the device's `fma` is fused.
+#[cube(launch)]
+pub(crate) fn swiglu_kernel<F: Float>(
+    gate: &Tensor<F>,
+    up: &Tensor<F>,
+    out: &mut Tensor<F>,
+    zero: u32,
+    #[comptime] native_fma: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= out.len() {
+        terminate!();
+    }
+    out[i] = F::cast_from(cpu_swiglu(
+        f32::cast_from(gate[i]),
+        f32::cast_from(up[i]),
+        zero,
+        native_fma,
+    ));
+}
+
 /// The position of query token `token` in a step's `meta` (the layout of
 /// [`PagedBatch::device_table`](crate::model::attention::PagedBatch::device_table)).
 #[cube]

@@ -194,6 +194,10 @@ pub trait CubeKernels: Backend {
         eps: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
+    /// SwiGLU of `gate` and `up` (the same shape), element by element, as the CPU computes
+    /// it (see [`LlamaBackend::swiglu`]). The caller has checked the shapes.
+    fn swiglu_primitive(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;
+
     /// RoPE in the rotate-half layout on `x` `[rows, width]` with `cos`/`sin` of its shape
     /// (see [`LlamaBackend::rope`]), heads of `head_dim` values. The caller has checked the
     /// shapes.
@@ -542,6 +546,31 @@ where
             dtype.into(),
         );
         (sum, out)
+    }
+
+    fn swiglu_primitive(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        use burn_cubecl::kernel::into_contiguous;
+        use cubecl::{CubeCount, CubeDim};
+        let gate = into_contiguous(gate);
+        let up = into_contiguous(up);
+        let [rows, width] = dims2(&gate);
+        let out = empty_on(&gate, burn::tensor::Shape::new([rows, width]), gate.dtype);
+        let client = gate.client.clone();
+        let dtype = gate.dtype;
+        let n = (rows * width) as u32;
+        let width_units = 256u32;
+        kernels::swiglu_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(n.div_ceil(width_units), 1, 1),
+            CubeDim::new_1d(width_units),
+            gate.into_tensor_arg(),
+            up.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            0,
+            native_fma::<R>(&client),
+            dtype.into(),
+        );
+        out
     }
 
     fn rope_primitive(
@@ -942,6 +971,18 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
             },
         );
         (sum, normed)
+    }
+
+    fn swiglu_primitive(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let out = (gate.shape.clone(), gate.dtype);
+        let [gated] = stream_kernel::<B, 2, 0, 1>(
+            "llama_burn_swiglu",
+            [gate, up],
+            [],
+            [out],
+            move |[gate, up], []| [B::swiglu_primitive(gate, up)],
+        );
+        gated
     }
 
     fn rope_primitive(
@@ -1760,6 +1801,21 @@ fn add_rms_norm<B: LlamaBackend + CubeKernels>(
     ))
 }
 
+/// [`LlamaBackend::swiglu`] through [`CubeKernels::swiglu_primitive`]: one launch, the
+/// CPU's arithmetic (Burn's `silu` and multiply were three element-wise operations with
+/// the device's own `exp`).
+fn swiglu<B: LlamaBackend + CubeKernels>(
+    gate: Tensor<B, 2>,
+    up: Tensor<B, 2>,
+) -> Result<Tensor<B, 2>> {
+    crate::backend::check_same_shape("swiglu up", &gate, &up)?;
+    if gate.dims().contains(&0) || gate.dtype() != up.dtype() {
+        return Ok(burn::tensor::activation::silu(gate) * up);
+    }
+    let out = B::swiglu_primitive(gate.into_primitive().tensor(), up.into_primitive().tensor());
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
 /// [`LlamaBackend::rope`] through [`CubeKernels::rope_primitive`] (one launch).
 fn rope<B: LlamaBackend + CubeKernels>(
     x: Tensor<B, 2>,
@@ -1956,6 +2012,10 @@ macro_rules! cube_llama_backend {
             eps: f64,
         ) -> Result<(Tensor<Self, 2>, Tensor<Self, 2>)> {
             add_rms_norm(x, delta, weight, eps)
+        }
+
+        fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Result<Tensor<Self, 2>> {
+            swiglu(gate, up)
         }
 
         fn rope(
