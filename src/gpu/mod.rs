@@ -34,6 +34,12 @@
 //!   keys and the paged write of its keys and values in one kernel, the angles read from
 //!   the RoPE table at each token's position; with Q, K and V in one product and each
 //!   residual add inside the next norm, a decode step launches 8 kernels a layer.
+//! - [`rms_norm`](LlamaBackend::rms_norm), [`add_rms_norm`](LlamaBackend::add_rms_norm),
+//!   [`rope`](LlamaBackend::rope), [`swiglu`](LlamaBackend::swiglu) and the attention
+//!   kernels take the CPU kernels' steps in their order with their roundings (each product
+//!   kept from contraction into a fused multiply-add, division and square root corrected
+//!   to nearest, the CPU's `exp`), so with the `fast` product the whole model's f32 logits
+//!   are the CPU backend's bit for bit.
 //! - [`dense_matmul`](LlamaBackend::dense_matmul): projections and the output head held
 //!   in the float type (F32/F16/BF16 checkpoints) through our own kernel, each output its
 //!   own sum in one order, so that they are batch-invariant too: Burn's matmul is not
