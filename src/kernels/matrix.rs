@@ -268,6 +268,13 @@ impl QuantMatrix {
         (&self.data[start..start + n * self.row_bytes()], n)
     }
 
+    /// The bytes of rows `first .. first + 16` (or to the last row): a panel's weights,
+    /// two groups stored one after the other.
+    pub(crate) fn panel_bytes(&self, first: usize) -> &[u8] {
+        let end = (first + 2 * GROUP_ROWS).min(self.rows);
+        &self.data[first * self.row_bytes()..end * self.row_bytes()]
+    }
+
     /// Copies block `b` of row `r`, in ggml's layout, into `out` (`block_bytes` long).
     pub(crate) fn block_into(&self, r: usize, b: usize, out: &mut [u8]) {
         let (bb, hb) = (self.format.block_bytes(), self.format.head_bytes());

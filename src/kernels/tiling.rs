@@ -100,6 +100,25 @@ pub(crate) fn prefetch_step(step: *const u8) {
     }
 }
 
+/// Asks for share `part` of `parts` of `bytes` (whole lines) into the second-level
+/// cache: a panel kernel spreads the next panel's weights over its row tiles this way,
+/// so they come from memory while the tiles compute rather than when the panel is
+/// decoded. A hint only; off x86-64 it does nothing.
+#[inline(always)]
+pub(crate) fn prefetch_share(bytes: &[u8], part: usize, parts: usize) {
+    let lines = bytes.len().div_ceil(64);
+    let per = lines.div_ceil(parts.max(1));
+    let (from, to) = ((part * per).min(lines), ((part + 1) * per).min(lines));
+    #[cfg(target_arch = "x86_64")]
+    for line in from..to {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: SSE is part of every x86-64 CPU; the line starts inside `bytes`.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().add(64 * line).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (from, to);
+}
+
 /// The fewest whole steps of `len` bytes (at least a line) that make `bytes`, in bytes.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
