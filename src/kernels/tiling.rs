@@ -26,6 +26,16 @@ impl Columns {
         }
     }
 
+    /// Where row `r`'s column `col` is, for a kernel that stores its results itself.
+    ///
+    /// # Safety
+    ///
+    /// Inside the buffer; what is written there follows [`Columns::write`]'s contract.
+    pub(crate) unsafe fn at(&self, r: usize, col: usize) -> *mut f32 {
+        // SAFETY: the caller's contract.
+        unsafe { self.out.add(r * self.n_out + col) }
+    }
+
     /// Writes `values` at row `r`, columns `col..col + values.len()`.
     ///
     /// # Safety

@@ -209,6 +209,11 @@ fn matmul_int8(
     // Chunks of whole panels (16 outputs), guided: large first, small last.
     let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
     let mut out = Vec::with_capacity(rows * n_out);
+    // In the unit tests the spare capacity starts as NaN: a value no kernel wrote shows
+    // (a freed buffer of an earlier path's call, reused, would hold the right bits).
+    #[cfg(test)]
+    out.spare_capacity_mut()
+        .fill(std::mem::MaybeUninit::new(f32::NAN));
     let target = Columns::spare(&mut out, n_out);
     let vnni = path.has_vnni();
     let in_registers = vnni;
@@ -369,6 +374,17 @@ fn matmul_int8(
                 }
                 // The next panel's weights, a share per row tile.
                 let next = (first + LANES < end).then(|| w.panel_bytes(first + LANES));
+                #[cfg(target_arch = "x86_64")]
+                if vnni {
+                    // SAFETY: `vnni` says this CPU has AVX-512 with VNNI; the panel and
+                    // the rows were built for `w`; `target` holds `rows` rows of `n_out`
+                    // columns, and `first .. first + n` lie in this chunk's `start..end`,
+                    // which no other chunk writes.
+                    unsafe {
+                        x86::vnni_panel(panel, w.format(), &acts, rows, &target, first, n, next)
+                    };
+                    continue;
+                }
                 let tiles = rows.div_ceil(ROW_TILE);
                 let mut r = 0;
                 while r < rows {
@@ -376,7 +392,7 @@ fn matmul_int8(
                     if let Some(next) = next {
                         super::tiling::prefetch_share(next, r / ROW_TILE, tiles);
                     }
-                    run_tile(path, vnni, panel, w.format(), &acts, r, tile, &mut res);
+                    run_tile(path, panel, w.format(), &acts, r, tile, &mut res);
                     for (i, row) in res.iter().take(tile).enumerate() {
                         // SAFETY: row `r + i < rows`; columns `first .. first + n` lie in
                         // this chunk's `start..end`, which no other chunk writes.
@@ -405,11 +421,10 @@ thread_local! {
     static SUMS: std::cell::RefCell<Vec<RowSums>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Results of activation rows `r0 .. r0 + tile` against the panel's sixteen rows.
-#[allow(clippy::too_many_arguments)]
+/// Results of activation rows `r0 .. r0 + tile` against the panel's sixteen rows, on
+/// the paths without VNNI (which takes whole panels, `x86::vnni_panel`).
 fn run_tile(
     path: SimdPath,
-    vnni: bool,
     panel: &Panel,
     format: QuantFormat,
     acts: &QuantizedRows,
@@ -418,14 +433,6 @@ fn run_tile(
     out: &mut [[f32; LANES]; ROW_TILE],
 ) {
     let f = format.int_form();
-    #[cfg(target_arch = "x86_64")]
-    if vnni {
-        // SAFETY: `vnni` says this CPU has AVX-512 with VNNI; the panel and the rows
-        // were built for the same matrix and `r0 + tile <= rows`.
-        unsafe { x86::vnni_tile(panel, format, acts, r0, tile, out) };
-        return;
-    }
-    let _ = vnni;
     on_simd_path!(path, plain_tile(
         panel: &Panel,
         f: IntForm,

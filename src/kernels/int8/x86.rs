@@ -5,6 +5,7 @@
 use super::activations::QuantizedRows;
 use super::{GROUP_TILE, LANES, Panel, QK, ROW_TILE};
 use crate::kernels::matrix::{GROUP_ROWS, QuantMatrix};
+use crate::kernels::tiling::Columns;
 use crate::kernels::x86::{Avx2, Isa, Vnni, transpose8};
 use crate::quant::{IntForm, IntScales, QuantFormat, with_format};
 
@@ -97,7 +98,7 @@ macro_rules! with_tile {
 /// Results of activation rows `r0 .. r0 + tile` against the eight rows of a full group,
 /// decoded in registers from the grouped layout (no panel): a block's eight rows of
 /// quantized values are transposed into vectors of four values per row (lanes = rows),
-/// then multiplied as [`vnni_tile`] does, with the same integer sums and float steps, so
+/// then multiplied as [`vnni_tile_rows`] does, with the same integer sums and float steps, so
 /// the same bits. Compiled for AVX-512 VNNI ([`group_tile_vnni`]) and AVX2
 /// ([`group_tile_avx2`]).
 ///
@@ -951,41 +952,92 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
     }
 }
 
-/// The kernel with `vpdpbusd`: per sub-block, eight dot products of four bytes for all
-/// sixteen lanes of each activation row of the tile.
+/// The kernel with `vpdpbusd` for every activation row against the panel's sixteen
+/// rows: tiles of [`ROW_TILE`] rows ([`vnni_tile_rows`]), each tile's results stored
+/// straight into columns `first .. first + n` of `target` (no results array copied
+/// after each tile: that copy and the per-tile dispatch were 6-7% of a 128-row
+/// product's samples). `next`, the next panel's weights, is asked for a share per tile.
 ///
 /// # Safety
 ///
-/// The CPU has AVX-512 F/BW/VL, VNNI and FMA; the panel and rows come from one matrix
-/// and `r0 + tile` rows exist.
+/// The CPU has AVX-512 F/BW/VL, VNNI and FMA; the panel and rows come from one matrix;
+/// `acts` holds `rows` rows; `target` holds `rows` rows of at least `first + n`
+/// columns, of which `first .. first + n` (`n <= 16`) are this caller's alone.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
-pub(super) unsafe fn vnni_tile(
+pub(super) unsafe fn vnni_panel(
     panel: &Panel,
     format: QuantFormat,
     acts: &QuantizedRows,
-    r0: usize,
-    tile: usize,
-    out: &mut [[f32; LANES]; ROW_TILE],
+    rows: usize,
+    target: &Columns,
+    first: usize,
+    n: usize,
+    next: Option<&[u8]>,
 ) {
     // SAFETY: forwarded.
     unsafe {
-        with_format!(format, F => with_tile!(tile, T => vnni_tile_rows::<T, { same_form(F) }>(panel, acts, r0, out)))
+        with_format!(format, F => vnni_panel_of::<{ same_form(F) }>(panel, acts, rows, target, first, n, next))
     }
 }
 
-/// [`vnni_tile`] for `T` rows of the format whose id is `F` ([`format_at`]): its integer
-/// form is a constant, so the kernel has no branch on it; the integer sums and float
-/// steps are the module's, in its order.
+/// [`vnni_panel`] for the format whose id is `F`: whole tiles, then the rest.
 ///
 /// # Safety
 ///
-/// As [`vnni_tile`], with `T` for `tile`.
+/// As [`vnni_panel`].
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn vnni_panel_of<const F: u8>(
+    panel: &Panel,
+    acts: &QuantizedRows,
+    rows: usize,
+    target: &Columns,
+    first: usize,
+    n: usize,
+    next: Option<&[u8]>,
+) {
+    let tiles = rows.div_ceil(ROW_TILE);
+    let mask: u16 = if n >= LANES {
+        u16::MAX
+    } else {
+        (1u16 << n) - 1
+    };
+    let mut r = 0;
+    while r < rows {
+        if let Some(next) = next {
+            crate::kernels::tiling::prefetch_share(next, r / ROW_TILE, tiles);
+        }
+        let tile = ROW_TILE.min(rows - r);
+        // SAFETY: the caller's contract; rows `r .. r + tile` exist, and their columns
+        // `first .. first + n` are the caller's.
+        unsafe {
+            let out = target.at(r, first);
+            with_tile!(tile, T => vnni_tile_rows::<T, F>(panel, acts, r, out, target.n_out, mask))
+        }
+        r += tile;
+    }
+}
+
+/// [`vnni_panel`]'s tile of `T` rows of the format whose id is `F` ([`format_at`]): its
+/// integer form is a constant, so the kernel has no branch on it; the integer sums and
+/// float steps are the module's, in its order. Row `i`'s results go to lanes `mask` of
+/// `out + i * stride`. Never inlined: one function per tile and format, as
+/// [`group_tile_vnni_of`].
+///
+/// # Safety
+///
+/// As [`vnni_panel`]; rows `r0 .. r0 + T` exist; `out + i * stride` holds the lanes in
+/// `mask` for `i < T`.
+#[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
     panel: &Panel,
     acts: &QuantizedRows,
     r0: usize,
-    out: &mut [[f32; LANES]; ROW_TILE],
+    out: *mut f32,
+    stride: usize,
+    mask: u16,
 ) {
     use std::arch::x86_64::*;
     // Constant per format: each `if const` below keeps only the format's own steps.
@@ -1053,9 +1105,9 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
             });
         }
     }
-    for (o, a) in out.iter_mut().zip(acc) {
-        // SAFETY: `o` holds 16 floats.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+    for (i, a) in acc.into_iter().enumerate() {
+        // SAFETY: the caller's contract (row `i < T`, the lanes in `mask`).
+        unsafe { _mm512_mask_storeu_ps(out.add(i * stride), mask, a) };
     }
 }
 

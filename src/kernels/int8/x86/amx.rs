@@ -375,7 +375,7 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
 
 /// [`amx_panel`] for the format whose id is `F`, one without an integer scale (Q8_0,
 /// Q4_0, Q4_1, Q5_0, Q5_1): one product per sub-block, whose sums the vector units
-/// scale as [`vnni_tile`](super::vnni_tile) does. A group of sixteen rows runs through
+/// scale as [`vnni_tile_rows`](super::vnni_tile_rows) does. A group of sixteen rows runs through
 /// the whole row with its float sums in registers, a chunk of products ahead.
 ///
 /// # Safety
