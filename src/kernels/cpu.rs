@@ -109,6 +109,19 @@ impl SimdPath {
         }
     }
 
+    /// Whether the path's `vpdpbusd` kernels ([`has_vnni`](Self::has_vnni)) decode Q6_K
+    /// with GFNI's bit matrices (the same values, fewer instructions).
+    pub(crate) fn has_gfni(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.has_vnni() && std::arch::is_x86_feature_detected!("gfni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
     /// Whether the path runs the `fast` precision's AMX tile kernel for products of 32
     /// rows or more (prompts, large batches): the AVX-512 path where the CPU has VNNI,
     /// AMX-TILE and AMX-INT8, Linux has granted this process the tile data, and

@@ -48,6 +48,32 @@ pub(crate) trait Isa {
         b: std::arch::x86_64::__m256i,
     ) -> std::arch::x86_64::__m256i;
 
+    /// Bits `2 J` and `2 J + 1` of each byte of `h` moved to bits 4 and 5, the others
+    /// zero (Q6_K's high bits of sub-block `J` of a quarter): a shift in 16-bit lanes
+    /// and a mask, or where the CPU has GFNI one bit-matrix product per byte
+    /// ([`VnniGfni`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`transpose4`](Self::transpose4).
+    #[inline(always)]
+    unsafe fn pair_to_bits45<const J: usize>(
+        h: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX2 at least). The mask drops what the 16-bit
+        // shifts move across a byte.
+        unsafe {
+            let moved = match J {
+                0 => _mm256_slli_epi16::<4>(h),
+                1 => _mm256_slli_epi16::<2>(h),
+                2 => h,
+                _ => _mm256_srli_epi16::<2>(h),
+            };
+            _mm256_and_si256(moved, _mm256_set1_epi8(0x30))
+        }
+    }
+
     /// Whether [`dot4`](Self::dot4) takes only bytes below 64, so Q8_0's values are
     /// multiplied signed (`|q| * sign(x, q)`) rather than offset by 128.
     const SMALL_BYTES: bool;
@@ -60,6 +86,12 @@ pub(crate) struct Vnni;
 
 /// AVX2 with FMA and F16C: `vpmaddubsw` then `vpmaddwd`, and unpacks.
 pub(crate) struct Avx2;
+
+/// [`Vnni`] on a CPU that also has GFNI: [`Isa::pair_to_bits45`] in one
+/// `vgf2p8affineqb` (a bit matrix per byte) instead of a shift and a mask. Q6_K's
+/// decoder moves two high bits per value, and at one row its decoding, not the memory,
+/// bounded it (Zen 4; Cascade Lake has VNNI without GFNI and keeps [`Vnni`]).
+pub(crate) struct VnniGfni;
 
 impl Isa for Vnni {
     #[inline(always)]
@@ -109,6 +141,55 @@ impl Isa for Vnni {
     ) -> std::arch::x86_64::__m256i {
         // SAFETY: the caller's contract (AVX-512 F/VL). 0xEA: (a & mask) | b.
         unsafe { std::arch::x86_64::_mm256_ternarylogic_epi32::<0xEA>(a, mask, b) }
+    }
+
+    const SMALL_BYTES: bool = false;
+}
+
+impl Isa for VnniGfni {
+    #[inline(always)]
+    unsafe fn transpose4(a: [std::arch::x86_64::__m256i; 4]) -> [std::arch::x86_64::__m256i; 4] {
+        // SAFETY: the caller's contract (AVX-512 F/VL).
+        unsafe { Vnni::transpose4(a) }
+    }
+
+    #[inline(always)]
+    unsafe fn f16_low(v: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract (AVX-512 VL, F16C).
+        unsafe { Vnni::f16_low(v) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot4(
+        acc: std::arch::x86_64::__m256i,
+        w: std::arch::x86_64::__m256i,
+        x: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        // SAFETY: the caller's contract (AVX-512 VL, VNNI).
+        unsafe { Vnni::dot4(acc, w, x) }
+    }
+
+    #[inline(always)]
+    unsafe fn and_or(
+        a: std::arch::x86_64::__m256i,
+        mask: std::arch::x86_64::__m256i,
+        b: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        // SAFETY: the caller's contract (AVX-512 F/VL).
+        unsafe { Vnni::and_or(a, mask, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn pair_to_bits45<const J: usize>(
+        h: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // Output bit `i` of each byte is the parity of the byte AND byte `7 - i` of the
+        // matrix: bit 4 takes input bit `2 J` (matrix byte 3), bit 5 input bit `2 J + 1`
+        // (matrix byte 2); every other row is zero.
+        let matrix = ((1i64 << (2 * J)) << 24) | ((1i64 << (2 * J + 1)) << 16);
+        // SAFETY: the caller's contract (GFNI and AVX).
+        unsafe { _mm256_gf2p8affine_epi64_epi8::<0>(h, _mm256_set1_epi64x(matrix)) }
     }
 
     const SMALL_BYTES: bool = false;

@@ -161,7 +161,8 @@ pub fn matmul_transposed_int8_on(
     rows: usize,
     w: &QuantMatrix,
 ) -> Result<Vec<f32>> {
-    matmul_int8(path, path.has_amx() && rows >= AMX_FROM_ROWS, x, rows, w)
+    let amx = path.has_amx() && rows >= AMX_FROM_ROWS;
+    matmul_int8(path, amx, path.has_gfni(), x, rows, w)
 }
 
 /// Activation rows from which a product takes the AMX kernel where the CPU has it. Its
@@ -180,6 +181,7 @@ const AMX_FROM_ROWS: usize = 32;
 fn matmul_int8(
     path: SimdPath,
     amx: bool,
+    gfni: bool,
     x: &[f32],
     rows: usize,
     w: &QuantMatrix,
@@ -216,6 +218,7 @@ fn matmul_int8(
         .fill(std::mem::MaybeUninit::new(f32::NAN));
     let target = Columns::spare(&mut out, n_out);
     let vnni = path.has_vnni();
+    let gfni = gfni && vnni && path.has_gfni();
     let in_registers = vnni;
     let avx2_registers = !vnni && path.has_avx2_integer();
     // More rows than a group tile: decoded once into the panel, reused for every row.
@@ -277,6 +280,7 @@ fn matmul_int8(
                                 if in_registers {
                                     x86::group_tile_vnni(
                                         w.format(),
+                                        gfni,
                                         group,
                                         &acts,
                                         r,
@@ -332,6 +336,10 @@ fn matmul_int8(
                     // SAFETY: `avx2_panel` says this CPU has AVX2, FMA and F16C; `first`
                     // starts two full groups.
                     unsafe { panel.fill_in_registers_avx2(w, first) };
+                } else if gfni && n == LANES && w.format() == QuantFormat::Q6_K {
+                    // SAFETY: as above (AVX-512 with VNNI), and `gfni` says the CPU has
+                    // GFNI.
+                    unsafe { panel.fill_in_registers_gfni(w, first) };
                 } else if in_registers && n == LANES {
                     // SAFETY: as above (AVX-512 with VNNI).
                     unsafe { panel.fill_in_registers(w, first) };
@@ -507,12 +515,18 @@ mod tests {
             .collect()
     }
 
-    /// Every kernel this CPU runs: each path with the AMX tile kernel off, and the
-    /// AVX-512 path with it on where the CPU has AMX (whatever `LLAMA_BURN_AMX` says).
-    fn kernels() -> Vec<(SimdPath, bool)> {
-        let mut all: Vec<_> = paths().into_iter().map(|p| (p, false)).collect();
+    /// Every kernel this CPU runs: each path with the AMX tile kernel and GFNI off, the
+    /// AVX-512 path with GFNI where the CPU has it, and with AMX on where the CPU has it
+    /// (whatever `LLAMA_BURN_AMX` says).
+    fn kernels() -> Vec<(SimdPath, bool, bool)> {
+        let mut all: Vec<_> = paths().into_iter().map(|p| (p, false, false)).collect();
+        if SimdPath::Avx512.has_gfni() {
+            all.push((SimdPath::Avx512, false, true));
+        } else {
+            eprintln!("GFNI decoding not tested: this CPU lacks GFNI or AVX-512 VNNI");
+        }
         if amx_here() {
-            all.push((SimdPath::Avx512, true));
+            all.push((SimdPath::Avx512, true, false));
         }
         all
     }
@@ -630,8 +644,8 @@ mod tests {
                     let x: Vec<f32> = (0..rows * n_in)
                         .map(|_| rng.random_range(-1.0f32..1.0))
                         .collect();
-                    for (path, amx) in kernels() {
-                        let got = matmul_int8(path, amx, &x, rows, &w).unwrap();
+                    for (path, amx, gfni) in kernels() {
+                        let got = matmul_int8(path, amx, gfni, &x, rows, &w).unwrap();
                         for r in 0..rows {
                             for j in 0..n_out {
                                 let want = int8_reference(
@@ -642,7 +656,7 @@ mod tests {
                                 assert_eq!(
                                     got[r * n_out + j].to_bits(),
                                     want.to_bits(),
-                                    "{format:?} {path:?} amx {amx} n_in {n_in} rows {rows} ({r}, {j})"
+                                    "{format:?} {path:?} amx {amx} gfni {gfni} n_in {n_in} rows {rows} ({r}, {j})"
                                 );
                             }
                         }
@@ -674,9 +688,9 @@ mod tests {
                 // a group tile takes the panel kernels (and, of sixteen or more, the
                 // AMX kernel where the CPU has it).
                 let many = x.repeat(6);
-                for (path, amx) in kernels() {
-                    let got = matmul_int8(path, amx, &x, 3, &w).unwrap();
-                    let batch = matmul_int8(path, amx, &many, 18, &w).unwrap();
+                for (path, amx, gfni) in kernels() {
+                    let got = matmul_int8(path, amx, gfni, &x, 3, &w).unwrap();
+                    let batch = matmul_int8(path, amx, gfni, &many, 18, &w).unwrap();
                     for r in 0..3 {
                         // One row alone takes other tiles than three together.
                         let alone =
@@ -687,7 +701,7 @@ mod tests {
                             assert_eq!(
                                 alone,
                                 row,
-                                "{format:?} {path:?} amx {amx} row {}",
+                                "{format:?} {path:?} amx {amx} gfni {gfni} row {}",
                                 3 * k + r
                             );
                         }
@@ -701,7 +715,7 @@ mod tests {
                             assert_eq!(
                                 got[r * n_out + j].to_bits(),
                                 want.to_bits(),
-                                "{format:?} byte {byte:#x} {path:?} amx {amx} ({r}, {j})"
+                                "{format:?} byte {byte:#x} {path:?} amx {amx} gfni {gfni} ({r}, {j})"
                             );
                         }
                     }
@@ -719,9 +733,9 @@ mod tests {
             let x: Vec<f32> = (0..19 * 256)
                 .map(|_| rng.random_range(-2.0f32..2.0))
                 .collect();
-            for (path, amx) in kernels() {
+            for (path, amx, gfni) in kernels() {
                 for rows in [7, 19] {
-                    let batch = matmul_int8(path, amx, &x[..rows * 256], rows, &w).unwrap();
+                    let batch = matmul_int8(path, amx, gfni, &x[..rows * 256], rows, &w).unwrap();
                     for r in 0..rows {
                         let alone =
                             matmul_transposed_int8_on(path, &x[r * 256..(r + 1) * 256], 1, &w)
@@ -729,7 +743,7 @@ mod tests {
                         assert_eq!(
                             alone,
                             batch[r * 50..(r + 1) * 50],
-                            "{format:?} {path:?} amx {amx} rows {rows}"
+                            "{format:?} {path:?} amx {amx} gfni {gfni} rows {rows}"
                         );
                     }
                 }

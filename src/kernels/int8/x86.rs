@@ -6,7 +6,7 @@ use super::activations::QuantizedRows;
 use super::{GROUP_TILE, LANES, Panel, QK, ROW_TILE};
 use crate::kernels::matrix::{GROUP_ROWS, QuantMatrix};
 use crate::kernels::tiling::Columns;
-use crate::kernels::x86::{Avx2, Isa, Vnni, transpose8};
+use crate::kernels::x86::{Avx2, Isa, Vnni, VnniGfni, transpose8};
 use crate::quant::{IntForm, IntScales, QuantFormat, with_format};
 
 /// The first format (by id) with the integer form of format `id`: the kernels that
@@ -139,16 +139,38 @@ unsafe fn group_tile<I: Isa, const T: usize, const F: u8>(
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn group_tile_vnni(
     format: QuantFormat,
+    gfni: bool,
     group: &[u8],
     acts: &QuantizedRows,
     r0: usize,
     tile: usize,
     out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
 ) {
-    // SAFETY: forwarded.
+    // SAFETY: forwarded; `gfni` says the CPU has GFNI.
     unsafe {
-        with_format!(format, F => with_tile!(tile, T => group_tile_vnni_of::<T, F>(group, acts, r0, out)))
+        if gfni && format == QuantFormat::Q6_K {
+            with_tile!(tile, T => group_tile_gfni_of::<T>(group, acts, r0, out))
+        } else {
+            with_format!(format, F => with_tile!(tile, T => group_tile_vnni_of::<T, F>(group, acts, r0, out)))
+        }
     }
+}
+
+/// [`group_tile_vnni`] for `T` rows of Q6_K on a CPU with GFNI ([`VnniGfni`]).
+///
+/// # Safety
+///
+/// As [`group_tile_vnni`], the CPU also having GFNI, with `T` for `tile`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c,avx2,gfni")]
+#[inline(never)]
+unsafe fn group_tile_gfni_of<const T: usize>(
+    group: &[u8],
+    acts: &QuantizedRows,
+    r0: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe { group_tile::<VnniGfni, T, { QuantFormat::Q6_K as u8 }>(group, acts, r0, out) }
 }
 
 /// [`group_tile_vnni`] for `T` rows of format `F`: one function per tile and format,
@@ -293,6 +315,20 @@ impl Panel {
         unsafe { self.fill_with::<Vnni>(w, first) }
     }
 
+    /// [`fill_in_registers`](Self::fill_in_registers) for Q6_K on a CPU with GFNI
+    /// ([`VnniGfni`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`fill_in_registers`](Self::fill_in_registers), the CPU also having GFNI; `w`
+    /// is Q6_K.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2,gfni")]
+    pub(super) unsafe fn fill_in_registers_gfni(&mut self, w: &QuantMatrix, first: usize) {
+        debug_assert_eq!(w.format(), QuantFormat::Q6_K);
+        // SAFETY: forwarded.
+        unsafe { self.fill_as::<VnniGfni, { QuantFormat::Q6_K as u8 }>(w, first) }
+    }
+
     /// [`fill_in_registers`](Self::fill_in_registers) with AVX2's instructions.
     ///
     /// # Safety
@@ -311,6 +347,17 @@ impl Panel {
     /// The CPU has `I`'s features; `first` starts two full groups of `w`.
     #[inline(always)]
     unsafe fn fill_with<I: Isa>(&mut self, w: &QuantMatrix, first: usize) {
+        // SAFETY: forwarded; `F` is `w`'s format.
+        unsafe { with_format!(w.format(), F => self.fill_as::<I, F>(w, first)) }
+    }
+
+    /// [`fill_with`](Self::fill_with) for `w` of the format whose id is `F`.
+    ///
+    /// # Safety
+    ///
+    /// As [`fill_with`](Self::fill_with); `F` is `w`'s format.
+    #[inline(always)]
+    unsafe fn fill_as<I: Isa, const F: u8>(&mut self, w: &QuantMatrix, first: usize) {
         let subs = w.cols() / QK;
         self.u.resize(subs * 8 * LANES, 0);
         self.sc.resize(subs * 2 * LANES, 0);
@@ -328,7 +375,7 @@ impl Panel {
             };
             // SAFETY: the caller's contract; every store is inside the vectors sized
             // above (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`).
-            unsafe { with_format!(w.format(), F => decode_group::<I, F>(group, subs, &mut sink)) };
+            unsafe { decode_group::<I, F>(group, subs, &mut sink) };
         }
     }
 }
@@ -915,7 +962,7 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
             let up = _mm256_sll_epi32(packed[k / 4], _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32));
             *v = _mm256_srai_epi32::<24>(up);
         }
-        let (nibble, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+        let nibble = _mm256_set1_epi8(0x0F);
         let mut w = [_mm256_setzero_si256(); 8];
         unrolled!(half in [0 1] => {
             let a = words8(step, 16 * half);
@@ -930,15 +977,8 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
                     } else {
                         _mm256_srli_epi16::<4>(src[k])
                     };
-                    // Bits 2j, 2j + 1 of each `qh` byte moved to bits 4, 5 (shifts in
-                    // 16-bit lanes: the mask drops what crosses a byte).
-                    let moved = match j {
-                        0 => _mm256_slli_epi16::<4>(h[k]),
-                        1 => _mm256_slli_epi16::<2>(h[k]),
-                        2 => h[k],
-                        _ => _mm256_srli_epi16::<2>(h[k]),
-                    };
-                    *v = I::and_or(low, nibble, _mm256_and_si256(moved, top));
+                    // Bits 2j, 2j + 1 of each `qh` byte moved to bits 4, 5.
+                    *v = I::and_or(low, nibble, I::pair_to_bits45::<j>(h[k]));
                 }
                 let scales = SubScales {
                     sc0: scale[2 * s],
