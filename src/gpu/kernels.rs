@@ -1225,16 +1225,28 @@ fn rounded_div(a: f32, b: f32, zero: u32, #[comptime] native: bool) -> f32 {
     let (a, b) = (opaque(a * scale, zero), opaque(b * scale, zero));
     let bits = q.to_bits();
     let (lo, hi) = (f32::from_bits(bits - 1), f32::from_bits(bits + 1));
-    let r = fused_mul_add(-q, b, a, zero, native).abs();
-    let r_lo = fused_mul_add(-lo, b, a, zero, native).abs();
-    let r_hi = fused_mul_add(-hi, b, a, zero, native).abs();
-    let mut best = q;
-    let mut best_r = r;
-    if r_lo < best_r {
+    nearest_of(
+        q,
+        fused_mul_add(-q, b, a, zero, native),
+        lo,
+        fused_mul_add(-lo, b, a, zero, native),
+        hi,
+        fused_mul_add(-hi, b, a, zero, native),
+    )
+}
+
+/// Of a device's result `x` and its neighbours `lo` and `hi`, the one whose exact
+/// residual (`r`, `r_lo`, `r_hi`, of either sign) is the smallest; `x` on a tie with it,
+/// then `lo`: the last step of [`rounded_div`] and [`rounded_sqrt`].
+#[cube]
+fn nearest_of(x: f32, r: f32, lo: f32, r_lo: f32, hi: f32, r_hi: f32) -> f32 {
+    let mut best = x;
+    let mut best_r = r.abs();
+    if r_lo.abs() < best_r {
         best = lo;
-        best_r = r_lo;
+        best_r = r_lo.abs();
     }
-    if r_hi < best_r {
+    if r_hi.abs() < best_r {
         best = hi;
     }
     best
@@ -1249,19 +1261,14 @@ fn rounded_sqrt(a: f32, zero: u32, #[comptime] native: bool) -> f32 {
     let s = a.sqrt();
     let bits = s.to_bits();
     let (lo, hi) = (f32::from_bits(bits - 1), f32::from_bits(bits + 1));
-    let r = fused_mul_add(-s, s, a, zero, native).abs();
-    let r_lo = fused_mul_add(-lo, lo, a, zero, native).abs();
-    let r_hi = fused_mul_add(-hi, hi, a, zero, native).abs();
-    let mut best = s;
-    let mut best_r = r;
-    if r_lo < best_r {
-        best = lo;
-        best_r = r_lo;
-    }
-    if r_hi < best_r {
-        best = hi;
-    }
-    best
+    nearest_of(
+        s,
+        fused_mul_add(-s, s, a, zero, native),
+        lo,
+        fused_mul_add(-lo, lo, a, zero, native),
+        hi,
+        fused_mul_add(-hi, hi, a, zero, native),
+    )
 }
 
 /// `a * b` rounded on its own: never fused with the add that follows it (CUDA's compiler

@@ -556,19 +556,17 @@ where
 
     fn swiglu_primitive(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         use burn_cubecl::kernel::into_contiguous;
-        use cubecl::{CubeCount, CubeDim};
         let gate = into_contiguous(gate);
         let up = into_contiguous(up);
         let [rows, width] = dims2(&gate);
         let out = empty_on(&gate, burn::tensor::Shape::new([rows, width]), gate.dtype);
         let client = gate.client.clone();
         let dtype = gate.dtype;
-        let n = (rows * width) as u32;
-        let width_units = 256u32;
+        let (count, dim) = elementwise_grid(rows * width);
         kernels::swiglu_kernel::launch::<R>(
             &client,
-            CubeCount::Static(n.div_ceil(width_units), 1, 1),
-            CubeDim::new_1d(width_units),
+            count,
+            dim,
             gate.into_tensor_arg(),
             up.into_tensor_arg(),
             out.clone().into_tensor_arg(),
@@ -586,7 +584,6 @@ where
         head_dim: usize,
     ) -> FloatTensor<Self> {
         use burn_cubecl::kernel::into_contiguous;
-        use cubecl::{CubeCount, CubeDim};
         let x = into_contiguous(x);
         let cos = into_contiguous(cos);
         let sin = into_contiguous(sin);
@@ -594,12 +591,11 @@ where
         let out = empty_on(&x, burn::tensor::Shape::new([rows, width]), x.dtype);
         let client = x.client.clone();
         let dtype = x.dtype;
-        let n = (rows * width) as u32;
-        let width_units = 256u32;
+        let (count, dim) = elementwise_grid(rows * width);
         kernels::rope_kernel::launch::<R>(
             &client,
-            CubeCount::Static(n.div_ceil(width_units), 1, 1),
-            CubeDim::new_1d(width_units),
+            count,
+            dim,
             x.into_tensor_arg(),
             cos.into_tensor_arg(),
             sin.into_tensor_arg(),
@@ -1158,6 +1154,16 @@ fn unit_stride_rows<R: CubeRuntime>(
     } else {
         burn_cubecl::kernel::into_contiguous(t)
     }
+}
+
+/// The grid of an element-wise kernel over `values` values: one unit per value, 256
+/// units a cube (the kernels check their index against the length).
+fn elementwise_grid(values: usize) -> (cubecl::CubeCount, cubecl::CubeDim) {
+    const UNITS: u32 = 256;
+    (
+        cubecl::CubeCount::Static((values as u32).div_ceil(UNITS), 1, 1),
+        cubecl::CubeDim::new_1d(UNITS),
+    )
 }
 
 /// The two dimensions of a matrix (a vector counts as one row).
