@@ -258,6 +258,7 @@ fn matmul_int8(
         // 512-byte `memset` call for every eight rows of every panel) it took 4% of a
         // 128-row product's samples.
         let mut res = [[0f32; LANES]; ROW_TILE];
+        #[cfg(target_arch = "x86_64")]
         let mut group_res = [[0f32; GROUP_ROWS]; GROUP_TILE];
         PANEL.with_borrow_mut(|panel| {
             for first in (start..end).step_by(LANES) {
