@@ -337,13 +337,10 @@ fn matmul_int8(
                     // SAFETY: `avx2_panel` says this CPU has AVX2, FMA and F16C; `first`
                     // starts two full groups.
                     unsafe { panel.fill_in_registers_avx2(w, first) };
-                } else if gfni && n == LANES && w.format() == QuantFormat::Q6_K {
+                } else if in_registers && n == LANES {
                     // SAFETY: as above (AVX-512 with VNNI), and `gfni` says the CPU has
                     // GFNI.
-                    unsafe { panel.fill_in_registers_gfni(w, first) };
-                } else if in_registers && n == LANES {
-                    // SAFETY: as above (AVX-512 with VNNI).
-                    unsafe { panel.fill_in_registers(w, first) };
+                    unsafe { panel.fill_in_registers(w, first, gfni) };
                 } else {
                     panel.fill(w, first, n);
                 }

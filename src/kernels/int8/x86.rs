@@ -148,7 +148,7 @@ pub(super) unsafe fn group_tile_vnni(
 ) {
     // SAFETY: forwarded; `gfni` says the CPU has GFNI.
     unsafe {
-        if gfni && format == QuantFormat::Q6_K {
+        if gfni && takes_gfni(format) {
             with_tile!(tile, T => group_tile_gfni_of::<T>(group, acts, r0, out))
         } else {
             with_format!(format, F => with_tile!(tile, T => group_tile_vnni_of::<T, F>(group, acts, r0, out)))
@@ -289,6 +289,13 @@ enum Decoder {
     Q6K,
 }
 
+/// Whether `format` is decoded with GFNI where the CPU has it ([`VnniGfni`]): Q6_K,
+/// whose two high bits per value one `vgf2p8affineqb` places. The one place that says so,
+/// for the group tiles and the panels alike.
+const fn takes_gfni(format: QuantFormat) -> bool {
+    matches!(format, QuantFormat::Q6_K)
+}
+
 /// The decoder of `format`'s grouped steps.
 const fn decoder_of(format: QuantFormat) -> Decoder {
     match format {
@@ -309,10 +316,22 @@ impl Panel {
     ///
     /// The CPU has AVX-512 F/BW/VL, F16C and AVX2; `first` starts two full groups of
     /// `w`.
+    /// With `gfni`, a format that [`takes_gfni`] decodes with [`VnniGfni`].
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512 F/BW/VL, F16C and AVX2, and GFNI where `gfni`; `first` starts
+    /// two full groups of `w`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
-    pub(super) unsafe fn fill_in_registers(&mut self, w: &QuantMatrix, first: usize) {
-        // SAFETY: forwarded.
-        unsafe { self.fill_with::<Vnni>(w, first) }
+    pub(super) unsafe fn fill_in_registers(&mut self, w: &QuantMatrix, first: usize, gfni: bool) {
+        // SAFETY: forwarded; `gfni` says the CPU has GFNI.
+        unsafe {
+            if gfni && takes_gfni(w.format()) {
+                self.fill_in_registers_gfni(w, first)
+            } else {
+                self.fill_with::<Vnni>(w, first)
+            }
+        }
     }
 
     /// [`fill_in_registers`](Self::fill_in_registers) for Q6_K on a CPU with GFNI
@@ -323,7 +342,7 @@ impl Panel {
     /// As [`fill_in_registers`](Self::fill_in_registers), the CPU also having GFNI; `w`
     /// is Q6_K.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2,gfni")]
-    pub(super) unsafe fn fill_in_registers_gfni(&mut self, w: &QuantMatrix, first: usize) {
+    unsafe fn fill_in_registers_gfni(&mut self, w: &QuantMatrix, first: usize) {
         debug_assert_eq!(w.format(), QuantFormat::Q6_K);
         // SAFETY: forwarded.
         unsafe { self.fill_as::<VnniGfni, { QuantFormat::Q6_K as u8 }>(w, first) }
