@@ -629,8 +629,8 @@ impl<B: LlamaBackend, T: Tokenizer> Llama<B, T> {
     }
 
     /// Checks the prompt of a request whose `max_tokens` is checked already
-    /// ([`GenerateRequest::validate`]): its length against the context window and its
-    /// ids against the vocabulary.
+    /// ([`GenerateRequest::validate`](crate::inference::GenerateRequest::validate)): its
+    /// length against the context window and its ids against the vocabulary.
     pub(crate) fn check_prompt(&self, ids: &[u32]) -> Result<()> {
         check_request_size(Some(ids.len()), None, self.config().max_seq_len)?;
         self.config().check_token_ids(ids)

@@ -104,8 +104,7 @@ macro_rules! with_tile {
 ///
 /// # Safety
 ///
-/// The CPU has `I`'s features; [`registers_decode`] holds for `format`; `group` holds 8
-/// rows of `acts.n_in` values; `r0 + T` rows exist, `T <= GROUP_TILE`.
+/// The CPU has `I`'s features; `group` holds 8 rows of `acts.n_in` values; `r0 + T` rows exist, `T <= GROUP_TILE`.
 #[inline(always)]
 unsafe fn group_tile<I: Isa, const T: usize, const F: u8>(
     group: &[u8],
@@ -239,8 +238,7 @@ unsafe fn group_tile_avx2_of<const T: usize, const F: u8>(
 ///
 /// # Safety
 ///
-/// The CPU has `I`'s features; [`registers_decode`] holds for `format`; `group` holds 8
-/// rows of `subs * 32` values.
+/// The CPU has `I`'s features; `group` holds 8 rows of `subs * 32` values.
 #[inline(always)]
 unsafe fn decode_group<I: Isa, const F: u8>(group: &[u8], subs: usize, sink: &mut impl SubSink) {
     let format = format_at(F);
@@ -308,15 +306,10 @@ const fn decoder_of(format: QuantFormat) -> Decoder {
 }
 
 impl Panel {
-    /// [`fill`](Self::fill) for sixteen rows of a format [`registers_decode`] takes,
-    /// decoded in registers with AVX-512 and stored (lanes 0-7 from the first group, 8-15
-    /// from the second): the same values.
-    ///
-    /// # Safety
-    ///
-    /// The CPU has AVX-512 F/BW/VL, F16C and AVX2; `first` starts two full groups of
-    /// `w`.
-    /// With `gfni`, a format that [`takes_gfni`] decodes with [`VnniGfni`].
+    /// [`fill`](Self::fill) for sixteen rows, decoded in registers with AVX-512 (by
+    /// [`decoder_of`] the format's decoder) and stored (lanes 0-7 from the first group,
+    /// 8-15 from the second): the same values. With `gfni`, a format that [`takes_gfni`]
+    /// is decoded with [`VnniGfni`].
     ///
     /// # Safety
     ///
