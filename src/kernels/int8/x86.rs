@@ -104,7 +104,8 @@ macro_rules! with_tile {
 ///
 /// # Safety
 ///
-/// The CPU has `I`'s features; `group` holds 8 rows of `acts.n_in` values; `r0 + T` rows exist, `T <= GROUP_TILE`.
+/// The CPU has `I`'s features; `group` holds 8 rows of `acts.n_in` values; `r0 + T`
+/// rows exist, `T <= GROUP_TILE`.
 #[inline(always)]
 unsafe fn group_tile<I: Isa, const T: usize, const F: u8>(
     group: &[u8],
@@ -306,10 +307,10 @@ const fn decoder_of(format: QuantFormat) -> Decoder {
 }
 
 impl Panel {
-    /// [`fill`](Self::fill) for sixteen rows, decoded in registers with AVX-512 (by
-    /// [`decoder_of`] the format's decoder) and stored (lanes 0-7 from the first group,
-    /// 8-15 from the second): the same values. With `gfni`, a format that [`takes_gfni`]
-    /// is decoded with [`VnniGfni`].
+    /// [`fill`](Self::fill) for sixteen rows, decoded in registers with AVX-512 by the
+    /// format's decoder ([`decoder_of`]) and stored (lanes 0-7 from the first group, 8-15
+    /// from the second): the same values. With `gfni`, a format that [`takes_gfni`] is
+    /// decoded with [`VnniGfni`].
     ///
     /// # Safety
     ///
