@@ -284,6 +284,29 @@ pub trait LlamaBackend: Backend {
         Ok(None)
     }
 
+    /// A quantized product with the work on one side of it in the same launch, where the
+    /// backend fuses it ([`Around`]): `rms_norm(x) @ W^T` or `residual + x @ W^T`, with
+    /// what goes `beside` `W` as [`quantized_swiglu`](Self::quantized_swiglu) and
+    /// [`quantized_matmul_two`](Self::quantized_matmul_two) take it, each output the
+    /// bits the separate operations give. `Ok(None)` where the backend has no such
+    /// kernel (the default, and the CubeCL backends outside the `fast` precision): the
+    /// caller then runs them apart ([`add_rms_norm`](Self::add_rms_norm) and the
+    /// product). On the CubeCL backends a decode step's layer is then 6 launches, not 8.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] if `x`'s columns are not the matrices' inputs, the
+    /// norm's weight not `x`'s width or the residual not the output's shape.
+    fn fused_quantized_matmul(
+        _x: Tensor<Self, 2>,
+        _w: &QuantMatrix,
+        _beside: Beside<'_>,
+        _around: Around<'_, Self>,
+        _precision: Precision,
+    ) -> Result<Option<Tensor<Self, 2>>> {
+        Ok(None)
+    }
+
     /// The feed-forward gate: `silu(gate) * up`, element by element. The default is
     /// Burn's operations.
     ///
@@ -657,6 +680,29 @@ pub(crate) fn upload_matrix<B: LlamaBackend>(
 
 /// An error unless `weight` has one value per column of `x`.
 /// [`LlamaError::ShapeMismatch`] unless `b` has `a`'s shape.
+/// What a quantized product multiplies beside its first matrix in the same launch (see
+/// [`LlamaBackend::fused_quantized_matmul`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Beside<'a> {
+    /// Nothing: `x @ W^T`.
+    Nothing,
+    /// The feed-forward's up matrix (the first is the gate): `silu(x @ G^T) * (x @ U^T)`.
+    SwiGluUp(&'a QuantMatrix),
+    /// A second matrix whose outputs follow the first's: `x @ [A | B]^T`.
+    Second(&'a QuantMatrix),
+}
+
+/// The work on one side of a quantized product that a backend may fuse into its launch
+/// (see [`LlamaBackend::fused_quantized_matmul`]).
+#[derive(Debug, Clone)]
+pub enum Around<'a, B: Backend> {
+    /// The product of `rms_norm(x, weight, eps)` (as [`LlamaBackend::rms_norm`]), not of `x`.
+    Norm(&'a Tensor<B, 1>, f64),
+    /// The product added to this residual (`[rows, outputs]`), rounded to the float type as
+    /// a tensor add rounds it.
+    Residual(Tensor<B, 2>),
+}
+
 pub(crate) fn check_same_shape<B: Backend>(
     name: &str,
     a: &Tensor<B, 2>,

@@ -728,6 +728,214 @@ fn fast_products_on_the_device_give_the_cpu_fast_bits() {
 }
 
 #[test]
+fn a_norm_or_a_residual_add_fused_into_a_product_gives_the_separate_launches_bits() {
+    use burn::tensor::{Tensor, TensorData};
+    use llama_burn::Precision;
+    use llama_burn::backend::{Around, Beside};
+    use llama_burn::gpu::NORM_IN_PROLOGUE_ROWS;
+    use llama_burn::kernels::{QuantFormat, QuantMatrix};
+
+    let device = Default::default();
+    let fast = Precision::Fast;
+    let gpu = |v: &[f32], dims: [usize; 2]| {
+        Tensor::<Gpu, 2>::from_data(TensorData::new(v.to_vec(), dims), &device)
+    };
+    let bits = |t: Tensor<Gpu, 2>| -> Vec<u32> {
+        let v = t.into_data().into_vec::<f32>().expect("f32");
+        v.iter().map(|f| f.to_bits()).collect()
+    };
+    let eps = 1e-5;
+    // One format of 32-value blocks and two K-quants (the prologue's reads differ by the
+    // run length; every format's product is checked against the CPU's above). Each
+    // launch shape is a shader to compile on lavapipe: the cases are few.
+    for format in [QuantFormat::Q4_0, QuantFormat::Q4_K, QuantFormat::Q6_K] {
+        let (n_out, cols) = (37, 3 * format.block_values());
+        let w =
+            QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 4)).expect("quantize");
+        let up =
+            QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 6)).expect("quantize");
+        // Of another format with the same values per block (the same lanes per output).
+        let other = match format.block_values() {
+            256 if format == QuantFormat::Q6_K => QuantFormat::Q4_K,
+            256 => QuantFormat::Q6_K,
+            _ if format == QuantFormat::Q8_0 => QuantFormat::Q4_0,
+            _ => QuantFormat::Q8_0,
+        };
+        let second = QuantMatrix::quantize(other, 5, cols, &values(5 * cols, 8)).expect("quantize");
+        let weight_values: Vec<f32> = values(cols, 7).iter().map(|v| 1.0 + v).collect();
+        let weight = Tensor::<Gpu, 1>::from_data(TensorData::new(weight_values, [cols]), &device);
+        for rows in [1, 5, 19] {
+            let mut x = values(rows * cols, 9 + rows as u64);
+            if rows > 1 {
+                for v in &mut x[cols..2 * cols] {
+                    *v *= 3.0e4;
+                }
+            }
+            let xt = gpu(&x, [rows, cols]);
+            let normed = Gpu::rms_norm(xt.clone(), &weight, eps).expect("norm");
+            // A prompt chunk or a wide batch keeps its norm a launch of its own.
+            let norm = Around::Norm(&weight, eps);
+            let wide = Gpu::fused_quantized_matmul(xt.clone(), &w, Beside::Nothing, norm, fast)
+                .expect("fused product");
+            assert_eq!(wide.is_none(), rows > NORM_IN_PROLOGUE_ROWS, "{rows} rows");
+            for (name, beside) in [
+                ("alone", Beside::Nothing),
+                ("with up and SwiGLU", Beside::SwiGluUp(&up)),
+                ("beside another format's matrix", Beside::Second(&second)),
+            ] {
+                if rows > NORM_IN_PROLOGUE_ROWS {
+                    break;
+                }
+                let apart = match beside {
+                    Beside::Nothing => Gpu::quantized_matmul(normed.clone(), &w, fast),
+                    Beside::SwiGluUp(u) => Gpu::quantized_swiglu(normed.clone(), &w, u, fast)
+                        .map(|t| t.expect("one format and shape: fused")),
+                    Beside::Second(b) => Gpu::quantized_matmul_two(normed.clone(), &w, b, fast)
+                        .map(|t| t.expect("one launch")),
+                }
+                .expect("product");
+                let fused = Gpu::fused_quantized_matmul(
+                    xt.clone(),
+                    &w,
+                    beside,
+                    Around::Norm(&weight, eps),
+                    fast,
+                )
+                .expect("fused product")
+                .expect("fused");
+                assert_eq!(
+                    bits(fused.clone()),
+                    bits(apart),
+                    "{format:?}, {rows} rows, {name}: the norm in the prologue"
+                );
+                if rows > 1 {
+                    let width = fused.dims()[1];
+                    let alone = Gpu::fused_quantized_matmul(
+                        gpu(&x[cols..2 * cols], [1, cols]),
+                        &w,
+                        beside,
+                        Around::Norm(&weight, eps),
+                        fast,
+                    )
+                    .expect("fused product")
+                    .expect("fused");
+                    assert_eq!(
+                        bits(alone),
+                        bits(fused.slice([1..2, 0..width])),
+                        "{format:?} {name}: row 1 of {rows} differs from the row alone"
+                    );
+                }
+            }
+            // The residual add in the epilogue.
+            let residual = gpu(&values(rows * n_out, 11), [rows, n_out]);
+            let apart = residual.clone() + Gpu::quantized_matmul(xt.clone(), &w, fast).expect("p");
+            let fused = Gpu::fused_quantized_matmul(
+                xt.clone(),
+                &w,
+                Beside::Nothing,
+                Around::Residual(residual.clone()),
+                fast,
+            )
+            .expect("fused product")
+            .expect("fused");
+            assert_eq!(
+                bits(fused),
+                bits(apart),
+                "{format:?}, {rows} rows: the residual add in the epilogue"
+            );
+            let wrong = Gpu::fused_quantized_matmul(
+                xt.clone(),
+                &w,
+                Beside::Nothing,
+                Around::Residual(gpu(&values(rows * 3, 12), [rows, 3])),
+                fast,
+            );
+            assert!(
+                matches!(wrong, Err(LlamaError::ShapeMismatch { .. })),
+                "a residual of the wrong shape: {wrong:?}"
+            );
+        }
+    }
+    // In f16 (tensors of that type on the same device): the norm stores f16 values and
+    // the add rounds to f16, fused or apart.
+    {
+        use burn::tensor::DType;
+        let cols = 512;
+        let w = QuantMatrix::quantize(QuantFormat::Q4_K, 37, cols, &values(37 * cols, 4))
+            .expect("quantize");
+        let half = |v: Vec<f32>, dims: [usize; 2]| {
+            Tensor::<Gpu, 2>::from_data(TensorData::new(v, dims), (&device, DType::F16))
+        };
+        let weight_values: Vec<f32> = values(cols, 7).iter().map(|v| 1.0 + v).collect();
+        let weight = Tensor::<Gpu, 1>::from_data(
+            TensorData::new(weight_values, [cols]),
+            (&device, DType::F16),
+        );
+        let half_bits = |t: Tensor<Gpu, 2>| -> Vec<u16> {
+            assert_eq!(t.dtype(), DType::F16);
+            let v = t
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32");
+            v.iter()
+                .map(|&f| burn::tensor::f16::from_f32(f).to_bits())
+                .collect()
+        };
+        for rows in [1, 5] {
+            let xt = half(values(rows * cols, 13), [rows, cols]);
+            let normed = Gpu::rms_norm(xt.clone(), &weight, eps).expect("norm");
+            let apart = Gpu::quantized_matmul(normed, &w, fast).expect("product");
+            let fused = Gpu::fused_quantized_matmul(
+                xt.clone(),
+                &w,
+                Beside::Nothing,
+                Around::Norm(&weight, eps),
+                fast,
+            )
+            .expect("fused product")
+            .expect("fused");
+            assert_eq!(
+                half_bits(fused),
+                half_bits(apart),
+                "f16, {rows} rows: the norm"
+            );
+            let residual = half(values(rows * 37, 14), [rows, 37]);
+            let apart = residual.clone() + Gpu::quantized_matmul(xt.clone(), &w, fast).expect("p");
+            let fused = Gpu::fused_quantized_matmul(
+                xt,
+                &w,
+                Beside::Nothing,
+                Around::Residual(residual),
+                fast,
+            )
+            .expect("fused product")
+            .expect("fused");
+            assert_eq!(
+                half_bits(fused),
+                half_bits(apart),
+                "f16, {rows} rows: the add"
+            );
+        }
+    }
+    // Outside `fast` the CubeCL backends run the norm and the add apart.
+    let (w, cols) = (
+        QuantMatrix::quantize(QuantFormat::Q4_K, 8, 256, &values(8 * 256, 4)).expect("quantize"),
+        256,
+    );
+    let weight = Tensor::<Gpu, 1>::from_data(TensorData::new(vec![1.0f32; cols], [cols]), &device);
+    let exact = Gpu::fused_quantized_matmul(
+        gpu(&values(cols, 3), [1, cols]),
+        &w,
+        Beside::Nothing,
+        Around::Norm(&weight, eps),
+        Precision::Exact,
+    )
+    .expect("exact");
+    assert!(exact.is_none(), "the f32 product has no fused form");
+}
+
+#[test]
 fn dense_matmul_kernel_is_batch_invariant_and_gives_the_reference() {
     use burn::tensor::{Tensor, TensorData};
 

@@ -1055,6 +1055,8 @@ fn int_m<I: Numeric>(words: &Tensor<I>, at: usize, s: usize, #[comptime] format:
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn int_block<F: Float, I: Numeric>(
     x: &Tensor<F>,
+    extra: &Tensor<F>,
+    invs: &SharedMemory<f32>,
     words: &Tensor<I>,
     up: &Tensor<I>,
     at: usize,
@@ -1066,9 +1068,11 @@ fn int_block<F: Float, I: Numeric>(
     keep: bool,
     sums: &mut Array<f32>,
     sums_up: &mut Array<f32>,
+    zero: u32,
     #[comptime] format: u32,
     #[comptime] tile: usize,
     #[comptime] pair: bool,
+    #[comptime] io: u32,
 ) {
     let subs = comptime!(run_of(format));
     let mins = comptime!(int_form_of(format).mins);
@@ -1113,7 +1117,16 @@ fn int_block<F: Float, I: Numeric>(
                 }
                 #[unroll]
                 for t in 0..tile {
-                    let v = f32::cast_from(x[x_at[t] as usize + xb + 32 * s + i]);
+                    let v = input_value::<F>(
+                        x,
+                        extra,
+                        invs,
+                        x_at[t] as usize,
+                        t,
+                        xb + 32 * s + i,
+                        zero,
+                        io,
+                    );
                     // |round(v / d)| <= 127.
                     let q = i32::cast_from(round_half_away(v * id[t]).clamp(-127.0, 127.0));
                     dot[t] += u * q;
@@ -1404,6 +1417,13 @@ fn int_steps<I: Numeric>(
 /// whatever the tile, the lanes or the batch. A `second` matrix in `up` as in
 /// [`quantized_matmul_kernel`]. With `pair`, `up` is multiplied the same
 /// way and the output is `silu(gate) * up` in f32, as [`quantized_matmul_kernel`]'s.
+///
+/// `io` fuses the work on either side of the product that would otherwise be a launch
+/// of its own, with the same bits: [`IO_NORM`] takes RMSNorm of `x`'s rows (the weight in
+/// `extra`, `eps`) in the prologue, each cube computing its tile rows' norms by
+/// [`norm_row`]'s steps and normalizing each value where it reads it; [`IO_RESIDUAL`]
+/// adds the residual in `extra` to each output in the epilogue. With [`IO_PLAIN`]
+/// `extra` and `eps` are not read.
 /// `zero` is 0 (see [`opaque`]); `native_fma` says whether the device's `fma` is fused.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -1411,17 +1431,20 @@ pub(crate) fn int_matmul_kernel<F: Float, I: Numeric>(
     x: &Tensor<F>,
     words: &Tensor<I>,
     up: &Tensor<I>,
+    extra: &Tensor<F>,
     out: &mut Tensor<F>,
     rows: u32,
     n_out: u32,
     n_second: u32,
     cols: u32,
+    eps: f32,
     zero: u32,
     #[comptime] format: u32,
     #[comptime] second: u32,
     #[comptime] tile: usize,
     #[comptime] lanes: usize,
     #[comptime] pair: bool,
+    #[comptime] io: u32,
     #[comptime] native_fma: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
@@ -1435,21 +1458,22 @@ pub(crate) fn int_matmul_kernel<F: Float, I: Numeric>(
     let cube = CUBE_POS_X as usize;
     if comptime!(second == NO_SECOND) {
         int_product::<F, I>(
-            x, words, up, out, rows, n_out, cols, cube, width, 0, zero, format, tile, lanes, pair,
-            native_fma,
+            x, words, up, extra, out, rows, n_out, cols, cube, width, 0, eps, zero, format, tile,
+            lanes, pair, io, native_fma,
         );
     } else {
         let cubes = n_out.div_ceil(QUANT_OUTPUTS);
         if cube < cubes {
             int_product::<F, I>(
-                x, words, up, out, rows, n_out, cols, cube, width, 0, zero, format, tile, lanes,
-                false, native_fma,
+                x, words, up, extra, out, rows, n_out, cols, cube, width, 0, eps, zero, format,
+                tile, lanes, false, io, native_fma,
             );
         } else {
             int_product::<F, I>(
                 x,
                 up,
                 up,
+                extra,
                 out,
                 rows,
                 n_second,
@@ -1457,11 +1481,13 @@ pub(crate) fn int_matmul_kernel<F: Float, I: Numeric>(
                 cube - cubes,
                 width,
                 n_out,
+                eps,
                 zero,
                 second,
                 tile,
                 lanes,
                 false,
+                io,
                 native_fma,
             );
         }
@@ -1476,6 +1502,7 @@ fn int_product<F: Float, I: Numeric>(
     x: &Tensor<F>,
     words: &Tensor<I>,
     up: &Tensor<I>,
+    extra: &Tensor<F>,
     out: &mut Tensor<F>,
     rows: usize,
     n_out: usize,
@@ -1483,11 +1510,13 @@ fn int_product<F: Float, I: Numeric>(
     cube: usize,
     width: usize,
     out_offset: usize,
+    eps: f32,
     zero: u32,
     #[comptime] format: u32,
     #[comptime] tile: usize,
     #[comptime] lanes: usize,
     #[comptime] pair: bool,
+    #[comptime] io: u32,
     #[comptime] native_fma: bool,
 ) {
     let lane = UNIT_POS_Y as usize;
@@ -1516,6 +1545,13 @@ fn int_product<F: Float, I: Numeric>(
         acc[t] = f32::new(0.0);
         acc_up[t] = f32::new(0.0);
     }
+    // With `io` [`IO_NORM`], each tile row's inverse RMS, from the cube's units.
+    let mut invs = SharedMemory::<f32>::new(tile);
+    if comptime!(io == IO_NORM) {
+        tile_norms::<F>(
+            x, &x_at, cols, eps, zero, &mut invs, tile, lanes, native_fma,
+        );
+    }
     let stride = comptime!(QUANT_OUTPUTS * lanes * tile);
     // The lanes' integer sums, and before them in each chunk the units' largest
     // magnitudes (`QUANT_OUTPUTS` per run and row).
@@ -1539,7 +1575,17 @@ fn int_product<F: Float, I: Numeric>(
             let mut m = f32::new(0.0);
             if live_block {
                 for i in 0..subs {
-                    let v = f32::cast_from(x[x_at[t] as usize + xb + 32 * i + column]).abs();
+                    let v = input_value::<F>(
+                        x,
+                        extra,
+                        &invs,
+                        x_at[t] as usize,
+                        t,
+                        xb + 32 * i + column,
+                        zero,
+                        io,
+                    )
+                    .abs();
                     if v > m {
                         m = v;
                     }
@@ -1574,6 +1620,8 @@ fn int_product<F: Float, I: Numeric>(
             // Gate and up from one quantization of the activations.
             int_block::<F, I>(
                 x,
+                extra,
+                &invs,
                 words,
                 up,
                 at,
@@ -1585,9 +1633,11 @@ fn int_product<F: Float, I: Numeric>(
                 keep,
                 &mut sums,
                 &mut sums_up,
+                zero,
                 format,
                 tile,
                 pair,
+                io,
             );
             #[unroll]
             for t in 0..tile {
@@ -1648,10 +1698,81 @@ fn int_product<F: Float, I: Numeric>(
                 if comptime!(pair) {
                     total = cpu_swiglu(total, acc_up[t], zero, native_fma);
                 }
-                out[(r0 + t) * width + out_offset + o] = F::cast_from(total);
+                let at = (r0 + t) * width + out_offset + o;
+                if comptime!(io == IO_RESIDUAL) {
+                    // The residual add, rounded to `F` as a tensor add rounds it.
+                    out[at] = extra[at] + F::cast_from(total);
+                } else {
+                    out[at] = F::cast_from(total);
+                }
             }
         }
     }
+}
+
+/// A product's input as it is (see [`int_matmul_kernel`]'s `io`).
+pub(crate) const IO_PLAIN: u32 = 0;
+/// A product's input normalized in its prologue: RMSNorm of each row of `x` by the
+/// weight in `extra` with `eps`, the bits [`rms_norm_kernel`] stores.
+pub(crate) const IO_NORM: u32 = 1;
+/// A product's output added to the residual in `extra` (of the output's shape) in its
+/// epilogue, rounded to `F` as [`add_rms_norm_kernel`] rounds its sum.
+pub(crate) const IO_RESIDUAL: u32 = 2;
+
+/// The inverse RMS of each row of a product's tile (rows at `x_at`, `cols` values each)
+/// into `invs[t]`, by [`norm_row`]'s steps: the cube's units take the tile's 16
+/// interleaved sums of squares per row, then one unit per row adds them pairwise. Every
+/// unit of the cube takes part (two barriers).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn tile_norms<F: Float>(
+    x: &Tensor<F>,
+    x_at: &Array<u32>,
+    cols: usize,
+    eps: f32,
+    zero: u32,
+    invs: &mut SharedMemory<f32>,
+    #[comptime] tile: usize,
+    #[comptime] lanes: usize,
+    #[comptime] native: bool,
+) {
+    let unit = UNIT_POS_Y as usize * QUANT_OUTPUTS + UNIT_POS_X as usize;
+    let units = comptime!(QUANT_OUTPUTS * lanes);
+    let mut sums = SharedMemory::<f32>::new(comptime!(16 * tile));
+    let mut k = unit;
+    while k < comptime!(16 * tile) {
+        let t = k / 16usize;
+        sums[k] = square_sum::<F>(x, x, x_at[t] as usize, k % 16usize, cols, zero, false);
+        k += units;
+    }
+    sync_cube();
+    if unit < tile {
+        invs[unit] = inverse_rms(&sums, unit * 16usize, cols, eps, zero, native);
+    }
+    sync_cube();
+}
+
+/// Value `i` of tile row `t` (starting at `at` in `x`) as a product takes it: as it is,
+/// or with `io` [`IO_NORM`] normalized ([`normed_value`] with the row's `invs[t]` and the
+/// weight in `extra`).
+#[cube]
+#[allow(clippy::too_many_arguments, unused_assignments)]
+fn input_value<F: Float>(
+    x: &Tensor<F>,
+    extra: &Tensor<F>,
+    invs: &SharedMemory<f32>,
+    at: usize,
+    t: usize,
+    i: usize,
+    zero: u32,
+    #[comptime] io: u32,
+) -> f32 {
+    let v = f32::cast_from(x[at + i]);
+    let mut value = v;
+    if comptime!(io == IO_NORM) {
+        value = normed_value::<F>(v, invs[t], extra, i, zero);
+    }
+    value
 }
 
 /// Units per row of [`argmax_kernel`].
@@ -2095,38 +2216,11 @@ fn norm_row<F: Float>(
     let mut lanes = SharedMemory::<f32>::new(16usize);
     let mut inv_at = SharedMemory::<f32>::new(1usize);
     if u < 16usize {
-        let mut squares = f32::new(0.0);
-        let mut i = u;
-        while i < d {
-            let v = norm_input::<F>(x, delta, at + i, add);
-            squares = opaque(squares + product(v, v, zero), zero);
-            i += 16usize;
-        }
-        lanes[u] = squares;
+        lanes[u] = square_sum::<F>(x, delta, at, u, d, zero, add);
     }
     sync_cube();
     if u == 0 {
-        let mut s = Array::<f32>::new(16usize);
-        #[unroll]
-        for l in 0..16usize {
-            s[l] = lanes[l];
-        }
-        #[unroll]
-        for l in 0..8usize {
-            s[l] = opaque(s[l] + s[l + 8], zero);
-        }
-        #[unroll]
-        for l in 0..4usize {
-            s[l] = opaque(s[l] + s[l + 4], zero);
-        }
-        #[unroll]
-        for l in 0..2usize {
-            s[l] = opaque(s[l] + s[l + 2], zero);
-        }
-        s[0] = opaque(s[0] + s[1], zero);
-        let mean = rounded_div(s[0], f32::cast_from(d as u32), zero, native);
-        let root = rounded_sqrt(opaque(mean + eps, zero), zero, native);
-        inv_at[0] = rounded_div(f32::new(1.0), root, zero, native);
+        inv_at[0] = inverse_rms(&lanes, 0, d, eps, zero, native);
     }
     sync_cube();
     let inv = inv_at[0];
@@ -2140,6 +2234,74 @@ fn norm_row<F: Float>(
         ));
         i += CUBE_DIM_X as usize;
     }
+}
+
+/// The sum, in order, of the squares of values `lane`, `lane + 16`, ... below `d` of the
+/// norm input at `at` ([`norm_input`]): one of the 16 interleaved sums of [`norm_row`].
+#[cube]
+fn square_sum<F: Float>(
+    x: &Tensor<F>,
+    delta: &Tensor<F>,
+    at: usize,
+    lane: usize,
+    d: usize,
+    zero: u32,
+    #[comptime] add: bool,
+) -> f32 {
+    let mut squares = f32::new(0.0);
+    let mut i = lane;
+    while i < d {
+        let v = norm_input::<F>(x, delta, at + i, add);
+        squares = opaque(squares + product(v, v, zero), zero);
+        i += 16usize;
+    }
+    squares
+}
+
+/// `1 / sqrt(sum / d + eps)` from the 16 interleaved sums of squares at
+/// `sums[base..base + 16]`, added pairwise (`s[l] += s[l + 8]`, then 4, 2, 1), the
+/// division and the root rounded to nearest: the CPU's steps (see [`norm_row`]).
+#[cube]
+fn inverse_rms(
+    sums: &SharedMemory<f32>,
+    base: usize,
+    d: usize,
+    eps: f32,
+    zero: u32,
+    #[comptime] native: bool,
+) -> f32 {
+    let mut s = Array::<f32>::new(16usize);
+    #[unroll]
+    for l in 0..16usize {
+        s[l] = sums[base + l];
+    }
+    #[unroll]
+    for l in 0..8usize {
+        s[l] = opaque(s[l] + s[l + 8], zero);
+    }
+    #[unroll]
+    for l in 0..4usize {
+        s[l] = opaque(s[l] + s[l + 4], zero);
+    }
+    #[unroll]
+    for l in 0..2usize {
+        s[l] = opaque(s[l] + s[l + 2], zero);
+    }
+    s[0] = opaque(s[0] + s[1], zero);
+    let mean = rounded_div(s[0], f32::cast_from(d as u32), zero, native);
+    let root = rounded_sqrt(opaque(mean + eps, zero), zero, native);
+    rounded_div(f32::new(1.0), root, zero, native)
+}
+
+/// Value `i` of a normed row: `v * inv` then times `weight[i]`, each product rounded on
+/// its own, the result rounded to `F` (what [`norm_row`] stores), as f32.
+#[cube]
+fn normed_value<F: Float>(v: f32, inv: f32, weight: &Tensor<F>, i: usize, zero: u32) -> f32 {
+    f32::cast_from(F::cast_from(product(
+        product(v, inv, zero),
+        f32::cast_from(weight[i]),
+        zero,
+    )))
 }
 
 /// Value `i` of a norm's input: `x[i]`, or with `add` the residual sum `x[i] + delta[i]`

@@ -34,6 +34,10 @@
 //!   keys and the paged write of its keys and values in one kernel, the angles read from
 //!   the RoPE table at each token's position; with Q, K and V in one product and each
 //!   residual add inside the next norm, a decode step launches 8 kernels a layer.
+//! - [`fused_quantized_matmul`](LlamaBackend::fused_quantized_matmul): in the `fast`
+//!   precision a layer's RMSNorm runs in the prologue of the product after it (Q, K and
+//!   V; gate and up) and each residual add in the epilogue of the product before it (the
+//!   output projection; down), the bits of the separate kernels: 6 launches a layer.
 //! - [`rms_norm`](LlamaBackend::rms_norm), [`add_rms_norm`](LlamaBackend::add_rms_norm),
 //!   [`rope`](LlamaBackend::rope), [`swiglu`](LlamaBackend::swiglu) and the attention
 //!   kernels take the CPU kernels' steps in their order with their roundings (each product
@@ -61,7 +65,7 @@ use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive, backend::Backend};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 
-use crate::backend::LlamaBackend;
+use crate::backend::{Around, Beside, LlamaBackend};
 use crate::cache::paged::DeviceKvPool;
 use crate::config::Precision;
 use crate::error::{LlamaError, Result};
@@ -110,6 +114,48 @@ pub struct QuantShape {
     pub second: Option<(u32, usize)>,
 }
 
+/// What a quantized product does on either side of its multiply (see
+/// [`CubeKernels::quantized_matmul_primitive`]): the work of the launches before and
+/// after it in a layer, fused into its prologue or epilogue.
+#[derive(Debug, Clone)]
+pub enum ProductIo<T> {
+    /// `x @ W^T`.
+    Plain,
+    /// `rms_norm(x) @ W^T`: each row of `x` normalized by `weight` (`[cols]`) with `eps`,
+    /// the values [`CubeKernels::rms_norm_primitive`] gives.
+    Norm {
+        /// The norm's weight, `[cols]`.
+        weight: T,
+        /// The norm's epsilon.
+        eps: f32,
+    },
+    /// `residual + x @ W^T`, the add rounded to the float type as a tensor add rounds
+    /// it; `residual` has the output's shape.
+    Residual(T),
+}
+
+impl<T> ProductIo<T> {
+    /// The tensor it holds, if any, and what it is with `()` in the tensor's place.
+    fn take(self) -> (Option<T>, ProductIo<()>) {
+        match self {
+            ProductIo::Plain => (None, ProductIo::Plain),
+            ProductIo::Norm { weight, eps } => (Some(weight), ProductIo::Norm { weight: (), eps }),
+            ProductIo::Residual(residual) => (Some(residual), ProductIo::Residual(())),
+        }
+    }
+}
+
+impl ProductIo<()> {
+    /// The same with `t` in the tensor's place ([`Plain`](ProductIo::Plain) holds none).
+    fn put<T>(&self, t: T) -> ProductIo<T> {
+        match *self {
+            ProductIo::Plain => ProductIo::Plain,
+            ProductIo::Norm { eps, .. } => ProductIo::Norm { weight: t, eps },
+            ProductIo::Residual(()) => ProductIo::Residual(t),
+        }
+    }
+}
+
 /// The shape of a dense product (see [`CubeKernels::dense_matmul_primitive`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DenseShape {
@@ -149,10 +195,15 @@ pub trait CubeKernels: Backend {
     /// up and SwiGLU in one launch). With `shape.second` instead, `up` is a second matrix
     /// (of that format and outputs, the same `cols`) multiplied in the same launch, its
     /// outputs after the first's: `[rows, n_out + n_second]`.
+    ///
+    /// `io` says what is done on either side of the product ([`ProductIo`]): in the
+    /// `fast` precision (`shape.integer`) inside the product's launch, else as launches
+    /// of their own before or after it; the bits are those of the separate kernels.
     fn quantized_matmul_primitive(
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
         up: Option<IntTensor<Self>>,
+        io: ProductIo<FloatTensor<Self>>,
         shape: QuantShape,
     ) -> FloatTensor<Self>;
 
@@ -329,76 +380,26 @@ where
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
         up: Option<IntTensor<Self>>,
+        io: ProductIo<FloatTensor<Self>>,
         shape: QuantShape,
     ) -> FloatTensor<Self> {
-        use burn_cubecl::kernel::into_contiguous;
-        use cubecl::{CubeCount, CubeDim};
-
-        let x = into_contiguous(x);
-        let words = into_contiguous(words);
-        let pair = up.is_some();
-        // Without a pair the kernel never reads `up`: the weight's words stand in.
-        let up = up.map_or_else(|| words.clone(), into_contiguous);
-        let (second, n_second) = shape.second.unwrap_or((kernels::NO_SECOND, 0));
-        let pair = pair && shape.second.is_none();
-        let out = empty_on(
-            &x,
-            burn::tensor::Shape::new([shape.rows, shape.n_out + n_second]),
-            x.dtype,
-        );
-        let (f_dtype, i_dtype) = (x.dtype, words.dtype);
-        let client = x.client.clone();
-        let tile = quant_tile(shape.rows);
-        let lanes = quant_lanes(shape.blocks);
-        let outputs = kernels::QUANT_OUTPUTS as u32;
-        let cubes = (shape.n_out as u32).div_ceil(outputs) + (n_second as u32).div_ceil(outputs);
+        use burn::tensor::ops::FloatTensorOps;
         if shape.integer {
-            // The activations are quantized in the kernel's prologue.
-            kernels::int_matmul_kernel::launch::<R>(
-                &client,
-                CubeCount::Static(cubes, shape.rows.div_ceil(tile) as u32, 1),
-                CubeDim::new_2d(outputs, lanes as u32),
-                x.into_tensor_arg(),
-                words.into_tensor_arg(),
-                up.into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                shape.rows as u32,
-                shape.n_out as u32,
-                n_second as u32,
-                shape.cols as u32,
-                0,
-                shape.format,
-                second,
-                tile,
-                lanes,
-                pair,
-                native_fma::<R>(&client),
-                [f_dtype.into(), i_dtype.into()],
-            );
-            return out;
+            return quant_launch(x, words, up, io, shape);
         }
-        kernels::quantized_matmul_kernel::launch::<R>(
-            &client,
-            CubeCount::Static(cubes, shape.rows.div_ceil(tile) as u32, 1),
-            CubeDim::new_2d(outputs, lanes as u32),
-            x.into_tensor_arg(),
-            words.into_tensor_arg(),
-            up.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            shape.rows as u32,
-            shape.n_out as u32,
-            n_second as u32,
-            shape.cols as u32,
-            0,
-            shape.format,
-            second,
-            tile,
-            lanes,
-            pair,
-            native_fma::<R>(&client),
-            [f_dtype.into(), i_dtype.into()],
-        );
-        out
+        // The f32 product has no prologue or epilogue: the norm and the add are launches
+        // of their own.
+        let plain = ProductIo::Plain;
+        match io {
+            ProductIo::Plain => quant_launch(x, words, up, plain, shape),
+            ProductIo::Norm { weight, eps } => {
+                let x = Self::rms_norm_primitive(x, weight, eps);
+                quant_launch(x, words, up, plain, shape)
+            }
+            ProductIo::Residual(residual) => {
+                Self::float_add(residual, quant_launch(x, words, up, plain, shape))
+            }
+        }
     }
 
     fn dense_matmul_primitive(
@@ -786,6 +787,7 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
         x: FloatTensor<Self>,
         words: IntTensor<Self>,
         up: Option<IntTensor<Self>>,
+        io: ProductIo<FloatTensor<Self>>,
         shape: QuantShape,
     ) -> FloatTensor<Self> {
         let n_second = shape.second.map_or(0, |(_, n)| n);
@@ -793,20 +795,62 @@ impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
             burn::tensor::Shape::new([shape.rows, shape.n_out + n_second]),
             x.dtype,
         );
-        let [product] = match up {
-            None => stream_kernel::<B, 1, 1, 1>(
-                "llama_burn_quantized_matmul",
-                [x],
-                [words],
-                [out],
-                move |[x], [words]| [B::quantized_matmul_primitive(x, words, None, shape)],
-            ),
-            Some(up) => stream_kernel::<B, 1, 2, 1>(
-                "llama_burn_quantized_swiglu",
-                [x],
+        // The norm's weight or the residual is the operation's second float input.
+        let (extra, kind) = io.take();
+        let name = match (&extra, &up) {
+            (None, None) => "llama_burn_quantized_matmul",
+            (None, Some(_)) => "llama_burn_quantized_swiglu",
+            (Some(_), None) => "llama_burn_quantized_matmul_io",
+            (Some(_), Some(_)) => "llama_burn_quantized_swiglu_io",
+        };
+        let [product] = match (extra, up) {
+            (None, None) => {
+                stream_kernel::<B, 1, 1, 1>(name, [x], [words], [out], move |[x], [w]| {
+                    [B::quantized_matmul_primitive(
+                        x,
+                        w,
+                        None,
+                        ProductIo::Plain,
+                        shape,
+                    )]
+                })
+            }
+            (None, Some(up)) => {
+                stream_kernel::<B, 1, 2, 1>(name, [x], [words, up], [out], move |[x], [w, up]| {
+                    [B::quantized_matmul_primitive(
+                        x,
+                        w,
+                        Some(up),
+                        ProductIo::Plain,
+                        shape,
+                    )]
+                })
+            }
+            (Some(extra), None) => {
+                stream_kernel::<B, 2, 1, 1>(name, [x, extra], [words], [out], move |[x, e], [w]| {
+                    [B::quantized_matmul_primitive(
+                        x,
+                        w,
+                        None,
+                        kind.put(e),
+                        shape,
+                    )]
+                })
+            }
+            (Some(extra), Some(up)) => stream_kernel::<B, 2, 2, 1>(
+                name,
+                [x, extra],
                 [words, up],
                 [out],
-                move |[x], [words, up]| [B::quantized_matmul_primitive(x, words, Some(up), shape)],
+                move |[x, e], [w, up]| {
+                    [B::quantized_matmul_primitive(
+                        x,
+                        w,
+                        Some(up),
+                        kind.put(e),
+                        shape,
+                    )]
+                },
             ),
         };
         product
@@ -1185,6 +1229,97 @@ fn owned_pool<R: CubeRuntime>(
 ) -> burn_cubecl::tensor::CubeTensor<R> {
     let pool = burn_cubecl::kernel::into_contiguous(pool);
     if pool.can_mut() { pool } else { pool.copy() }
+}
+
+/// One quantized product launch ([`CubeKernels::quantized_matmul_primitive`]): the
+/// `fast` kernel (`shape.integer`), whose prologue and epilogue take `io`, or the f32
+/// one (`io` then [`ProductIo::Plain`]).
+fn quant_launch<R: CubeRuntime>(
+    x: burn_cubecl::tensor::CubeTensor<R>,
+    words: burn_cubecl::tensor::CubeTensor<R>,
+    up: Option<burn_cubecl::tensor::CubeTensor<R>>,
+    io: ProductIo<burn_cubecl::tensor::CubeTensor<R>>,
+    shape: QuantShape,
+) -> burn_cubecl::tensor::CubeTensor<R> {
+    use burn_cubecl::kernel::into_contiguous;
+    use cubecl::{CubeCount, CubeDim};
+
+    let x = into_contiguous(x);
+    let words = into_contiguous(words);
+    let pair = up.is_some();
+    // Without a pair the kernel never reads `up`: the weight's words stand in.
+    let up = up.map_or_else(|| words.clone(), into_contiguous);
+    let (second, n_second) = shape.second.unwrap_or((kernels::NO_SECOND, 0));
+    let pair = pair && shape.second.is_none();
+    let out = empty_on(
+        &x,
+        burn::tensor::Shape::new([shape.rows, shape.n_out + n_second]),
+        x.dtype,
+    );
+    let (f_dtype, i_dtype) = (x.dtype, words.dtype);
+    let client = x.client.clone();
+    let tile = quant_tile(shape.rows);
+    let lanes = quant_lanes(shape.blocks);
+    let outputs = kernels::QUANT_OUTPUTS as u32;
+    let cubes = (shape.n_out as u32).div_ceil(outputs) + (n_second as u32).div_ceil(outputs);
+    let count = CubeCount::Static(cubes, shape.rows.div_ceil(tile) as u32, 1);
+    let dim = CubeDim::new_2d(outputs, lanes as u32);
+    if shape.integer {
+        // Without a norm or a residual the kernel never reads `extra`: `x` stands in.
+        let (extra, eps, io) = match io {
+            ProductIo::Plain => (x.clone(), 0.0, kernels::IO_PLAIN),
+            ProductIo::Norm { weight, eps } => (into_contiguous(weight), eps, kernels::IO_NORM),
+            ProductIo::Residual(residual) => (into_contiguous(residual), 0.0, kernels::IO_RESIDUAL),
+        };
+        // The activations are quantized in the kernel's prologue.
+        kernels::int_matmul_kernel::launch::<R>(
+            &client,
+            count,
+            dim,
+            x.into_tensor_arg(),
+            words.into_tensor_arg(),
+            up.into_tensor_arg(),
+            extra.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            shape.rows as u32,
+            shape.n_out as u32,
+            n_second as u32,
+            shape.cols as u32,
+            eps,
+            0,
+            shape.format,
+            second,
+            tile,
+            lanes,
+            pair,
+            io,
+            native_fma::<R>(&client),
+            [f_dtype.into(), i_dtype.into()],
+        );
+        return out;
+    }
+    kernels::quantized_matmul_kernel::launch::<R>(
+        &client,
+        count,
+        dim,
+        x.into_tensor_arg(),
+        words.into_tensor_arg(),
+        up.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        shape.rows as u32,
+        shape.n_out as u32,
+        n_second as u32,
+        shape.cols as u32,
+        0,
+        shape.format,
+        second,
+        tile,
+        lanes,
+        pair,
+        native_fma::<R>(&client),
+        [f_dtype.into(), i_dtype.into()],
+    );
+    out
 }
 
 /// A new contiguous tensor of `shape` and `dtype` on `t`'s device and client (a kernel's
@@ -1637,23 +1772,13 @@ fn check_quantized_input(n_in: usize, w: &QuantMatrix) -> Result<()> {
     Ok(())
 }
 
-/// What a product launch multiplies beside its first matrix.
-#[derive(Clone, Copy)]
-enum Beside<'a> {
-    /// Nothing: `x @ W^T`.
-    Nothing,
-    /// The feed-forward's up matrix (the first is the gate): `silu(x @ G^T) * (x @ U^T)`.
-    SwiGluUp(&'a QuantMatrix),
-    /// A second matrix whose outputs follow the first's: `x @ [A | B]^T`.
-    Second(&'a QuantMatrix),
-}
-
 /// One quantized product launch on the device (the matrices' copies there): `w` and what
-/// goes `beside` it, in `precision`.
+/// goes `beside` it, in `precision`, with `io` on either side (checked by the caller).
 fn product_launch<B: LlamaBackend + CubeKernels>(
     x: Tensor<B, 2>,
     w: &QuantMatrix,
     beside: Beside<'_>,
+    io: ProductIo<FloatTensor<B>>,
     precision: Precision,
 ) -> Result<Tensor<B, 2>> {
     let [rows, n_in] = x.dims();
@@ -1687,6 +1812,7 @@ fn product_launch<B: LlamaBackend + CubeKernels>(
         x.into_primitive().tensor(),
         first.words.into_primitive(),
         other.map(|(_, copy)| copy.words.into_primitive()),
+        io,
         shape,
     );
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
@@ -1699,7 +1825,7 @@ fn quantized_matmul<B: LlamaBackend + CubeKernels>(
     w: &QuantMatrix,
     precision: Precision,
 ) -> Result<Tensor<B, 2>> {
-    product_launch(x, w, Beside::Nothing, precision)
+    product_launch(x, w, Beside::Nothing, ProductIo::Plain, precision)
 }
 
 /// [`LlamaBackend::quantized_matmul_two`] on the device: both products in one launch where
@@ -1720,7 +1846,7 @@ fn quantized_matmul_two<B: LlamaBackend + CubeKernels>(
     if quant_lanes(blocks(a)) != quant_lanes(blocks(b)) {
         return Ok(None);
     }
-    product_launch(x, a, Beside::Second(b), precision).map(Some)
+    product_launch(x, a, Beside::Second(b), ProductIo::Plain, precision).map(Some)
 }
 
 /// [`LlamaBackend::quantized_swiglu`] on the device: both products and SwiGLU in one
@@ -1734,7 +1860,81 @@ fn quantized_swiglu<B: LlamaBackend + CubeKernels>(
     if gate.format() != up.format() || gate.rows() != up.rows() || gate.cols() != up.cols() {
         return Ok(None);
     }
-    product_launch(x, gate, Beside::SwiGluUp(up), precision).map(Some)
+    product_launch(x, gate, Beside::SwiGluUp(up), ProductIo::Plain, precision).map(Some)
+}
+
+/// The most rows whose RMSNorm a product takes in its prologue
+/// ([`LlamaBackend::fused_quantized_matmul`]). Each of its units normalizes every value
+/// it reads (two products more beside the quantization's steps), which a decode step of a few rows,
+/// bound by the host's cost per launch, does not feel; a prompt chunk or a wide batch
+/// keeps the norm a launch of its own rather than pay that on every value of a
+/// compute-bound product. Not yet measured on a GPU: `gpu_suite.sh` times 1, 8, 32 and
+/// 128 rows.
+pub const NORM_IN_PROLOGUE_ROWS: usize = 8;
+
+/// [`LlamaBackend::fused_quantized_matmul`] on the device: in the `fast` precision the
+/// norm in the integer product's prologue (up to [`NORM_IN_PROLOGUE_ROWS`] rows) or the
+/// residual add in its epilogue ([`ProductIo`]), else (or where the types differ)
+/// `None`.
+fn fused_quantized_matmul<B: LlamaBackend + CubeKernels>(
+    x: Tensor<B, 2>,
+    w: &QuantMatrix,
+    beside: Beside<'_>,
+    around: Around<'_, B>,
+    precision: Precision,
+) -> Result<Option<Tensor<B, 2>>> {
+    let [rows, n_in] = x.dims();
+    check_quantized_input(n_in, w)?;
+    let outputs = w.rows()
+        + match beside {
+            Beside::Second(m) => m.rows(),
+            Beside::Nothing | Beside::SwiGluUp(_) => 0,
+        };
+    let io = match around {
+        Around::Norm(weight, eps) => {
+            crate::backend::check_norm(&x, weight)?;
+            if weight.dtype() != x.dtype() {
+                return Ok(None);
+            }
+            ProductIo::Norm {
+                weight: weight.clone().into_primitive().tensor(),
+                eps: eps as f32,
+            }
+        }
+        Around::Residual(residual) => {
+            if residual.dims() != [rows, outputs] {
+                return Err(LlamaError::ShapeMismatch {
+                    name: "residual of a quantized product".into(),
+                    expected: vec![rows, outputs],
+                    actual: residual.dims().to_vec(),
+                });
+            }
+            if residual.dtype() != x.dtype() {
+                return Ok(None);
+            }
+            ProductIo::Residual(residual.into_primitive().tensor())
+        }
+    };
+    let norm_too_wide = matches!(io, ProductIo::Norm { .. }) && rows > NORM_IN_PROLOGUE_ROWS;
+    if precision != Precision::Fast || rows == 0 || norm_too_wide {
+        return Ok(None);
+    }
+    match beside {
+        Beside::SwiGluUp(up)
+            if up.format() != w.format() || up.rows() != w.rows() || up.cols() != w.cols() =>
+        {
+            return Ok(None);
+        }
+        Beside::Second(b) => {
+            check_quantized_input(n_in, b)?;
+            let blocks = |m: &QuantMatrix| n_in / m.format().block_values();
+            if quant_lanes(blocks(w)) != quant_lanes(blocks(b)) {
+                return Ok(None);
+            }
+        }
+        _ => {}
+    }
+    product_launch(x, w, beside, io, precision).map(Some)
 }
 
 /// [`LlamaBackend::dense_matmul`] on the device, through [`CubeKernels::dense_matmul_primitive`].
@@ -2123,6 +2323,16 @@ macro_rules! cube_llama_backend {
             precision: Precision,
         ) -> Result<Option<Tensor<Self, 2>>> {
             quantized_matmul_two(x, a, b, precision)
+        }
+
+        fn fused_quantized_matmul(
+            x: Tensor<Self, 2>,
+            w: &QuantMatrix,
+            beside: Beside<'_>,
+            around: Around<'_, Self>,
+            precision: Precision,
+        ) -> Result<Option<Tensor<Self, 2>>> {
+            fused_quantized_matmul(x, w, beside, around, precision)
         }
 
         fn dense_matmul(

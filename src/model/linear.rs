@@ -12,7 +12,7 @@ use std::sync::Arc;
 use burn::tensor::{Tensor, backend::Backend};
 use rayon::prelude::*;
 
-use crate::backend::{LlamaBackend, upload_matrix};
+use crate::backend::{Around, Beside, LlamaBackend, upload_matrix};
 use crate::config::Precision;
 use crate::error::{LlamaError, Result};
 use crate::kernels::QuantMatrix;
@@ -216,6 +216,68 @@ impl<B: LlamaBackend> Projection<B> {
                 ))
             }
         }
+    }
+
+    /// `x @ W` with the work `around` it in the product's own launch, where the projection
+    /// is one quantized matrix and the backend fuses it
+    /// ([`LlamaBackend::fused_quantized_matmul`]); else `Ok(None)`, and the caller runs
+    /// the norm or the add apart.
+    ///
+    /// # Errors
+    ///
+    /// What the backend's fused product reports (a shape it cannot take).
+    pub fn forward_fused(
+        &self,
+        x: Tensor<B, 2>,
+        around: Around<'_, B>,
+        precision: Precision,
+    ) -> Result<Option<Tensor<B, 2>>> {
+        match self.parts.as_slice() {
+            [Part::Quantized(m)] => {
+                B::fused_quantized_matmul(x, m, Beside::Nothing, around, precision)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// [`forward_split`](Self::forward_split) with the work `around` the product in its
+    /// launch, as [`forward_fused`](Self::forward_fused): for one quantized matrix, or two
+    /// that meet at `at` (both in one launch); else `Ok(None)`.
+    ///
+    /// # Errors
+    ///
+    /// What [`forward_split`](Self::forward_split) reports.
+    pub fn forward_split_fused(
+        &self,
+        x: Tensor<B, 2>,
+        around: Around<'_, B>,
+        precision: Precision,
+        at: usize,
+    ) -> Result<Option<(Tensor<B, 2>, Tensor<B, 2>)>> {
+        let n_out = self.dims[1];
+        if at > n_out {
+            return Err(LlamaError::ShapeMismatch {
+                name: "projection split".into(),
+                expected: vec![n_out],
+                actual: vec![at],
+            });
+        }
+        let out = match self.parts.as_slice() {
+            [Part::Quantized(m)] => {
+                B::fused_quantized_matmul(x, m, Beside::Nothing, around, precision)?
+            }
+            [Part::Quantized(a), Part::Quantized(b)] if a.rows() == at => {
+                B::fused_quantized_matmul(x, a, Beside::Second(b), around, precision)?
+            }
+            _ => None,
+        };
+        Ok(out.map(|out| {
+            let rows = out.dims()[0];
+            (
+                out.clone().slice([0..rows, 0..at]),
+                out.slice([0..rows, at..n_out]),
+            )
+        }))
     }
 
     fn forward_parts(

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use burn::tensor::{Int, Tensor, TensorData, backend::Backend, module::embedding};
 
-use crate::backend::LlamaBackend;
+use crate::backend::{Around, LlamaBackend};
 use crate::kernels::QuantMatrix;
 
 use crate::cache::{KvCache, PagedKvCache};
@@ -742,29 +742,46 @@ impl<B: LlamaBackend> Transformer<B> {
 
         let (q_dim, kv_dim) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         let p = c.precision;
-        // Each sub-layer's residual add is done with the next norm
-        // (`LlamaBackend::add_rms_norm`: one kernel on the CubeCL backends); the last
-        // block's is done after the loop.
+        // Where the backend fuses them (`LlamaBackend::fused_quantized_matmul`, the
+        // CubeCL backends in `fast`), each norm runs in the next product's prologue and
+        // each residual add in the epilogue of the product before it. Elsewhere (and for
+        // a projection an adapter changes) a residual add is done with the next norm
+        // (`LlamaBackend::add_rms_norm`: one kernel on the CubeCL backends), and `x`
+        // waits for it with the sub-layer's output `pending`; the last block's is done
+        // after the loop. The bits are the same either way.
         let mut pending: Option<Tensor<B, 2>> = None;
         for (layer, block) in self.blocks.iter().enumerate() {
-            let (sum, h) = match pending.take() {
-                Some(delta) => B::add_rms_norm(x, delta, &block.attn_norm, c.norm_eps)?,
-                None => {
-                    let h = rms_norm(x.clone(), &block.attn_norm, c.norm_eps)?;
-                    (x, h)
-                }
-            };
-            // Each projection's output gets the adapter rows' LoRA changes (none in a
-            // step without adapters); queries and keys before RoPE, as in the
-            // checkpoint's own model.
-            let (qk, v) = if lora.touches(layer, WQKV) {
-                let qkv = lora.apply(layer, WQKV, &h, block.wqkv.forward(h.clone(), p)?)?;
-                (
-                    qkv.clone().slice([0..rows, 0..q_dim + kv_dim]),
-                    qkv.slice([0..rows, q_dim + kv_dim..q_dim + 2 * kv_dim]),
-                )
+            let attn_norm = Around::Norm(&block.attn_norm, c.norm_eps);
+            let fused = if pending.is_none() && !lora.touches(layer, WQKV) {
+                let qkv = &block.wqkv;
+                qkv.forward_split_fused(x.clone(), attn_norm, p, q_dim + kv_dim)?
             } else {
-                block.wqkv.forward_split(h.clone(), p, q_dim + kv_dim)?
+                None
+            };
+            let (qk, v) = match fused {
+                Some(split) => split,
+                None => {
+                    let h = match pending.take() {
+                        Some(delta) => {
+                            let (sum, h) = B::add_rms_norm(x, delta, &block.attn_norm, c.norm_eps)?;
+                            x = sum;
+                            h
+                        }
+                        None => rms_norm(x.clone(), &block.attn_norm, c.norm_eps)?,
+                    };
+                    // Each projection's output gets the adapter rows' LoRA changes (none
+                    // in a step without adapters); queries and keys before RoPE, as in
+                    // the checkpoint's own model.
+                    if lora.touches(layer, WQKV) {
+                        let qkv = lora.apply(layer, WQKV, &h, block.wqkv.forward(h.clone(), p)?)?;
+                        (
+                            qkv.clone().slice([0..rows, 0..q_dim + kv_dim]),
+                            qkv.slice([0..rows, q_dim + kv_dim..q_dim + 2 * kv_dim]),
+                        )
+                    } else {
+                        block.wqkv.forward_split(h, p, q_dim + kv_dim)?
+                    }
+                }
             };
             let attn = attend(
                 layer,
@@ -776,12 +793,37 @@ impl<B: LlamaBackend> Transformer<B> {
                     angles: &angles,
                 },
             )?;
-            let out = lora.apply(layer, WO, &attn, block.wo.forward(attn.clone(), p)?)?;
-            let (sum, h) = B::add_rms_norm(sum, out, &block.ffn_norm, c.norm_eps)?;
-            let gated = self.feed_forward_gate(block, layer, h.clone(), lora)?;
-            let down = block.w_down.forward(gated.clone(), p)?;
-            pending = Some(lora.apply(layer, W_DOWN, &gated, down)?);
-            x = sum;
+            let fused = if lora.touches(layer, WO) {
+                None
+            } else {
+                let residual = Around::Residual(x.clone());
+                block.wo.forward_fused(attn.clone(), residual, p)?
+            };
+            let gated = match fused {
+                Some(sum) => {
+                    x = sum;
+                    self.feed_forward_normed(block, layer, x.clone(), lora)?
+                }
+                None => {
+                    let out = lora.apply(layer, WO, &attn, block.wo.forward(attn.clone(), p)?)?;
+                    let (sum, h) = B::add_rms_norm(x, out, &block.ffn_norm, c.norm_eps)?;
+                    x = sum;
+                    self.feed_forward_gate(block, layer, h, lora)?
+                }
+            };
+            let fused = if lora.touches(layer, W_DOWN) {
+                None
+            } else {
+                let residual = Around::Residual(x.clone());
+                block.w_down.forward_fused(gated.clone(), residual, p)?
+            };
+            match fused {
+                Some(sum) => x = sum,
+                None => {
+                    let down = block.w_down.forward(gated.clone(), p)?;
+                    pending = Some(lora.apply(layer, W_DOWN, &gated, down)?);
+                }
+            }
         }
         // The last block's residual add, with the model's final norm (one kernel on the
         // CubeCL backends).
@@ -789,6 +831,34 @@ impl<B: LlamaBackend> Transformer<B> {
             Some(delta) => Ok(B::add_rms_norm(x, delta, &self.norm, c.norm_eps)?.1),
             None => rms_norm(x, &self.norm, c.norm_eps),
         }
+    }
+
+    /// The feed-forward block's gated activations from the residual stream `x`: with the
+    /// block's norm in the product's prologue where the backend fuses it (gate, up and
+    /// SwiGLU in one launch) and no adapter changes gate or up, else the norm apart and
+    /// [`feed_forward_gate`](Self::feed_forward_gate).
+    fn feed_forward_normed(
+        &self,
+        block: &Block<B>,
+        layer: usize,
+        x: Tensor<B, 2>,
+        lora: &crate::lora::LoraStep<'_, B>,
+    ) -> Result<Tensor<B, 2>> {
+        let c = &self.config;
+        let untouched = !lora.touches(layer, W_GATE) && !lora.touches(layer, W_UP);
+        if untouched
+            && let (Some(gate), Some(up)) = (block.w_gate.as_quantized(), block.w_up.as_quantized())
+        {
+            let norm = Around::Norm(&block.ffn_norm, c.norm_eps);
+            let beside = crate::backend::Beside::SwiGluUp(up);
+            if let Some(gated) =
+                B::fused_quantized_matmul(x.clone(), gate, beside, norm, c.precision)?
+            {
+                return Ok(gated);
+            }
+        }
+        let h = rms_norm(x, &block.ffn_norm, c.norm_eps)?;
+        self.feed_forward_gate(block, layer, h, lora)
     }
 
     /// The feed-forward block's gated activations, `silu(h @ gate) * (h @ up)`, with the
