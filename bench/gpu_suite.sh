@@ -21,8 +21,11 @@
 #   first  concurrent_server on that model, cold: time from start to "== 1." (the model
 #          loaded) and the first request's own time (20 tokens); stopped after it.
 #   bench  gpu_bench --no-demo on that model, `fast` in f32 and bf16, then `exact` in
-#          bf16 ($SUITE_BENCH_ARGS, default "--reps 2 --steps 16"), then a short
-#          --count-launches run (one row) where gpu_bench has that option.
+#          bf16, then `fast` bf16 with every RMSNorm a launch of its own (against the
+#          norm in the next product's prologue up to 8 rows: which is faster at 1, 8, 32
+#          and 128 rows) ($SUITE_BENCH_ARGS, default "--reps 2 --steps 16";
+#          $SUITE_BENCH_VARIANTS, see stage_bench), then a short --count-launches run
+#          (one row) where gpu_bench has that option.
 #   tests  the gpu_backend test binary, one thread (the test needing the demo model is
 #          skipped unless the demo model is in the cache).
 #   torch  bench/torch_bench.py --shape 1b (eager), then with SUITE_COMPILE=1 (default)
@@ -289,13 +292,16 @@ stage_bench() {
     local -a args
     read -r -a args <<<"${SUITE_BENCH_ARGS:---reps 2 --steps 16}"
     : >"$log"
-    # Variants: dtype[:nofusion][:exact] (Burn's CUDA backend without its fusion stream;
-    # the `exact` precision's f32 product instead of `fast`'s integer one, the CPU's
-    # `fast` bits). Precision is always said: its default follows the host CPU.
+    # Variants: dtype[:nofusion][:exact][:normapart] (Burn's CUDA backend without its
+    # fusion stream; the `exact` precision's f32 product instead of `fast`'s integer one,
+    # the CPU's `fast` bits; every RMSNorm a launch of its own rather than in the next
+    # product's prologue, LLAMA_BURN_NORM_IN_PROLOGUE_ROWS=0). Precision is always said:
+    # its default follows the host CPU.
     local variant
-    for variant in ${SUITE_BENCH_VARIANTS:-f32 bf16 bf16:exact}; do
+    for variant in ${SUITE_BENCH_VARIANTS:-f32 bf16 bf16:exact bf16:normapart}; do
         dtype=${variant%%:*}
-        local -a type_arg=()
+        local -a type_arg=() env_arg=(env)
+        [[ $variant == *:normapart* ]] && env_arg+=(LLAMA_BURN_NORM_IN_PROLOGUE_ROWS=0)
         [[ $dtype != f32 ]] && type_arg=(--dtype "$dtype")
         [[ $variant == *:nofusion* ]] && type_arg+=(--no-fusion)
         if [[ $variant == *:exact* ]]; then
@@ -303,8 +309,8 @@ stage_bench() {
         else
             type_arg+=(--precision fast)
         fi
-        timed 200 "$BIN/gpu_bench" --no-demo --model "$MODEL" --json "${args[@]}" \
-            "${type_arg[@]}" >"$TMP/bench_${variant//:/_}.json" 2>>"$log"
+        timed 200 "${env_arg[@]}" "$BIN/gpu_bench" --no-demo --model "$MODEL" --json \
+            "${args[@]}" "${type_arg[@]}" >"$TMP/bench_${variant//:/_}.json" 2>>"$log"
         cat "$TMP/bench_${variant//:/_}.json" >>"$log"
     done
     # Kernel launches of a one-row step, in a short run of its own (counting them slows

@@ -1869,11 +1869,25 @@ fn quantized_swiglu<B: LlamaBackend + CubeKernels>(
 /// bound by the host's cost per launch, does not feel; a prompt chunk or a wide batch
 /// keeps the norm a launch of its own rather than pay that on every value of a
 /// compute-bound product. Not yet measured on a GPU: `gpu_suite.sh` times 1, 8, 32 and
-/// 128 rows.
+/// 128 rows, and `LLAMA_BURN_NORM_IN_PROLOGUE_ROWS=N` sets another bound for a process
+/// (0: every norm apart), so a GPU run compares both in one session
+/// (`SUITE_BENCH_VARIANTS="bf16 bf16:normapart"`).
 pub const NORM_IN_PROLOGUE_ROWS: usize = 8;
 
+/// [`NORM_IN_PROLOGUE_ROWS`], or `LLAMA_BURN_NORM_IN_PROLOGUE_ROWS` where it is set to a
+/// number. Read once per process.
+fn norm_in_prologue_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("LLAMA_BURN_NORM_IN_PROLOGUE_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(NORM_IN_PROLOGUE_ROWS)
+    })
+}
+
 /// [`LlamaBackend::fused_quantized_matmul`] on the device: in the `fast` precision the
-/// norm in the integer product's prologue (up to [`NORM_IN_PROLOGUE_ROWS`] rows) or the
+/// norm in the integer product's prologue (up to [`norm_in_prologue_rows`] rows) or the
 /// residual add in its epilogue ([`ProductIo`]), else (or where the types differ)
 /// `None`.
 fn fused_quantized_matmul<B: LlamaBackend + CubeKernels>(
@@ -1915,7 +1929,7 @@ fn fused_quantized_matmul<B: LlamaBackend + CubeKernels>(
             ProductIo::Residual(residual.into_primitive().tensor())
         }
     };
-    let norm_too_wide = matches!(io, ProductIo::Norm { .. }) && rows > NORM_IN_PROLOGUE_ROWS;
+    let norm_too_wide = matches!(io, ProductIo::Norm { .. }) && rows > norm_in_prologue_rows();
     if precision != Precision::Fast || rows == 0 || norm_too_wide {
         return Ok(None);
     }
