@@ -678,8 +678,6 @@ pub(crate) fn upload_matrix<B: LlamaBackend>(
     }
 }
 
-/// An error unless `weight` has one value per column of `x`.
-/// [`LlamaError::ShapeMismatch`] unless `b` has `a`'s shape.
 /// What a quantized product multiplies beside its first matrix in the same launch (see
 /// [`LlamaBackend::fused_quantized_matmul`]).
 #[derive(Debug, Clone, Copy)]
@@ -703,6 +701,7 @@ pub enum Around<'a, B: Backend> {
     Residual(Tensor<B, 2>),
 }
 
+/// [`LlamaError::ShapeMismatch`] unless `b` has `a`'s shape.
 pub(crate) fn check_same_shape<B: Backend>(
     name: &str,
     a: &Tensor<B, 2>,
@@ -718,6 +717,7 @@ pub(crate) fn check_same_shape<B: Backend>(
     Ok(())
 }
 
+/// [`LlamaError::ShapeMismatch`] unless `weight` has one value per column of `x`.
 pub(crate) fn check_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>) -> Result<()> {
     let [_, d] = x.dims();
     if weight.dims() == [d] {
