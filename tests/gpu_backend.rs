@@ -745,6 +745,17 @@ fn a_norm_or_a_residual_add_fused_into_a_product_gives_the_separate_launches_bit
         v.iter().map(|f| f.to_bits()).collect()
     };
     let eps = 1e-5;
+    // The `fast` product with the work `around` it in its launch, where it must fuse.
+    fn fused_product(
+        x: Tensor<Gpu, 2>,
+        w: &QuantMatrix,
+        beside: Beside<'_>,
+        around: Around<'_, Gpu>,
+    ) -> Tensor<Gpu, 2> {
+        Gpu::fused_quantized_matmul(x, w, beside, around, Precision::Fast)
+            .expect("fused product")
+            .expect("fused")
+    }
     // One format of 32-value blocks and two K-quants (the prologue's reads differ by the
     // run length; every format's product is checked against the CPU's above). Each
     // launch shape is a shader to compile on lavapipe: the cases are few.
@@ -794,15 +805,7 @@ fn a_norm_or_a_residual_add_fused_into_a_product_gives_the_separate_launches_bit
                         .map(|t| t.expect("one launch")),
                 }
                 .expect("product");
-                let fused = Gpu::fused_quantized_matmul(
-                    xt.clone(),
-                    &w,
-                    beside,
-                    Around::Norm(&weight, eps),
-                    fast,
-                )
-                .expect("fused product")
-                .expect("fused");
+                let fused = fused_product(xt.clone(), &w, beside, Around::Norm(&weight, eps));
                 assert_eq!(
                     bits(fused.clone()),
                     bits(apart),
@@ -810,15 +813,12 @@ fn a_norm_or_a_residual_add_fused_into_a_product_gives_the_separate_launches_bit
                 );
                 if rows > 1 {
                     let width = fused.dims()[1];
-                    let alone = Gpu::fused_quantized_matmul(
+                    let alone = fused_product(
                         gpu(&x[cols..2 * cols], [1, cols]),
                         &w,
                         beside,
                         Around::Norm(&weight, eps),
-                        fast,
-                    )
-                    .expect("fused product")
-                    .expect("fused");
+                    );
                     assert_eq!(
                         bits(alone),
                         bits(fused.slice([1..2, 0..width])),
@@ -829,15 +829,12 @@ fn a_norm_or_a_residual_add_fused_into_a_product_gives_the_separate_launches_bit
             // The residual add in the epilogue.
             let residual = gpu(&values(rows * n_out, 11), [rows, n_out]);
             let apart = residual.clone() + Gpu::quantized_matmul(xt.clone(), &w, fast).expect("p");
-            let fused = Gpu::fused_quantized_matmul(
+            let fused = fused_product(
                 xt.clone(),
                 &w,
                 Beside::Nothing,
                 Around::Residual(residual.clone()),
-                fast,
-            )
-            .expect("fused product")
-            .expect("fused");
+            );
             assert_eq!(
                 bits(fused),
                 bits(apart),
@@ -886,15 +883,7 @@ fn a_norm_or_a_residual_add_fused_into_a_product_gives_the_separate_launches_bit
             let xt = half(values(rows * cols, 13), [rows, cols]);
             let normed = Gpu::rms_norm(xt.clone(), &weight, eps).expect("norm");
             let apart = Gpu::quantized_matmul(normed, &w, fast).expect("product");
-            let fused = Gpu::fused_quantized_matmul(
-                xt.clone(),
-                &w,
-                Beside::Nothing,
-                Around::Norm(&weight, eps),
-                fast,
-            )
-            .expect("fused product")
-            .expect("fused");
+            let fused = fused_product(xt.clone(), &w, Beside::Nothing, Around::Norm(&weight, eps));
             assert_eq!(
                 half_bits(fused),
                 half_bits(apart),
@@ -902,15 +891,7 @@ fn a_norm_or_a_residual_add_fused_into_a_product_gives_the_separate_launches_bit
             );
             let residual = half(values(rows * 37, 14), [rows, 37]);
             let apart = residual.clone() + Gpu::quantized_matmul(xt.clone(), &w, fast).expect("p");
-            let fused = Gpu::fused_quantized_matmul(
-                xt,
-                &w,
-                Beside::Nothing,
-                Around::Residual(residual),
-                fast,
-            )
-            .expect("fused product")
-            .expect("fused");
+            let fused = fused_product(xt, &w, Beside::Nothing, Around::Residual(residual));
             assert_eq!(
                 half_bits(fused),
                 half_bits(apart),

@@ -1041,57 +1041,121 @@ fn int_m<I: Numeric>(words: &Tensor<I>, at: usize, s: usize, #[comptime] format:
     m
 }
 
-/// The integer sum of one weight block (at byte `at`) times each tile row's activations
-/// (`x` from `x_at[t] + xb`), quantized here by the CPU's rule with the run's inverse
-/// scale (`scales[2 (first + t) + 1]`): over its sub-blocks `s` and halves `h`, `sc * (sum
-/// of u * q - offset * sum of q)`, exact in 32 bits, as f32 (`isum as f32`, the CPU's
-/// conversion), into `sums[t]`. With `pair`, the block at the same byte of `up` (a matrix
-/// of the same format) is multiplied by the same quantized values into `sums_up[t]`: each
-/// value is quantized once for both. With `keep`, each sub-block's sum of `q` goes to
-/// `qsums[(first + t) * subs + s]` (the formats with a minimum need it for their float
-/// steps).
+/// Words of [`stage_activations`]'s staged values per 32-value sub-block: four 8-bit
+/// values a word.
+const STAGED_WORDS: usize = 8;
+
+/// Quantizes a chunk's activations once for the whole cube, into `staged`: lane `lane`'s
+/// block (values `xb..` of each tile row, `rows` and `r0` as [`int_product`]'s) for
+/// every row of the tile, by the CPU's rule with the run's inverse scale (`scales[2
+/// (first + t) + 1]`): `q = round(v / d)`, halves away from zero, stored as `q + 128`
+/// (1 to 255) four to a word, sub-block `s`'s words of row `t` at `((first + t) * subs +
+/// s) * STAGED_WORDS`. The lane's 32 units take a word each in turn, so every value is
+/// quantized once, where each unit quantized every value of its block for itself before;
+/// the values are the same integers. Nothing is staged for a block past the row's end.
 #[cube]
-// A comptime condition and a runtime one: two `if`s for CubeCL.
-#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
-fn int_block<F: Float, I: Numeric>(
+#[allow(clippy::too_many_arguments)]
+fn stage_activations<F: Float>(
     x: &Tensor<F>,
     extra: &Tensor<F>,
     invs: &SharedMemory<f32>,
-    words: &Tensor<I>,
-    up: &Tensor<I>,
-    at: usize,
-    x_at: &Array<u32>,
+    rows: usize,
+    cols: usize,
+    r0: usize,
     xb: usize,
-    scales: &SharedMemory<f32>,
-    qsums: &mut SharedMemory<i32>,
+    live_block: bool,
+    scales: &SharedMemory<u32>,
+    staged: &mut SharedMemory<u32>,
     first: usize,
-    keep: bool,
-    sums: &mut Array<f32>,
-    sums_up: &mut Array<f32>,
     zero: u32,
     #[comptime] format: u32,
     #[comptime] tile: usize,
-    #[comptime] pair: bool,
     #[comptime] io: u32,
 ) {
+    let row_words = comptime!(run_of(format) * STAGED_WORDS);
+    if live_block {
+        let mut k = UNIT_POS_X as usize;
+        while k < comptime!(tile * run_of(format) * STAGED_WORDS) {
+            let t = k / row_words;
+            let w = k % row_words;
+            let mut r = r0 + t;
+            if r >= rows {
+                r = rows - 1;
+            }
+            let id = f32::from_bits(scales[2 * (first + t) + 1]);
+            let mut word = 0u32;
+            #[unroll]
+            for j in 0..4usize {
+                let v = input_value::<F>(x, extra, invs, r * cols, t, xb + 4 * w + j, zero, io);
+                // |round(v / d)| <= 127.
+                let q = i32::cast_from(round_half_away(v * id).clamp(-127.0, 127.0));
+                word |= u32::cast_from(q + 128i32) << ((8 * j) as u32);
+            }
+            staged[(first + t) * row_words + w] = word;
+            k += QUANT_OUTPUTS;
+        }
+    }
+}
+
+/// Each staged sub-block's sum of `q` into `qsums[(first + t) * subs + s]`, for the
+/// formats with a minimum (their float steps need it), from [`stage_activations`]'s
+/// words: the cube's units take a sub-block each in turn. Exact integers.
+#[cube]
+fn stage_q_sums(
+    staged: &SharedMemory<u32>,
+    qsums: &mut SharedMemory<i32>,
+    #[comptime] format: u32,
+    #[comptime] tile: usize,
+    #[comptime] lanes: usize,
+) {
+    let mut k = UNIT_POS_Y as usize * QUANT_OUTPUTS + UNIT_POS_X as usize;
+    while k < comptime!(lanes * tile * run_of(format)) {
+        let mut total = 0i32;
+        for w in 0..STAGED_WORDS {
+            let word = staged[k * STAGED_WORDS + w];
+            total += i32::cast_from(word & 255u32)
+                + i32::cast_from((word >> 8u32) & 255u32)
+                + i32::cast_from((word >> 16u32) & 255u32)
+                + i32::cast_from(word >> 24u32);
+        }
+        // Each of the 32 values was stored as q + 128.
+        qsums[k] = total - 4096i32;
+        k += comptime!(QUANT_OUTPUTS * lanes);
+    }
+}
+
+/// The integer sum of one weight block (at byte `at`) times each tile row's activations
+/// as [`stage_activations`] staged them (row `t`'s at `first + t`): over its sub-blocks
+/// `s` and halves `h`, `sc * (sum of u * q - offset * sum of q)`, computed as `sc * (sum
+/// of (u - offset) * (q + 128) - 128 * sum of (u - offset))` (the same integer), exact in
+/// 32 bits, as f32 (`isum as f32`, the CPU's conversion), into `sums[t]`. With `pair`, the
+/// block at the same byte of `up` (a matrix of the same format) is multiplied by the same
+/// quantized values into `sums_up[t]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn int_block<I: Numeric>(
+    words: &Tensor<I>,
+    up: &Tensor<I>,
+    at: usize,
+    staged: &SharedMemory<u32>,
+    first: usize,
+    sums: &mut Array<f32>,
+    sums_up: &mut Array<f32>,
+    #[comptime] format: u32,
+    #[comptime] tile: usize,
+    #[comptime] pair: bool,
+) {
     let subs = comptime!(run_of(format));
-    let mins = comptime!(int_form_of(format).mins);
     let offset = comptime!(int_form_of(format).offset);
+    let row_words = comptime!(run_of(format) * STAGED_WORDS);
     let mut isum = Array::<i32>::new(tile);
     let mut isum_up = Array::<i32>::new(tile);
-    let mut id = Array::<f32>::new(tile);
     #[unroll]
     for t in 0..tile {
         isum[t] = 0i32;
         isum_up[t] = 0i32;
-        id[t] = scales[2 * (first + t) + 1];
     }
     for s in 0..subs {
-        let mut qs = Array::<i32>::new(tile);
-        #[unroll]
-        for t in 0..tile {
-            qs[t] = 0i32;
-        }
         #[unroll]
         for h in 0..2usize {
             let sc = int_scale::<I>(words, at, s, h, format);
@@ -1101,55 +1165,44 @@ fn int_block<F: Float, I: Numeric>(
             }
             let mut dot = Array::<i32>::new(tile);
             let mut dot_up = Array::<i32>::new(tile);
-            let mut q_sum = Array::<i32>::new(tile);
             #[unroll]
             for t in 0..tile {
                 dot[t] = 0i32;
                 dot_up[t] = 0i32;
-                q_sum[t] = 0i32;
             }
-            for k in 0..16usize {
-                let i = 16 * h + k;
-                let u = i32::cast_from(int_value::<I>(words, at, s, i, format));
-                let mut u_up = 0i32;
-                if comptime!(pair) {
-                    u_up = i32::cast_from(int_value::<I>(up, at, s, i, format));
-                }
+            let mut u_sum = 0i32;
+            let mut u_sum_up = 0i32;
+            for w in 0..4usize {
+                let mut packed = Array::<u32>::new(tile);
                 #[unroll]
                 for t in 0..tile {
-                    let v = input_value::<F>(
-                        x,
-                        extra,
-                        invs,
-                        x_at[t] as usize,
-                        t,
-                        xb + 32 * s + i,
-                        zero,
-                        io,
-                    );
-                    // |round(v / d)| <= 127.
-                    let q = i32::cast_from(round_half_away(v * id[t]).clamp(-127.0, 127.0));
-                    dot[t] += u * q;
+                    packed[t] = staged[(first + t) * row_words + s * STAGED_WORDS + 4 * h + w];
+                }
+                #[unroll]
+                for j in 0..4usize {
+                    let i = 16 * h + 4 * w + j;
+                    let u = i32::cast_from(int_value::<I>(words, at, s, i, format)) - offset;
+                    u_sum += u;
+                    let mut u_up = 0i32;
                     if comptime!(pair) {
-                        dot_up[t] += u_up * q;
+                        u_up = i32::cast_from(int_value::<I>(up, at, s, i, format)) - offset;
+                        u_sum_up += u_up;
                     }
-                    q_sum[t] += q;
+                    #[unroll]
+                    for t in 0..tile {
+                        let b = i32::cast_from((packed[t] >> ((8 * j) as u32)) & 255u32);
+                        dot[t] += u * b;
+                        if comptime!(pair) {
+                            dot_up[t] += u_up * b;
+                        }
+                    }
                 }
             }
             #[unroll]
             for t in 0..tile {
-                isum[t] += sc * (dot[t] - offset * q_sum[t]);
+                isum[t] += sc * (dot[t] - 128i32 * u_sum);
                 if comptime!(pair) {
-                    isum_up[t] += sc_up * (dot_up[t] - offset * q_sum[t]);
-                }
-                qs[t] += q_sum[t];
-            }
-        }
-        if comptime!(mins) {
-            if keep {
-                #[unroll]
-                for t in 0..tile {
-                    qsums[(first + t) * subs + s] = qs[t];
+                    isum_up[t] += sc_up * (dot_up[t] - 128i32 * u_sum_up);
                 }
             }
         }
@@ -1354,21 +1407,24 @@ fn cpu_rotate(x: f32, cos: f32, partner: f32, sin: f32, zero: u32) -> f32 {
 /// order (`kernels::int8`'s definition): per sub-block, at the end of the run `acc =
 /// fma(isum, d * dx, acc)`, then for the formats with a minimum `acc = fma(m, dx * sum of
 /// q, acc)`. The run's scale `dx` of row `t` is `scales[2 (first + t)]`, its integer sum
-/// `isums[slot + t]`, its sub-blocks' sums of `q` `qsums[(first + t) * subs + s]`.
+/// `isums[slot + t]` (an f32's bits), its sub-blocks' sums of `q` `qsums[(first + t) *
+/// subs + s]`. Only the rows `t` with `t % lanes == lane` (the calling lane's).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn int_steps<I: Numeric>(
     words: &Tensor<I>,
     at: usize,
-    scales: &SharedMemory<f32>,
+    scales: &SharedMemory<u32>,
     qsums: &SharedMemory<i32>,
     first: usize,
-    isums: &SharedMemory<f32>,
+    isums: &SharedMemory<u32>,
     slot: usize,
     acc: &mut Array<f32>,
+    lane: usize,
     zero: u32,
     #[comptime] format: u32,
     #[comptime] tile: usize,
+    #[comptime] lanes: usize,
     #[comptime] native_fma: bool,
 ) {
     let subs = comptime!(run_of(format));
@@ -1382,13 +1438,21 @@ fn int_steps<I: Numeric>(
         }
         #[unroll]
         for t in 0..tile {
-            let dx = scales[2 * (first + t)];
-            if s == subs - 1 {
-                acc[t] = fused_mul_add(isums[slot + t], d * dx, acc[t], zero, native_fma);
-            }
-            if comptime!(mins) {
-                let sx = dx * f32::cast_from(qsums[(first + t) * subs + s]);
-                acc[t] = fused_mul_add(m, sx, acc[t], zero, native_fma);
+            if t % lanes == lane {
+                let dx = f32::from_bits(scales[2 * (first + t)]);
+                if s == subs - 1 {
+                    acc[t] = fused_mul_add(
+                        f32::from_bits(isums[slot + t]),
+                        d * dx,
+                        acc[t],
+                        zero,
+                        native_fma,
+                    );
+                }
+                if comptime!(mins) {
+                    let sx = dx * f32::cast_from(qsums[(first + t) * subs + s]);
+                    acc[t] = fused_mul_add(m, sx, acc[t], zero, native_fma);
+                }
             }
         }
     }
@@ -1409,9 +1473,12 @@ fn int_steps<I: Numeric>(
 ///    lane's 32 units the largest magnitudes of their share of its block, then one unit
 ///    per row the run's; exact in any order), in the prologue, so the quantization costs
 ///    no launch of its own;
-/// 2. lane `l` quantizes its block's activations and computes its exact integer sums for
-///    every row of the tile (integers: any order);
-/// 3. the first lane takes the float steps of the chunk's blocks in order.
+/// 2. each lane's 32 units quantize its block's activations for every row of the tile
+///    into shared memory, each value once (8 bits, four to a word:
+///    [`stage_activations`]), then lane `l` computes its exact integer sums for every
+///    row of the tile from them (integers: any order);
+/// 3. lane `t % lanes` takes the float steps of tile row `t` over the chunk's blocks in
+///    order (the rows' chains are apart: any lane may take one).
 ///
 /// So each output is one chain of float steps over its blocks in order, the CPU's,
 /// whatever the tile, the lanes or the batch. A `second` matrix in `up` as in
@@ -1553,13 +1620,18 @@ fn int_product<F: Float, I: Numeric>(
         );
     }
     let stride = comptime!(QUANT_OUTPUTS * lanes * tile);
-    // The lanes' integer sums, and before them in each chunk the units' largest
-    // magnitudes (`QUANT_OUTPUTS` per run and row).
-    let mut scratch = SharedMemory::<f32>::new(comptime!(
-        (if pair { 2 } else { 1 }) * QUANT_OUTPUTS * lanes * tile
-    ));
-    // Per run and row of the chunk: its scale and inverse scale.
-    let mut scales = SharedMemory::<f32>::new(comptime!(2 * lanes * tile));
+    let staged_words = comptime!(lanes * tile * run_of(format) * STAGED_WORDS);
+    let scratch_words = comptime!((if pair { 2 } else { 1 }) * stride);
+    // One array for what lives at different times in each chunk (bits of f32 or the
+    // staged words): the units' largest magnitudes (`QUANT_OUTPUTS` per run and row),
+    // then the quantized activations, then the lanes' integer sums.
+    let mut scratch = SharedMemory::<u32>::new(comptime!(if staged_words > scratch_words {
+        staged_words
+    } else {
+        scratch_words
+    }));
+    // Per run and row of the chunk: its scale and inverse scale (f32 bits).
+    let mut scales = SharedMemory::<u32>::new(comptime!(2 * lanes * tile));
     // Per run, row and sub-block: the sum of its quantized values.
     let mut qsums = SharedMemory::<i32>::new(comptime!(lanes * tile * subs));
     let slot = (lane * QUANT_OUTPUTS + column) * tile;
@@ -1591,14 +1663,14 @@ fn int_product<F: Float, I: Numeric>(
                     }
                 }
             }
-            scratch[((first + t) * QUANT_OUTPUTS) + column] = m;
+            scratch[((first + t) * QUANT_OUTPUTS) + column] = m.to_bits();
         }
         sync_cube();
         if column < tile {
             let run = first + column;
             let mut amax = f32::new(0.0);
             for j in 0..QUANT_OUTPUTS {
-                let v = scratch[run * QUANT_OUTPUTS + j];
+                let v = f32::from_bits(scratch[run * QUANT_OUTPUTS + j]);
                 if v > amax {
                     amax = v;
                 }
@@ -1609,91 +1681,107 @@ fn int_product<F: Float, I: Numeric>(
                 d = rounded_div(amax, f32::new(127.0), zero, native_fma);
                 id = rounded_div(f32::new(1.0), d, zero, native_fma);
             }
-            scales[2 * run] = d;
-            scales[2 * run + 1] = id;
+            scales[2 * run] = d.to_bits();
+            scales[2 * run + 1] = id.to_bits();
         }
         sync_cube();
-        // 2. The integer sums.
+        // 2. The activations quantized once for the cube, then the integer sums.
+        stage_activations::<F>(
+            x,
+            extra,
+            &invs,
+            rows,
+            cols,
+            r0,
+            xb,
+            live_block,
+            &scales,
+            &mut scratch,
+            first,
+            zero,
+            format,
+            tile,
+            io,
+        );
+        sync_cube();
+        if comptime!(int_form_of(format).mins) {
+            stage_q_sums(&scratch, &mut qsums, format, tile, lanes);
+        }
         if live_block {
-            let at = row_at + b * block_bytes;
-            let keep = column == 0;
             // Gate and up from one quantization of the activations.
-            int_block::<F, I>(
-                x,
-                extra,
-                &invs,
+            int_block::<I>(
                 words,
                 up,
-                at,
-                &x_at,
-                xb,
-                &scales,
-                &mut qsums,
+                row_at + b * block_bytes,
+                &scratch,
                 first,
-                keep,
                 &mut sums,
                 &mut sums_up,
-                zero,
                 format,
                 tile,
                 pair,
-                io,
             );
+        }
+        // The staged words are read by every unit before their space takes the sums.
+        sync_cube();
+        if live_block {
             #[unroll]
             for t in 0..tile {
-                scratch[slot + t] = sums[t];
+                scratch[slot + t] = sums[t].to_bits();
                 if comptime!(pair) {
-                    scratch[stride + slot + t] = sums_up[t];
+                    scratch[stride + slot + t] = sums_up[t].to_bits();
                 }
             }
         }
         sync_cube();
-        // 3. The float steps, in block order.
-        if lane == 0 {
-            for l in 0..lanes {
-                let b = c * lanes + l;
-                if b < blocks {
-                    let at = row_at + b * block_bytes;
-                    let from = (l * QUANT_OUTPUTS + column) * tile;
+        // 3. The float steps, in block order: tile row `t`'s by lane `t % lanes`.
+        for l in 0..lanes {
+            let b = c * lanes + l;
+            if b < blocks {
+                let at = row_at + b * block_bytes;
+                let from = (l * QUANT_OUTPUTS + column) * tile;
+                int_steps::<I>(
+                    words,
+                    at,
+                    &scales,
+                    &qsums,
+                    l * tile,
+                    &scratch,
+                    from,
+                    &mut acc,
+                    lane,
+                    zero,
+                    format,
+                    tile,
+                    lanes,
+                    native_fma,
+                );
+                if comptime!(pair) {
                     int_steps::<I>(
-                        words,
+                        up,
                         at,
                         &scales,
                         &qsums,
                         l * tile,
                         &scratch,
-                        from,
-                        &mut acc,
+                        stride + from,
+                        &mut acc_up,
+                        lane,
                         zero,
                         format,
                         tile,
+                        lanes,
                         native_fma,
                     );
-                    if comptime!(pair) {
-                        int_steps::<I>(
-                            up,
-                            at,
-                            &scales,
-                            &qsums,
-                            l * tile,
-                            &scratch,
-                            stride + from,
-                            &mut acc_up,
-                            zero,
-                            format,
-                            tile,
-                            native_fma,
-                        );
-                    }
                 }
             }
         }
         sync_cube();
     }
-    if lane == 0 && live {
+    if live {
         #[unroll]
         for t in 0..tile {
-            if r0 + t < rows {
+            if r0 + t < rows && t % lanes == lane {
                 let mut total = acc[t];
                 if comptime!(pair) {
                     total = cpu_swiglu(total, acc_up[t], zero, native_fma);
@@ -2227,11 +2315,7 @@ fn norm_row<F: Float>(
     let mut i = u;
     while i < d {
         let v = norm_input::<F>(x, delta, at + i, add);
-        out[at + i] = F::cast_from(product(
-            product(v, inv, zero),
-            f32::cast_from(weight[i]),
-            zero,
-        ));
+        out[at + i] = normed::<F>(v, inv, weight, i, zero);
         i += CUBE_DIM_X as usize;
     }
 }
@@ -2294,14 +2378,20 @@ fn inverse_rms(
 }
 
 /// Value `i` of a normed row: `v * inv` then times `weight[i]`, each product rounded on
-/// its own, the result rounded to `F` (what [`norm_row`] stores), as f32.
+/// its own, the result rounded to `F` (what [`norm_row`] stores).
 #[cube]
-fn normed_value<F: Float>(v: f32, inv: f32, weight: &Tensor<F>, i: usize, zero: u32) -> f32 {
-    f32::cast_from(F::cast_from(product(
+fn normed<F: Float>(v: f32, inv: f32, weight: &Tensor<F>, i: usize, zero: u32) -> F {
+    F::cast_from(product(
         product(v, inv, zero),
         f32::cast_from(weight[i]),
         zero,
-    )))
+    ))
+}
+
+/// [`normed`] as f32 (what a product's prologue takes).
+#[cube]
+fn normed_value<F: Float>(v: f32, inv: f32, weight: &Tensor<F>, i: usize, zero: u32) -> f32 {
+    f32::cast_from(normed::<F>(v, inv, weight, i, zero))
 }
 
 /// Value `i` of a norm's input: `x[i]`, or with `add` the residual sum `x[i] + delta[i]`

@@ -1841,9 +1841,7 @@ fn quantized_matmul_two<B: LlamaBackend + CubeKernels>(
     // error here rather than a `None` (`product_launch` checks them again).
     let n_in = x.dims()[1];
     check_quantized_input(n_in, a)?;
-    check_quantized_input(n_in, b)?;
-    let blocks = |w: &QuantMatrix| n_in / w.format().block_values();
-    if quant_lanes(blocks(a)) != quant_lanes(blocks(b)) {
+    if !fits_one_launch(a, Beside::Second(b), n_in)? {
         return Ok(None);
     }
     product_launch(x, a, Beside::Second(b), ProductIo::Plain, precision).map(Some)
@@ -1857,10 +1855,32 @@ fn quantized_swiglu<B: LlamaBackend + CubeKernels>(
     up: &QuantMatrix,
     precision: Precision,
 ) -> Result<Option<Tensor<B, 2>>> {
-    if gate.format() != up.format() || gate.rows() != up.rows() || gate.cols() != up.cols() {
+    if !fits_one_launch(gate, Beside::SwiGluUp(up), x.dims()[1])? {
         return Ok(None);
     }
     product_launch(x, gate, Beside::SwiGluUp(up), ProductIo::Plain, precision).map(Some)
+}
+
+/// Whether `w` and what is `beside` it fit one launch of the product kernels: `up` of
+/// `w`'s format and shape, or a second matrix taking its inputs in the same units per
+/// output ([`quant_lanes`]) as `w`.
+///
+/// # Errors
+///
+/// [`LlamaError::ShapeMismatch`] where a second matrix does not take inputs of `n_in`
+/// values.
+fn fits_one_launch(w: &QuantMatrix, beside: Beside<'_>, n_in: usize) -> Result<bool> {
+    Ok(match beside {
+        Beside::Nothing => true,
+        Beside::SwiGluUp(up) => {
+            up.format() == w.format() && up.rows() == w.rows() && up.cols() == w.cols()
+        }
+        Beside::Second(b) => {
+            check_quantized_input(n_in, b)?;
+            let blocks = |m: &QuantMatrix| n_in / m.format().block_values();
+            quant_lanes(blocks(w)) == quant_lanes(blocks(b))
+        }
+    })
 }
 
 /// The most rows whose RMSNorm a product takes in its prologue
@@ -1933,20 +1953,8 @@ fn fused_quantized_matmul<B: LlamaBackend + CubeKernels>(
     if precision != Precision::Fast || rows == 0 || norm_too_wide {
         return Ok(None);
     }
-    match beside {
-        Beside::SwiGluUp(up)
-            if up.format() != w.format() || up.rows() != w.rows() || up.cols() != w.cols() =>
-        {
-            return Ok(None);
-        }
-        Beside::Second(b) => {
-            check_quantized_input(n_in, b)?;
-            let blocks = |m: &QuantMatrix| n_in / m.format().block_values();
-            if quant_lanes(blocks(w)) != quant_lanes(blocks(b)) {
-                return Ok(None);
-            }
-        }
-        _ => {}
+    if !fits_one_launch(w, beside, n_in)? {
+        return Ok(None);
     }
     product_launch(x, w, beside, io, precision).map(Some)
 }

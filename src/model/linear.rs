@@ -177,14 +177,7 @@ impl<B: LlamaBackend> Projection<B> {
         precision: Precision,
         at: usize,
     ) -> Result<(Tensor<B, 2>, Tensor<B, 2>)> {
-        let n_out = self.dims[1];
-        if at > n_out {
-            return Err(LlamaError::ShapeMismatch {
-                name: "projection split".into(),
-                expected: vec![n_out],
-                actual: vec![at],
-            });
-        }
+        self.check_split(at)?;
         let mut end = 0;
         let boundary = self.parts.iter().position(|p| {
             let starts_at = end;
@@ -196,25 +189,14 @@ impl<B: LlamaBackend> Projection<B> {
             && let Some(out) = B::quantized_matmul_two(x.clone(), a, b, precision)?
         {
             // Both parts in one launch, each side a column view of it.
-            let rows = out.dims()[0];
-            return Ok((
-                out.clone().slice([0..rows, 0..at]),
-                out.slice([0..rows, at..n_out]),
-            ));
+            return Ok(split_columns(out, at));
         }
         match boundary {
             Some(i) if i > 0 => Ok((
                 Self::forward_parts(&self.parts[..i], x.clone(), precision)?,
                 Self::forward_parts(&self.parts[i..], x, precision)?,
             )),
-            _ => {
-                let out = self.forward(x, precision)?;
-                let rows = out.dims()[0];
-                Ok((
-                    out.clone().slice([0..rows, 0..at]),
-                    out.slice([0..rows, at..n_out]),
-                ))
-            }
+            _ => Ok(split_columns(self.forward(x, precision)?, at)),
         }
     }
 
@@ -254,14 +236,7 @@ impl<B: LlamaBackend> Projection<B> {
         precision: Precision,
         at: usize,
     ) -> Result<Option<(Tensor<B, 2>, Tensor<B, 2>)>> {
-        let n_out = self.dims[1];
-        if at > n_out {
-            return Err(LlamaError::ShapeMismatch {
-                name: "projection split".into(),
-                expected: vec![n_out],
-                actual: vec![at],
-            });
-        }
+        self.check_split(at)?;
         let out = match self.parts.as_slice() {
             [Part::Quantized(m)] => {
                 B::fused_quantized_matmul(x, m, Beside::Nothing, around, precision)?
@@ -271,13 +246,20 @@ impl<B: LlamaBackend> Projection<B> {
             }
             _ => None,
         };
-        Ok(out.map(|out| {
-            let rows = out.dims()[0];
-            (
-                out.clone().slice([0..rows, 0..at]),
-                out.slice([0..rows, at..n_out]),
-            )
-        }))
+        Ok(out.map(|out| split_columns(out, at)))
+    }
+
+    /// [`LlamaError::ShapeMismatch`] if a split at `at` is past the outputs.
+    fn check_split(&self, at: usize) -> Result<()> {
+        let n_out = self.dims[1];
+        if at > n_out {
+            return Err(LlamaError::ShapeMismatch {
+                name: "projection split".into(),
+                expected: vec![n_out],
+                actual: vec![at],
+            });
+        }
+        Ok(())
     }
 
     fn forward_parts(
@@ -332,4 +314,14 @@ mod tests {
             1
         );
     }
+}
+
+/// A product's output as two column views, the columns before `at` and from `at` on
+/// (no copy).
+fn split_columns<B: Backend>(out: Tensor<B, 2>, at: usize) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let [rows, n_out] = out.dims();
+    (
+        out.clone().slice([0..rows, 0..at]),
+        out.slice([0..rows, at..n_out]),
+    )
 }
