@@ -299,6 +299,16 @@ pub fn default_blocks<B: Backend>() -> usize {
     }
 }
 
+/// A product's output as two column views, the columns before `at` and from `at` on
+/// (no copy).
+fn split_columns<B: Backend>(out: Tensor<B, 2>, at: usize) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let [rows, n_out] = out.dims();
+    (
+        out.clone().slice([0..rows, 0..at]),
+        out.slice([0..rows, at..n_out]),
+    )
+}
+
 #[cfg(all(test, feature = "flex"))]
 mod tests {
     use burn::backend::Flex;
@@ -314,14 +324,4 @@ mod tests {
             1
         );
     }
-}
-
-/// A product's output as two column views, the columns before `at` and from `at` on
-/// (no copy).
-fn split_columns<B: Backend>(out: Tensor<B, 2>, at: usize) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let [rows, n_out] = out.dims();
-    (
-        out.clone().slice([0..rows, 0..at]),
-        out.slice([0..rows, at..n_out]),
-    )
 }
