@@ -938,48 +938,69 @@ fn half_at<I: Numeric>(words: &Tensor<I>, at: usize) -> f32 {
     half_to_f32(byte_at::<I>(words, at) | (byte_at::<I>(words, at + 1) << 8))
 }
 
-/// Value `k` (0..32) of sub-block `s` of the block at byte `at`, in the format's integer
-/// form (`quant::int_form`: the value plus the format's offset, 0..=255).
+/// Four bytes from byte `at` of little-endian words, as one little-endian word (byte
+/// `at + j` in bits `8 j..8 j + 8`), at any alignment: one load, or two where they
+/// straddle a word (the next word then exists).
+#[cube]
+fn bytes4_at<I: Numeric>(words: &Tensor<I>, at: usize) -> u32 {
+    let low = u32::cast_from(words[at / 4]);
+    let shift = ((at % 4) * 8) as u32;
+    let mut out = low;
+    if shift != 0 {
+        out = (low >> shift) | (u32::cast_from(words[at / 4 + 1]) << (32 - shift));
+    }
+    out
+}
+
+/// Values `k..k + 4` (`k` a multiple of 4 below 32) of sub-block `s` of the block at
+/// byte `at`, in the format's integer form (`quant::int_form`: the value plus the
+/// format's offset, 0..=255), one a byte (value `k + j` in bits `8 j..8 j + 8`). Every
+/// format keeps four consecutive values' bits in four consecutive bytes, so one or two
+/// word loads serve four values.
 #[cube]
 #[allow(unused_assignments)]
-fn int_value<I: Numeric>(
+fn int_values4<I: Numeric>(
     words: &Tensor<I>,
     at: usize,
     s: usize,
     k: usize,
     #[comptime] format: u32,
 ) -> u32 {
+    let nibbles = 0x0F0F_0F0Fu32;
     let mut u = 0u32;
     if comptime!(format == 0) {
-        u = byte_at::<I>(words, at + 2 + k) ^ 128;
+        u = bytes4_at::<I>(words, at + 2 + k) ^ 0x8080_8080u32;
     } else if comptime!(format == 1 || format == 2) {
         let head = comptime!(if format == 1 { 2usize } else { 4usize });
-        let b = byte_at::<I>(words, at + head + k % 16);
-        u = select(k < 16, b & 15, b >> 4);
+        let b = bytes4_at::<I>(words, at + head + k % 16);
+        u = select(k < 16, b & nibbles, (b >> 4) & nibbles);
     } else if comptime!(format == 6 || format == 7) {
         let head = comptime!(if format == 6 { 2usize } else { 4usize });
-        let b = byte_at::<I>(words, at + head + 4 + k % 16);
-        let nib = select(k < 16, b & 15, b >> 4);
-        let qh = byte_at::<I>(words, at + head + k / 8);
-        u = nib | (((qh >> ((k % 8) as u32)) & 1) << 4);
+        let b = bytes4_at::<I>(words, at + head + 4 + k % 16);
+        let low = select(k < 16, b & nibbles, (b >> 4) & nibbles);
+        // The four fifth bits, one to each byte's bit 4.
+        let h = (byte_at::<I>(words, at + head + k / 8) >> ((k % 8) as u32)) & 15;
+        u = low | ((h & 1) << 4) | ((h & 2) << 11) | ((h & 4) << 18) | ((h & 8) << 25);
     } else if comptime!(format == 3 || format == 5) {
         let qs = comptime!(if format == 5 { 48usize } else { 16usize });
-        let b = byte_at::<I>(words, at + qs + 32 * (s / 2) + k);
-        u = select(s % 2 == 1, b >> 4, b & 15);
+        let b = bytes4_at::<I>(words, at + qs + 32 * (s / 2) + k);
+        u = select(s % 2 == 1, (b >> 4) & nibbles, b & nibbles);
         if comptime!(format == 5) {
-            u |= ((byte_at::<I>(words, at + 16 + k) >> (s as u32)) & 1) << 4;
+            let high = bytes4_at::<I>(words, at + 16 + k);
+            u |= ((high >> (s as u32)) & 0x0101_0101u32) << 4;
         }
     } else if comptime!(format == 4) {
         let (half, j) = (s / 4, s % 4);
-        let low = byte_at::<I>(words, at + 64 * half + k + 32 * (j % 2));
-        let low = select(j < 2, low & 15, low >> 4);
-        let qh = byte_at::<I>(words, at + 128 + 32 * half + k);
-        u = low | (((qh >> ((2 * j) as u32)) & 3) << 4);
+        let low = bytes4_at::<I>(words, at + 64 * half + k + 32 * (j % 2));
+        let low = select(j < 2, low & nibbles, (low >> 4) & nibbles);
+        let qh = bytes4_at::<I>(words, at + 128 + 32 * half + k);
+        u = low | (((qh >> ((2 * j) as u32)) & 0x0303_0303u32) << 4);
     } else {
         let (half, pass) = (s / 4, s % 4);
-        let low = (byte_at::<I>(words, at + 32 + 32 * half + k) >> ((2 * pass) as u32)) & 3;
-        let high = (byte_at::<I>(words, at + k) >> ((4 * half + pass) as u32)) & 1;
-        u = low + 4 * high;
+        let low = (bytes4_at::<I>(words, at + 32 + 32 * half + k) >> ((2 * pass) as u32))
+            & 0x0303_0303u32;
+        let high = (bytes4_at::<I>(words, at + k) >> ((4 * half + pass) as u32)) & 0x0101_0101u32;
+        u = low | (high << 2);
     }
     u
 }
@@ -1178,19 +1199,25 @@ fn int_block<I: Numeric>(
                 for t in 0..tile {
                     packed[t] = staged[(first + t) * row_words + s * STAGED_WORDS + 4 * h + w];
                 }
+                let k = 16 * h + 4 * w;
+                let values = int_values4::<I>(words, at, s, k, format);
+                let mut values_up = 0u32;
+                if comptime!(pair) {
+                    values_up = int_values4::<I>(up, at, s, k, format);
+                }
                 #[unroll]
                 for j in 0..4usize {
-                    let i = 16 * h + 4 * w + j;
-                    let u = i32::cast_from(int_value::<I>(words, at, s, i, format)) - offset;
+                    let shift = (8 * j) as u32;
+                    let u = i32::cast_from((values >> shift) & 255u32) - offset;
                     u_sum += u;
                     let mut u_up = 0i32;
                     if comptime!(pair) {
-                        u_up = i32::cast_from(int_value::<I>(up, at, s, i, format)) - offset;
+                        u_up = i32::cast_from((values_up >> shift) & 255u32) - offset;
                         u_sum_up += u_up;
                     }
                     #[unroll]
                     for t in 0..tile {
-                        let b = i32::cast_from((packed[t] >> ((8 * j) as u32)) & 255u32);
+                        let b = i32::cast_from((packed[t] >> shift) & 255u32);
                         dot[t] += u * b;
                         if comptime!(pair) {
                             dot_up[t] += u_up * b;
