@@ -1085,7 +1085,7 @@ fn stage_activations<F: Float>(
     r0: usize,
     xb: usize,
     live_block: bool,
-    scales: &SharedMemory<u32>,
+    scales: &SharedMemory<f32>,
     staged: &mut SharedMemory<u32>,
     first: usize,
     zero: u32,
@@ -1103,7 +1103,7 @@ fn stage_activations<F: Float>(
             if r >= rows {
                 r = rows - 1;
             }
-            let id = f32::from_bits(scales[2 * (first + t) + 1]);
+            let id = scales[2 * (first + t) + 1];
             let mut word = 0u32;
             #[unroll]
             for j in 0..4usize {
@@ -1441,7 +1441,7 @@ fn cpu_rotate(x: f32, cos: f32, partner: f32, sin: f32, zero: u32) -> f32 {
 fn int_steps<I: Numeric>(
     words: &Tensor<I>,
     at: usize,
-    scales: &SharedMemory<u32>,
+    scales: &SharedMemory<f32>,
     qsums: &SharedMemory<i32>,
     first: usize,
     isums: &SharedMemory<u32>,
@@ -1466,7 +1466,7 @@ fn int_steps<I: Numeric>(
         #[unroll]
         for t in 0..tile {
             if t % lanes == lane {
-                let dx = f32::from_bits(scales[2 * (first + t)]);
+                let dx = scales[2 * (first + t)];
                 if s == subs - 1 {
                     acc[t] = fused_mul_add(
                         f32::from_bits(isums[slot + t]),
@@ -1657,8 +1657,8 @@ fn int_product<F: Float, I: Numeric>(
     } else {
         scratch_words
     }));
-    // Per run and row of the chunk: its scale and inverse scale (f32 bits).
-    let mut scales = SharedMemory::<u32>::new(comptime!(2 * lanes * tile));
+    // Per run and row of the chunk: its scale and inverse scale.
+    let mut scales = SharedMemory::<f32>::new(comptime!(2 * lanes * tile));
     // Per run, row and sub-block: the sum of its quantized values.
     let mut qsums = SharedMemory::<i32>::new(comptime!(lanes * tile * subs));
     let slot = (lane * QUANT_OUTPUTS + column) * tile;
@@ -1708,8 +1708,8 @@ fn int_product<F: Float, I: Numeric>(
                 d = rounded_div(amax, f32::new(127.0), zero, native_fma);
                 id = rounded_div(f32::new(1.0), d, zero, native_fma);
             }
-            scales[2 * run] = d.to_bits();
-            scales[2 * run + 1] = id.to_bits();
+            scales[2 * run] = d;
+            scales[2 * run + 1] = id;
         }
         sync_cube();
         // 2. The activations quantized once for the cube, then the integer sums.
