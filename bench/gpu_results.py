@@ -61,8 +61,9 @@ def bench_model(report):
     return (others or models or [None])[0]
 
 
-# gpu_bench reports in bench.json: `fast` in f32 and bf16, `exact` in bf16.
-VARIANTS = ("f32", "bf16", "bf16_exact")
+# gpu_bench reports in bench.json: `fast` in f32 and bf16, `exact` in bf16, `fast` in bf16
+# with int8 tensor cores.
+VARIANTS = ("f32", "bf16", "bf16_exact", "bf16_tensor_cores")
 
 
 def ours(report, want_dtype):
@@ -183,7 +184,8 @@ def table(result, extra, bandwidth):
         if f is None:
             continue
         dtype, _, precision = key.partition("_")
-        name = f"llama-burn {dtype} {precision or 'fast'}, 1B Q4_K_M"
+        label = {"tensor_cores": "fast on int8 tensor cores"}.get(precision, precision or "fast")
+        name = f"llama-burn {dtype} {label}, 1B Q4_K_M"
         rows.append((name, f, extra["weight_bytes"].get(key)))
     torch_dtype = extra.get("torch_dtype", "bf16")
     params = extra.get("torch_params")

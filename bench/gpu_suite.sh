@@ -20,7 +20,9 @@
 #
 #   first  concurrent_server on that model, cold: time from start to "== 1." (the model
 #          loaded) and the first request's own time (20 tokens); stopped after it.
-#   bench  gpu_bench --no-demo on that model, `fast` in f32 and bf16, then `exact` in
+#   bench  gpu_bench --no-demo on that model, `fast` in bf16 with int8 tensor cores
+#          from 16 rows (LLAMA_BURN_TENSOR_CORES=auto), then without them (the default:
+#          which is faster at 32 and 128 rows and in prefill), `fast` in f32, `exact` in
 #          bf16, then `fast` bf16 with every RMSNorm a launch of its own (against the
 #          norm in the next product's prologue up to 8 rows: which is faster at 1, 8, 32
 #          and 128 rows) ($SUITE_BENCH_ARGS, default "--reps 2 --steps 16";
@@ -33,7 +35,7 @@
 #
 # Files under $OUT (at most 8): suite.json (GPU, driver, date, each stage's status),
 # first.log/first.json, bench.log/bench.json (gpu_bench's JSON: {"f32", "bf16", "launches",
-# "bf16_exact"}),
+# "bf16_exact", "bf16_tensor_cores"}),
 # tests.log, torch.log/torch.json. Every stage has its own timeout; the whole run stays
 # within $SUITE_BUDGET seconds (540); a failing stage does not stop the others.
 
@@ -292,16 +294,18 @@ stage_bench() {
     local -a args
     read -r -a args <<<"${SUITE_BENCH_ARGS:---reps 2 --steps 16}"
     : >"$log"
-    # Variants: dtype[:nofusion][:exact][:normapart] (Burn's CUDA backend without its
-    # fusion stream; the `exact` precision's f32 product instead of `fast`'s integer one,
-    # the CPU's `fast` bits; every RMSNorm a launch of its own rather than in the next
-    # product's prologue, LLAMA_BURN_NORM_IN_PROLOGUE_ROWS=0). Precision is always said:
-    # its default follows the host CPU.
+    # Variants: dtype[:nofusion][:exact][:normapart][:tc] (Burn's CUDA backend without
+    # its fusion stream; the `exact` precision's f32 product instead of `fast`'s integer
+    # one, the CPU's `fast` bits; every RMSNorm a launch of its own rather than in the next
+    # product's prologue, LLAMA_BURN_NORM_IN_PROLOGUE_ROWS=0; the `fast` products of 16
+    # rows or more on int8 tensor cores, LLAMA_BURN_TENSOR_CORES=auto, off by default
+    # until measured). Precision is always said: its default follows the host CPU.
     local variant
-    for variant in ${SUITE_BENCH_VARIANTS:-f32 bf16 bf16:exact bf16:normapart}; do
+    for variant in ${SUITE_BENCH_VARIANTS:-bf16:tc bf16 f32 bf16:exact bf16:normapart}; do
         dtype=${variant%%:*}
         local -a type_arg=() env_arg=(env)
         [[ $variant == *:normapart* ]] && env_arg+=(LLAMA_BURN_NORM_IN_PROLOGUE_ROWS=0)
+        [[ $variant == *:tc* ]] && env_arg+=(LLAMA_BURN_TENSOR_CORES=auto)
         [[ $dtype != f32 ]] && type_arg=(--dtype "$dtype")
         [[ $variant == *:nofusion* ]] && type_arg+=(--no-fusion)
         if [[ $variant == *:exact* ]]; then
@@ -323,7 +327,7 @@ stage_bench() {
     fi
     # Other variants' JSON is in bench.log only.
     python3 - "$OUT/bench.json" "$TMP/bench_f32.json" "$TMP/bench_bf16.json" \
-        "$TMP/bench_launches.json" "$TMP/bench_bf16_exact.json" <<'PY'
+        "$TMP/bench_launches.json" "$TMP/bench_bf16_exact.json" "$TMP/bench_bf16_tc.json" <<'PY'
 import json, sys
 def load(path):
     try:
@@ -338,7 +342,7 @@ def load(path):
             continue
     return None
 json.dump({"f32": load(sys.argv[2]), "bf16": load(sys.argv[3]), "launches": load(sys.argv[4]),
-           "bf16_exact": load(sys.argv[5])},
+           "bf16_exact": load(sys.argv[5]), "bf16_tensor_cores": load(sys.argv[6])},
           open(sys.argv[1], "w"), indent=1)
 PY
 }

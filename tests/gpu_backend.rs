@@ -1156,6 +1156,173 @@ fn row_kernels_give_the_reference_and_the_store_writes_each_slot() {
 /// the two products' own, in both precisions, at 1, 5 and 19 rows, with a first matrix
 /// whose outputs end inside a cube; matrices that take different units per output are
 /// left to two launches (`None`).
+/// The `fast` product through the tile kernel (`TensorCores::Portable`: the tensor-core
+/// kernel's tiles, staging and steps with its fragment products in plain multiply-adds;
+/// on a device with int8 tensor cores `Auto` from 16 rows takes the fragments
+/// themselves) gives the CPU `fast` product's bits: every kept format, rows that fill a
+/// tile, part of one and more than two, outputs across cubes and planes with dead ones;
+/// each row alone equal to its row in the batch; gate and up with SwiGLU, a second matrix
+/// of another format beside, and the residual add, the CPU's bits too.
+#[test]
+fn the_tile_kernel_gives_the_cpu_fast_bits() {
+    use burn::tensor::{Tensor, TensorData};
+    use llama_burn::Precision;
+    use llama_burn::backend::{Around, Beside};
+    use llama_burn::gpu::{CubeKernels, TensorCores, set_tensor_cores};
+    use llama_burn::kernels::{QuantFormat, QuantMatrix};
+
+    let device = Default::default();
+    let fast = Precision::Fast;
+    // Where the device has them, `Auto` takes the fragment instructions from 16 rows.
+    let mut modes = vec![TensorCores::Portable];
+    if Gpu::int8_tensor_cores(&device) {
+        modes.push(TensorCores::Auto);
+    } else {
+        println!("no int8 tensor cores here: the tile kernel runs in its portable form only");
+    }
+    let gpu = |v: &[f32], dims: [usize; 2]| {
+        Tensor::<Gpu, 2>::from_data(TensorData::new(v.to_vec(), dims), &device)
+    };
+    let read = |t: Tensor<Gpu, 2>| t.into_data().into_vec::<f32>().expect("f32");
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for mode in modes.iter().copied() {
+        for format in QuantFormat::ALL {
+            let (n_out, cols) = (37, 2 * format.block_values());
+            let w = QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 4))
+                .expect("quantize");
+            // A tile's part, more than two tiles; with `Auto` from 16 rows.
+            let all_rows: &[usize] = if mode == TensorCores::Auto {
+                &[16, 40]
+            } else {
+                &[1, 5, 40]
+            };
+            for &rows in all_rows {
+                let mut x = values(rows * cols, 50 + rows as u64);
+                // A zero run (a scale of 0) and a row of large values.
+                x[..32].fill(0.0);
+                if rows > 1 {
+                    for v in &mut x[cols..2 * cols] {
+                        *v *= 3.0e4;
+                    }
+                }
+                let cpu = Tensor::<Flex, 2>::from_data(
+                    TensorData::new(x.clone(), [rows, cols]),
+                    &Default::default(),
+                );
+                let want = Flex::quantized_matmul(cpu, &w, fast).expect("cpu fast product");
+                let want = want.into_data().into_vec::<f32>().expect("f32");
+                set_tensor_cores(Some(mode));
+                let got = read(Gpu::quantized_matmul(gpu(&x, [rows, cols]), &w, fast).unwrap());
+                set_tensor_cores(None);
+                if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                    panic!(
+                        "{mode:?}, {format:?}, {rows} rows: output {i} (row {}, column {}) is \
+                         {} on the device and {} on the CPU",
+                        i / n_out,
+                        i % n_out,
+                        got[i],
+                        want[i]
+                    );
+                }
+                if rows > 1 && mode == TensorCores::Portable {
+                    set_tensor_cores(Some(mode));
+                    let alone = read(
+                        Gpu::quantized_matmul(gpu(&x[(rows - 1) * cols..], [1, cols]), &w, fast)
+                            .unwrap(),
+                    );
+                    set_tensor_cores(None);
+                    assert_eq!(
+                        bits(&alone),
+                        bits(&want[(rows - 1) * n_out..]),
+                        "{format:?}: the last of {rows} rows differs from the row alone"
+                    );
+                }
+            }
+        }
+    }
+    // Gate and up with SwiGLU, a second matrix beside, the residual add, at 150 outputs
+    // (three cubes of 64): the CPU's bits. A 32-value format and Q6_K (its halves scaled
+    // apart): each launch shape is a shader to compile on lavapipe, so the cases are few.
+    let cpu_product = |x: &[f32], rows: usize, w: &QuantMatrix| -> Vec<f32> {
+        let xt = Tensor::<Flex, 2>::from_data(
+            TensorData::new(x.to_vec(), [rows, w.cols()]),
+            &Default::default(),
+        );
+        let out = Flex::quantized_matmul(xt, w, fast).expect("cpu fast product");
+        out.into_data().into_vec::<f32>().expect("f32")
+    };
+    for format in [QuantFormat::Q4_0, QuantFormat::Q6_K] {
+        let (n_out, cols) = (150, 2 * format.block_values());
+        let w =
+            QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 4)).expect("quantize");
+        let up =
+            QuantMatrix::quantize(format, n_out, cols, &values(n_out * cols, 6)).expect("quantize");
+        let other = if format == QuantFormat::Q6_K {
+            QuantFormat::Q4_K
+        } else if format.block_values() == 256 {
+            QuantFormat::Q6_K
+        } else {
+            QuantFormat::Q8_0
+        };
+        let n2 = 21;
+        let second =
+            QuantMatrix::quantize(other, n2, cols, &values(n2 * cols, 8)).expect("quantize");
+        for rows in [5, 19] {
+            let x = values(rows * cols, 60 + rows as u64);
+            let residual = values(rows * n_out, 61);
+            let gate = cpu_product(&x, rows, &w);
+            let mut gated = vec![0f32; gate.len()];
+            llama_burn::kernels::activation::swiglu(&gate, &cpu_product(&x, rows, &up), &mut gated);
+            let beside = cpu_product(&x, rows, &second);
+            let both: Vec<f32> = (0..rows)
+                .flat_map(|r| {
+                    let first = gate[r * n_out..(r + 1) * n_out].iter();
+                    first.chain(&beside[r * n2..(r + 1) * n2]).copied()
+                })
+                .collect();
+            let added: Vec<f32> = gate.iter().zip(&residual).map(|(g, r)| r + g).collect();
+            for mode in modes.iter().copied() {
+                set_tensor_cores(Some(mode));
+                let xt = gpu(&x, [rows, cols]);
+                let on_gpu = [
+                    Gpu::quantized_swiglu(xt.clone(), &w, &up, fast)
+                        .expect("swiglu")
+                        .expect("one format and shape: fused"),
+                    Gpu::quantized_matmul_two(xt.clone(), &w, &second, fast)
+                        .expect("two")
+                        .expect("one launch"),
+                    Gpu::fused_quantized_matmul(
+                        xt,
+                        &w,
+                        Beside::Nothing,
+                        Around::Residual(gpu(&residual, [rows, n_out])),
+                        fast,
+                    )
+                    .expect("fused product")
+                    .expect("fused"),
+                ];
+                set_tensor_cores(None);
+                for ((name, want), got) in [("swiglu", &gated), ("beside", &both), ("add", &added)]
+                    .into_iter()
+                    .zip(on_gpu)
+                {
+                    let got = read(got);
+                    let bad = (0..got.len()).filter(|&i| got[i].to_bits() != want[i].to_bits());
+                    let bad: Vec<usize> = bad.collect();
+                    assert!(
+                        bad.is_empty(),
+                        "{mode:?}, {format:?}, {rows} rows, {name}: {} of {} outputs differ from \
+                         the CPU's, the first {:?}",
+                        bad.len(),
+                        got.len(),
+                        bad.first().map(|&i| (i, got[i], want[i]))
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn two_matrices_of_unlike_formats_in_one_launch_give_each_products_bits() {
     use burn::tensor::{Tensor, TensorData};

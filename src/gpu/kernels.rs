@@ -22,7 +22,7 @@ fn int_form_of(code: u32) -> IntForm {
 
 /// Sub-blocks per run (and per block) of the format of GPU code `code`: 8 for the
 /// K-quants, 1 for the 32-value formats.
-fn run_of(code: u32) -> usize {
+pub(crate) fn run_of(code: u32) -> usize {
     int_form_of(code).run
 }
 
@@ -1434,8 +1434,7 @@ fn cpu_rotate(x: f32, cos: f32, partner: f32, sin: f32, zero: u32) -> f32 {
 /// order (`kernels::int8`'s definition): per sub-block, at the end of the run `acc =
 /// fma(isum, d * dx, acc)`, then for the formats with a minimum `acc = fma(m, dx * sum of
 /// q, acc)`. The run's scale `dx` of row `t` is `scales[2 (first + t)]`, its integer sum
-/// `isums[slot + t]` (an f32's bits), its sub-blocks' sums of `q` `qsums[(first + t) *
-/// subs + s]`. Only the rows `t` with `t % lanes == lane` (the calling lane's).
+/// `isums[t]` (as f32), its sub-blocks' sums of `q` `qsums[(first + t) * subs + s]`. Only the rows `t` with `t % lanes == lane` (the calling lane's).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn int_steps<I: Numeric>(
@@ -1444,8 +1443,7 @@ fn int_steps<I: Numeric>(
     scales: &SharedMemory<f32>,
     qsums: &SharedMemory<i32>,
     first: usize,
-    isums: &SharedMemory<u32>,
-    slot: usize,
+    isums: &Array<f32>,
     acc: &mut Array<f32>,
     lane: usize,
     zero: u32,
@@ -1468,13 +1466,7 @@ fn int_steps<I: Numeric>(
             if t % lanes == lane {
                 let dx = scales[2 * (first + t)];
                 if s == subs - 1 {
-                    acc[t] = fused_mul_add(
-                        f32::from_bits(isums[slot + t]),
-                        d * dx,
-                        acc[t],
-                        zero,
-                        native_fma,
-                    );
+                    acc[t] = fused_mul_add(isums[t], d * dx, acc[t], zero, native_fma);
                 }
                 if comptime!(mins) {
                     let sx = dx * f32::cast_from(qsums[(first + t) * subs + s]);
@@ -1767,14 +1759,22 @@ fn int_product<F: Float, I: Numeric>(
             if b < blocks {
                 let at = row_at + b * block_bytes;
                 let from = (l * QUANT_OUTPUTS + column) * tile;
+                #[unroll]
+                for t in 0..tile {
+                    if t % lanes == lane {
+                        sums[t] = f32::from_bits(scratch[from + t]);
+                        if comptime!(pair) {
+                            sums_up[t] = f32::from_bits(scratch[stride + from + t]);
+                        }
+                    }
+                }
                 int_steps::<I>(
                     words,
                     at,
                     &scales,
                     &qsums,
                     l * tile,
-                    &scratch,
-                    from,
+                    &sums,
                     &mut acc,
                     lane,
                     zero,
@@ -1790,8 +1790,7 @@ fn int_product<F: Float, I: Numeric>(
                         &scales,
                         &qsums,
                         l * tile,
-                        &scratch,
-                        stride + from,
+                        &sums_up,
                         &mut acc_up,
                         lane,
                         zero,
@@ -1821,6 +1820,493 @@ fn int_product<F: Float, I: Numeric>(
                     out[at] = F::cast_from(total);
                 }
             }
+        }
+    }
+}
+
+/// Tile rows of [`int_tiles_kernel`]: a fragment's `m`.
+pub(crate) const TILE_ROWS: usize = 16;
+/// Outputs per plane (warp) of [`int_tiles_kernel`]: a fragment's `n`.
+pub(crate) const TILE_OUTPUTS: usize = 16;
+/// Units per plane of [`int_tiles_kernel`] (a CUDA warp).
+pub(crate) const PLANE: usize = 32;
+/// Planes per cube of [`int_tiles_kernel`]: a cube of 64 outputs by 16 rows.
+pub(crate) const TILE_PLANES: usize = 4;
+
+/// [`int_matmul_kernel`]'s product, the CPU `fast` product's bits, with the integer sums
+/// taken as fragment products of 16 x 16 x 16 (tensor cores: `mma` on CUDA from sm_72,
+/// cooperative matrices on Vulkan, `i8` times `i8` into `i32`), for prompts and batches.
+///
+/// A cube is `planes` planes of 32 units and a tile of [`TILE_ROWS`] rows; plane `p` owns
+/// [`TILE_OUTPUTS`] outputs. The weight's blocks are taken one at a time, in order:
+///
+/// 1. the cube finds each tile row's scale for the block's run (the largest magnitude:
+///    exact in any order; `d = max / 127` and `1 / d` rounded to nearest, the CPU's rule);
+/// 2. for each 32-value sub-block, the cube quantizes the tile's activations into shared
+///    memory as `i8` (`round(v / d)`, halves away from zero) and each plane decodes its
+///    outputs' weights as `u - offset` (`quant::int_form`: every kept format's values fit
+///    in `i8` so), both in matrices of 16 x 16 values;
+/// 3. each plane multiplies them: for every group of values that shares an integer scale
+///    (the sub-block, or each 16-value half for Q6_K and Q3_K) one accumulator of
+///    `sum (u - offset) * q`, exact in 32 bits, stored to shared memory, from where the
+///    unit owning an entry adds `scale * sum` to the block's integer sum (the same
+///    integer as [`int_block`]'s, whose order does not matter);
+/// 4. each unit (an output and 8 tile rows) takes the block's float steps for its rows
+///    with [`int_steps`], as [`int_product`] does: so each output is the same chain of
+///    float steps over its blocks in order, the CPU's.
+///
+/// With `tensor_cores` the fragment products are `cmma` instructions on `E = i8`
+/// matrices; without, each unit computes its own entries with plain multiply-adds
+/// (`E = i32`), on any device: the same tiles, sums and steps, so lavapipe tests the
+/// kernel's every step but the fragment instruction (whose sums are exact integers
+/// either way). `second`, `pair` and `io` as [`int_matmul_kernel`]'s, but for
+/// [`IO_NORM`] (the norm stays in [`int_matmul_kernel`]'s prologue or a launch of its
+/// own).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn int_tiles_kernel<F: Float, I: Numeric, E: Numeric>(
+    x: &Tensor<F>,
+    words: &Tensor<I>,
+    up: &Tensor<I>,
+    extra: &Tensor<F>,
+    out: &mut Tensor<F>,
+    rows: u32,
+    n_out: u32,
+    n_second: u32,
+    cols: u32,
+    zero: u32,
+    #[comptime] format: u32,
+    #[comptime] second: u32,
+    #[comptime] planes: usize,
+    #[comptime] pair: bool,
+    #[comptime] io: u32,
+    #[comptime] native_fma: bool,
+    #[comptime] tensor_cores: bool,
+    #[define(F, I, E)] _dtypes: [StorageType; 3],
+) {
+    let (rows, n_out, n_second, cols) = (
+        rows as usize,
+        n_out as usize,
+        n_second as usize,
+        cols as usize,
+    );
+    let width = n_out + n_second;
+    let cube = CUBE_POS_X as usize;
+    if comptime!(second == NO_SECOND) {
+        int_tiles_product::<F, I, E>(
+            x,
+            words,
+            up,
+            extra,
+            out,
+            rows,
+            n_out,
+            cols,
+            cube,
+            width,
+            0,
+            zero,
+            format,
+            planes,
+            pair,
+            io,
+            native_fma,
+            tensor_cores,
+        );
+    } else {
+        let cubes = n_out.div_ceil(TILE_OUTPUTS * planes);
+        if cube < cubes {
+            int_tiles_product::<F, I, E>(
+                x,
+                words,
+                up,
+                extra,
+                out,
+                rows,
+                n_out,
+                cols,
+                cube,
+                width,
+                0,
+                zero,
+                format,
+                planes,
+                false,
+                io,
+                native_fma,
+                tensor_cores,
+            );
+        } else {
+            int_tiles_product::<F, I, E>(
+                x,
+                up,
+                up,
+                extra,
+                out,
+                rows,
+                n_second,
+                cols,
+                cube - cubes,
+                width,
+                n_out,
+                zero,
+                second,
+                planes,
+                false,
+                io,
+                native_fma,
+                tensor_cores,
+            );
+        }
+    }
+}
+
+/// Place of value `k` (0..32) of tile row or output `i` in a sub-block's staged matrices
+/// ([`int_tiles_kernel`]): the values in two 16 x 16 matrices (values 0..16, then
+/// 16..32), each row of 16 values in turn, so every fragment starts 256 values from the
+/// array's start.
+#[cube]
+fn tile_at(i: usize, k: usize) -> usize {
+    (k / 16) * 256 + i * 16 + k % 16
+}
+
+/// One matrix's part of [`int_tiles_kernel`].
+#[cube]
+// `if comptime!(..) { if runtime { .. } }` keeps the outer test at expansion time.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
+fn int_tiles_product<F: Float, I: Numeric, E: Numeric>(
+    x: &Tensor<F>,
+    words: &Tensor<I>,
+    up: &Tensor<I>,
+    extra: &Tensor<F>,
+    out: &mut Tensor<F>,
+    rows: usize,
+    n_out: usize,
+    cols: usize,
+    cube: usize,
+    width: usize,
+    out_offset: usize,
+    zero: u32,
+    #[comptime] format: u32,
+    #[comptime] planes: usize,
+    #[comptime] pair: bool,
+    #[comptime] io: u32,
+    #[comptime] native_fma: bool,
+    #[comptime] tensor_cores: bool,
+) {
+    let plane = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
+    let units = comptime!(PLANE * planes);
+    let unit = plane * PLANE + lane;
+    let r0 = CUBE_POS_Y as usize * TILE_ROWS;
+    let block_bytes = comptime!(block_bytes_of(format));
+    let subs = comptime!(run_of(format));
+    let block_values = comptime!(32 * subs);
+    let offset = comptime!(int_form_of(format).offset);
+    let mins = comptime!(int_form_of(format).mins);
+    // Q6_K and Q3_K scale each 16 values of a sub-block on its own.
+    let groups = comptime!(if format == 4 || format == 8 {
+        2usize
+    } else {
+        1usize
+    });
+    let blocks = cols / block_values;
+    let first_out = (cube * planes + plane) * TILE_OUTPUTS;
+    // The unit's entries: output `j` of the plane, tile rows `t0..t0 + 8`.
+    let j = lane % TILE_OUTPUTS;
+    let t0 = (lane / TILE_OUTPUTS) * 8;
+    let wanted = first_out + j;
+    let live = wanted < n_out;
+    let o = select(live, wanted, n_out - 1);
+    let row_at = o * blocks * block_bytes;
+    // The unit's share of the decoding: output `jd`, values `16 hd..16 hd + 16` of each
+    // sub-block.
+    let jd = lane / 2;
+    let hd = lane % 2;
+    let od = select(first_out + jd < n_out, first_out + jd, n_out - 1);
+    let dec_at = od * blocks * block_bytes;
+
+    let mut acc = Array::<f32>::new(8usize);
+    let mut acc_up = Array::<f32>::new(8usize);
+    let mut isum = Array::<i32>::new(8usize);
+    let mut isum_up = Array::<i32>::new(8usize);
+    #[unroll]
+    for t in 0..8usize {
+        acc[t] = f32::new(0.0);
+        acc_up[t] = f32::new(0.0);
+    }
+    let parts = comptime!(PLANE * planes / TILE_ROWS);
+    let mut amax = SharedMemory::<f32>::new(units);
+    // Per tile row: the run's scale and inverse scale.
+    let mut scales = SharedMemory::<f32>::new(comptime!(2 * TILE_ROWS));
+    // Per tile row and sub-block: the sum of its quantized values (formats with a minimum).
+    let mut qsums = SharedMemory::<i32>::new(comptime!(TILE_ROWS * run_of(format)));
+    let mut a_tile = SharedMemory::<E>::new_aligned(512usize, 32usize);
+    let mut b_tile = SharedMemory::<E>::new_aligned(comptime!(planes * 512), 32usize);
+    let mut b_up =
+        SharedMemory::<E>::new_aligned(comptime!(if pair { planes * 512 } else { 1 }), 32usize);
+    let mut c_tile = SharedMemory::<i32>::new_aligned(comptime!(planes * 256), 32usize);
+    let mut c_up =
+        SharedMemory::<i32>::new_aligned(comptime!(if pair { planes * 256 } else { 1 }), 32usize);
+    // The unit's block sums as f32, as [`int_steps`] takes them.
+    let mut sums = Array::<f32>::new(8usize);
+    let mut sums_up = Array::<f32>::new(8usize);
+
+    for b in 0..blocks {
+        let xb = b * block_values;
+        // 1. The run's largest magnitude of each tile row, then its scales.
+        let ta = unit / parts;
+        let mut ra = r0 + ta;
+        if ra >= rows {
+            ra = rows - 1;
+        }
+        let mut m = f32::new(0.0);
+        let mut i = unit % parts;
+        while i < block_values {
+            let v = f32::cast_from(x[ra * cols + xb + i]).abs();
+            if v > m {
+                m = v;
+            }
+            i += parts;
+        }
+        amax[unit] = m;
+        sync_cube();
+        if unit < TILE_ROWS {
+            let mut top = f32::new(0.0);
+            for p in 0..parts {
+                let v = amax[unit * parts + p];
+                if v > top {
+                    top = v;
+                }
+            }
+            let mut d = f32::new(0.0);
+            let mut id = f32::new(0.0);
+            if top > 0.0 {
+                d = rounded_div(top, f32::new(127.0), zero, native_fma);
+                id = rounded_div(f32::new(1.0), d, zero, native_fma);
+            }
+            scales[2 * unit] = d;
+            scales[2 * unit + 1] = id;
+        }
+        sync_cube();
+        #[unroll]
+        for t in 0..8usize {
+            isum[t] = 0i32;
+            isum_up[t] = 0i32;
+        }
+        for s in 0..subs {
+            // 2. The sub-block's activations as i8, and the plane's weights.
+            let mut e = unit;
+            while e < 512usize {
+                let t = e / 32;
+                let k = e % 32;
+                let mut r = r0 + t;
+                if r >= rows {
+                    r = rows - 1;
+                }
+                let v = f32::cast_from(x[r * cols + xb + 32 * s + k]);
+                // |round(v / d)| <= 127.
+                let q = i32::cast_from(round_half_away(v * scales[2 * t + 1]).clamp(-127.0, 127.0));
+                a_tile[tile_at(t, k)] = E::cast_from(q);
+                e += units;
+            }
+            #[unroll]
+            for w in 0..4usize {
+                let k = 16 * hd + 4 * w;
+                let values = int_values4::<I>(words, dec_at + b * block_bytes, s, k, format);
+                let mut values_up = 0u32;
+                if comptime!(pair) {
+                    values_up = int_values4::<I>(up, dec_at + b * block_bytes, s, k, format);
+                }
+                #[unroll]
+                for jj in 0..4usize {
+                    let shift = (8 * jj) as u32;
+                    let at = plane * 512 + tile_at(jd, k + jj);
+                    b_tile[at] = E::cast_from(i32::cast_from((values >> shift) & 255u32) - offset);
+                    if comptime!(pair) {
+                        b_up[at] =
+                            E::cast_from(i32::cast_from((values_up >> shift) & 255u32) - offset);
+                    }
+                }
+            }
+            sync_cube();
+            if comptime!(mins) {
+                if unit < TILE_ROWS {
+                    let mut total = 0i32;
+                    for k in 0..32usize {
+                        total += i32::cast_from(a_tile[tile_at(unit, k)]);
+                    }
+                    qsums[unit * subs + s] = total;
+                }
+            }
+            // 3. Each group's exact integer sums, then the unit's entries scaled.
+            #[unroll]
+            for g in 0..groups {
+                tile_product::<E>(
+                    &a_tile,
+                    &b_tile,
+                    &mut c_tile,
+                    plane,
+                    j,
+                    t0,
+                    g,
+                    groups,
+                    tensor_cores,
+                );
+                if comptime!(pair) {
+                    tile_product::<E>(
+                        &a_tile,
+                        &b_up,
+                        &mut c_up,
+                        plane,
+                        j,
+                        t0,
+                        g,
+                        groups,
+                        tensor_cores,
+                    );
+                }
+                sync_cube();
+                let sc = int_scale::<I>(words, row_at + b * block_bytes, s, g, format);
+                let mut sc_up = 0i32;
+                if comptime!(pair) {
+                    sc_up = int_scale::<I>(up, row_at + b * block_bytes, s, g, format);
+                }
+                #[unroll]
+                for t in 0..8usize {
+                    let at = plane * 256 + (t0 + t) * TILE_OUTPUTS + j;
+                    isum[t] += sc * c_tile[at];
+                    if comptime!(pair) {
+                        isum_up[t] += sc_up * c_up[at];
+                    }
+                }
+                // Every entry is read before the next fragment product's store.
+                sync_cube();
+            }
+        }
+        // 4. The block's float steps for the unit's rows, in block order.
+        #[unroll]
+        for t in 0..8usize {
+            sums[t] = f32::cast_from(isum[t]);
+            sums_up[t] = f32::cast_from(isum_up[t]);
+        }
+        let at = row_at + b * block_bytes;
+        let rows_each = comptime!(8usize);
+        int_steps::<I>(
+            words, at, &scales, &qsums, t0, &sums, &mut acc, 0usize, zero, format, rows_each,
+            1usize, native_fma,
+        );
+        if comptime!(pair) {
+            int_steps::<I>(
+                up,
+                at,
+                &scales,
+                &qsums,
+                t0,
+                &sums_up,
+                &mut acc_up,
+                0usize,
+                zero,
+                format,
+                rows_each,
+                1usize,
+                native_fma,
+            );
+        }
+        // The scales and sums of `q` are read before the next block's.
+        sync_cube();
+    }
+    if live {
+        #[unroll]
+        for t in 0..8usize {
+            let r = r0 + t0 + t;
+            if r < rows {
+                let mut total = acc[t];
+                if comptime!(pair) {
+                    total = cpu_swiglu(total, acc_up[t], zero, native_fma);
+                }
+                let at = r * width + out_offset + o;
+                if comptime!(io == IO_RESIDUAL) {
+                    // The residual add, rounded to `F` as a tensor add rounds it.
+                    out[at] = extra[at] + F::cast_from(total);
+                } else {
+                    out[at] = F::cast_from(total);
+                }
+            }
+        }
+    }
+}
+
+/// Plane `plane`'s fragment product of group `g` of a sub-block ([`int_tiles_kernel`]):
+/// `c[t][j] = sum over the group's values k of a[t][k] * b[j][k]` for the 16 tile rows
+/// `t` and the plane's 16 outputs `j`, into its 16 x 16 `c` (rows of 16). With
+/// `tensor_cores` one accumulator over the group's 16 x 16 x 16 `cmma` products (both
+/// halves of the sub-block when `groups` is 1); without, the unit computes its own
+/// entries (output `j`, rows `t0..t0 + 8`) with plain integer multiply-adds.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn tile_product<E: Numeric>(
+    a: &SharedMemory<E>,
+    b: &SharedMemory<E>,
+    c: &mut SharedMemory<i32>,
+    plane: usize,
+    j: usize,
+    t0: usize,
+    g: usize,
+    #[comptime] groups: usize,
+    #[comptime] tensor_cores: bool,
+) {
+    let halves = comptime!(2 / groups);
+    if comptime!(tensor_cores) {
+        let acc = cmma::Matrix::<i32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::Undefined,
+            0i32,
+        );
+        #[unroll]
+        for hh in 0..halves {
+            let h = g * halves + hh;
+            let fa = cmma::Matrix::<E>::from_slice(
+                cmma::MatrixIdent::A,
+                16usize,
+                16usize,
+                16usize,
+                cmma::MatrixLayout::RowMajor,
+                &a.slice(h * 256, h * 256 + 256),
+                16,
+            );
+            let fb = cmma::Matrix::<E>::from_slice(
+                cmma::MatrixIdent::B,
+                16usize,
+                16usize,
+                16usize,
+                cmma::MatrixLayout::ColMajor,
+                &b.slice(plane * 512 + h * 256, plane * 512 + h * 256 + 256),
+                16,
+            );
+            cmma::execute::<E, E, i32, i32>(&fa, &fb, &acc, &acc);
+        }
+        cmma::store(
+            &mut c.slice_mut(plane * 256, plane * 256 + 256),
+            &acc,
+            16,
+            cmma::MatrixLayout::RowMajor,
+        );
+    } else {
+        #[unroll]
+        for t in 0..8usize {
+            let mut total = 0i32;
+            for hh in 0..halves {
+                let h = g * halves + hh;
+                for k in 0..16usize {
+                    total += i32::cast_from(a[h * 256 + (t0 + t) * 16 + k])
+                        * i32::cast_from(b[plane * 512 + h * 256 + j * 16 + k]);
+                }
+            }
+            c[plane * 256 + (t0 + t) * TILE_OUTPUTS + j] = total;
         }
     }
 }

@@ -112,6 +112,115 @@ pub struct QuantShape {
     /// second's, in rows of `n_out + n_second`. It takes the same `cols` and units per
     /// output as the first.
     pub second: Option<(u32, usize)>,
+    /// With `integer`: whether the product may take the tile kernel (see [`TensorCores`]).
+    pub tensor_cores: TensorCores,
+}
+
+/// Which kernel a `fast` product takes on a CubeCL device: the integer sums on tensor
+/// cores, or in plain multiply-adds. The bits are the same either way (the CPU `fast`
+/// product's).
+///
+/// The default is [`TensorCores::Off`] until the tensor-core form has run on an NVIDIA
+/// GPU (its portable form is tested on every CI run, on lavapipe); opt in with
+/// `LLAMA_BURN_TENSOR_CORES=auto` or [`set_tensor_cores`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TensorCores {
+    /// Fragment products of 16 x 16 x 16 `i8` values into `i32` on tensor cores
+    /// (`kernels::int_tiles_kernel`) for products of [`TENSOR_CORE_ROWS`] rows or more
+    /// on a device that offers them (CUDA from sm_72; Vulkan's cooperative matrices),
+    /// else the scalar kernel (`kernels::int_matmul_kernel`).
+    Auto,
+    /// Always the scalar kernel.
+    #[default]
+    Off,
+    /// The tile kernel at every row count on every device, its fragment products in plain
+    /// integer multiply-adds: the same tiles, sums and float steps as with tensor cores,
+    /// for testing that kernel where there are none (lavapipe). Slow.
+    Portable,
+}
+
+/// The fewest rows a `fast` product takes tensor cores for under [`TensorCores::Auto`]
+/// (a fragment is 16 rows; `LLAMA_BURN_TENSOR_CORE_ROWS` overrides it for a process).
+pub const TENSOR_CORE_ROWS: usize = 16;
+
+std::thread_local! {
+    static TENSOR_CORES_HERE: core::cell::Cell<Option<TensorCores>> =
+        const { core::cell::Cell::new(None) };
+}
+
+/// Sets which kernel the `fast` products submitted from this thread take (`None`: the
+/// process's default, `LLAMA_BURN_TENSOR_CORES=auto|off|portable`, else
+/// [`TensorCores::default`]). The choice is made where a product is submitted, so it holds
+/// for the thread's products even where Burn's fusion stream launches them later.
+pub fn set_tensor_cores(mode: Option<TensorCores>) {
+    TENSOR_CORES_HERE.with(|c| c.set(mode));
+}
+
+/// The mode of this thread's products (see [`set_tensor_cores`]).
+fn tensor_cores_mode() -> TensorCores {
+    static DEFAULT: std::sync::OnceLock<TensorCores> = std::sync::OnceLock::new();
+    TENSOR_CORES_HERE
+        .with(core::cell::Cell::get)
+        .unwrap_or_else(|| {
+            *DEFAULT.get_or_init(|| {
+                match std::env::var("LLAMA_BURN_TENSOR_CORES")
+                    .ok()
+                    .as_deref()
+                    .map(str::trim)
+                {
+                    Some("auto") => TensorCores::Auto,
+                    Some("portable") => TensorCores::Portable,
+                    _ => TensorCores::default(),
+                }
+            })
+        })
+}
+
+/// [`TENSOR_CORE_ROWS`], or `LLAMA_BURN_TENSOR_CORE_ROWS` where it is set to a number.
+/// Read once per process.
+fn tensor_core_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("LLAMA_BURN_TENSOR_CORE_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(TENSOR_CORE_ROWS)
+    })
+}
+
+/// Bytes of shared memory a cube of [`kernels::int_tiles_kernel`] takes: the units'
+/// largest magnitudes, the tile rows' scales and sums of `q`, the staged activations and
+/// weights (`i8` on tensor cores, else `i32`), the planes' accumulators.
+fn tile_shared_bytes(format: u32, pair: bool, tensor_cores: bool) -> usize {
+    let planes = kernels::TILE_PLANES;
+    let units = kernels::PLANE * planes;
+    let subs = kernels::run_of(format);
+    let value = if tensor_cores { 1 } else { 4 };
+    let matrices = if pair { 2 } else { 1 };
+    4 * units
+        + 4 * 2 * kernels::TILE_ROWS
+        + 4 * kernels::TILE_ROWS * subs
+        + 512 * value
+        + matrices * (planes * 512 * value + planes * 256 * 4)
+}
+
+/// Whether the device multiplies 16 x 16 x 16 fragments of `i8` into `i32` in planes
+/// of 32 units (a CUDA warp; the tile kernel's layout).
+fn int8_fragments<R: CubeRuntime>(client: &cubecl::client::ComputeClient<R>) -> bool {
+    use cubecl::ir::features::MmaConfig;
+    use cubecl::ir::{ElemType, IntKind};
+    let i8 = ElemType::Int(IntKind::I8).into();
+    let hardware = &client.properties().hardware;
+    let planes_of_32 = hardware.plane_size_min == 32 && hardware.plane_size_max == 32;
+    planes_of_32
+        && client.features().matmul.cmma.contains(&MmaConfig {
+            a_type: i8,
+            b_type: i8,
+            cd_type: ElemType::Int(IntKind::I32).into(),
+            m: 16,
+            n: 16,
+            k: 16,
+        })
 }
 
 /// What a quantized product does on either side of its multiply (see
@@ -174,6 +283,12 @@ pub const MAX_HEAD_DIM: usize = 256;
 
 /// llama-burn's CubeCL kernels on a backend's tensor primitives.
 pub trait CubeKernels: Backend {
+    /// Whether `device` multiplies 16 x 16 x 16 fragments of `i8` into `i32` (tensor
+    /// cores: CUDA from sm_72, Vulkan's cooperative matrices) in planes of 32 units, so
+    /// that the `fast` products of [`TENSOR_CORE_ROWS`] rows or more take them (see
+    /// [`TensorCores`]).
+    fn int8_tensor_cores(device: &Self::Device) -> bool;
+
     /// Paged attention: `q` `[tokens, n_heads * dim]` over the pool `keys`/`values`
     /// `[blocks, kv_heads, block_size, dim]` through `table` (the layout of
     /// [`PagedBatch::device_table`]); returns `[tokens, n_heads * dim]`. The caller has
@@ -336,6 +451,10 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn int8_tensor_cores(device: &Self::Device) -> bool {
+        int8_fragments(&R::client(device))
+    }
+
     fn paged_attention_primitive(
         q: FloatTensor<Self>,
         keys: FloatTensor<Self>,
@@ -760,6 +879,10 @@ where
 }
 
 impl<B: FusionBackend + CubeKernels> CubeKernels for Fusion<B> {
+    fn int8_tensor_cores(device: &Self::Device) -> bool {
+        B::int8_tensor_cores(device)
+    }
+
     fn paged_attention_primitive(
         q: FloatTensor<Self>,
         keys: FloatTensor<Self>,
@@ -1264,6 +1387,67 @@ fn quant_launch<R: CubeRuntime>(
     let cubes = (shape.n_out as u32).div_ceil(outputs) + (n_second as u32).div_ceil(outputs);
     let count = CubeCount::Static(cubes, shape.rows.div_ceil(tile) as u32, 1);
     let dim = CubeDim::new_2d(outputs, lanes as u32);
+    let tiles = match (shape.integer, &io, shape.tensor_cores) {
+        (false, _, _) | (_, ProductIo::Norm { .. }, _) | (_, _, TensorCores::Off) => None,
+        (true, _, TensorCores::Portable) => Some(false),
+        (true, _, TensorCores::Auto) => {
+            (shape.rows >= tensor_core_rows() && int8_fragments(&client)).then_some(true)
+        }
+    }
+    .filter(|&tensor_cores| {
+        // The tile kernel where its shared memory fits (else the scalar kernel, which
+        // gives the same bits).
+        let formats = [Some(shape.format), shape.second.map(|(f, _)| f)];
+        let bytes = formats
+            .into_iter()
+            .flatten()
+            .map(|f| tile_shared_bytes(f, pair, tensor_cores))
+            .max()
+            .unwrap_or(0);
+        bytes <= client.properties().hardware.max_shared_memory_size
+    });
+    if let Some(tensor_cores) = tiles {
+        let planes = kernels::TILE_PLANES;
+        let per_cube = (kernels::TILE_OUTPUTS * planes) as u32;
+        let cubes = (shape.n_out as u32).div_ceil(per_cube) + (n_second as u32).div_ceil(per_cube);
+        let count = CubeCount::Static(cubes, shape.rows.div_ceil(kernels::TILE_ROWS) as u32, 1);
+        let dim = CubeDim::new_2d(kernels::PLANE as u32, planes as u32);
+        let (extra, io) = match io {
+            ProductIo::Residual(residual) => (into_contiguous(residual), kernels::IO_RESIDUAL),
+            ProductIo::Plain | ProductIo::Norm { .. } => (x.clone(), kernels::IO_PLAIN),
+        };
+        // `i8` fragments on tensor cores; `i32` values for the plain multiply-adds (WGSL
+        // has no 8-bit type).
+        let e_dtype = if tensor_cores {
+            burn::tensor::DType::I8
+        } else {
+            burn::tensor::DType::I32
+        };
+        kernels::int_tiles_kernel::launch::<R>(
+            &client,
+            count,
+            dim,
+            x.into_tensor_arg(),
+            words.into_tensor_arg(),
+            up.into_tensor_arg(),
+            extra.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            shape.rows as u32,
+            shape.n_out as u32,
+            n_second as u32,
+            shape.cols as u32,
+            0,
+            shape.format,
+            second,
+            planes,
+            pair,
+            io,
+            native_fma::<R>(&client),
+            tensor_cores,
+            [f_dtype.into(), i_dtype.into(), e_dtype.into()],
+        );
+        return out;
+    }
     if shape.integer {
         // Without a norm or a residual the kernel never reads `extra`: `x` stands in.
         let (extra, eps, io) = match io {
@@ -1807,6 +1991,7 @@ fn product_launch<B: LlamaBackend + CubeKernels>(
         blocks: n_in / w.format().block_values(),
         integer: precision == Precision::Fast,
         second,
+        tensor_cores: tensor_cores_mode(),
     };
     let out = B::quantized_matmul_primitive(
         x.into_primitive().tensor(),
