@@ -170,9 +170,15 @@ fn run_on<C: LlamaBackend>(args: &Args, device: &C::Device) -> Result<()> {
         reports.push(bench_model::<C>(args, model, device)?);
     }
     let dtype = float_type::<C>(device).map_or("other", FloatType::name);
+    // Whether the `fast` products of 16 rows or more took int8 tensor cores.
+    let tensor_cores = tensor_cores_used::<C>(device);
+    if !args.json {
+        println!("int8 tensor cores: {tensor_cores}");
+    }
     let report = json!({
         "backend": BACKEND_NAME,
         "dtype": dtype,
+        "tensor_cores": tensor_cores,
         "settings": {
             "context": args.context,
             "steps": args.steps,
@@ -187,6 +193,25 @@ fn run_on<C: LlamaBackend>(args: &Args, device: &C::Device) -> Result<()> {
         println!("{report:#}");
     }
     Ok(())
+}
+
+/// "on" where the device has int8 fragments and the process asks for them
+/// (`LLAMA_BURN_TENSOR_CORES=auto`), else why not.
+fn tensor_cores_used<C: LlamaBackend>(device: &C::Device) -> &'static str {
+    #[cfg(any(feature = "cuda", feature = "wgpu", feature = "vulkan"))]
+    {
+        use llama_burn::gpu::{TensorCores, tensor_cores_mode};
+        match (C::int8_tensor_cores(device), tensor_cores_mode()) {
+            (true, TensorCores::Auto) => "on",
+            (true, _) => "available, off (LLAMA_BURN_TENSOR_CORES=auto turns them on)",
+            (false, _) => "none on this device",
+        }
+    }
+    #[cfg(not(any(feature = "cuda", feature = "wgpu", feature = "vulkan")))]
+    {
+        let _ = device;
+        "none on this backend"
+    }
 }
 
 fn bench_model<C: LlamaBackend>(

@@ -133,6 +133,13 @@ pub trait LlamaBackend: Backend {
         false
     }
 
+    /// Whether the `fast` products of many rows may take int8 tensor cores on `device`
+    /// (the CubeCL backends on a device with `i8` fragments: see
+    /// `gpu::TensorCores`). The default is `false`.
+    fn int8_tensor_cores(_device: &Self::Device) -> bool {
+        false
+    }
+
     /// The largest weight, in bytes, that loading hands to the backend in one piece;
     /// larger matrices go in blocks of rows, concatenated on the device. The default,
     /// `None`, is no limit.

@@ -1168,7 +1168,7 @@ fn the_tile_kernel_gives_the_cpu_fast_bits() {
     use burn::tensor::{Tensor, TensorData};
     use llama_burn::Precision;
     use llama_burn::backend::{Around, Beside};
-    use llama_burn::gpu::{CubeKernels, TensorCores, set_tensor_cores};
+    use llama_burn::gpu::{TensorCores, set_tensor_cores};
     use llama_burn::kernels::{QuantFormat, QuantMatrix};
 
     let device = Default::default();
@@ -1176,6 +1176,7 @@ fn the_tile_kernel_gives_the_cpu_fast_bits() {
     // Where the device has them, `Auto` takes the fragment instructions from 16 rows.
     let mut modes = vec![TensorCores::Portable];
     if Gpu::int8_tensor_cores(&device) {
+        println!("int8 tensor cores here: the tile kernel runs on them too, from 16 rows");
         modes.push(TensorCores::Auto);
     } else {
         println!("no int8 tensor cores here: the tile kernel runs in its portable form only");

@@ -653,16 +653,22 @@ fn small_block<F: Float, I: Numeric>(
         sum[t] = f32::new(0.0);
         xs[t] = f32::new(0.0);
     }
+    // The values' bytes are read four at a time ([`bytes4_at`]), each value's arithmetic
+    // in the same order as one at a time.
     if comptime!(format == 0) {
-        for i in 0..32usize {
-            let q = byte_at::<I>(words, at + 2 + i);
-            let mut v = f32::cast_from(q);
-            if q >= 128 {
-                v = f32::cast_from(q) - f32::new(256.0);
-            }
+        for w in 0..8usize {
+            let four = bytes4_at::<I>(words, at + 2 + 4 * w);
             #[unroll]
-            for t in 0..tile {
-                sum[t] += v * x_value::<F>(x, x_at, t, xb, i);
+            for j in 0..4usize {
+                let q = (four >> ((8 * j) as u32)) & 255;
+                let mut v = f32::cast_from(q);
+                if q >= 128 {
+                    v = f32::cast_from(q) - f32::new(256.0);
+                }
+                #[unroll]
+                for t in 0..tile {
+                    sum[t] += v * x_value::<F>(x, x_at, t, xb, 4 * w + j);
+                }
             }
         }
         #[unroll]
@@ -670,14 +676,19 @@ fn small_block<F: Float, I: Numeric>(
             acc[t] += scale * sum[t];
         }
     } else if comptime!(format == 1) {
-        for i in 0..16usize {
-            let q = byte_at::<I>(words, at + 2 + i);
-            let lo = f32::cast_from(q & 15) - f32::new(8.0);
-            let hi = f32::cast_from(q >> 4) - f32::new(8.0);
+        for w in 0..4usize {
+            let four = bytes4_at::<I>(words, at + 2 + 4 * w);
             #[unroll]
-            for t in 0..tile {
-                sum[t] += lo * x_value::<F>(x, x_at, t, xb, i);
-                sum[t] += hi * x_value::<F>(x, x_at, t, xb, 16 + i);
+            for j in 0..4usize {
+                let i = 4 * w + j;
+                let q = (four >> ((8 * j) as u32)) & 255;
+                let lo = f32::cast_from(q & 15) - f32::new(8.0);
+                let hi = f32::cast_from(q >> 4) - f32::new(8.0);
+                #[unroll]
+                for t in 0..tile {
+                    sum[t] += lo * x_value::<F>(x, x_at, t, xb, i);
+                    sum[t] += hi * x_value::<F>(x, x_at, t, xb, 16 + i);
+                }
             }
         }
         #[unroll]
@@ -688,32 +699,34 @@ fn small_block<F: Float, I: Numeric>(
         // Q5_0 (d, 32 fifth bits, nibbles; values offset by 16) and Q5_1 (d, m, fifth
         // bits, nibbles; d * q + m per value).
         let off = comptime!(if format == 6 { 2usize } else { 4usize });
-        let qh = byte_at::<I>(words, at + off)
-            | (byte_at::<I>(words, at + off + 1) << 8)
-            | (byte_at::<I>(words, at + off + 2) << 16)
-            | (byte_at::<I>(words, at + off + 3) << 24);
+        let qh = bytes4_at::<I>(words, at + off);
         let mut min = f32::new(0.0);
         if comptime!(format == 7) {
             min = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
         }
-        for i in 0..16usize {
-            let q = byte_at::<I>(words, at + off + 4 + i);
-            let lo_bits = (q & 15) | (((qh >> (i as u32)) << 4) & 16);
-            let hi_bits = (q >> 4) | ((qh >> ((i + 12) as u32)) & 16);
-            let mut lo = f32::cast_from(lo_bits);
-            let mut hi = f32::cast_from(hi_bits);
-            if comptime!(format == 6) {
-                lo -= f32::new(16.0);
-                hi -= f32::new(16.0);
-            }
+        for w in 0..4usize {
+            let four = bytes4_at::<I>(words, at + off + 4 + 4 * w);
             #[unroll]
-            for t in 0..tile {
-                let a = x_value::<F>(x, x_at, t, xb, i);
-                let b = x_value::<F>(x, x_at, t, xb, 16 + i);
-                sum[t] += lo * a;
-                sum[t] += hi * b;
-                if comptime!(format == 7) {
-                    xs[t] += a + b;
+            for j in 0..4usize {
+                let i = 4 * w + j;
+                let q = (four >> ((8 * j) as u32)) & 255;
+                let lo_bits = (q & 15) | (((qh >> (i as u32)) << 4) & 16);
+                let hi_bits = (q >> 4) | ((qh >> ((i + 12) as u32)) & 16);
+                let mut lo = f32::cast_from(lo_bits);
+                let mut hi = f32::cast_from(hi_bits);
+                if comptime!(format == 6) {
+                    lo -= f32::new(16.0);
+                    hi -= f32::new(16.0);
+                }
+                #[unroll]
+                for t in 0..tile {
+                    let a = x_value::<F>(x, x_at, t, xb, i);
+                    let b = x_value::<F>(x, x_at, t, xb, 16 + i);
+                    sum[t] += lo * a;
+                    sum[t] += hi * b;
+                    if comptime!(format == 7) {
+                        xs[t] += a + b;
+                    }
                 }
             }
         }
@@ -728,17 +741,22 @@ fn small_block<F: Float, I: Numeric>(
     } else {
         // Q4_1: d * q + m per value.
         let min = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
-        for i in 0..16usize {
-            let q = byte_at::<I>(words, at + 4 + i);
-            let lo = f32::cast_from(q & 15);
-            let hi = f32::cast_from(q >> 4);
+        for w in 0..4usize {
+            let four = bytes4_at::<I>(words, at + 4 + 4 * w);
             #[unroll]
-            for t in 0..tile {
-                let a = x_value::<F>(x, x_at, t, xb, i);
-                let b = x_value::<F>(x, x_at, t, xb, 16 + i);
-                sum[t] += lo * a;
-                sum[t] += hi * b;
-                xs[t] += a + b;
+            for j in 0..4usize {
+                let i = 4 * w + j;
+                let q = (four >> ((8 * j) as u32)) & 255;
+                let lo = f32::cast_from(q & 15);
+                let hi = f32::cast_from(q >> 4);
+                #[unroll]
+                for t in 0..tile {
+                    let a = x_value::<F>(x, x_at, t, xb, i);
+                    let b = x_value::<F>(x, x_at, t, xb, 16 + i);
+                    sum[t] += lo * a;
+                    sum[t] += hi * b;
+                    xs[t] += a + b;
+                }
             }
         }
         #[unroll]
@@ -793,16 +811,22 @@ fn k_block<F: Float, I: Numeric>(
                     for t in 0..tile {
                         s[t] = f32::new(0.0);
                     }
-                    for l in 0..16usize {
-                        let idx = 16 * h + l;
-                        let two = (byte_at::<I>(words, at + 32 + 32 * n + idx) >> shift) & 3;
-                        let mut v = f32::cast_from(two);
-                        if (byte_at::<I>(words, at + idx) & mask) == 0 {
-                            v -= f32::new(4.0);
-                        }
+                    for lw in 0..4usize {
+                        let twos = bytes4_at::<I>(words, at + 32 + 32 * n + 16 * h + 4 * lw);
+                        let marks = bytes4_at::<I>(words, at + 16 * h + 4 * lw);
                         #[unroll]
-                        for t in 0..tile {
-                            s[t] += v * x_value::<F>(x, x_at, t, xb, 128 * n + 32 * j + idx);
+                        for b in 0..4usize {
+                            let idx = 16 * h + 4 * lw + b;
+                            let byte_shift = (8 * b) as u32;
+                            let two = ((twos >> byte_shift) >> shift) & 3;
+                            let mut v = f32::cast_from(two);
+                            if ((marks >> byte_shift) & mask) == 0 {
+                                v -= f32::new(4.0);
+                            }
+                            #[unroll]
+                            for t in 0..tile {
+                                s[t] += v * x_value::<F>(x, x_at, t, xb, 128 * n + 32 * j + idx);
+                            }
                         }
                     }
                     #[unroll]
@@ -833,21 +857,29 @@ fn k_block<F: Float, I: Numeric>(
                     s3[t] = f32::new(0.0);
                     s4[t] = f32::new(0.0);
                 }
-                for k in 0..16usize {
-                    let l = is * 16 + k;
-                    let h = byte_at::<I>(words, qh + l);
-                    let a = byte_at::<I>(words, ql + l);
-                    let c = byte_at::<I>(words, ql + l + 32);
-                    let q1 = f32::cast_from((a & 15) | ((h & 3) << 4)) - f32::new(32.0);
-                    let q2 = f32::cast_from((c & 15) | (((h >> 2) & 3) << 4)) - f32::new(32.0);
-                    let q3 = f32::cast_from((a >> 4) | (((h >> 4) & 3) << 4)) - f32::new(32.0);
-                    let q4 = f32::cast_from((c >> 4) | (((h >> 6) & 3) << 4)) - f32::new(32.0);
+                for kw in 0..4usize {
+                    let l0 = is * 16 + 4 * kw;
+                    let hs = bytes4_at::<I>(words, qh + l0);
+                    let lows = bytes4_at::<I>(words, ql + l0);
+                    let highs = bytes4_at::<I>(words, ql + l0 + 32);
                     #[unroll]
-                    for t in 0..tile {
-                        s1[t] += q1 * x_value::<F>(x, x_at, t, xh, l);
-                        s2[t] += q2 * x_value::<F>(x, x_at, t, xh, l + 32);
-                        s3[t] += q3 * x_value::<F>(x, x_at, t, xh, l + 64);
-                        s4[t] += q4 * x_value::<F>(x, x_at, t, xh, l + 96);
+                    for b in 0..4usize {
+                        let l = l0 + b;
+                        let byte_shift = (8 * b) as u32;
+                        let h = (hs >> byte_shift) & 255;
+                        let a = (lows >> byte_shift) & 255;
+                        let c = (highs >> byte_shift) & 255;
+                        let q1 = f32::cast_from((a & 15) | ((h & 3) << 4)) - f32::new(32.0);
+                        let q2 = f32::cast_from((c & 15) | (((h >> 2) & 3) << 4)) - f32::new(32.0);
+                        let q3 = f32::cast_from((a >> 4) | (((h >> 4) & 3) << 4)) - f32::new(32.0);
+                        let q4 = f32::cast_from((c >> 4) | (((h >> 6) & 3) << 4)) - f32::new(32.0);
+                        #[unroll]
+                        for t in 0..tile {
+                            s1[t] += q1 * x_value::<F>(x, x_at, t, xh, l);
+                            s2[t] += q2 * x_value::<F>(x, x_at, t, xh, l + 32);
+                            s3[t] += q3 * x_value::<F>(x, x_at, t, xh, l + 64);
+                            s4[t] += q4 * x_value::<F>(x, x_at, t, xh, l + 96);
+                        }
                     }
                 }
                 let c1 = signed_byte(byte_at::<I>(words, sc + is));

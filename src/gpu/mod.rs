@@ -151,13 +151,16 @@ std::thread_local! {
 /// Sets which kernel the `fast` products submitted from this thread take (`None`: the
 /// process's default, `LLAMA_BURN_TENSOR_CORES=auto|off|portable`, else
 /// [`TensorCores::default`]). The choice is made where a product is submitted, so it holds
-/// for the thread's products even where Burn's fusion stream launches them later.
+/// for the thread's products even where Burn's fusion stream launches them later; a
+/// model run on another thread (the continuous engine's worker) takes that thread's, so
+/// set the environment variable to change a whole process.
 pub fn set_tensor_cores(mode: Option<TensorCores>) {
     TENSOR_CORES_HERE.with(|c| c.set(mode));
 }
 
-/// The mode of this thread's products (see [`set_tensor_cores`]).
-fn tensor_cores_mode() -> TensorCores {
+/// Which kernel the `fast` products submitted from this thread take (see
+/// [`set_tensor_cores`]).
+pub fn tensor_cores_mode() -> TensorCores {
     static DEFAULT: std::sync::OnceLock<TensorCores> = std::sync::OnceLock::new();
     TENSOR_CORES_HERE
         .with(core::cell::Cell::get)
@@ -2504,6 +2507,10 @@ macro_rules! cube_llama_backend {
 
         fn compiles_kernels() -> bool {
             true
+        }
+
+        fn int8_tensor_cores(device: &Self::Device) -> bool {
+            <Self as CubeKernels>::int8_tensor_cores(device)
         }
 
         fn quantized_matmul(
