@@ -1409,55 +1409,52 @@ fn quant_launch<R: CubeRuntime>(
             .unwrap_or(0);
         bytes <= client.properties().hardware.max_shared_memory_size
     });
-    if let Some(tensor_cores) = tiles {
-        let planes = kernels::TILE_PLANES;
-        let per_cube = (kernels::TILE_OUTPUTS * planes) as u32;
-        let cubes = (shape.n_out as u32).div_ceil(per_cube) + (n_second as u32).div_ceil(per_cube);
-        let count = CubeCount::Static(cubes, shape.rows.div_ceil(kernels::TILE_ROWS) as u32, 1);
-        let dim = CubeDim::new_2d(kernels::PLANE as u32, planes as u32);
-        let (extra, io) = match io {
-            ProductIo::Residual(residual) => (into_contiguous(residual), kernels::IO_RESIDUAL),
-            ProductIo::Plain | ProductIo::Norm { .. } => (x.clone(), kernels::IO_PLAIN),
-        };
-        // `i8` fragments on tensor cores; `i32` values for the plain multiply-adds (WGSL
-        // has no 8-bit type).
-        let e_dtype = if tensor_cores {
-            burn::tensor::DType::I8
-        } else {
-            burn::tensor::DType::I32
-        };
-        kernels::int_tiles_kernel::launch::<R>(
-            &client,
-            count,
-            dim,
-            x.into_tensor_arg(),
-            words.into_tensor_arg(),
-            up.into_tensor_arg(),
-            extra.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            shape.rows as u32,
-            shape.n_out as u32,
-            n_second as u32,
-            shape.cols as u32,
-            0,
-            shape.format,
-            second,
-            planes,
-            pair,
-            io,
-            native_fma::<R>(&client),
-            tensor_cores,
-            [f_dtype.into(), i_dtype.into(), e_dtype.into()],
-        );
-        return out;
-    }
     if shape.integer {
-        // Without a norm or a residual the kernel never reads `extra`: `x` stands in.
+        // Without a norm or a residual the kernels never read `extra`: `x` stands in.
         let (extra, eps, io) = match io {
             ProductIo::Plain => (x.clone(), 0.0, kernels::IO_PLAIN),
             ProductIo::Norm { weight, eps } => (into_contiguous(weight), eps, kernels::IO_NORM),
             ProductIo::Residual(residual) => (into_contiguous(residual), 0.0, kernels::IO_RESIDUAL),
         };
+        if let Some(tensor_cores) = tiles {
+            let planes = kernels::TILE_PLANES;
+            let per_cube = (kernels::TILE_OUTPUTS * planes) as u32;
+            let cubes =
+                (shape.n_out as u32).div_ceil(per_cube) + (n_second as u32).div_ceil(per_cube);
+            let count = CubeCount::Static(cubes, shape.rows.div_ceil(kernels::TILE_ROWS) as u32, 1);
+            let dim = CubeDim::new_2d(kernels::PLANE as u32, planes as u32);
+            // `i8` fragments on tensor cores; `i32` values for the plain multiply-adds (WGSL
+            // has no 8-bit type).
+            let e_dtype = if tensor_cores {
+                burn::tensor::DType::I8
+            } else {
+                burn::tensor::DType::I32
+            };
+            kernels::int_tiles_kernel::launch::<R>(
+                &client,
+                count,
+                dim,
+                x.into_tensor_arg(),
+                words.into_tensor_arg(),
+                up.into_tensor_arg(),
+                extra.into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                shape.rows as u32,
+                shape.n_out as u32,
+                n_second as u32,
+                shape.cols as u32,
+                0,
+                shape.format,
+                second,
+                planes,
+                pair,
+                io,
+                native_fma::<R>(&client),
+                tensor_cores,
+                [f_dtype.into(), i_dtype.into(), e_dtype.into()],
+            );
+            return out;
+        }
         // The activations are quantized in the kernel's prologue.
         kernels::int_matmul_kernel::launch::<R>(
             &client,
