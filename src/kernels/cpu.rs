@@ -141,6 +141,18 @@ impl SimdPath {
         matches!(self, SimdPath::Avx2 | SimdPath::Avx512) && avx2_supported()
     }
 
+    /// Whether the path's AVX2 integer kernels (the `fast` precision's, on the AVX2 path
+    /// or on an AVX-512 path without VNNI) multiply with AVX-VNNI's 256-bit `vpdpbusd` instead of `vpmaddubsw` and
+    /// `vpmaddwd`: where the CPU has AVX-VNNI (Intel since Alder Lake, AMD since Zen 5)
+    /// but the path is not AVX-512 with VNNI, and `LLAMA_BURN_AVX_VNNI` is not `off`
+    /// (read once per process; the results are the same bits either way).
+    pub fn has_avx_vnni(self) -> bool {
+        static ENABLED: OnceLock<bool> = OnceLock::new();
+        avx_vnni_supported(self)
+            && *ENABLED
+                .get_or_init(|| !std::env::var("LLAMA_BURN_AVX_VNNI").is_ok_and(|v| v == "off"))
+    }
+
     /// The value of `LLAMA_BURN_SIMD` that asks for the path.
     pub fn env_name(self) -> &'static str {
         match self {
@@ -149,6 +161,22 @@ impl SimdPath {
             SimdPath::Avx512 => "avx512",
             SimdPath::Neon => "neon",
         }
+    }
+}
+
+/// Whether `path` could multiply with AVX-VNNI on this CPU, whatever `LLAMA_BURN_AVX_VNNI`
+/// says ([`SimdPath::has_avx_vnni`] without the setting; the tests run both).
+pub(crate) fn avx_vnni_supported(path: SimdPath) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        path.has_avx2_integer()
+            && !path.has_vnni()
+            && std::arch::is_x86_feature_detected!("avxvnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = path;
+        false
     }
 }
 

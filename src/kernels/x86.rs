@@ -5,9 +5,9 @@
 //! transposes.
 
 /// The few instructions in which the in-register kernels differ between AVX-512 (with
-/// VNNI) and AVX2: everything else (the integer kernels' `decode_group` and `multiply_sub`) is written
+/// VNNI), AVX2 with AVX-VNNI, and AVX2: everything else (the integer kernels' `decode_group` and `multiply_sub`) is written
 /// once over 8-lane vectors, generic over this, and compiled into one entry point per
-/// instruction set (`group_tile_vnni`, `group_tile_avx2`) with its target features.
+/// instruction set (`group_tile_vnni`, `group_tile_avx_vnni`, `group_tile_avx2`) with its target features.
 /// Both give the same integer sums, so the same bits.
 pub(crate) trait Isa {
     /// Four vectors of two rows' four u32 words each (rows `2p`, `2p + 1`) to four
@@ -86,6 +86,12 @@ pub(crate) struct Vnni;
 
 /// AVX2 with FMA and F16C: `vpmaddubsw` then `vpmaddwd`, and unpacks.
 pub(crate) struct Avx2;
+
+/// AVX2 with AVX-VNNI (`vpdpbusd` on 256-bit vectors, VEX-encoded: Intel's cores since
+/// Alder Lake and its E-core Xeons, which lack AVX-512; AMD since Zen 5): [`Avx2`]'s
+/// transposes with [`Vnni`]'s four-byte products, so no pairs to widen and no bound
+/// on the bytes.
+pub(crate) struct AvxVnni;
 
 /// [`Vnni`] on a CPU that also has GFNI: [`Isa::pair_to_bits45`] in one
 /// `vgf2p8affineqb` (a bit matrix per byte) instead of a shift and a mask. Q6_K's
@@ -190,6 +196,42 @@ impl Isa for VnniGfni {
         let matrix = ((1i64 << (2 * J)) << 24) | ((1i64 << (2 * J + 1)) << 16);
         // SAFETY: the caller's contract (GFNI and AVX).
         unsafe { _mm256_gf2p8affine_epi64_epi8::<0>(h, _mm256_set1_epi64x(matrix)) }
+    }
+
+    const SMALL_BYTES: bool = false;
+}
+
+impl Isa for AvxVnni {
+    #[inline(always)]
+    unsafe fn transpose4(a: [std::arch::x86_64::__m256i; 4]) -> [std::arch::x86_64::__m256i; 4] {
+        // SAFETY: the caller's contract (AVX2).
+        unsafe { Avx2::transpose4(a) }
+    }
+
+    #[inline(always)]
+    unsafe fn f16_low(v: std::arch::x86_64::__m256i) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract (AVX2, F16C).
+        unsafe { Avx2::f16_low(v) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot4(
+        acc: std::arch::x86_64::__m256i,
+        w: std::arch::x86_64::__m256i,
+        x: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        // SAFETY: the caller's contract (AVX-VNNI).
+        unsafe { std::arch::x86_64::_mm256_dpbusd_avx_epi32(acc, w, x) }
+    }
+
+    #[inline(always)]
+    unsafe fn and_or(
+        a: std::arch::x86_64::__m256i,
+        mask: std::arch::x86_64::__m256i,
+        b: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        // SAFETY: the caller's contract (AVX2).
+        unsafe { Avx2::and_or(a, mask, b) }
     }
 
     const SMALL_BYTES: bool = false;

@@ -162,7 +162,25 @@ pub fn matmul_transposed_int8_on(
     w: &QuantMatrix,
 ) -> Result<Vec<f32>> {
     let amx = path.has_amx() && rows >= AMX_FROM_ROWS;
-    matmul_int8(path, amx, path.has_gfni(), x, rows, w)
+    let uses = Extensions {
+        amx,
+        gfni: path.has_gfni(),
+        avx_vnni: path.has_avx_vnni(),
+    };
+    matmul_int8(path, uses, x, rows, w)
+}
+
+/// The instruction-set extensions a product may take beyond its path's base (each also
+/// checked against the CPU where it is used; the results are the same bits with or
+/// without each).
+#[derive(Debug, Clone, Copy, Default)]
+struct Extensions {
+    /// The AMX tile kernel for each sixteen rows (see [`AMX_FROM_ROWS`]).
+    amx: bool,
+    /// GFNI's bit matrices in the VNNI kernels' Q6_K decoding.
+    gfni: bool,
+    /// AVX-VNNI's 256-bit `vpdpbusd` in the AVX2 kernels.
+    avx_vnni: bool,
 }
 
 /// Activation rows from which a product takes the AMX kernel where the CPU has it. Its
@@ -174,14 +192,13 @@ pub fn matmul_transposed_int8_on(
 /// 1.52x; at 24 rows (padded to 32) 0.90-1.28x; at 16 rows Q6_K 0.87-0.94x.
 const AMX_FROM_ROWS: usize = 32;
 
-/// [`matmul_transposed_int8_on`] with the AMX tile kernel on or off for each sixteen
-/// rows (`amx` only where the path [has](SimdPath::has_amx) it, or where `amx_granted`
-/// says the CPU runs it: the tests run both, from sixteen rows, whatever
-/// `LLAMA_BURN_AMX` says).
+/// [`matmul_transposed_int8_on`] with each of [`Extensions`] on or off (`amx` only where
+/// the path [has](SimdPath::has_amx) it, or where `amx_granted` says the CPU runs it:
+/// the tests run both, from sixteen rows, whatever `LLAMA_BURN_AMX` says; the same for
+/// GFNI and AVX-VNNI).
 fn matmul_int8(
     path: SimdPath,
-    amx: bool,
-    gfni: bool,
+    uses: Extensions,
     x: &[f32],
     rows: usize,
     w: &QuantMatrix,
@@ -217,12 +234,21 @@ fn matmul_int8(
     out.spare_capacity_mut()
         .fill(std::mem::MaybeUninit::new(f32::NAN));
     let target = Columns::spare(&mut out, n_out);
+    let Extensions {
+        amx,
+        gfni,
+        avx_vnni,
+    } = uses;
     let vnni = path.has_vnni();
     let gfni = gfni && vnni && path.has_gfni();
     let in_registers = vnni;
     let avx2_registers = !vnni && path.has_avx2_integer();
-    // More rows than a group tile: decoded once into the panel, reused for every row.
+    let avx_vnni = avx_vnni && avx2_registers && super::cpu::avx_vnni_supported(path);
+    // More rows than a group tile: decoded once into the panel, reused for every row
+    // (by the AVX-VNNI panel kernel where the CPU has it, else AVX2's).
     let avx2_panel = avx2_registers && rows > GROUP_TILE;
+    let avx_vnni_panel = avx2_panel && avx_vnni;
+    let avx2_panel = avx2_panel && !avx_vnni;
     // Sixteen rows or more, where the CPU has AMX: the tile kernel takes every row, in
     // groups of sixteen, the last one padded with rows of zeros (whose results are
     // dropped). A remainder on the VNNI kernel would need the panel decoded for it too;
@@ -264,9 +290,7 @@ fn matmul_int8(
             for first in (start..end).step_by(LANES) {
                 let n = LANES.min(end - first);
                 #[cfg(target_arch = "x86_64")]
-                if n == LANES
-                    && ((in_registers && rows <= GROUP_TILE) || (avx2_registers && !avx2_panel))
-                {
+                if n == LANES && (in_registers || avx2_registers) && rows <= GROUP_TILE {
                     // Each group decoded in registers and multiplied at once, for few
                     // rows.
                     for g in [first, first + GROUP_ROWS] {
@@ -282,6 +306,15 @@ fn matmul_int8(
                                     x86::group_tile_vnni(
                                         w.format(),
                                         gfni,
+                                        group,
+                                        &acts,
+                                        r,
+                                        tile,
+                                        &mut group_res,
+                                    )
+                                } else if avx_vnni {
+                                    x86::group_tile_avx_vnni(
+                                        w.format(),
                                         group,
                                         &acts,
                                         r,
@@ -333,9 +366,9 @@ fn matmul_int8(
                 }
                 // More rows: decoded once into the panel, reused for every row.
                 #[cfg(target_arch = "x86_64")]
-                if avx2_panel && n == LANES {
-                    // SAFETY: `avx2_panel` says this CPU has AVX2, FMA and F16C; `first`
-                    // starts two full groups.
+                if (avx2_panel || avx_vnni_panel) && n == LANES {
+                    // SAFETY: `avx2_panel` (`avx_vnni_panel`) says this CPU has AVX2, FMA
+                    // and F16C; `first` starts two full groups.
                     unsafe { panel.fill_in_registers_avx2(w, first) };
                 } else if in_registers && n == LANES {
                     // SAFETY: as above (AVX-512 with VNNI), and `gfni` says the CPU has
@@ -380,6 +413,17 @@ fn matmul_int8(
                 }
                 // The next panel's weights, a share per row tile.
                 let next = (first + LANES < end).then(|| w.panel_bytes(first + LANES));
+                #[cfg(target_arch = "x86_64")]
+                if avx_vnni_panel {
+                    // SAFETY: `avx_vnni_panel` says this CPU has AVX2, AVX-VNNI, FMA and
+                    // F16C; the panel and the rows were built for `w`; `target` holds
+                    // `rows` rows of `n_out` columns, and `first .. first + n` lie in this
+                    // chunk's `start..end`, which no other chunk writes.
+                    unsafe {
+                        x86::avx_vnni_panel(panel, w.format(), &acts, rows, &target, first, n, next)
+                    };
+                    continue;
+                }
                 #[cfg(target_arch = "x86_64")]
                 if vnni {
                     // SAFETY: `vnni` says this CPU has AVX-512 with VNNI; the panel and
@@ -513,18 +557,36 @@ mod tests {
             .collect()
     }
 
-    /// Every kernel this CPU runs: each path with the AMX tile kernel and GFNI off, the
-    /// AVX-512 path with GFNI where the CPU has it, and with AMX on where the CPU has it
-    /// (whatever `LLAMA_BURN_AMX` says).
-    fn kernels() -> Vec<(SimdPath, bool, bool)> {
-        let mut all: Vec<_> = paths().into_iter().map(|p| (p, false, false)).collect();
+    /// Every kernel this CPU runs: each path with every extension off, the AVX-512 path
+    /// with GFNI where the CPU has it, the AVX2 path (and an AVX-512 path without VNNI)
+    /// with AVX-VNNI where the CPU has it, and with AMX on where the CPU has it (whatever
+    /// `LLAMA_BURN_AMX` and `LLAMA_BURN_AVX_VNNI` say).
+    fn kernels() -> Vec<(SimdPath, Extensions)> {
+        let none = Extensions::default();
+        let mut all: Vec<_> = paths().into_iter().map(|p| (p, none)).collect();
         if SimdPath::Avx512.has_gfni() {
-            all.push((SimdPath::Avx512, false, true));
+            all.push((SimdPath::Avx512, Extensions { gfni: true, ..none }));
         } else {
             eprintln!("GFNI decoding not tested: this CPU lacks GFNI or AVX-512 VNNI");
         }
+        let avx_vnni: Vec<_> = paths()
+            .into_iter()
+            .filter(|&p| crate::kernels::cpu::avx_vnni_supported(p))
+            .collect();
+        if avx_vnni.is_empty() {
+            eprintln!("AVX-VNNI kernels not tested: this CPU lacks AVX-VNNI");
+        }
+        for path in avx_vnni {
+            all.push((
+                path,
+                Extensions {
+                    avx_vnni: true,
+                    ..none
+                },
+            ));
+        }
         if amx_here() {
-            all.push((SimdPath::Avx512, true, false));
+            all.push((SimdPath::Avx512, Extensions { amx: true, ..none }));
         }
         all
     }
@@ -642,8 +704,8 @@ mod tests {
                     let x: Vec<f32> = (0..rows * n_in)
                         .map(|_| rng.random_range(-1.0f32..1.0))
                         .collect();
-                    for (path, amx, gfni) in kernels() {
-                        let got = matmul_int8(path, amx, gfni, &x, rows, &w).unwrap();
+                    for (path, uses) in kernels() {
+                        let got = matmul_int8(path, uses, &x, rows, &w).unwrap();
                         for r in 0..rows {
                             for j in 0..n_out {
                                 let want = int8_reference(
@@ -654,7 +716,7 @@ mod tests {
                                 assert_eq!(
                                     got[r * n_out + j].to_bits(),
                                     want.to_bits(),
-                                    "{format:?} {path:?} amx {amx} gfni {gfni} n_in {n_in} rows {rows} ({r}, {j})"
+                                    "{format:?} {path:?} {uses:?} n_in {n_in} rows {rows} ({r}, {j})"
                                 );
                             }
                         }
@@ -686,9 +748,9 @@ mod tests {
                 // a group tile takes the panel kernels (and, of sixteen or more, the
                 // AMX kernel where the CPU has it).
                 let many = x.repeat(6);
-                for (path, amx, gfni) in kernels() {
-                    let got = matmul_int8(path, amx, gfni, &x, 3, &w).unwrap();
-                    let batch = matmul_int8(path, amx, gfni, &many, 18, &w).unwrap();
+                for (path, uses) in kernels() {
+                    let got = matmul_int8(path, uses, &x, 3, &w).unwrap();
+                    let batch = matmul_int8(path, uses, &many, 18, &w).unwrap();
                     for r in 0..3 {
                         // One row alone takes other tiles than three together.
                         let alone =
@@ -699,7 +761,7 @@ mod tests {
                             assert_eq!(
                                 alone,
                                 row,
-                                "{format:?} {path:?} amx {amx} gfni {gfni} row {}",
+                                "{format:?} {path:?} {uses:?} row {}",
                                 3 * k + r
                             );
                         }
@@ -713,7 +775,7 @@ mod tests {
                             assert_eq!(
                                 got[r * n_out + j].to_bits(),
                                 want.to_bits(),
-                                "{format:?} byte {byte:#x} {path:?} amx {amx} gfni {gfni} ({r}, {j})"
+                                "{format:?} byte {byte:#x} {path:?} {uses:?} ({r}, {j})"
                             );
                         }
                     }
@@ -731,9 +793,9 @@ mod tests {
             let x: Vec<f32> = (0..19 * 256)
                 .map(|_| rng.random_range(-2.0f32..2.0))
                 .collect();
-            for (path, amx, gfni) in kernels() {
+            for (path, uses) in kernels() {
                 for rows in [7, 19] {
-                    let batch = matmul_int8(path, amx, gfni, &x[..rows * 256], rows, &w).unwrap();
+                    let batch = matmul_int8(path, uses, &x[..rows * 256], rows, &w).unwrap();
                     for r in 0..rows {
                         let alone =
                             matmul_transposed_int8_on(path, &x[r * 256..(r + 1) * 256], 1, &w)
@@ -741,7 +803,7 @@ mod tests {
                         assert_eq!(
                             alone,
                             batch[r * 50..(r + 1) * 50],
-                            "{format:?} {path:?} amx {amx} gfni {gfni} rows {rows}"
+                            "{format:?} {path:?} {uses:?} rows {rows}"
                         );
                     }
                 }

@@ -1,12 +1,12 @@
 //! The x86-64 integer kernels of the `fast` precision: one instruction layer ([`Isa`])
-//! for AVX-512 with VNNI and for AVX2, the in-register decoders of every block format's
+//! for AVX-512 with VNNI, for AVX2 with AVX-VNNI and for AVX2, the in-register decoders of every block format's
 //! grouped layout, and the tile kernels that multiply them.
 
 use super::activations::QuantizedRows;
 use super::{GROUP_TILE, LANES, Panel, QK, ROW_TILE};
 use crate::kernels::matrix::{GROUP_ROWS, QuantMatrix};
 use crate::kernels::tiling::Columns;
-use crate::kernels::x86::{Avx2, Isa, Vnni, VnniGfni, transpose8};
+use crate::kernels::x86::{Avx2, AvxVnni, Isa, Vnni, VnniGfni, transpose8};
 use crate::quant::{IntForm, IntScales, QuantFormat, with_format};
 
 /// The first format (by id) with the integer form of format `id`: the kernels that
@@ -232,6 +232,45 @@ unsafe fn group_tile_avx2_of<const T: usize, const F: u8>(
 ) {
     // SAFETY: forwarded.
     unsafe { group_tile::<Avx2, T, F>(group, acts, r0, out) }
+}
+
+/// [`group_tile`] on AVX2 with AVX-VNNI.
+///
+/// # Safety
+///
+/// As [`group_tile`], the CPU having AVX2, AVX-VNNI, FMA and F16C.
+#[target_feature(enable = "avx2,avxvnni,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn group_tile_avx_vnni(
+    format: QuantFormat,
+    group: &[u8],
+    acts: &QuantizedRows,
+    r0: usize,
+    tile: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        with_format!(format, F => with_tile!(tile, T => group_tile_avx_vnni_of::<T, F>(group, acts, r0, out)))
+    }
+}
+
+/// [`group_tile_avx_vnni`] for `T` rows of format `F`, never inlined (as
+/// [`group_tile_avx2_of`]).
+///
+/// # Safety
+///
+/// As [`group_tile_avx_vnni`], with `T` for `tile` and `F` for `format`.
+#[target_feature(enable = "avx2,avxvnni,fma,f16c")]
+#[inline(never)]
+unsafe fn group_tile_avx_vnni_of<const T: usize, const F: u8>(
+    group: &[u8],
+    acts: &QuantizedRows,
+    r0: usize,
+    out: &mut [[f32; GROUP_ROWS]; GROUP_TILE],
+) {
+    // SAFETY: forwarded.
+    unsafe { group_tile::<AvxVnni, T, F>(group, acts, r0, out) }
 }
 
 /// Decodes the `subs` sub-blocks of each row of a full group in registers, calling
@@ -1161,6 +1200,177 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
     for (i, a) in acc.into_iter().enumerate() {
         // SAFETY: the caller's contract (row `i < T`, the lanes in `mask`).
         unsafe { _mm512_mask_storeu_ps(out.add(i * stride), mask, a) };
+    }
+}
+
+/// Activation rows per tile of the AVX-VNNI panel kernel ([`avx_vnni_panel`]): each
+/// row keeps a float and an integer sum for eight lanes in registers beside the eight
+/// weight words of a sub-block, of sixteen registers in all.
+const AVX_VNNI_TILE: usize = 4;
+
+/// `x @ W^T` for `rows` activation rows against a decoded panel (`n` of its sixteen
+/// outputs, from column `first` of `target`) on AVX2 with AVX-VNNI: [`vnni_panel`]'s
+/// integer sums and float steps, in its order (so its bits), on 256-bit vectors; each
+/// half of the panel (eight outputs) in turn, so that its words stay in the first-level
+/// cache while every row passes. `next` is the next panel's bytes, asked for into the
+/// second-level cache a share per row tile.
+///
+/// # Safety
+///
+/// The CPU has AVX2, AVX-VNNI, FMA and F16C; the panel was decoded from a matrix of
+/// `format` with `acts.n_in` columns; `target` holds `rows` rows and columns `first ..
+/// first + n`, which no other thread writes; `n <= 16`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,avxvnni,fma,f16c")]
+pub(super) unsafe fn avx_vnni_panel(
+    panel: &Panel,
+    format: QuantFormat,
+    acts: &QuantizedRows,
+    rows: usize,
+    target: &Columns,
+    first: usize,
+    n: usize,
+    next: Option<&[u8]>,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        with_format!(format, F => avx_vnni_panel_of::<{ same_form(F) }>(panel, acts, rows, target, first, n, next))
+    }
+}
+
+/// [`avx_vnni_panel`] for the format whose id is `F`.
+///
+/// # Safety
+///
+/// As [`avx_vnni_panel`].
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,avxvnni,fma,f16c")]
+unsafe fn avx_vnni_panel_of<const F: u8>(
+    panel: &Panel,
+    acts: &QuantizedRows,
+    rows: usize,
+    target: &Columns,
+    first: usize,
+    n: usize,
+    next: Option<&[u8]>,
+) {
+    use std::arch::x86_64::*;
+    let tiles = rows.div_ceil(AVX_VNNI_TILE);
+    for half in 0..2 {
+        let lanes = n.saturating_sub(half * 8).min(8);
+        if lanes == 0 {
+            break;
+        }
+        // Lanes `0..lanes` of the half: all ones where written.
+        let mask = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(lanes as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        let mut r = 0;
+        while r < rows {
+            if let (0, Some(next)) = (half, next) {
+                crate::kernels::tiling::prefetch_share(next, r / AVX_VNNI_TILE, tiles);
+            }
+            let tile = AVX_VNNI_TILE.min(rows - r);
+            // SAFETY: the caller's contract; rows `r .. r + tile` exist, and their columns
+            // `first + 8 half ..` (the lanes in `mask`) are the caller's.
+            unsafe {
+                let out = target.at(r, first + 8 * half);
+                with_tile!(tile, T => avx_vnni_tile_rows::<T, F>(panel, acts, r, half, out, target.n_out, mask); 1 2 3; 4)
+            }
+            r += tile;
+        }
+    }
+}
+
+/// [`avx_vnni_panel`]'s tile of `T` rows against half `half` of the panel (lanes `8 half
+/// .. 8 half + 8`), of the format whose id is `F`: [`vnni_tile_rows`] on 256-bit
+/// vectors. Row `i`'s results go to the lanes of `mask` at `out + i * stride`.
+///
+/// # Safety
+///
+/// As [`avx_vnni_panel`]; rows `r0 .. r0 + T` exist; `out + i * stride` holds the lanes
+/// in `mask` for `i < T`; `half < 2`.
+#[inline(never)]
+#[target_feature(enable = "avx2,avxvnni,fma,f16c")]
+unsafe fn avx_vnni_tile_rows<const T: usize, const F: u8>(
+    panel: &Panel,
+    acts: &QuantizedRows,
+    r0: usize,
+    half: usize,
+    out: *mut f32,
+    stride: usize,
+    mask: std::arch::x86_64::__m256i,
+) {
+    use std::arch::x86_64::*;
+    let f = const { format_at(F).int_form() };
+    let subs = acts.blocks();
+    debug_assert!(acts.q.len() >= (r0 + T) * acts.n_in && acts.d.len() >= (r0 + T) * subs);
+    debug_assert!(half < 2);
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut iacc = [_mm256_setzero_si256(); T];
+    let lane = 8 * half;
+    // SAFETY (every pointer and load below): the panel holds `subs * 8 * 16` words,
+    // `subs * 2 * 16` scales and `subs * 16` of `d` and `m`, of which lanes `lane .. lane
+    // + 8` are read; each activation row has `subs * 32` bytes, `subs` scales and sums
+    // `x * d`, and `2 * subs` half sums; rows `r0 .. r0 + T` exist.
+    unsafe {
+        let up = panel.u.as_ptr().add(lane);
+        let scp = panel.sc.as_ptr().add(lane);
+        let (dp, mp) = (panel.d.as_ptr().add(lane), panel.m.as_ptr().add(lane));
+        let xq = acts.q.as_ptr();
+        let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
+        for s in 0..subs {
+            let mut w = [_mm256_setzero_si256(); 8];
+            for (t, v) in w.iter_mut().enumerate() {
+                *v = _mm256_loadu_si256(up.add((s * 8 + t) * LANES).cast());
+            }
+            let sc0 = _mm256_loadu_si256(scp.add(s * 2 * LANES).cast());
+            let sc1 = _mm256_loadu_si256(scp.add((s * 2 + 1) * LANES).cast());
+            let dw = _mm256_loadu_ps(dp.add(s * LANES));
+            each_row!(T, i => {
+                let r = r0 + i;
+                let b = r * subs + s;
+                let xp = xq.add(r * acts.n_in + s * QK).cast::<i32>();
+                let x = |t: usize| _mm256_set1_epi32(xp.add(t).read_unaligned());
+                let (lo, hi) = (*asum.add(2 * b), *asum.add(2 * b + 1));
+                let isum = if const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) } {
+                    let mut a = _mm256_set1_epi32(-f.offset * lo);
+                    let mut c = _mm256_set1_epi32(-f.offset * hi);
+                    for t in 0..4 {
+                        a = _mm256_dpbusd_avx_epi32(a, w[t], x(t));
+                        c = _mm256_dpbusd_avx_epi32(c, w[t + 4], x(t + 4));
+                    }
+                    _mm256_add_epi32(_mm256_mullo_epi32(a, sc0), _mm256_mullo_epi32(c, sc1))
+                } else {
+                    let mut a = _mm256_set1_epi32(-f.offset * (lo + hi));
+                    let mut c = _mm256_setzero_si256();
+                    for t in 0..4 {
+                        a = _mm256_dpbusd_avx_epi32(a, w[t], x(t));
+                        c = _mm256_dpbusd_avx_epi32(c, w[t + 4], x(t + 4));
+                    }
+                    let a = _mm256_add_epi32(a, c);
+                    if const { matches!(format_at(F).int_form().scales, IntScales::PerBlock) } {
+                        _mm256_mullo_epi32(a, sc0)
+                    } else {
+                        a
+                    }
+                };
+                iacc[i] = if const { format_at(F).int_form().run == 1 } { isum } else { _mm256_add_epi32(iacc[i], isum) };
+                if (s + 1).is_multiple_of(f.run) {
+                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(*ad.add(b)));
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i]), scale, acc[i]);
+                    iacc[i] = _mm256_setzero_si256();
+                }
+                if const { format_at(F).int_form().mins } {
+                    let m = _mm256_loadu_ps(mp.add(s * LANES));
+                    acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(*asx.add(b)), acc[i]);
+                }
+            });
+        }
+        for (i, a) in acc.into_iter().enumerate() {
+            _mm256_maskstore_ps(out.add(i * stride), mask, a);
+        }
     }
 }
 
