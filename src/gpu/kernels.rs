@@ -1140,8 +1140,7 @@ fn stage_activations<F: Float>(
             #[unroll]
             for j in 0..4usize {
                 let v = input_value::<F>(x, extra, invs, r * cols, t, xb + 4 * w + j, zero, io);
-                // |round(v / d)| <= 127.
-                let q = i32::cast_from(round_half_away(v * id).clamp(-127.0, 127.0));
+                let q = activation_code(v, id);
                 word |= u32::cast_from(q + 128i32) << ((8 * j) as u32);
             }
             staged[(first + t) * row_words + w] = word;
@@ -1726,14 +1725,7 @@ fn int_product<F: Float, I: Numeric>(
                     amax = v;
                 }
             }
-            let mut d = f32::new(0.0);
-            let mut id = f32::new(0.0);
-            if amax > 0.0 {
-                d = rounded_div(amax, f32::new(127.0), zero, native_fma);
-                id = rounded_div(f32::new(1.0), d, zero, native_fma);
-            }
-            scales[2 * run] = d;
-            scales[2 * run + 1] = id;
+            store_run_scales(&mut scales, run, amax, zero, native_fma);
         }
         sync_cube();
         // 2. The activations quantized once for the cube, then the integer sums.
@@ -2111,14 +2103,7 @@ fn int_tiles_product<F: Float, I: Numeric, E: Numeric>(
                     top = v;
                 }
             }
-            let mut d = f32::new(0.0);
-            let mut id = f32::new(0.0);
-            if top > 0.0 {
-                d = rounded_div(top, f32::new(127.0), zero, native_fma);
-                id = rounded_div(f32::new(1.0), d, zero, native_fma);
-            }
-            scales[2 * unit] = d;
-            scales[2 * unit + 1] = id;
+            store_run_scales(&mut scales, unit, top, zero, native_fma);
         }
         sync_cube();
         #[unroll]
@@ -2137,8 +2122,7 @@ fn int_tiles_product<F: Float, I: Numeric, E: Numeric>(
                     r = rows - 1;
                 }
                 let v = f32::cast_from(x[r * cols + xb + 32 * s + k]);
-                // |round(v / d)| <= 127.
-                let q = i32::cast_from(round_half_away(v * scales[2 * t + 1]).clamp(-127.0, 127.0));
+                let q = activation_code(v, scales[2 * t + 1]);
                 a_tile[tile_at(t, k)] = E::cast_from(q);
                 e += units;
             }
@@ -3263,6 +3247,36 @@ fn f32_to_bf16_bits(x: f32) -> u32 {
         out += 1;
     }
     out
+}
+
+/// A run's activation scales as the CPU's quantizer takes them from its largest
+/// magnitude `amax`: `d = amax / 127` and `1 / d`, each rounded to nearest (both 0 for
+/// a run of zeros), stored at `scales[2 * run]` and `scales[2 * run + 1]`. The one place
+/// both integer products (`int_product`, `int_tiles_product`) say it.
+#[cube]
+fn store_run_scales(
+    scales: &mut SharedMemory<f32>,
+    run: usize,
+    amax: f32,
+    zero: u32,
+    #[comptime] native: bool,
+) {
+    let mut d = f32::new(0.0);
+    let mut id = f32::new(0.0);
+    if amax > 0.0 {
+        d = rounded_div(amax, f32::new(127.0), zero, native);
+        id = rounded_div(f32::new(1.0), d, zero, native);
+    }
+    scales[2 * run] = d;
+    scales[2 * run + 1] = id;
+}
+
+/// An activation's 8-bit code as the CPU's quantizer takes it: `v * id` rounded half
+/// away from zero, clamped to `-127..=127` (`|round(v / d)| <= 127` already; the clamp
+/// keeps a rounding slip in range).
+#[cube]
+fn activation_code(v: f32, id: f32) -> i32 {
+    i32::cast_from(round_half_away(v * id).clamp(-127.0, 127.0))
 }
 
 /// `t` rounded to the nearest integer, halves away from zero (Rust's `f32::round`, which
