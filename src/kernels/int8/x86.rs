@@ -1111,11 +1111,9 @@ unsafe fn vnni_panel_of<const F: u8>(
     }
 }
 
-/// [`vnni_panel`]'s tile of `T` rows of the format whose id is `F` ([`format_at`]): its
-/// integer form is a constant, so the kernel has no branch on it; the integer sums and
-/// float steps are the module's, in its order. Row `i`'s results go to lanes `mask` of
-/// `out + i * stride`. Never inlined: one function per tile and format, as
-/// [`group_tile_vnni_of`].
+/// [`vnni_panel`]'s tile of `T` rows of the format whose id is `F` ([`format_at`]):
+/// [`panel_tile`] on 512-bit vectors. Row `i`'s results go to lanes `mask` of `out + i *
+/// stride`. Never inlined: one function per tile and format, as [`group_tile_vnni_of`].
 ///
 /// # Safety
 ///
@@ -1131,75 +1129,232 @@ unsafe fn vnni_tile_rows<const T: usize, const F: u8>(
     stride: usize,
     mask: u16,
 ) {
-    use std::arch::x86_64::*;
-    // Constant per format: each `if const` below keeps only the format's own steps.
+    // SAFETY: the caller's contract (AVX-512 with VNNI; the rows, the panel's sixteen
+    // lanes, and the lanes in `mask` of each output row).
+    unsafe {
+        let acc = panel_tile::<Zmm, T, F>(panel, acts, r0, 0);
+        for (i, a) in acc.into_iter().enumerate() {
+            std::arch::x86_64::_mm512_mask_storeu_ps(out.add(i * stride), mask, a);
+        }
+    }
+}
+
+/// The vector width a panel tile runs at: its lanes are outputs (panel lanes), and
+/// these are the few instructions [`panel_tile`] takes, on 512-bit vectors ([`Zmm`],
+/// AVX-512 with VNNI) or 256-bit ones ([`Ymm`], AVX2 with AVX-VNNI).
+trait PanelVector {
+    /// Sixteen or eight 32-bit integers.
+    type I: Copy;
+    /// Sixteen or eight floats.
+    type F: Copy;
+
+    /// # Safety
+    ///
+    /// (Every method.) The CPU has the width's features; a load reads `Self`'s lanes.
+    unsafe fn load_i(p: *const i32) -> Self::I;
+    unsafe fn load_f(p: *const f32) -> Self::F;
+    unsafe fn splat_i(v: i32) -> Self::I;
+    unsafe fn splat_f(v: f32) -> Self::F;
+    unsafe fn zero_f() -> Self::F;
+    /// `acc + ` each lane's four products of unsigned bytes of `w` with signed bytes of `x`.
+    unsafe fn dpbusd(acc: Self::I, w: Self::I, x: Self::I) -> Self::I;
+    unsafe fn add(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn mullo(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+    /// `a * b + c`, one rounding.
+    unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    unsafe fn to_f(a: Self::I) -> Self::F;
+}
+
+/// 512-bit vectors, AVX-512 F with VNNI and FMA.
+struct Zmm;
+
+/// 256-bit vectors, AVX2 with AVX-VNNI and FMA.
+struct Ymm;
+
+/// Writes out a [`PanelVector`] impl from each method's intrinsic.
+macro_rules! panel_vector {
+    ($v:ty, $i:ty, $f:ty, $load_i:ident, $load_f:ident, $splat_i:ident, $splat_f:ident,
+     $zero_f:ident, $dpbusd:ident, $add:ident, $mullo:ident, $mul:ident, $fmadd:ident,
+     $to_f:ident) => {
+        impl PanelVector for $v {
+            type I = $i;
+            type F = $f;
+            #[inline(always)]
+            unsafe fn load_i(p: *const i32) -> $i {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$load_i(p.cast()) }
+            }
+            #[inline(always)]
+            unsafe fn load_f(p: *const f32) -> $f {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$load_f(p) }
+            }
+            #[inline(always)]
+            unsafe fn splat_i(v: i32) -> $i {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$splat_i(v) }
+            }
+            #[inline(always)]
+            unsafe fn splat_f(v: f32) -> $f {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$splat_f(v) }
+            }
+            #[inline(always)]
+            unsafe fn zero_f() -> $f {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$zero_f() }
+            }
+            #[inline(always)]
+            unsafe fn dpbusd(acc: $i, w: $i, x: $i) -> $i {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$dpbusd(acc, w, x) }
+            }
+            #[inline(always)]
+            unsafe fn add(a: $i, b: $i) -> $i {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$add(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn mullo(a: $i, b: $i) -> $i {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$mullo(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn mul(a: $f, b: $f) -> $f {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$mul(a, b) }
+            }
+            #[inline(always)]
+            unsafe fn fmadd(a: $f, b: $f, c: $f) -> $f {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$fmadd(a, b, c) }
+            }
+            #[inline(always)]
+            unsafe fn to_f(a: $i) -> $f {
+                // SAFETY: the caller's contract.
+                unsafe { std::arch::x86_64::$to_f(a) }
+            }
+        }
+    };
+}
+
+panel_vector!(
+    Zmm,
+    std::arch::x86_64::__m512i,
+    std::arch::x86_64::__m512,
+    _mm512_loadu_si512,
+    _mm512_loadu_ps,
+    _mm512_set1_epi32,
+    _mm512_set1_ps,
+    _mm512_setzero_ps,
+    _mm512_dpbusd_epi32,
+    _mm512_add_epi32,
+    _mm512_mullo_epi32,
+    _mm512_mul_ps,
+    _mm512_fmadd_ps,
+    _mm512_cvtepi32_ps
+);
+
+panel_vector!(
+    Ymm,
+    std::arch::x86_64::__m256i,
+    std::arch::x86_64::__m256,
+    _mm256_loadu_si256,
+    _mm256_loadu_ps,
+    _mm256_set1_epi32,
+    _mm256_set1_ps,
+    _mm256_setzero_ps,
+    _mm256_dpbusd_avx_epi32,
+    _mm256_add_epi32,
+    _mm256_mullo_epi32,
+    _mm256_mul_ps,
+    _mm256_fmadd_ps,
+    _mm256_cvtepi32_ps
+);
+
+/// Activation rows `r0 .. r0 + T` against the panel's lanes `lane ..` (as many as `V`
+/// holds) for the format whose id is `F`: the integer sums of the module documentation,
+/// then its float steps in sub-block order, each `if const` keeping only the format's own
+/// steps. Returns each row's results. Written once for both widths, inlined into each
+/// kernel's own target features ([`vnni_tile_rows`], [`avx_vnni_tile_rows`]).
+///
+/// # Safety
+///
+/// The CPU has `V`'s features; the panel was decoded from a matrix of `F`'s integer form
+/// with `acts.n_in` columns; rows `r0 .. r0 + T` exist; `lane` plus `V`'s lanes is at
+/// most 16.
+#[inline(always)]
+unsafe fn panel_tile<V: PanelVector, const T: usize, const F: u8>(
+    panel: &Panel,
+    acts: &QuantizedRows,
+    r0: usize,
+    lane: usize,
+) -> [V::F; T] {
     let f = const { format_at(F).int_form() };
     let subs = acts.blocks();
     debug_assert!(acts.q.len() >= (r0 + T) * acts.n_in && acts.d.len() >= (r0 + T) * subs);
-    let mut acc = [_mm512_setzero_ps(); T];
-    let mut iacc = [_mm512_setzero_si512(); T];
-    let (up, scp) = (panel.u.as_ptr(), panel.sc.as_ptr());
-    let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
-    // The activations' values and per-block data (block `b = r * subs + s` of row `r`).
-    let xq = acts.q.as_ptr();
-    let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
-    for s in 0..subs {
-        // SAFETY (every load): the panel holds `subs * 8 * 16` words, `subs * 2 * 16`
-        // scales and `subs * 16` of `d` and `m`; each activation row has `subs * 32`
-        // bytes, `subs` scales and sums `x * d`, and `2 * subs` half sums; rows
-        // `r0 .. r0 + T` exist.
-        unsafe {
-            let mut w = [_mm512_setzero_si512(); 8];
+    // SAFETY (every pointer and load): the panel holds `subs * 8 * 16` words, `subs * 2 *
+    // 16` scales and `subs * 16` of `d` and `m`, of which lanes `lane ..` are read; each
+    // activation row has `subs * 32` bytes, `subs` scales and sums `x * d`, and `2 *
+    // subs` half sums; rows `r0 .. r0 + T` exist; `V`'s features (the caller's contract).
+    unsafe {
+        let mut acc = [V::zero_f(); T];
+        let mut iacc = [V::splat_i(0); T];
+        let up = panel.u.as_ptr().add(lane).cast::<i32>();
+        let scp = panel.sc.as_ptr().add(lane);
+        let (dp, mp) = (panel.d.as_ptr().add(lane), panel.m.as_ptr().add(lane));
+        let xq = acts.q.as_ptr();
+        let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
+        for s in 0..subs {
+            let mut w = [V::splat_i(0); 8];
             for (t, v) in w.iter_mut().enumerate() {
-                *v = _mm512_loadu_si512(up.add((s * 8 + t) * LANES).cast());
+                *v = V::load_i(up.add((s * 8 + t) * LANES));
             }
-            let sc0 = _mm512_loadu_si512(scp.add(s * 2 * LANES).cast());
-            let sc1 = _mm512_loadu_si512(scp.add((s * 2 + 1) * LANES).cast());
-            let dw = _mm512_loadu_ps(dp.add(s * LANES));
+            let sc0 = V::load_i(scp.add(s * 2 * LANES));
+            let sc1 = V::load_i(scp.add((s * 2 + 1) * LANES));
+            let dw = V::load_f(dp.add(s * LANES));
             each_row!(T, i => {
                 let r = r0 + i;
                 let b = r * subs + s;
                 let xp = xq.add(r * acts.n_in + s * QK).cast::<i32>();
-                let x = |t: usize| _mm512_set1_epi32(xp.add(t).read_unaligned());
+                let x = |t: usize| V::splat_i(xp.add(t).read_unaligned());
                 let (lo, hi) = (*asum.add(2 * b), *asum.add(2 * b + 1));
                 let isum = if const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) } {
-                    let mut a = _mm512_set1_epi32(-f.offset * lo);
-                    let mut c = _mm512_set1_epi32(-f.offset * hi);
+                    let mut a = V::splat_i(-f.offset * lo);
+                    let mut c = V::splat_i(-f.offset * hi);
                     for t in 0..4 {
-                        a = _mm512_dpbusd_epi32(a, w[t], x(t));
-                        c = _mm512_dpbusd_epi32(c, w[t + 4], x(t + 4));
+                        a = V::dpbusd(a, w[t], x(t));
+                        c = V::dpbusd(c, w[t + 4], x(t + 4));
                     }
-                    _mm512_add_epi32(_mm512_mullo_epi32(a, sc0), _mm512_mullo_epi32(c, sc1))
+                    V::add(V::mullo(a, sc0), V::mullo(c, sc1))
                 } else {
-                    let mut a = _mm512_set1_epi32(-f.offset * (lo + hi));
-                    let mut c = _mm512_setzero_si512();
+                    let mut a = V::splat_i(-f.offset * (lo + hi));
+                    let mut c = V::splat_i(0);
                     for t in 0..4 {
-                        a = _mm512_dpbusd_epi32(a, w[t], x(t));
-                        c = _mm512_dpbusd_epi32(c, w[t + 4], x(t + 4));
+                        a = V::dpbusd(a, w[t], x(t));
+                        c = V::dpbusd(c, w[t + 4], x(t + 4));
                     }
-                    let a = _mm512_add_epi32(a, c);
+                    let a = V::add(a, c);
                     if const { matches!(format_at(F).int_form().scales, IntScales::PerBlock) } {
-                        _mm512_mullo_epi32(a, sc0)
+                        V::mullo(a, sc0)
                     } else {
                         a
                     }
                 };
-                iacc[i] = if const { format_at(F).int_form().run == 1 } { isum } else { _mm512_add_epi32(iacc[i], isum) };
+                iacc[i] = if const { format_at(F).int_form().run == 1 } { isum } else { V::add(iacc[i], isum) };
                 if (s + 1).is_multiple_of(f.run) {
-                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(b)));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), scale, acc[i]);
-                    iacc[i] = _mm512_setzero_si512();
+                    let scale = V::mul(dw, V::splat_f(*ad.add(b)));
+                    acc[i] = V::fmadd(V::to_f(iacc[i]), scale, acc[i]);
+                    iacc[i] = V::splat_i(0);
                 }
                 if const { format_at(F).int_form().mins } {
-                    let m = _mm512_loadu_ps(mp.add(s * LANES));
-                    acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(b)), acc[i]);
+                    let m = V::load_f(mp.add(s * LANES));
+                    acc[i] = V::fmadd(m, V::splat_f(*asx.add(b)), acc[i]);
                 }
             });
         }
-    }
-    for (i, a) in acc.into_iter().enumerate() {
-        // SAFETY: the caller's contract (row `i < T`, the lanes in `mask`).
-        unsafe { _mm512_mask_storeu_ps(out.add(i * stride), mask, a) };
+        acc
     }
 }
 
@@ -1284,8 +1439,8 @@ unsafe fn avx_vnni_panel_of<const F: u8>(
 }
 
 /// [`avx_vnni_panel`]'s tile of `T` rows against half `half` of the panel (lanes `8 half
-/// .. 8 half + 8`), of the format whose id is `F`: [`vnni_tile_rows`] on 256-bit
-/// vectors. Row `i`'s results go to the lanes of `mask` at `out + i * stride`.
+/// .. 8 half + 8`), of the format whose id is `F`: [`panel_tile`] on 256-bit vectors.
+/// Row `i`'s results go to the lanes of `mask` at `out + i * stride`.
 ///
 /// # Safety
 ///
@@ -1302,74 +1457,13 @@ unsafe fn avx_vnni_tile_rows<const T: usize, const F: u8>(
     stride: usize,
     mask: std::arch::x86_64::__m256i,
 ) {
-    use std::arch::x86_64::*;
-    let f = const { format_at(F).int_form() };
-    let subs = acts.blocks();
-    debug_assert!(acts.q.len() >= (r0 + T) * acts.n_in && acts.d.len() >= (r0 + T) * subs);
     debug_assert!(half < 2);
-    let mut acc = [_mm256_setzero_ps(); T];
-    let mut iacc = [_mm256_setzero_si256(); T];
-    let lane = 8 * half;
-    // SAFETY (every pointer and load below): the panel holds `subs * 8 * 16` words,
-    // `subs * 2 * 16` scales and `subs * 16` of `d` and `m`, of which lanes `lane .. lane
-    // + 8` are read; each activation row has `subs * 32` bytes, `subs` scales and sums
-    // `x * d`, and `2 * subs` half sums; rows `r0 .. r0 + T` exist.
+    // SAFETY: the caller's contract (AVX2 with AVX-VNNI; the rows, the panel's lanes
+    // `8 half .. 8 half + 8`, and the lanes in `mask` of each output row).
     unsafe {
-        let up = panel.u.as_ptr().add(lane);
-        let scp = panel.sc.as_ptr().add(lane);
-        let (dp, mp) = (panel.d.as_ptr().add(lane), panel.m.as_ptr().add(lane));
-        let xq = acts.q.as_ptr();
-        let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
-        for s in 0..subs {
-            let mut w = [_mm256_setzero_si256(); 8];
-            for (t, v) in w.iter_mut().enumerate() {
-                *v = _mm256_loadu_si256(up.add((s * 8 + t) * LANES).cast());
-            }
-            let sc0 = _mm256_loadu_si256(scp.add(s * 2 * LANES).cast());
-            let sc1 = _mm256_loadu_si256(scp.add((s * 2 + 1) * LANES).cast());
-            let dw = _mm256_loadu_ps(dp.add(s * LANES));
-            each_row!(T, i => {
-                let r = r0 + i;
-                let b = r * subs + s;
-                let xp = xq.add(r * acts.n_in + s * QK).cast::<i32>();
-                let x = |t: usize| _mm256_set1_epi32(xp.add(t).read_unaligned());
-                let (lo, hi) = (*asum.add(2 * b), *asum.add(2 * b + 1));
-                let isum = if const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) } {
-                    let mut a = _mm256_set1_epi32(-f.offset * lo);
-                    let mut c = _mm256_set1_epi32(-f.offset * hi);
-                    for t in 0..4 {
-                        a = _mm256_dpbusd_avx_epi32(a, w[t], x(t));
-                        c = _mm256_dpbusd_avx_epi32(c, w[t + 4], x(t + 4));
-                    }
-                    _mm256_add_epi32(_mm256_mullo_epi32(a, sc0), _mm256_mullo_epi32(c, sc1))
-                } else {
-                    let mut a = _mm256_set1_epi32(-f.offset * (lo + hi));
-                    let mut c = _mm256_setzero_si256();
-                    for t in 0..4 {
-                        a = _mm256_dpbusd_avx_epi32(a, w[t], x(t));
-                        c = _mm256_dpbusd_avx_epi32(c, w[t + 4], x(t + 4));
-                    }
-                    let a = _mm256_add_epi32(a, c);
-                    if const { matches!(format_at(F).int_form().scales, IntScales::PerBlock) } {
-                        _mm256_mullo_epi32(a, sc0)
-                    } else {
-                        a
-                    }
-                };
-                iacc[i] = if const { format_at(F).int_form().run == 1 } { isum } else { _mm256_add_epi32(iacc[i], isum) };
-                if (s + 1).is_multiple_of(f.run) {
-                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(*ad.add(b)));
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i]), scale, acc[i]);
-                    iacc[i] = _mm256_setzero_si256();
-                }
-                if const { format_at(F).int_form().mins } {
-                    let m = _mm256_loadu_ps(mp.add(s * LANES));
-                    acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(*asx.add(b)), acc[i]);
-                }
-            });
-        }
+        let acc = panel_tile::<Ymm, T, F>(panel, acts, r0, 8 * half);
         for (i, a) in acc.into_iter().enumerate() {
-            _mm256_maskstore_ps(out.add(i * stride), mask, a);
+            std::arch::x86_64::_mm256_maskstore_ps(out.add(i * stride), mask, a);
         }
     }
 }
