@@ -422,7 +422,8 @@ fn paged_attention_kernel_gives_the_cpu_reference() {
         })
         .collect();
     let device = Default::default();
-    for dim in [16, 24, 12] {
+    // 128: tiles of fewer keys than `dim` (the kernel stages 4,096 floats a tile).
+    for dim in [16, 24, 12, 128] {
         let pool_len = blocks * kv_heads * block_size * dim;
         let (keys, vals) = (values(pool_len, 1), values(pool_len, 2));
         let tokens: usize = shapes.iter().map(|s| s.0).sum();

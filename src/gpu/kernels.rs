@@ -26,8 +26,9 @@ pub(crate) fn run_of(code: u32) -> usize {
     int_form_of(code).run
 }
 
-/// Paged attention: one cube per (query token, query head), one unit per value of the
-/// head (`dim` units), in the CPU's order and roundings
+/// Paged attention: one cube per query token and group of query heads that share a
+/// key/value head (`heads` of them, the cube's second dimension), one unit per value of
+/// a head (`dim` units a head), in the CPU's order and roundings
 /// ([`crate::kernels::attention::paged_attention`] on its SIMD paths): each key's score
 /// is the dot product of the query and the key in 8 interleaved fused multiply-add sums
 /// (value `e` into sum `e % 8`, added `t[l] = s[l] + s[l + 4]`, then `(t0 + t2) + (t1 +
@@ -37,10 +38,13 @@ pub(crate) fn run_of(code: u32) -> usize {
 /// finished `t[l] = s[l] + s[l + 8]` and as the dot product; each value column `sum_i p_i
 /// v_i` in two sums (even and odd places, each in key order, products rounded on their
 /// own), added, then divided by the sum (rounded to nearest). For `f32` that is the CPU's
-/// result bit for bit. Scores are taken `dim` keys at a time, one key per unit, twice
-/// (once for the maximum, once for the weights: the same bits both times) rather than
-/// kept for the whole sequence. A token's result depends on its own sequence only: no
-/// value crosses from one cube to another, whatever the batch.
+/// result bit for bit. Keys are taken `key_tile` at a time (at most `dim`): the cube
+/// reads (and decodes) a tile of keys into shared memory once for all its heads, each
+/// unit scores one key for its head, then the tile's values the same way; scores are
+/// taken twice (once for the maximum, once for the weights: the same bits both times)
+/// rather than kept for the whole sequence. No sum's order depends on the tile or on
+/// `heads`. A token's result depends on its own sequence only: no value crosses from
+/// one cube to another, whatever the batch.
 ///
 /// `meta` is [`PagedBatch::device_table`](crate::model::attention::PagedBatch::device_table)'s
 /// layout: per token its table's offset, its position and its first key slot (the tile
@@ -62,12 +66,14 @@ pub(crate) fn paged_attention_kernel<F: Float, I: Numeric>(
     scale: f32,
     zero: u32,
     #[comptime] dim: usize,
+    #[comptime] heads: usize,
+    #[comptime] key_tile: usize,
     #[comptime] native_fma: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     attend_in_cpu_order::<F, I, F>(
         q, keys, values, meta, out, n_heads, groups, kv_heads, block_size, scale, 0, dim as u32, 0,
-        dim as u32, zero, dim, false, native_fma,
+        dim as u32, zero, dim, heads, key_tile, false, native_fma,
     );
 }
 
@@ -93,15 +99,20 @@ fn attend_in_cpu_order<F: Float, I: Numeric, K: Numeric>(
     v_words: u32,
     zero: u32,
     #[comptime] dim: usize,
+    #[comptime] heads: usize,
+    #[comptime] key_tile: usize,
     #[comptime] encoded: bool,
     #[comptime] native: bool,
 ) {
     let token = CUBE_POS_X as usize;
-    let head = CUBE_POS_Y as usize;
+    let g = UNIT_POS_Y as usize;
+    let head = CUBE_POS_Y as usize * heads + g;
     let d = UNIT_POS_X as usize;
+    let unit = g * dim + d;
     let n_heads = n_heads as usize;
     let kv_heads = kv_heads as usize;
     let block_size = block_size as usize;
+    // The cube's heads share one key/value head (`heads` divides `groups`).
     let kv_head = head / groups as usize;
     let (k_words, v_words) = (k_words as usize, v_words as usize);
 
@@ -109,96 +120,129 @@ fn attend_in_cpu_order<F: Float, I: Numeric, K: Numeric>(
     let first = first_key::<I>(meta, token);
     let len = token_position::<I>(meta, token) + 1;
 
-    let mut qs = SharedMemory::<f32>::new(dim);
-    // A tile's largest scores, then its weights `p`.
-    let mut ps = SharedMemory::<f32>::new(dim);
-    let mut lanes = SharedMemory::<f32>::new(16usize);
-    let mut total = SharedMemory::<f32>::new(1usize);
+    let mut qs = SharedMemory::<f32>::new(heads * dim);
+    // A tile's keys, then its values, as f32: `key_tile` rows of `dim`, read (and
+    // decoded) once for the cube's heads.
+    let mut kv = SharedMemory::<f32>::new(key_tile * dim);
+    // Per head: a tile's largest scores, then its weights `p`.
+    let mut ps = SharedMemory::<f32>::new(heads * dim);
+    let mut lanes = SharedMemory::<f32>::new(heads * 16usize);
+    let mut total = SharedMemory::<f32>::new(heads);
     // `q`'s rows may be a column slice of a wider product: `stride(0)` apart.
     let q_at = token * q.stride(0) + head * dim;
     let out_at = (token * n_heads + head) * dim;
-    qs[d] = f32::cast_from(q[q_at + d]);
+    qs[unit] = f32::cast_from(q[q_at + d]);
     let mut l = d;
     while l < 16usize {
-        lanes[l] = f32::new(0.0);
+        lanes[g * 16usize + l] = f32::new(0.0);
         l += dim;
     }
-    sync_cube();
 
     // 1. The largest score. A finite stand-in for minus infinity: WGSL rejects an
     // infinite literal.
     let mut largest = f32::new(-1.0e30);
     let mut tile = first;
     while tile < len {
+        sync_cube();
+        stage_rows::<I, K>(
+            &mut kv,
+            keys,
+            meta,
+            table,
+            tile,
+            len,
+            block_size,
+            kv_heads,
+            kv_head,
+            k_ty,
+            k_words,
+            unit,
+            heads * dim,
+            dim,
+            key_tile,
+            encoded,
+        );
+        sync_cube();
         let j = tile + d;
-        if j < len {
-            let block = u32::cast_from(meta[table + j / block_size]) as usize;
-            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
-            let s = cpu_score::<K>(
-                &qs,
-                keys,
-                row * k_words,
-                k_ty,
-                scale,
-                zero,
-                dim,
-                encoded,
-                native,
-            );
+        if d < key_tile && j < len {
+            let s = cpu_score(&qs, g * dim, &kv, d * dim, scale, zero, dim, native);
             if s > largest {
                 largest = s;
             }
         }
-        tile += dim;
+        tile += key_tile;
     }
-    ps[d] = largest;
+    ps[unit] = largest;
     sync_cube();
     if d == 0 {
-        let mut m = ps[0];
+        let mut m = ps[g * dim];
         for i in 1..dim {
-            if ps[i] > m {
-                m = ps[i];
+            if ps[g * dim + i] > m {
+                m = ps[g * dim + i];
             }
         }
-        total[0] = m;
+        total[g] = m;
     }
     sync_cube();
-    let max = total[0];
+    let max = total[g];
 
     // 2. The weights, their sum and the weighted values, tile by tile.
     let mut even = f32::new(0.0);
     let mut odd = f32::new(0.0);
     let mut tile = first;
     while tile < len {
+        sync_cube();
+        stage_rows::<I, K>(
+            &mut kv,
+            keys,
+            meta,
+            table,
+            tile,
+            len,
+            block_size,
+            kv_heads,
+            kv_head,
+            k_ty,
+            k_words,
+            unit,
+            heads * dim,
+            dim,
+            key_tile,
+            encoded,
+        );
+        sync_cube();
         let j = tile + d;
-        if j < len {
-            let block = u32::cast_from(meta[table + j / block_size]) as usize;
-            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
-            let s = cpu_score::<K>(
-                &qs,
-                keys,
-                row * k_words,
-                k_ty,
-                scale,
-                zero,
-                dim,
-                encoded,
-                native,
-            );
-            ps[d] = cpu_exp(s - max, zero);
+        if d < key_tile && j < len {
+            let s = cpu_score(&qs, g * dim, &kv, d * dim, scale, zero, dim, native);
+            ps[unit] = cpu_exp(s - max, zero);
         }
         sync_cube();
+        stage_rows::<I, K>(
+            &mut kv,
+            values,
+            meta,
+            table,
+            tile,
+            len,
+            block_size,
+            kv_heads,
+            kv_head,
+            v_ty,
+            v_words,
+            unit,
+            heads * dim,
+            dim,
+            key_tile,
+            encoded,
+        );
+        sync_cube();
         let mut n = len - tile;
-        if n > dim {
-            n = dim;
+        if n > key_tile {
+            n = key_tile;
         }
         let place = tile - first;
         for i in 0..n {
-            let j = tile + i;
-            let block = u32::cast_from(meta[table + j / block_size]) as usize;
-            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
-            let v = kv_value::<K>(values, row * v_words, v_ty, d, encoded);
-            let term = product(ps[i], v, zero);
+            let term = product(ps[g * dim + i], kv[i * dim + d], zero);
             if (place + i) % 2usize == 1usize {
                 odd = opaque(odd + term, zero);
             } else {
@@ -209,32 +253,67 @@ fn attend_in_cpu_order<F: Float, I: Numeric, K: Numeric>(
         let mut l = d;
         while l < 16usize {
             let mut i = (l + 16usize - place % 16usize) % 16usize;
-            let mut s = lanes[l];
+            let mut s = lanes[g * 16usize + l];
             while i < n {
-                s = opaque(s + ps[i], zero);
+                s = opaque(s + ps[g * dim + i], zero);
                 i += 16usize;
             }
-            lanes[l] = s;
+            lanes[g * 16usize + l] = s;
             l += dim;
         }
-        sync_cube();
-        tile += dim;
+        tile += key_tile;
     }
+    sync_cube();
     if d == 0 {
         let mut t = Array::<f32>::new(8usize);
         #[unroll]
         for l in 0..8usize {
-            t[l] = opaque(lanes[l] + lanes[l + 8], zero);
+            t[l] = opaque(lanes[g * 16usize + l] + lanes[g * 16usize + l + 8], zero);
         }
-        total[0] = finish_eight(&t, zero);
+        total[g] = finish_eight(&t, zero);
     }
     sync_cube();
-    let sum = total[0];
+    let sum = total[g];
     let mut o = opaque(even + odd, zero);
     if sum > 0.0 {
         o = rounded_div(o, sum, zero, native);
     }
     out[out_at + d] = F::cast_from(o);
+}
+
+/// Rows `tile .. tile + key_tile` (those before `len`) of one key/value head of a paged
+/// pool into `kv` as f32 (`key_tile` rows of `dim`), each value read (and with `encoded`
+/// decoded) once by one of the cube's `units` units, `unit` being this one.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_rows<I: Numeric, K: Numeric>(
+    kv: &mut SharedMemory<f32>,
+    pool: &Tensor<K>,
+    meta: &Tensor<I>,
+    table: usize,
+    tile: usize,
+    len: usize,
+    block_size: usize,
+    kv_heads: usize,
+    kv_head: usize,
+    ty: u32,
+    words: usize,
+    unit: usize,
+    units: usize,
+    #[comptime] dim: usize,
+    #[comptime] key_tile: usize,
+    #[comptime] encoded: bool,
+) {
+    let mut at = unit;
+    while at < key_tile * dim {
+        let j = tile + at / dim;
+        if j < len {
+            let block = u32::cast_from(meta[table + j / block_size]) as usize;
+            let row = (block * kv_heads + kv_head) * block_size + j % block_size;
+            kv[at] = kv_value::<K>(pool, row * words, ty, at % dim, encoded);
+        }
+        at += units;
+    }
 }
 
 /// The CPU's final sum of 8 partial sums ([`crate::kernels::cpu`]'s `finish`): `t[l] =
@@ -268,21 +347,20 @@ fn kv_value<K: Numeric>(
     v
 }
 
-/// A key's score as the CPU's attention takes it: the dot product of the query `qs` and
-/// the key at element `at` of `keys` in 8 interleaved fused sums, finished as
+/// A key's score as the CPU's attention takes it: the dot product of the query at
+/// `qs[q_at..]` and the key at `ks[k_at..]` in 8 interleaved fused sums, finished as
 /// [`finish_eight`] (in order, each product rounded on its own, when `dim` is not a
 /// multiple of 8), times `scale`, rounded on its own.
 #[cube]
 #[allow(clippy::too_many_arguments, unused_assignments)]
-fn cpu_score<K: Numeric>(
+fn cpu_score(
     qs: &SharedMemory<f32>,
-    keys: &Tensor<K>,
-    at: usize,
-    ty: u32,
+    q_at: usize,
+    ks: &SharedMemory<f32>,
+    k_at: usize,
     scale: f32,
     zero: u32,
     #[comptime] dim: usize,
-    #[comptime] encoded: bool,
     #[comptime] native: bool,
 ) -> f32 {
     let mut dot = f32::new(0.0);
@@ -296,15 +374,13 @@ fn cpu_score<K: Numeric>(
             #[unroll]
             for l in 0..8usize {
                 let e = c * 8usize + l;
-                let k = kv_value::<K>(keys, at, ty, e, encoded);
-                acc[l] = fused_mul_add(qs[e], k, acc[l], zero, native);
+                acc[l] = fused_mul_add(qs[q_at + e], ks[k_at + e], acc[l], zero, native);
             }
         }
         dot = finish_eight(&acc, zero);
     } else {
         for e in 0..dim {
-            let k = kv_value::<K>(keys, at, ty, e, encoded);
-            dot = opaque(dot + product(qs[e], k, zero), zero);
+            dot = opaque(dot + product(qs[q_at + e], ks[k_at + e], zero), zero);
         }
     }
     product(dot, scale, zero)
@@ -695,23 +771,34 @@ fn small_block<F: Float, I: Numeric>(
         for t in 0..tile {
             acc[t] += scale * sum[t];
         }
-    } else if comptime!(format == 6 || format == 7) {
-        // Q5_0 (d, 32 fifth bits, nibbles; values offset by 16) and Q5_1 (d, m, fifth
-        // bits, nibbles; d * q + m per value).
-        let off = comptime!(if format == 6 { 2usize } else { 4usize });
-        let qh = bytes4_at::<I>(words, at + off);
+    } else {
+        // Q4_1 (2: d, m, nibbles), Q5_0 (6: d, 32 fifth bits, nibbles; values offset by
+        // 16) and Q5_1 (7: d, m, fifth bits, nibbles): with a minimum, `d * q + m` per
+        // value. One loop: Q4_1 is Q5_1 without the fifth bits.
+        let fifth = comptime!(format == 6 || format == 7);
+        let has_min = comptime!(format != 6);
+        let head = comptime!(if format == 6 { 2usize } else { 4usize });
+        let nibbles = comptime!(if fifth { head + 4 } else { head });
+        let mut qh = 0u32;
+        if comptime!(fifth) {
+            qh = bytes4_at::<I>(words, at + head);
+        }
         let mut min = f32::new(0.0);
-        if comptime!(format == 7) {
+        if comptime!(has_min) {
             min = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
         }
         for w in 0..4usize {
-            let four = bytes4_at::<I>(words, at + off + 4 + 4 * w);
+            let four = bytes4_at::<I>(words, at + nibbles + 4 * w);
             #[unroll]
             for j in 0..4usize {
                 let i = 4 * w + j;
                 let q = (four >> ((8 * j) as u32)) & 255;
-                let lo_bits = (q & 15) | (((qh >> (i as u32)) << 4) & 16);
-                let hi_bits = (q >> 4) | ((qh >> ((i + 12) as u32)) & 16);
+                let mut lo_bits = q & 15;
+                let mut hi_bits = q >> 4;
+                if comptime!(fifth) {
+                    lo_bits |= ((qh >> (i as u32)) << 4) & 16;
+                    hi_bits |= (qh >> ((i + 12) as u32)) & 16;
+                }
                 let mut lo = f32::cast_from(lo_bits);
                 let mut hi = f32::cast_from(hi_bits);
                 if comptime!(format == 6) {
@@ -724,7 +811,7 @@ fn small_block<F: Float, I: Numeric>(
                     let b = x_value::<F>(x, x_at, t, xb, 16 + i);
                     sum[t] += lo * a;
                     sum[t] += hi * b;
-                    if comptime!(format == 7) {
+                    if comptime!(has_min) {
                         xs[t] += a + b;
                     }
                 }
@@ -732,36 +819,11 @@ fn small_block<F: Float, I: Numeric>(
         }
         #[unroll]
         for t in 0..tile {
-            if comptime!(format == 7) {
+            if comptime!(has_min) {
                 acc[t] += scale * sum[t] + min * xs[t];
             } else {
                 acc[t] += scale * sum[t];
             }
-        }
-    } else {
-        // Q4_1: d * q + m per value.
-        let min = half_to_f32(byte_at::<I>(words, at + 2) | (byte_at::<I>(words, at + 3) << 8));
-        for w in 0..4usize {
-            let four = bytes4_at::<I>(words, at + 4 + 4 * w);
-            #[unroll]
-            for j in 0..4usize {
-                let i = 4 * w + j;
-                let q = (four >> ((8 * j) as u32)) & 255;
-                let lo = f32::cast_from(q & 15);
-                let hi = f32::cast_from(q >> 4);
-                #[unroll]
-                for t in 0..tile {
-                    let a = x_value::<F>(x, x_at, t, xb, i);
-                    let b = x_value::<F>(x, x_at, t, xb, 16 + i);
-                    sum[t] += lo * a;
-                    sum[t] += hi * b;
-                    xs[t] += a + b;
-                }
-            }
-        }
-        #[unroll]
-        for t in 0..tile {
-            acc[t] += scale * sum[t] + min * xs[t];
         }
     }
 }
@@ -3489,11 +3551,13 @@ pub(crate) fn paged_attention_encoded_kernel<F: Float, I: Numeric>(
     v_words: u32,
     zero: u32,
     #[comptime] dim: usize,
+    #[comptime] heads: usize,
+    #[comptime] key_tile: usize,
     #[comptime] native_fma: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     attend_in_cpu_order::<F, I, I>(
         q, keys, values, meta, out, n_heads, groups, kv_heads, block_size, scale, k_ty, k_words,
-        v_ty, v_words, zero, dim, true, native_fma,
+        v_ty, v_words, zero, dim, heads, key_tile, true, native_fma,
     );
 }

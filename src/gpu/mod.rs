@@ -139,6 +139,37 @@ pub enum TensorCores {
     Portable,
 }
 
+/// The most units a cube of the attention kernels takes: every device runs cubes of 256
+/// (WebGPU's default limit), and a query head's units are its values.
+const ATTENTION_UNITS: usize = 256;
+
+/// Floats of keys (or values) the attention kernels stage in shared memory a tile: 16 KiB,
+/// so a cube fits the 32 KiB of lavapipe and of Apple's GPUs.
+const ATTENTION_STAGED: usize = 4096;
+
+/// How the attention kernels cut the work: query heads per cube (the most of a group
+/// sharing one key/value head whose units fit [`ATTENTION_UNITS`] and the device's cube),
+/// so the cube reads (and decodes) each key and value once for all of them, and keys per
+/// tile (`dim`, or fewer where a tile of `dim` keys would not fit [`ATTENTION_STAGED`]).
+/// Neither changes a result's bits: each head's sums keep their order whatever the tile.
+fn attention_layout<R: CubeRuntime>(
+    client: &cubecl::client::ComputeClient<R>,
+    shape: PagedShape,
+) -> (usize, usize) {
+    let hardware = &client.properties().hardware;
+    let units = ATTENTION_UNITS.min(hardware.max_units_per_cube as usize);
+    let groups = (shape.n_heads / shape.kv_heads.max(1)).max(1);
+    let dim = shape.dim.max(1);
+    let heads = (1..=groups)
+        .rev()
+        .find(|&h| {
+            groups.is_multiple_of(h) && h * dim <= units && h <= hardware.max_cube_dim.1 as usize
+        })
+        .unwrap_or(1);
+    let key_tile = dim.min(ATTENTION_STAGED / dim).max(1);
+    (heads, key_tile)
+}
+
 /// The fewest rows a `fast` product takes tensor cores for under [`TensorCores::Auto`]
 /// (a fragment is 16 rows; `LLAMA_BURN_TENSOR_CORE_ROWS` overrides it for a process).
 pub const TENSOR_CORE_ROWS: usize = 16;
@@ -476,10 +507,11 @@ where
         let out = empty_on(&q, out_shape, q.dtype);
         let (f_dtype, i_dtype) = (q.dtype, table.dtype);
         let client = q.client.clone();
+        let (heads, key_tile) = attention_layout(&client, shape);
         kernels::paged_attention_kernel::launch::<R>(
             &client,
-            CubeCount::Static(shape.tokens as u32, shape.n_heads as u32, 1),
-            CubeDim::new_1d(shape.dim as u32),
+            CubeCount::Static(shape.tokens as u32, (shape.n_heads / heads) as u32, 1),
+            CubeDim::new_2d(shape.dim as u32, heads as u32),
             q.into_tensor_arg(),
             keys.into_tensor_arg(),
             values.into_tensor_arg(),
@@ -492,6 +524,8 @@ where
             1.0 / (shape.dim as f32).sqrt(),
             0,
             shape.dim,
+            heads,
+            key_tile,
             native_fma::<R>(&client),
             [f_dtype.into(), i_dtype.into()],
         );
@@ -854,10 +888,11 @@ where
         let out = empty_on(&q, out_shape, q.dtype);
         let (f_dtype, i_dtype) = (q.dtype, table.dtype);
         let client = q.client.clone();
+        let (heads, key_tile) = attention_layout(&client, shape);
         kernels::paged_attention_encoded_kernel::launch::<R>(
             &client,
-            CubeCount::Static(shape.tokens as u32, shape.n_heads as u32, 1),
-            CubeDim::new_1d(shape.dim as u32),
+            CubeCount::Static(shape.tokens as u32, (shape.n_heads / heads) as u32, 1),
+            CubeDim::new_2d(shape.dim as u32, heads as u32),
             q.into_tensor_arg(),
             keys.into_tensor_arg(),
             values.into_tensor_arg(),
@@ -874,6 +909,8 @@ where
             kv[1].row_words as u32,
             0,
             shape.dim,
+            heads,
+            key_tile,
             native_fma::<R>(&client),
             [f_dtype.into(), i_dtype.into()],
         );

@@ -5,10 +5,11 @@
 //! transposes.
 
 /// The few instructions in which the in-register kernels differ between AVX-512 (with
-/// VNNI), AVX2 with AVX-VNNI, and AVX2: everything else (the integer kernels' `decode_group` and `multiply_sub`) is written
-/// once over 8-lane vectors, generic over this, and compiled into one entry point per
-/// instruction set (`group_tile_vnni`, `group_tile_avx_vnni`, `group_tile_avx2`) with its target features.
-/// Both give the same integer sums, so the same bits.
+/// VNNI), AVX2 with AVX-VNNI, and AVX2: everything else (the integer kernels'
+/// `decode_group` and `multiply_sub`) is written once over 8-lane vectors, generic over
+/// this, and compiled into one entry point per instruction set (`group_tile_vnni`,
+/// `group_tile_avx_vnni`, `group_tile_avx2`) with its target features. All three give
+/// the same integer sums, so the same bits.
 pub(crate) trait Isa {
     /// Four vectors of two rows' four u32 words each (rows `2p`, `2p + 1`) to four
     /// vectors of one word of eight rows each.

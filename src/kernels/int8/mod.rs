@@ -243,7 +243,8 @@ fn matmul_int8(
     let gfni = gfni && vnni && path.has_gfni();
     let in_registers = vnni;
     let avx2_registers = !vnni && path.has_avx2_integer();
-    let avx_vnni = avx_vnni && avx2_registers && super::cpu::avx_vnni_supported(path);
+    // `avx_vnni_supported` implies `avx2_registers` (the AVX2 integer path, no VNNI).
+    let avx_vnni = avx_vnni && super::cpu::avx_vnni_supported(path);
     // More rows than a group tile: decoded once into the panel, reused for every row
     // (by the AVX-VNNI panel kernel where the CPU has it, else AVX2's).
     let avx2_panel = avx2_registers && rows > GROUP_TILE;
