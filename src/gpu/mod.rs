@@ -139,9 +139,11 @@ pub enum TensorCores {
     Portable,
 }
 
-/// The most units a cube of the attention kernels takes: every device runs cubes of 256
-/// (WebGPU's default limit), and a query head's units are its values.
-const ATTENTION_UNITS: usize = 256;
+/// The most units a cube of the attention kernels takes (a query head's units are its
+/// values), where the device allows that many: 1,024, CUDA's limit, so the Llama 3
+/// shapes share every group (the 3B's three heads of 128, the 8B's four); a WebGPU
+/// device with its default limit of 256 takes fewer.
+const ATTENTION_UNITS: usize = 1024;
 
 /// Floats of keys (or values) the attention kernels stage in shared memory a tile: 16 KiB,
 /// so a cube fits the 32 KiB of lavapipe and of Apple's GPUs.
