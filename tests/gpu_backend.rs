@@ -398,7 +398,7 @@ fn paged_attention_kernel_gives_the_cpu_reference() {
     use llama_burn::kernels::attention::{PagedPool, PagedSeq, paged_attention};
     use llama_burn::model::attention::PagedBatch;
 
-    // Odd shapes: blocks of 5 positions, 4 query heads over 2 key/value heads; block
+    // Odd shapes: blocks of 5 positions, 4 (or 8) query heads over 2 key/value heads; block
     // tables with holes (blocks no sequence uses) and a prefix block (7) shared by two
     // sequences; lengths not multiples of the block size, decode rows, prompt chunks over
     // cached keys and a fresh prompt.
@@ -422,8 +422,10 @@ fn paged_attention_kernel_gives_the_cpu_reference() {
         })
         .collect();
     let device = Default::default();
-    // 128: tiles of fewer keys than `dim` (the kernel stages 4,096 floats a tile).
-    for dim in [16, 24, 12, 128] {
+    // 128: tiles of fewer keys than `dim` (the kernel stages 4,096 floats a tile). Then
+    // groups of four query heads (the 1B shape's), which a workgroup takes together.
+    let configs = [(4, 16), (4, 24), (4, 12), (4, 128), (8, 64), (8, 128)];
+    for (n_heads, dim) in configs {
         let pool_len = blocks * kv_heads * block_size * dim;
         let (keys, vals) = (values(pool_len, 1), values(pool_len, 2));
         let tokens: usize = shapes.iter().map(|s| s.0).sum();
@@ -457,7 +459,7 @@ fn paged_attention_kernel_gives_the_cpu_reference() {
         let got = run(&q, seqs.clone());
         assert_eq!(got.len(), want.len());
         let diff = max_diff(&want, &got);
-        eprintln!("paged attention kernel vs cpu, heads of {dim}: max |diff| {diff:e}");
+        eprintln!("paged attention kernel vs cpu, {n_heads} heads of {dim}: max |diff| {diff:e}");
         if SimdPath::active() == SimdPath::Portable {
             assert!(diff <= 1e-5, "{dim}: {diff}");
         } else {
@@ -468,7 +470,7 @@ fn paged_attention_kernel_gives_the_cpu_reference() {
                 .position(|(a, b)| *a != b);
             assert_eq!(
                 first, None,
-                "heads of {dim}: the first value unlike the CPU's"
+                "{n_heads} heads of {dim}: the first value unlike the CPU's"
             );
         }
 
