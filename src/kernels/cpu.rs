@@ -143,9 +143,10 @@ impl SimdPath {
 
     /// Whether the path's AVX2 integer kernels (the `fast` precision's, on the AVX2 path
     /// or on an AVX-512 path without VNNI) multiply with AVX-VNNI's 256-bit `vpdpbusd`
-    /// instead of `vpmaddubsw` and `vpmaddwd`: where the CPU has AVX-VNNI (Intel since Alder Lake, AMD since Zen 5)
-    /// but the path is not AVX-512 with VNNI, and `LLAMA_BURN_AVX_VNNI` is not `off`
-    /// (read once per process; the results are the same bits either way).
+    /// instead of `vpmaddubsw` and `vpmaddwd`: where the CPU has AVX-VNNI (Intel since
+    /// Alder Lake, AMD since Zen 5) but the path is not AVX-512 with VNNI, and
+    /// `LLAMA_BURN_AVX_VNNI` is not `off` (read once per process; the results are the
+    /// same bits either way).
     pub fn has_avx_vnni(self) -> bool {
         static ENABLED: OnceLock<bool> = OnceLock::new();
         avx_vnni_supported(self)

@@ -247,9 +247,9 @@ fn matmul_int8(
     let avx_vnni = avx_vnni && super::cpu::avx_vnni_supported(path);
     // More rows than a group tile: decoded once into the panel, reused for every row
     // (by the AVX-VNNI panel kernel where the CPU has it, else AVX2's).
-    let avx2_panel = avx2_registers && rows > GROUP_TILE;
-    let avx_vnni_panel = avx2_panel && avx_vnni;
-    let avx2_panel = avx2_panel && !avx_vnni;
+    let avx2_family_panel = avx2_registers && rows > GROUP_TILE;
+    let avx_vnni_panel = avx2_family_panel && avx_vnni;
+    let avx2_panel = avx2_family_panel && !avx_vnni;
     // Sixteen rows or more, where the CPU has AMX: the tile kernel takes every row, in
     // groups of sixteen, the last one padded with rows of zeros (whose results are
     // dropped). A remainder on the VNNI kernel would need the panel decoded for it too;
@@ -367,9 +367,9 @@ fn matmul_int8(
                 }
                 // More rows: decoded once into the panel, reused for every row.
                 #[cfg(target_arch = "x86_64")]
-                if (avx2_panel || avx_vnni_panel) && n == LANES {
-                    // SAFETY: `avx2_panel` (`avx_vnni_panel`) says this CPU has AVX2, FMA
-                    // and F16C; `first` starts two full groups.
+                if avx2_family_panel && n == LANES {
+                    // SAFETY: `avx2_family_panel` says this CPU has AVX2, FMA and F16C;
+                    // `first` starts two full groups.
                     unsafe { panel.fill_in_registers_avx2(w, first) };
                 } else if in_registers && n == LANES {
                     // SAFETY: as above (AVX-512 with VNNI), and `gfni` says the CPU has
