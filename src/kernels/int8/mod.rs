@@ -288,7 +288,13 @@ fn matmul_int8(
         #[cfg(target_arch = "x86_64")]
         let mut group_res = [[0f32; GROUP_ROWS]; GROUP_TILE];
         PANEL.with_borrow_mut(|panel| {
+            // The second panel of a pair, taken with the first.
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+            let mut paired = usize::MAX;
             for first in (start..end).step_by(LANES) {
+                if first == paired {
+                    continue;
+                }
                 let n = LANES.min(end - first);
                 #[cfg(target_arch = "x86_64")]
                 if n == LANES && (in_registers || avx2_registers) && rows <= GROUP_TILE {
@@ -363,6 +369,37 @@ fn matmul_int8(
                             unsafe { target.write(i, first, row) };
                         }
                     });
+                    continue;
+                }
+                // Two full panels at once on AVX-512 with VNNI (each activation word
+                // broadcast once for both); the second is then passed over.
+                #[cfg(target_arch = "x86_64")]
+                if in_registers && !amx && rows > GROUP_TILE && first + 2 * LANES <= end {
+                    PAIR.with_borrow_mut(|second| {
+                        let next = [2, 3].map(|k| {
+                            (first + k * LANES < end).then(|| w.panel_bytes(first + k * LANES))
+                        });
+                        // SAFETY: `in_registers` says this CPU has AVX-512 with VNNI, and
+                        // `gfni` GFNI; `first` and `first + 16` start two full groups
+                        // each (`first + 32 <= end`); the rows were built for `w`;
+                        // `target` holds `rows` rows of `n_out` columns, and `first ..
+                        // first + 32` lie in this chunk's `start..end`, which no other
+                        // chunk writes.
+                        unsafe {
+                            panel.fill_in_registers(w, first, gfni);
+                            second.fill_in_registers(w, first + LANES, gfni);
+                            x86::vnni_panel_pair(
+                                [panel, second],
+                                w.format(),
+                                &acts,
+                                rows,
+                                &target,
+                                first,
+                                next,
+                            )
+                        }
+                    });
+                    paired = first + LANES;
                     continue;
                 }
                 // More rows: decoded once into the panel, reused for every row.
@@ -464,6 +501,9 @@ fn matmul_int8(
 thread_local! {
     /// Each worker thread's panel, kept between calls.
     static PANEL: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
+    /// Each worker thread's second panel of a pair (`x86::vnni_panel_pair`).
+    #[cfg(target_arch = "x86_64")]
+    static PAIR: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
     /// Each worker thread's results of the AMX kernel for a panel, kept between calls.
     #[cfg(target_arch = "x86_64")]
     static AMX_OUT: std::cell::RefCell<Vec<[f32; LANES]>> = const { std::cell::RefCell::new(Vec::new()) };
