@@ -1044,6 +1044,23 @@ unsafe fn decode_step_q6k<I: Isa>(step: *const u8, first: usize, sink: &mut impl
     }
 }
 
+/// Calls `tile(r, n)` for rows `r .. r + n` in turn, tiles of `size` rows covering
+/// `rows` (the last one shorter), first asking for a share of each of `next` (the next
+/// panels' weights) into the second-level cache: the row loop of every panel kernel.
+#[inline(always)]
+fn row_tiles(rows: usize, size: usize, next: &[Option<&[u8]>], mut tile: impl FnMut(usize, usize)) {
+    let tiles = rows.div_ceil(size);
+    let mut r = 0;
+    while r < rows {
+        for next in next.iter().flatten() {
+            crate::kernels::tiling::prefetch_share(next, r / size, tiles);
+        }
+        let n = size.min(rows - r);
+        tile(r, n);
+        r += n;
+    }
+}
+
 /// The kernel with `vpdpbusd` for every activation row against the panel's sixteen
 /// rows: tiles of [`ROW_TILE`] rows ([`vnni_tile_rows`]), each tile's results stored
 /// straight into columns `first .. first + n` of `target` (no results array copied
@@ -1089,26 +1106,19 @@ unsafe fn vnni_panel_of<const F: u8>(
     n: usize,
     next: Option<&[u8]>,
 ) {
-    let tiles = rows.div_ceil(ROW_TILE);
     let mask: u16 = if n >= LANES {
         u16::MAX
     } else {
         (1u16 << n) - 1
     };
-    let mut r = 0;
-    while r < rows {
-        if let Some(next) = next {
-            crate::kernels::tiling::prefetch_share(next, r / ROW_TILE, tiles);
-        }
-        let tile = ROW_TILE.min(rows - r);
+    row_tiles(rows, ROW_TILE, &[next], |r, tile| {
         // SAFETY: the caller's contract; rows `r .. r + tile` exist, and their columns
         // `first .. first + n` are the caller's.
         unsafe {
             let out = target.at(r, first);
             with_tile!(tile, T => vnni_tile_rows::<T, F>(panel, acts, r, out, target.n_out, mask))
         }
-        r += tile;
-    }
+    });
 }
 
 /// [`vnni_panel`]'s tile of `T` rows of the format whose id is `F` ([`format_at`]):
@@ -1187,21 +1197,14 @@ unsafe fn vnni_panel_pair_of<const F: u8>(
     first: usize,
     next: [Option<&[u8]>; 2],
 ) {
-    let tiles = rows.div_ceil(PAIR_TILE);
-    let mut r = 0;
-    while r < rows {
-        for next in next.into_iter().flatten() {
-            crate::kernels::tiling::prefetch_share(next, r / PAIR_TILE, tiles);
-        }
-        let tile = PAIR_TILE.min(rows - r);
+    row_tiles(rows, PAIR_TILE, &next, |r, tile| {
         // SAFETY: the caller's contract; rows `r .. r + tile` exist, and their columns
         // `first .. first + 32` are the caller's.
         unsafe {
             let out = target.at(r, first);
             with_tile!(tile, T => vnni_pair_rows::<T, F>(panels, acts, r, out, target.n_out); 1 2 3; 4)
         }
-        r += tile;
-    }
+    });
 }
 
 /// [`vnni_panel_pair`]'s tile of `T` rows of the format whose id is `F`: [`panel_tile`]
@@ -1403,11 +1406,10 @@ unsafe fn panel_tile<V: PanelVector, const T: usize, const P: usize, const F: u8
     unsafe {
         let mut acc = [[V::zero_f(); P]; T];
         let mut iacc = [[V::splat_i(0); P]; T];
-        let at = |k: usize| (panels[k], lanes[k]);
-        let up = std::array::from_fn::<_, P, _>(|k| at(k).0.u.as_ptr().add(at(k).1).cast::<i32>());
-        let scp = std::array::from_fn::<_, P, _>(|k| at(k).0.sc.as_ptr().add(at(k).1));
-        let dp = std::array::from_fn::<_, P, _>(|k| at(k).0.d.as_ptr().add(at(k).1));
-        let mp = std::array::from_fn::<_, P, _>(|k| at(k).0.m.as_ptr().add(at(k).1));
+        let up: [_; P] = std::array::from_fn(|k| panels[k].u.as_ptr().add(lanes[k]).cast::<i32>());
+        let scp: [_; P] = std::array::from_fn(|k| panels[k].sc.as_ptr().add(lanes[k]));
+        let dp: [_; P] = std::array::from_fn(|k| panels[k].d.as_ptr().add(lanes[k]));
+        let mp: [_; P] = std::array::from_fn(|k| panels[k].m.as_ptr().add(lanes[k]));
         let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
         for s in 0..subs {
             // Each row's sums of the sub-block (of its first half where the scales are
@@ -1550,62 +1552,43 @@ unsafe fn avx_vnni_panel_of<const F: u8>(
     n: usize,
     next: Option<&[u8]>,
 ) {
-    use std::arch::x86_64::*;
     if n == LANES {
         // Both halves at once: each activation word broadcast once for sixteen outputs.
-        let tiles = rows.div_ceil(AVX_VNNI_BOTH_TILE);
-        let mut r = 0;
-        while r < rows {
-            if let Some(next) = next {
-                crate::kernels::tiling::prefetch_share(next, r / AVX_VNNI_BOTH_TILE, tiles);
-            }
-            let tile = AVX_VNNI_BOTH_TILE.min(rows - r);
+        row_tiles(rows, AVX_VNNI_BOTH_TILE, &[next], |r, tile| {
             // SAFETY: the caller's contract; rows `r .. r + tile` exist, and their columns
             // `first .. first + 16` are the caller's.
             unsafe {
                 let out = target.at(r, first);
                 with_tile!(tile, T => avx_vnni_both_rows::<T, F>(panel, acts, r, out, target.n_out); 1 2; 3)
             }
-            r += tile;
-        }
+        });
         return;
     }
-    let tiles = rows.div_ceil(AVX_VNNI_TILE);
     for half in 0..2 {
         let lanes = n.saturating_sub(half * 8).min(8);
         if lanes == 0 {
             break;
         }
-        // Lanes `0..lanes` of the half: all ones where written.
-        let mask = _mm256_cmpgt_epi32(
-            _mm256_set1_epi32(lanes as i32),
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        );
-        let mut r = 0;
-        while r < rows {
-            if let (0, Some(next)) = (half, next) {
-                crate::kernels::tiling::prefetch_share(next, r / AVX_VNNI_TILE, tiles);
-            }
-            let tile = AVX_VNNI_TILE.min(rows - r);
+        let next = if half == 0 { next } else { None };
+        row_tiles(rows, AVX_VNNI_TILE, &[next], |r, tile| {
             // SAFETY: the caller's contract; rows `r .. r + tile` exist, and their columns
-            // `first + 8 half ..` (the lanes in `mask`) are the caller's.
+            // `first + 8 half .. first + 8 half + lanes` are the caller's.
             unsafe {
                 let out = target.at(r, first + 8 * half);
-                with_tile!(tile, T => avx_vnni_tile_rows::<T, F>(panel, acts, r, half, out, target.n_out, mask); 1 2 3; 4)
+                with_tile!(tile, T => avx_vnni_tile_rows::<T, F>(panel, acts, r, half, out, target.n_out, lanes); 1 2 3; 4)
             }
-            r += tile;
-        }
+        });
     }
 }
 
 /// [`avx_vnni_panel`]'s tile of `T` rows against half `half` of the panel (lanes `8 half
 /// .. 8 half + 8`), of the format whose id is `F`: [`panel_tile`] on 256-bit vectors.
-/// Row `i`'s results go to the lanes of `mask` at `out + i * stride`.
+/// Row `i`'s results go to its first `lanes` values at `out + i * stride`.
 ///
 /// # Safety
 ///
-/// As [`avx_vnni_panel`]; rows `r0 .. r0 + T` exist; `out + i * stride` holds the lanes
-/// in `mask` for `i < T`; `half < 2`.
+/// As [`avx_vnni_panel`]; rows `r0 .. r0 + T` exist; `out + i * stride` holds `lanes`
+/// values for `i < T`; `half < 2`, `lanes <= 8`.
 #[inline(never)]
 #[target_feature(enable = "avx2,avxvnni,fma,f16c")]
 unsafe fn avx_vnni_tile_rows<const T: usize, const F: u8>(
@@ -1615,12 +1598,18 @@ unsafe fn avx_vnni_tile_rows<const T: usize, const F: u8>(
     half: usize,
     out: *mut f32,
     stride: usize,
-    mask: std::arch::x86_64::__m256i,
+    lanes: usize,
 ) {
-    debug_assert!(half < 2);
+    use std::arch::x86_64::{_mm256_cmpgt_epi32, _mm256_set1_epi32, _mm256_setr_epi32};
+    debug_assert!(half < 2 && lanes <= 8);
     // SAFETY: the caller's contract (AVX2 with AVX-VNNI; the rows, the panel's lanes
-    // `8 half .. 8 half + 8`, and the lanes in `mask` of each output row).
+    // `8 half .. 8 half + 8`, and the first `lanes` values of each output row).
     unsafe {
+        // Lanes `0..lanes`: all ones where written.
+        let mask = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(lanes as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
         let acc = panel_tile::<Ymm, T, 1, F>([panel], acts, r0, [8 * half]);
         for (i, [a]) in acc.into_iter().enumerate() {
             std::arch::x86_64::_mm256_maskstore_ps(out.add(i * stride), mask, a);
