@@ -4,9 +4,14 @@
 //! stored in each type in turn. Rounds go through every type before the next round, and
 //! each type's median is reported with its ratio to `f32`.
 //!
+//! With `prompt`, one prompt of `tokens` new tokens instead (each token over the keys
+//! up to its own, as a prompt's attention in prefill).
+//!
 //! ```sh
 //! cargo bench --bench kv_cache                 # 1 and 32 rows, 2,000 keys
 //! cargo bench --bench kv_cache -- 32 4000 15   # rows, context, rounds
+//! cargo bench --bench kv_cache -- prompt 512 9 # a prompt's tokens, rounds
+//! cargo bench --bench kv_cache -- prompt 512 9 f32  # f32 keys and values only
 //! ```
 
 use std::time::Instant;
@@ -23,23 +28,34 @@ const DIM: usize = 64;
 const BLOCK: usize = 16;
 
 fn main() {
+    let prompt = std::env::args().any(|a| a == "prompt");
     let args: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())
         .collect();
+    if prompt {
+        let (tokens, rounds) = match args[..] {
+            [tokens, rounds, ..] => (tokens, rounds),
+            [tokens] => (tokens, 9),
+            _ => (512, 9),
+        };
+        run(1, tokens, 0, rounds);
+        return;
+    }
     let (rows_list, context, rounds) = match args[..] {
         [rows, context, rounds, ..] => (vec![rows], context, rounds),
         [rows, context] => (vec![rows], context, 9),
         _ => (vec![1, 32], 2000, 9),
     };
     for rows in rows_list {
-        run(rows, context, rounds);
+        run(rows, 1, context, rounds);
     }
 }
 
-fn run(rows: usize, context: usize, rounds: usize) {
+/// `rows` sequences of `tokens` new tokens each after `context` cached ones.
+fn run(rows: usize, tokens: usize, context: usize, rounds: usize) {
     let mut rng = StdRng::seed_from_u64(3);
-    let per_row = (context + 1).div_ceil(BLOCK);
+    let per_row = (context + tokens).div_ceil(BLOCK);
     let blocks = rows * per_row;
     let n = blocks * HEADS * BLOCK;
     let keys: Vec<f32> = (0..n * DIM)
@@ -55,12 +71,12 @@ fn run(rows: usize, context: usize, rounds: usize) {
     let seqs: Vec<PagedSeq<'_>> = tables
         .iter()
         .map(|blocks| PagedSeq {
-            tokens: 1,
+            tokens,
             start: context,
             blocks,
         })
         .collect();
-    let q: Vec<f32> = (0..rows * QUERY_HEADS * DIM)
+    let q: Vec<f32> = (0..rows * tokens * QUERY_HEADS * DIM)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
     let encoded: Vec<(KvCacheType, Vec<u8>, Vec<u8>)> = KvCacheType::ALL[1..]
@@ -84,12 +100,13 @@ fn run(rows: usize, context: usize, rounds: usize) {
         block_size: BLOCK,
         dim: DIM,
     };
+    let f32_only = std::env::args().any(|a| a == "f32");
     let mut times = vec![Vec::new(); KvCacheType::ALL.len()];
     for _ in 0..rounds {
         let start = Instant::now();
         std::hint::black_box(paged_attention(&q, QUERY_HEADS, f32_pool, &seqs).expect("shapes"));
         times[0].push(start.elapsed().as_secs_f64());
-        for (i, (ty, k, v)) in encoded.iter().enumerate() {
+        for (i, (ty, k, v)) in encoded.iter().enumerate().filter(|_| !f32_only) {
             let pool = EncodedPagedPool {
                 keys: (k, *ty),
                 values: (v, *ty),
@@ -109,16 +126,33 @@ fn run(rows: usize, context: usize, rounds: usize) {
         t[t.len() / 2]
     };
     let base = median(&mut times[0]);
-    println!("{rows} rows x {context} keys, one 1B layer, {rounds} rounds alternated (median):");
-    for (ty, t) in KvCacheType::ALL.iter().zip(&mut times) {
-        let m = median(t);
-        let bytes = (ty.row_bytes(DIM).unwrap_or(0) * 2 * HEADS * context * rows) as f64;
+    if tokens == 1 {
         println!(
-            "  {:>5}: {:8.3} ms  ({:.2}x f32's time, {:6.1} GB/s of KV read)",
+            "{rows} rows x {context} keys, one 1B layer, {rounds} rounds alternated (median):"
+        );
+    } else {
+        println!(
+            "{rows} x a prompt of {tokens} tokens, one 1B layer, {rounds} rounds alternated (median):"
+        );
+    }
+    for (ty, t) in KvCacheType::ALL
+        .iter()
+        .zip(&mut times)
+        .filter(|(_, t)| !t.is_empty())
+    {
+        let m = median(t);
+        // A decode row reads its keys and values once; a prompt's tokens share theirs.
+        let bytes = (ty.row_bytes(DIM).unwrap_or(0) * 2 * HEADS * (context + tokens) * rows) as f64;
+        let read = if tokens == 1 {
+            format!(", {:6.1} GB/s of KV read", bytes / m / 1e9)
+        } else {
+            String::new()
+        };
+        println!(
+            "  {:>5}: {:8.3} ms  ({:.2}x f32's time{read})",
             ty.name(),
             m * 1e3,
             m / base,
-            bytes / m / 1e9
         );
     }
 }

@@ -134,6 +134,19 @@ trait KvView<'a>: Sync {
     fn stage(&self, b: usize, h: usize, j: usize, out: &mut [f32]) {
         out.copy_from_slice(self.vector(b, h, j, out.len()));
     }
+
+    /// Vectors `j .. j + out.len()` of row `b`, head `h`, each as [`vector`](Self::vector)
+    /// gives it, into `out`: one lookup per run of adjacent vectors where the view has
+    /// them (a paged view's block).
+    #[inline(always)]
+    fn vectors<'s>(&self, b: usize, h: usize, j: usize, dim: usize, out: &mut [&'s [f32]])
+    where
+        'a: 's,
+    {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = self.vector(b, h, j + i, dim);
+        }
+    }
 }
 
 impl<'a> KvView<'a> for Strided<'a> {
@@ -194,6 +207,30 @@ impl<'a> KvView<'a> for PagedView<'a> {
         let block = self.seqs[b].blocks[j / self.block_size] as usize;
         let at = ((block * self.heads + h) * self.block_size + j % self.block_size) * dim;
         &self.data[at..at + dim]
+    }
+
+    #[inline(always)]
+    fn vectors<'s>(&self, b: usize, h: usize, j: usize, dim: usize, out: &mut [&'s [f32]])
+    where
+        'a: 's,
+    {
+        // A block's slots of one head are adjacent: one table lookup per block (a
+        // division and a lookup for every key took a fifth of a prompt's attention).
+        let mut i = 0;
+        while i < out.len() {
+            let (index, slot) = ((j + i) / self.block_size, (j + i) % self.block_size);
+            let count = (self.block_size - slot).min(out.len() - i);
+            let block = self.seqs[b].blocks[index] as usize;
+            let at = ((block * self.heads + h) * self.block_size + slot) * dim;
+            let run = &self.data[at..at + count * dim];
+            for (o, v) in out[i..i + count]
+                .iter_mut()
+                .zip(run.chunks_exact(dim.max(1)))
+            {
+                *o = v;
+            }
+            i += count;
+        }
     }
 }
 
@@ -550,12 +587,16 @@ fn attend_queries<'a, 'm, V: KvView<'a>>(
     let scale = 1.0 / (dim as f32).sqrt();
     let mut out = vec![0f32; q.len()];
     let n = q.len().checked_div(dim).unwrap_or(0);
-    // About four runs of queries per thread, handed out in turn, in whole groups of the
-    // queries that may share their keys.
+    // About eight runs of queries per thread, in whole groups of the queries that may
+    // share their keys, handed out in turn from the last: a prompt's later tokens see
+    // more keys, and taking the largest runs first leaves the small ones to even out the
+    // threads' ends (from the first, a 512-token prompt's last run started alone and left
+    // the other core idle for 8% of the time).
     let group_hint = group_hint.clamp(1, MAX_GROUP);
     let per_chunk = n
-        .div_ceil(4 * rayon::current_num_threads().max(1))
+        .div_ceil(8 * rayon::current_num_threads().max(1))
         .next_multiple_of(group_hint);
+    let runs = n.div_ceil(per_chunk.max(1));
     let query = |index: usize| {
         let (b, h, hidden, keys) = locate(index);
         Query {
@@ -570,26 +611,35 @@ fn attend_queries<'a, 'm, V: KvView<'a>>(
         }
     };
     let target = super::pool::Disjoint::new(&mut out);
-    super::pool::for_each_run(n, per_chunk, &|start, end| {
+    super::pool::for_each_chunk(runs, &|c| {
+        let (start, end) = ((runs - 1 - c) * per_chunk, ((runs - c) * per_chunk).min(n));
         let mut scores = Scores::with_capacity(keys_hint);
-        let mut group = Vec::with_capacity(MAX_GROUP);
+        // The run's groups: consecutive queries that see the same keys (a token's query
+        // heads over one key/value head), attended together.
+        let mut groups = Vec::new();
         let mut index = start;
         while index < end {
-            // Consecutive queries that see the same keys (a token's query heads over one
-            // key/value head) are attended together.
-            group.clear();
-            group.push(query(index));
-            while group.len() < MAX_GROUP
-                && index + group.len() < end
-                && group[0].sees_what(&query(index + group.len()))
-            {
-                group.push(query(index + group.len()));
+            let first = query(index);
+            let mut len = 1;
+            while len < MAX_GROUP && index + len < end && first.sees_what(&query(index + len)) {
+                len += 1;
             }
-            // SAFETY: queries `index .. index + group.len() <= n` own values
-            // `index * dim ..` of `out` (`n * dim` values), and only this chunk writes them.
-            let o = unsafe { target.part(index * dim, group.len() * dim) };
+            groups.push((first.b, first.h, index, len));
+            index += len;
+        }
+        // Taken key/value head by head (each head's tokens in order): the keys and values
+        // of one head stay in the second-level cache from one token to the next, where
+        // token by token (every head in turn) a 512-token prompt's eight heads, 2 MiB,
+        // came from the third.
+        groups.sort_by_key(|&(b, h, ..)| (b, h));
+        let mut group = Vec::with_capacity(MAX_GROUP);
+        for (_, _, index, len) in groups {
+            group.clear();
+            group.extend((index..index + len).map(query));
+            // SAFETY: queries `index .. index + len <= n` own values `index * dim ..` of
+            // `out` (`n * dim` values), and only this run writes them.
+            let o = unsafe { target.part(index * dim, len * dim) };
             attend_on(path, &group, &mut scores, o);
-            index += group.len();
         }
     });
     out
@@ -722,28 +772,24 @@ fn attend<'a, V: KvView<'a>>(
                 first.k.stage(first.b, first.h, at(i), out);
             }
         }
+        // The block's keys, looked up once for every query of the group.
         let staged = &stage[..];
-        let key = |i: usize| {
-            if V::STAGED {
-                &staged[(i - block) * dim..(i - block + 1) * dim]
-            } else {
-                first.k.vector(first.b, first.h, at(i), dim)
+        let mut keys: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
+        let keys = &mut keys[..end - block];
+        if V::STAGED {
+            for (key, staged) in keys.iter_mut().zip(staged.chunks_exact(dim)) {
+                *key = staged;
             }
-        };
-        for (query, s) in group.iter().zip(values.chunks_exact_mut(n)) {
-            // Four keys at a time from the first visible key on (blocks start at
-            // multiples of 4); the last few one by one.
-            let mut i = block;
-            while i + 4 <= end {
-                let k = [key(i), key(i + 1), key(i + 2), key(i + 3)];
-                let four = dot4(path, query.q, k).map(|d| d * query.scale);
-                s[i..i + 4].copy_from_slice(&four);
-                i += 4;
-            }
-            for (i, s) in s.iter_mut().enumerate().take(end).skip(i) {
-                *s = dot(path, query.q, key(i)) * query.scale;
+        } else if let Some(r) = &run {
+            first
+                .k
+                .vectors(first.b, first.h, r.start + block, dim, keys);
+        } else {
+            for (i, key) in keys.iter_mut().enumerate() {
+                *key = first.k.vector(first.b, first.h, at(block + i), dim);
             }
         }
+        block_scores(path, group, keys, block, n, values);
     }
     let mut sums = [0f32; MAX_GROUP];
     for (s, sum) in values.chunks_exact_mut(n.max(1)).zip(&mut sums) {
@@ -758,12 +804,18 @@ fn attend<'a, V: KvView<'a>>(
         b: first.b,
         h: first.h,
         at: &at,
+        run: run.as_ref().map(|r| r.start),
     };
     // The usual head sizes accumulate in registers (local arrays the compiler keeps in
     // vector registers); others in `out`. Same operations, same order either way.
     match dim {
-        64 => weighted_sums::<64, V>(group.len(), n, values, &values_of, stage, out),
-        128 => weighted_sums::<128, V>(group.len(), n, values, &values_of, stage, out),
+        // Two queries at once where AVX-512's 32 registers hold both one's sums (16) and
+        // the other's.
+        64 => {
+            let pairs = path == SimdPath::Avx512;
+            weighted_sums::<64, V>(group.len(), n, values, &values_of, stage, out, pairs)
+        }
+        128 => weighted_sums::<128, V>(group.len(), n, values, &values_of, stage, out, false),
         _ => {
             let mut one = vec![0f32; dim];
             for (o, p) in out.chunks_exact_mut(dim).zip(values.chunks_exact(n.max(1))) {
@@ -793,6 +845,94 @@ fn attend<'a, V: KvView<'a>>(
     }
 }
 
+/// The scores of a group's queries (query `g`'s are `values[g * n..]`) for one block of
+/// keys, the visible keys `block .. block + keys.len()`: each `dot(q, k) * scale` as
+/// [`dot`] computes it. On the AVX paths several queries at once over four keys at a
+/// time ([`super::avx2::dot_tile`]: each key word loaded once for them all, and the sums
+/// finished together); the same bits as one query at a time.
+#[inline(always)]
+fn block_scores<V>(
+    path: SimdPath,
+    group: &[Query<'_, V>],
+    keys: &[&[f32]],
+    block: usize,
+    n: usize,
+    values: &mut [f32],
+) {
+    let dim = group.first().map_or(0, |g| g.q.len());
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if dim.is_multiple_of(8) {
+        // Four queries where AVX-512's 32 registers hold their 16 sums, else two.
+        done = match path {
+            SimdPath::Avx512 => score_tiles::<4, V>(group, keys, block, n, values),
+            SimdPath::Avx2 => score_tiles::<2, V>(group, keys, block, n, values),
+            _ => 0,
+        };
+    }
+    for (query, s) in group.iter().zip(values.chunks_exact_mut(n)).skip(done) {
+        // Four keys at a time from the first visible key on (blocks start at multiples
+        // of 4); the last few one by one.
+        let mut i = 0;
+        while i + 4 <= keys.len() {
+            let k = [keys[i], keys[i + 1], keys[i + 2], keys[i + 3]];
+            let four = dot4(path, query.q, k).map(|d| d * query.scale);
+            s[block + i..block + i + 4].copy_from_slice(&four);
+            i += 4;
+        }
+        for (s, k) in s[block..].iter_mut().zip(keys).skip(i) {
+            *s = dot(path, query.q, k) * query.scale;
+        }
+    }
+}
+
+/// [`block_scores`] for the group's queries in tiles of `Q` (on AVX2, FMA and F16C,
+/// `dim` a multiple of 8): returns how many queries it scored (whole tiles).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn score_tiles<const Q: usize, V>(
+    group: &[Query<'_, V>],
+    keys: &[&[f32]],
+    block: usize,
+    n: usize,
+    values: &mut [f32],
+) -> usize {
+    let mut g = 0;
+    while g + Q <= group.len() {
+        let q: [&[f32]; Q] = std::array::from_fn(|t| group[g + t].q);
+        let mut i = 0;
+        while i + 4 <= keys.len() {
+            let k = [keys[i], keys[i + 1], keys[i + 2], keys[i + 3]];
+            // SAFETY: the path holds AVX2, FMA and F16C, and AVX-512 F/VL where `Q` is 4
+            // (the caller's match on `SimdPath::active`); every query and key holds `dim`
+            // values, a multiple of 8.
+            let four = unsafe {
+                if let Ok(q4) = <[&[f32]; 4]>::try_from(&q[..]) {
+                    let four = super::avx512::dot_tile4(q4, k);
+                    std::array::from_fn(|t| four[t])
+                } else {
+                    super::avx2::dot_tile::<Q>(q, k)
+                }
+            };
+            for (t, four) in four.into_iter().enumerate() {
+                let at = (g + t) * n + block + i;
+                let scale = group[g + t].scale;
+                values[at..at + 4].copy_from_slice(&four.map(|d| d * scale));
+            }
+            i += 4;
+        }
+        for (i, &k) in keys.iter().enumerate().skip(i) {
+            for t in 0..Q {
+                let query = &group[g + t];
+                values[(g + t) * n + block + i] = dot(SimdPath::Avx2, query.q, k) * query.scale;
+            }
+        }
+        g += Q;
+    }
+    g
+}
+
 /// The values a group of queries sees: vector `i` of the visible keys is the view's
 /// vector `at(i)` of row `b`, head `h`.
 struct Values<'v, V, A> {
@@ -800,6 +940,8 @@ struct Values<'v, V, A> {
     b: usize,
     h: usize,
     at: &'v A,
+    /// Where the visible keys start when they are one run (`at(i)` is then `start + i`).
+    run: Option<usize>,
 }
 
 impl<'a, V: KvView<'a>, A: Fn(usize) -> usize> Values<'_, V, A> {
@@ -829,6 +971,7 @@ fn weighted_sums<'a, const D: usize, V: KvView<'a>>(
     values: &Values<'_, V, impl Fn(usize) -> usize>,
     stage: &mut [f32],
     out: &mut [f32],
+    pairs: bool,
 ) {
     let mut acc = [[[0f32; D]; 2]; MAX_GROUP];
     for block in (0..n).step_by(KEY_BLOCK) {
@@ -838,16 +981,40 @@ fn weighted_sums<'a, const D: usize, V: KvView<'a>>(
                 values.view.stage(values.b, values.h, (values.at)(i), out);
             }
         }
+        // The block's values, looked up once for every query of the group.
         let staged = &stage[..];
-        let value = |i: usize| {
-            if V::STAGED {
-                &staged[(i - block) * D..(i - block + 1) * D]
-            } else {
-                values.view.vector(values.b, values.h, (values.at)(i), D)
+        let mut vectors: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
+        let vectors = &mut vectors[..end - block];
+        if V::STAGED {
+            for (vector, staged) in vectors.iter_mut().zip(staged.chunks_exact(D)) {
+                *vector = staged;
             }
-        };
-        for (g, acc) in acc.iter_mut().enumerate().take(queries) {
-            weighted_sum::<D>(acc, block..end, &probs[g * n..(g + 1) * n], &value);
+        } else if let Some(start) = values.run {
+            values
+                .view
+                .vectors(values.b, values.h, start + block, D, vectors);
+        } else {
+            for (i, vector) in vectors.iter_mut().enumerate() {
+                *vector = values
+                    .view
+                    .vector(values.b, values.h, (values.at)(block + i), D);
+            }
+        }
+        let probs_of = |g: usize| &probs[g * n + block..g * n + end];
+        let mut g = 0;
+        if pairs {
+            while g + 2 <= queries {
+                let (a, b) = acc.split_at_mut(g + 1);
+                weighted_sum_pair::<D>(
+                    [&mut a[g], &mut b[0]],
+                    vectors,
+                    [probs_of(g), probs_of(g + 1)],
+                );
+                g += 2;
+            }
+        }
+        for (g, acc) in acc.iter_mut().enumerate().take(queries).skip(g) {
+            weighted_sum::<D>(acc, vectors, probs_of(g));
         }
     }
     for (o, [even, odd]) in out.chunks_exact_mut(D).zip(&acc) {
@@ -857,23 +1024,18 @@ fn weighted_sums<'a, const D: usize, V: KvView<'a>>(
     }
 }
 
-/// `sum_j p_j v_j` over the visible keys `keys` (places among the visible keys, a
-/// block starting at an even place), continued in `acc`: the terms go alternately into
-/// two sums (even and odd places in key order), each taken in key order; the result is
-/// their sum. Two independent chains of additions instead of one (an addition waits for
-/// the previous one's result).
+/// `sum_j p_j v_j` over one block of the visible keys (`values[i]` with probability
+/// `probs[i]`, the block starting at an even place among the visible keys), continued
+/// in `acc`: the terms go alternately into two sums (even and odd places in key order),
+/// each taken in key order; the result is their sum. Two independent chains of
+/// additions instead of one (an addition waits for the previous one's result).
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn weighted_sum<'a, const D: usize>(
-    acc: &mut [[f32; D]; 2],
-    keys: std::ops::Range<usize>,
-    probs: &[f32],
-    value: &impl Fn(usize) -> &'a [f32],
-) {
+fn weighted_sum<const D: usize>(acc: &mut [[f32; D]; 2], values: &[&[f32]], probs: &[f32]) {
     let [mut even, mut odd] = *acc;
-    let vector = |i: usize| -> &'a [f32; D] { value(i).try_into().unwrap_or(&[0.0; D]) };
-    let mut i = keys.start;
-    while i + 1 < keys.end {
+    let vector = |i: usize| -> &[f32; D] { values[i].try_into().unwrap_or(&[0.0; D]) };
+    let mut i = 0;
+    while i + 1 < values.len() {
         let (v0, v1) = (vector(i), vector(i + 1));
         let (p0, p1) = (probs[i], probs[i + 1]);
         for d in 0..D {
@@ -882,13 +1044,49 @@ fn weighted_sum<'a, const D: usize>(
         }
         i += 2;
     }
-    if i < keys.end {
+    if i < values.len() {
         let (v0, p0) = (vector(i), probs[i]);
         for d in 0..D {
             even[d] += p0 * v0[d];
         }
     }
     *acc = [even, odd];
+}
+
+/// [`weighted_sum`] for two queries over the same values, each value read once for
+/// both: each query's operations and their order are [`weighted_sum`]'s.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn weighted_sum_pair<const D: usize>(
+    acc: [&mut [[f32; D]; 2]; 2],
+    values: &[&[f32]],
+    probs: [&[f32]; 2],
+) {
+    let [[mut e0, mut o0], [mut e1, mut o1]] = [*acc[0], *acc[1]];
+    let vector = |i: usize| -> &[f32; D] { values[i].try_into().unwrap_or(&[0.0; D]) };
+    let mut i = 0;
+    while i + 1 < values.len() {
+        let (v0, v1) = (vector(i), vector(i + 1));
+        let (p00, p01) = (probs[0][i], probs[0][i + 1]);
+        let (p10, p11) = (probs[1][i], probs[1][i + 1]);
+        for d in 0..D {
+            e0[d] += p00 * v0[d];
+            o0[d] += p01 * v1[d];
+            e1[d] += p10 * v0[d];
+            o1[d] += p11 * v1[d];
+        }
+        i += 2;
+    }
+    if i < values.len() {
+        let v0 = vector(i);
+        let (p00, p10) = (probs[0][i], probs[1][i]);
+        for d in 0..D {
+            e0[d] += p00 * v0[d];
+            e1[d] += p10 * v0[d];
+        }
+    }
+    *acc[0] = [e0, o0];
+    *acc[1] = [e1, o1];
 }
 
 /// The visible keys of a mask row (`true` hides a key) as one run `first..end`, if they
@@ -1399,6 +1597,97 @@ mod tests {
                 paged_attention_encoded(&q, n_heads, pool, &seqs),
                 LlamaError::ShapeMismatch { name, .. } if name == "paged attention pool"
             );
+        }
+    }
+
+    /// One query's attention written plainly in the module's order: each score `dot(q,
+    /// k_j) * scale` on `path`, the maximum, `exp(s_j - max)`, their sum in 16 partial
+    /// sums (term `j` to sum `j % 16`) finished as the 8-lane order, `p_j * v_j` into two
+    /// sums (even and odd places) in key order, their sum, over the sum.
+    fn reference_attention(path: SimdPath, q: &[f32], kv: &[(&[f32], &[f32])]) -> Vec<f32> {
+        let dim = q.len();
+        let scale = 1.0 / (dim as f32).sqrt();
+        let s: Vec<f32> = kv.iter().map(|(k, _)| dot(path, q, k) * scale).collect();
+        let max = s
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+        let p: Vec<f32> = s.iter().map(|&x| exp(x - max)).collect();
+        let mut lanes = [0f32; 16];
+        for (j, &x) in p.iter().enumerate() {
+            lanes[j % 16] += x;
+        }
+        let sum = finish(&std::array::from_fn(|l| lanes[l] + lanes[l + 8]));
+        let (mut even, mut odd) = (vec![0f32; dim], vec![0f32; dim]);
+        for (j, (&pj, (_, v))) in p.iter().zip(kv).enumerate() {
+            let acc = if j % 2 == 0 { &mut even } else { &mut odd };
+            for (a, &x) in acc.iter_mut().zip(v.iter()) {
+                *a += pj * x;
+            }
+        }
+        even.iter()
+            .zip(&odd)
+            .map(|(e, o)| if sum > 0.0 { (e + o) / sum } else { e + o })
+            .collect()
+    }
+
+    #[test]
+    fn prompts_give_the_plain_order_bits_in_every_tile() {
+        // Prompts through a paged pool: groups of 1, 3, 4 and 8 query heads (tiles of four
+        // and two queries, and the rest one by one), keys past two blocks of 64 and not a
+        // multiple of four, head sizes with and without the registers' sums (64, 128,
+        // 40) and one not a multiple of 8 (12), each query against the plain reference.
+        let mut rng = StdRng::seed_from_u64(17);
+        let path = SimdPath::active();
+        for (groups, dim, tokens, start) in [
+            (4usize, 64usize, 2usize, 0usize),
+            (4, 64, 70, 61),
+            (8, 64, 9, 130),
+            (3, 64, 5, 66),
+            (1, 64, 6, 3),
+            (4, 128, 7, 67),
+            (2, 40, 5, 62),
+            (4, 12, 3, 7),
+        ] {
+            let (heads, bs): (usize, usize) = (2, 16);
+            let n_heads = heads * groups;
+            let len = start + tokens;
+            let blocks = len.div_ceil(bs);
+            // The sequence's blocks in reverse order through the pool.
+            let table: Vec<BlockId> = (0..blocks as BlockId).rev().collect();
+            let block_len = heads * bs * dim;
+            let keys = random(blocks * block_len, &mut rng);
+            let values = random(blocks * block_len, &mut rng);
+            let pool = PagedPool {
+                keys: &keys,
+                values: &values,
+                heads,
+                block_size: bs,
+                dim,
+            };
+            let seqs = [PagedSeq {
+                tokens,
+                start,
+                blocks: &table,
+            }];
+            let q = random(tokens * n_heads * dim, &mut rng);
+            let got = paged_attention(&q, n_heads, pool, &seqs).unwrap();
+            let at =
+                |j: usize, h: usize| ((table[j / bs] as usize * heads + h) * bs + j % bs) * dim;
+            for t in 0..tokens {
+                for head in 0..n_heads {
+                    let h = head / groups;
+                    let kv: Vec<(&[f32], &[f32])> = (0..=start + t)
+                        .map(|j| (&keys[at(j, h)..][..dim], &values[at(j, h)..][..dim]))
+                        .collect();
+                    let index = t * n_heads + head;
+                    let want = reference_attention(path, &q[index * dim..][..dim], &kv);
+                    assert_eq!(
+                        bits(&got[index * dim..][..dim]),
+                        bits(&want),
+                        "{path:?} groups {groups} dim {dim} token {t} of {tokens} after {start}, head {head}"
+                    );
+                }
+            }
         }
     }
 
