@@ -1256,6 +1256,28 @@ mod tests {
         (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
 
+    /// A pool's keys and values, `n` random values each.
+    fn random_pool(n: usize, rng: &mut StdRng) -> (Vec<f32>, Vec<f32>) {
+        (random(n, rng), random(n, rng))
+    }
+
+    /// The f32 pool of `keys` and `values`.
+    fn paged_pool<'a>(
+        keys: &'a [f32],
+        values: &'a [f32],
+        heads: usize,
+        block_size: usize,
+        dim: usize,
+    ) -> PagedPool<'a> {
+        PagedPool {
+            keys,
+            values,
+            heads,
+            block_size,
+            dim,
+        }
+    }
+
     #[test]
     fn visible_keys_are_a_run_only_when_they_are_one() {
         let (t, f) = (true, false);
@@ -1733,15 +1755,8 @@ mod tests {
             // The sequence's blocks in reverse order through the pool.
             let table: Vec<BlockId> = (0..blocks as BlockId).rev().collect();
             let block_len = heads * bs * dim;
-            let keys = random(blocks * block_len, &mut rng);
-            let values = random(blocks * block_len, &mut rng);
-            let pool = PagedPool {
-                keys: &keys,
-                values: &values,
-                heads,
-                block_size: bs,
-                dim,
-            };
+            let (keys, values) = random_pool(blocks * block_len, &mut rng);
+            let pool = paged_pool(&keys, &values, heads, bs, dim);
             let seqs = [PagedSeq {
                 tokens,
                 start,
@@ -1775,15 +1790,8 @@ mod tests {
         let (heads, groups, dim, bs, pool_blocks) = (3, 2, 64, 4, 12);
         let n_heads = heads * groups;
         let block_len = heads * bs * dim;
-        let keys = random(pool_blocks * block_len, &mut rng);
-        let values = random(pool_blocks * block_len, &mut rng);
-        let pool = PagedPool {
-            keys: &keys,
-            values: &values,
-            heads,
-            block_size: bs,
-            dim,
-        };
+        let (keys, values) = random_pool(pool_blocks * block_len, &mut rng);
+        let pool = paged_pool(&keys, &values, heads, bs, dim);
         // Three sequences: a prompt of 6 new tokens, a decode step after 9 tokens and a
         // chunk of 3 after 2, their blocks scattered through the pool.
         let tables: [&[BlockId]; 3] = [&[7, 2], &[0, 11, 5], &[9, 3]];
