@@ -934,12 +934,14 @@ fn block_scores<V>(
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if dim.is_multiple_of(8) {
-        // Four queries where AVX-512's 32 registers hold their 16 sums, else two.
-        done = match path {
-            SimdPath::Avx512 => score_tiles::<4, V>(group, keys, block, n, values),
-            SimdPath::Avx2 => score_tiles::<2, V>(group, keys, block, n, values),
-            _ => 0,
-        };
+        // Four queries where AVX-512's 32 registers hold their 16 sums, then two (a
+        // group of 3 or 6 heads); two on AVX2.
+        if path == SimdPath::Avx512 {
+            done = score_tiles::<4, V>(group, 0, keys, block, n, values);
+        }
+        if matches!(path, SimdPath::Avx512 | SimdPath::Avx2) {
+            done = score_tiles::<2, V>(group, done, keys, block, n, values);
+        }
     }
     for (query, s) in group.iter().zip(values.chunks_exact_mut(n)).skip(done) {
         // Four keys at a time from the first visible key on (blocks start at multiples
@@ -957,18 +959,20 @@ fn block_scores<V>(
     }
 }
 
-/// [`block_scores`] for the group's queries in tiles of `Q` (on AVX2, FMA and F16C,
-/// `dim` a multiple of 8): returns how many queries it scored (whole tiles).
+/// [`block_scores`] for the group's queries from `from` on in tiles of `Q` (on AVX2, FMA
+/// and F16C, `dim` a multiple of 8): returns where the queries it left start (after its
+/// whole tiles).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn score_tiles<const Q: usize, V>(
     group: &[Query<'_, V>],
+    from: usize,
     keys: &[&[f32]],
     block: usize,
     n: usize,
     values: &mut [f32],
 ) -> usize {
-    let mut g = 0;
+    let mut g = from;
     while g + Q <= group.len() {
         let q: [&[f32]; Q] = std::array::from_fn(|t| group[g + t].q);
         let mut i = 0;
