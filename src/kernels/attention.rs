@@ -829,35 +829,20 @@ fn attend<'a, V: KvView<'a>>(
     // Scores: query `g`'s are `values[g * n..(g + 1) * n]`.
     values.clear();
     values.resize(group.len() * n, 0.0);
+    let keys_of = BlockSource {
+        view: first.k,
+        b: first.b,
+        h: first.h,
+        at: &at,
+        run: run.as_ref().map(|r| r.start),
+        decoded: kept.map(|kept| &kept.keys[..n * dim]),
+    };
     for block in (0..n).step_by(KEY_BLOCK) {
         let end = (block + KEY_BLOCK).min(n);
-        if V::STAGED && kept.is_none() {
-            for (i, out) in (block..end).zip(stage.chunks_exact_mut(dim)) {
-                first.k.stage(first.b, first.h, at(i), out);
-            }
-        }
         // The block's keys, looked up once for every query of the group.
-        let staged = &stage[..];
         let mut keys: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
         let keys = &mut keys[..end - block];
-        if let Some(kept) = kept {
-            let decoded = &kept.keys[block * dim..end * dim];
-            for (key, decoded) in keys.iter_mut().zip(decoded.chunks_exact(dim)) {
-                *key = decoded;
-            }
-        } else if V::STAGED {
-            for (key, staged) in keys.iter_mut().zip(staged.chunks_exact(dim)) {
-                *key = staged;
-            }
-        } else if let Some(r) = &run {
-            first
-                .k
-                .vectors(first.b, first.h, r.start + block, dim, keys);
-        } else {
-            for (i, key) in keys.iter_mut().enumerate() {
-                *key = first.k.vector(first.b, first.h, at(block + i), dim);
-            }
-        }
+        keys_of.block(block, dim, stage, keys);
         block_scores(path, group, keys, block, n, values);
     }
     let mut sums = [0f32; MAX_GROUP];
@@ -868,7 +853,7 @@ fn attend<'a, V: KvView<'a>>(
         }
         *sum = sum_of(s);
     }
-    let values_of = Values {
+    let values_of = BlockSource {
         view: first.v,
         b: first.b,
         h: first.h,
@@ -1007,20 +992,20 @@ fn score_tiles<const Q: usize, V>(
     g
 }
 
-/// The values a group of queries sees: vector `i` of the visible keys is the view's
-/// vector `at(i)` of row `b`, head `h`.
-struct Values<'v, V, A> {
+/// The keys or values a group of queries sees: vector `i` of the visible keys is the
+/// view's vector `at(i)` of row `b`, head `h`.
+struct BlockSource<'v, V, A> {
     view: &'v V,
     b: usize,
     h: usize,
     at: &'v A,
     /// Where the visible keys start when they are one run (`at(i)` is then `start + i`).
     run: Option<usize>,
-    /// A staged view's values already decoded ([`Kept`]), every visible one.
+    /// A staged view's vectors already decoded ([`Kept`]), every visible one.
     decoded: Option<&'v [f32]>,
 }
 
-impl<'a, V: KvView<'a>, A: Fn(usize) -> usize> Values<'_, V, A> {
+impl<'a, 'v, V: KvView<'a>, A: Fn(usize) -> usize> BlockSource<'v, V, A> {
     /// Value `i`: in place, or decoded into `buffer` (`dim` values) for a staged view.
     #[inline(always)]
     fn read<'s>(&self, i: usize, buffer: &'s mut [f32]) -> &'s [f32]
@@ -1034,6 +1019,40 @@ impl<'a, V: KvView<'a>, A: Fn(usize) -> usize> Values<'_, V, A> {
             self.view.vector(self.b, self.h, (self.at)(i), buffer.len())
         }
     }
+
+    /// Vectors `block .. block + table.len()` of the visible keys into `table`: from the
+    /// decoded ones, else decoded into `stage` (at least `table.len() * dim` values) for a
+    /// staged view, else read in place (one lookup per paged block where the visible
+    /// keys are one run).
+    #[inline(always)]
+    fn block<'s>(&self, block: usize, dim: usize, stage: &'s mut [f32], table: &mut [&'s [f32]])
+    where
+        'a: 's,
+        'v: 's,
+    {
+        if let Some(decoded) = self.decoded {
+            for (vector, decoded) in table
+                .iter_mut()
+                .zip(decoded[block * dim..].chunks_exact(dim))
+            {
+                *vector = decoded;
+            }
+        } else if V::STAGED {
+            for (i, out) in stage.chunks_exact_mut(dim).take(table.len()).enumerate() {
+                self.view.stage(self.b, self.h, (self.at)(block + i), out);
+            }
+            let staged: &'s [f32] = stage;
+            for (vector, staged) in table.iter_mut().zip(staged.chunks_exact(dim)) {
+                *vector = staged;
+            }
+        } else if let Some(start) = self.run {
+            self.view.vectors(self.b, self.h, start + block, dim, table);
+        } else {
+            for (i, vector) in table.iter_mut().enumerate() {
+                *vector = self.view.vector(self.b, self.h, (self.at)(block + i), dim);
+            }
+        }
+    }
 }
 
 /// [`weighted_sum`] for each of a group's `queries` (probabilities `probs[g * n..]`),
@@ -1044,7 +1063,7 @@ fn weighted_sums<'a, const D: usize, V: KvView<'a>>(
     queries: usize,
     n: usize,
     probs: &[f32],
-    values: &Values<'_, V, impl Fn(usize) -> usize>,
+    values: &BlockSource<'_, V, impl Fn(usize) -> usize>,
     stage: &mut [f32],
     out: &mut [f32],
     pairs: bool,
@@ -1052,41 +1071,16 @@ fn weighted_sums<'a, const D: usize, V: KvView<'a>>(
     let mut acc = [[[0f32; D]; 2]; MAX_GROUP];
     for block in (0..n).step_by(KEY_BLOCK) {
         let end = (block + KEY_BLOCK).min(n);
-        if V::STAGED && values.decoded.is_none() {
-            for (i, out) in (block..end).zip(stage.chunks_exact_mut(D)) {
-                values.view.stage(values.b, values.h, (values.at)(i), out);
-            }
-        }
         // The block's values, looked up once for every query of the group.
-        let staged = &stage[..];
         let mut vectors: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
         let vectors = &mut vectors[..end - block];
-        if let Some(decoded) = values.decoded {
-            let decoded = &decoded[block * D..end * D];
-            for (vector, decoded) in vectors.iter_mut().zip(decoded.chunks_exact(D)) {
-                *vector = decoded;
-            }
-        } else if V::STAGED {
-            for (vector, staged) in vectors.iter_mut().zip(staged.chunks_exact(D)) {
-                *vector = staged;
-            }
-        } else if let Some(start) = values.run {
-            values
-                .view
-                .vectors(values.b, values.h, start + block, D, vectors);
-        } else {
-            for (i, vector) in vectors.iter_mut().enumerate() {
-                *vector = values
-                    .view
-                    .vector(values.b, values.h, (values.at)(block + i), D);
-            }
-        }
+        values.block(block, D, stage, vectors);
         let probs_of = |g: usize| &probs[g * n + block..g * n + end];
         let mut g = 0;
         if pairs {
             while g + 2 <= queries {
                 let (a, b) = acc.split_at_mut(g + 1);
-                weighted_sum_pair::<D>(
+                weighted_sum::<D, 2>(
                     [&mut a[g], &mut b[0]],
                     vectors,
                     [probs_of(g), probs_of(g + 1)],
@@ -1095,7 +1089,7 @@ fn weighted_sums<'a, const D: usize, V: KvView<'a>>(
             }
         }
         for (g, acc) in acc.iter_mut().enumerate().take(queries).skip(g) {
-            weighted_sum::<D>(acc, vectors, probs_of(g));
+            weighted_sum::<D, 1>([acc], vectors, [probs_of(g)]);
         }
     }
     for (o, [even, odd]) in out.chunks_exact_mut(D).zip(&acc) {
@@ -1105,69 +1099,47 @@ fn weighted_sums<'a, const D: usize, V: KvView<'a>>(
     }
 }
 
-/// `sum_j p_j v_j` over one block of the visible keys (`values[i]` with probability
-/// `probs[i]`, the block starting at an even place among the visible keys), continued
-/// in `acc`: the terms go alternately into two sums (even and odd places in key order),
-/// each taken in key order; the result is their sum. Two independent chains of
-/// additions instead of one (an addition waits for the previous one's result).
+/// `sum_j p_j v_j` of each of `Q` queries over one block of the visible keys
+/// (`values[i]` with query `q`'s probability `probs[q][i]`, the block starting at an even
+/// place among the visible keys), continued in `acc[q]`: the terms go alternately into
+/// two sums (even and odd places in key order), each taken in key order; the result is
+/// their sum. Two independent chains of additions instead of one (an addition waits for
+/// the previous one's result). Each value is read once for all `Q` queries; each query's
+/// operations and their order are the same whatever `Q`.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn weighted_sum<const D: usize>(acc: &mut [[f32; D]; 2], values: &[&[f32]], probs: &[f32]) {
-    let [mut even, mut odd] = *acc;
-    let vector = |i: usize| -> &[f32; D] { values[i].try_into().unwrap_or(&[0.0; D]) };
-    let mut i = 0;
-    while i + 1 < values.len() {
-        let (v0, v1) = (vector(i), vector(i + 1));
-        let (p0, p1) = (probs[i], probs[i + 1]);
-        for d in 0..D {
-            even[d] += p0 * v0[d];
-            odd[d] += p1 * v1[d];
-        }
-        i += 2;
-    }
-    if i < values.len() {
-        let (v0, p0) = (vector(i), probs[i]);
-        for d in 0..D {
-            even[d] += p0 * v0[d];
-        }
-    }
-    *acc = [even, odd];
-}
-
-/// [`weighted_sum`] for two queries over the same values, each value read once for
-/// both: each query's operations and their order are [`weighted_sum`]'s.
-#[inline(always)]
-#[allow(clippy::needless_range_loop)]
-fn weighted_sum_pair<const D: usize>(
-    acc: [&mut [[f32; D]; 2]; 2],
+fn weighted_sum<const D: usize, const Q: usize>(
+    acc: [&mut [[f32; D]; 2]; Q],
     values: &[&[f32]],
-    probs: [&[f32]; 2],
+    probs: [&[f32]; Q],
 ) {
-    let [[mut e0, mut o0], [mut e1, mut o1]] = [*acc[0], *acc[1]];
+    let mut sums: [[[f32; D]; 2]; Q] = std::array::from_fn(|q| *acc[q]);
     let vector = |i: usize| -> &[f32; D] { values[i].try_into().unwrap_or(&[0.0; D]) };
     let mut i = 0;
     while i + 1 < values.len() {
         let (v0, v1) = (vector(i), vector(i + 1));
-        let (p00, p01) = (probs[0][i], probs[0][i + 1]);
-        let (p10, p11) = (probs[1][i], probs[1][i + 1]);
-        for d in 0..D {
-            e0[d] += p00 * v0[d];
-            o0[d] += p01 * v1[d];
-            e1[d] += p10 * v0[d];
-            o1[d] += p11 * v1[d];
+        for q in 0..Q {
+            let (p0, p1) = (probs[q][i], probs[q][i + 1]);
+            let [even, odd] = &mut sums[q];
+            for d in 0..D {
+                even[d] += p0 * v0[d];
+                odd[d] += p1 * v1[d];
+            }
         }
         i += 2;
     }
     if i < values.len() {
         let v0 = vector(i);
-        let (p00, p10) = (probs[0][i], probs[1][i]);
-        for d in 0..D {
-            e0[d] += p00 * v0[d];
-            e1[d] += p10 * v0[d];
+        for q in 0..Q {
+            let p0 = probs[q][i];
+            for d in 0..D {
+                sums[q][0][d] += p0 * v0[d];
+            }
         }
     }
-    *acc[0] = [e0, o0];
-    *acc[1] = [e1, o1];
+    for (acc, sums) in acc.into_iter().zip(sums) {
+        *acc = sums;
+    }
 }
 
 /// The visible keys of a mask row (`true` hides a key) as one run `first..end`, if they
