@@ -4,28 +4,30 @@
 use super::attention::exp;
 use super::cpu::{SimdPath, on_simd_path};
 
-/// `out = silu(gate) * up = gate / (1 + e^-gate) * up`, element by element, with the
-/// softmax's [`exp`]: one pass instead of Burn's three (sigmoid, multiply, multiply),
-/// and no call into the C library per value. Only element-wise operations, so the bits
-/// do not depend on the vector width or on how the values are batched.
+/// `gate = silu(gate) * up = gate / (1 + e^-gate) * up`, element by element and in
+/// place (the gate's buffer becomes the output: a prompt's gate is megabytes, and a fresh
+/// buffer for it cost page faults and a clearing pass), with the softmax's [`exp`]: one
+/// pass instead of Burn's three (sigmoid, multiply, multiply), and no call into the C
+/// library per value. Only element-wise operations, so the bits do not depend on the
+/// vector width or on how the values are batched.
 ///
-/// `out`, `gate` and `up` must have the same length (extra values are ignored).
-pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+/// `gate` and `up` must have the same length (extra values are ignored).
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     let path = SimdPath::active();
-    let n = out.len().min(gate.len()).min(up.len());
+    let n = gate.len().min(up.len());
     if n < SWIGLU_SPLIT {
-        on_simd_path!(path, swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]));
+        on_simd_path!(path, swiglu_plain(gate: &mut [f32], up: &[f32]));
         return;
     }
     // A prompt's gate (128 rows of 1,536 values and a division each) took 2.4% of a
     // prefill on one core while the other waited: split it across the cores.
     let per_chunk = SWIGLU_SPLIT / 2;
-    let target = super::pool::Disjoint::new(&mut out[..n]);
+    let target = super::pool::Disjoint::new(&mut gate[..n]);
     super::pool::for_each_run(n, per_chunk, &|start, end| {
-        // SAFETY: values `start..end < n` of `out` belong to this chunk alone.
-        let out = unsafe { target.part(start, end - start) };
-        let (gate, up) = (&gate[start..end], &up[start..end]);
-        on_simd_path!(path, swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]));
+        // SAFETY: values `start..end < n` of `gate` belong to this chunk alone.
+        let gate = unsafe { target.part(start, end - start) };
+        let up = &up[start..end];
+        on_simd_path!(path, swiglu_plain(gate: &mut [f32], up: &[f32]));
     });
 }
 
@@ -34,9 +36,9 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
 const SWIGLU_SPLIT: usize = 32 * 1024;
 
 #[inline(always)]
-fn swiglu_plain(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + exp(-g)) * u;
+fn swiglu_plain(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + exp(-*g)) * u;
     }
 }
 
@@ -143,8 +145,8 @@ mod tests {
     fn matches_silu_times_up() {
         let gate: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.037).collect();
         let up: Vec<f32> = (0..1000).map(|i| ((i * 7) % 13) as f32 - 6.0).collect();
-        let mut out = vec![0f32; 1000];
-        swiglu(&gate, &up, &mut out);
+        let mut out = gate.clone();
+        swiglu(&mut out, &up);
         for ((&o, &g), &u) in out.iter().zip(&gate).zip(&up) {
             let g64 = f64::from(g);
             let want = g64 / (1.0 + (-g64).exp()) * f64::from(u);
@@ -154,8 +156,8 @@ mod tests {
             );
         }
         // A value alone gives the same bits as in a long slice.
-        let mut one = [0f32];
-        swiglu(&gate[123..124], &up[123..124], &mut one);
+        let mut one = [gate[123]];
+        swiglu(&mut one, &up[123..124]);
         assert_eq!(one[0].to_bits(), out[123].to_bits());
     }
 

@@ -322,6 +322,25 @@ pub fn matmul_transposed_on(
     rows: usize,
     w: &QuantMatrix,
 ) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    matmul_transposed_into_on(path, x, rows, w, &mut out)?;
+    Ok(out)
+}
+
+/// [`matmul_transposed_on`] into `out`, whose old values are dropped and whose
+/// allocation is reused where it is large enough (a caller's scratch buffer).
+///
+/// # Errors
+///
+/// As [`matmul_transposed_on`]; `out` is then empty.
+pub fn matmul_transposed_into_on(
+    path: SimdPath,
+    x: &[f32],
+    rows: usize,
+    w: &QuantMatrix,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    out.clear();
     let (n_in, n_out) = (w.cols(), w.rows());
     if Some(x.len()) != rows.checked_mul(n_in) {
         return Err(LlamaError::ShapeMismatch {
@@ -338,7 +357,7 @@ pub fn matmul_transposed_on(
         ));
     }
     if rows == 0 || n_out == 0 {
-        return Ok(Vec::new());
+        return Ok(());
     }
     let tiles = Tiles::of(path, rows, w.format());
     let threads = rayon::current_num_threads().max(1);
@@ -349,7 +368,7 @@ pub fn matmul_transposed_on(
         .next_multiple_of(GROUP_ROWS)
         .max(GROUP_ROWS);
     // Not zeroed first: every element is written once, by the chunk that owns its column.
-    let mut out = Vec::<f32>::with_capacity(rows * n_out);
+    out.reserve(rows * n_out);
     let target = Columns {
         out: out.as_mut_ptr(),
         n_out,
@@ -367,7 +386,7 @@ pub fn matmul_transposed_on(
     // columns (every row tile of every column tile; a failed chunk returned above), so
     // all `rows * n_out` values are initialized.
     unsafe { out.set_len(rows * n_out) };
-    Ok(out)
+    Ok(())
 }
 
 /// How a path tiles a product of `rows` activation rows.

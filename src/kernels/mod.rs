@@ -53,6 +53,27 @@ pub fn matmul_transposed_in(
         Precision::Fast => matmul_transposed_int8_on(SimdPath::active(), x, rows, w),
     }
 }
+
+/// [`matmul_transposed_in`] into `out`, whose old values are dropped and whose
+/// allocation is reused where it is large enough: a caller's scratch buffer, kept from
+/// one product to the next instead of fresh pages for each.
+///
+/// # Errors
+///
+/// As [`matmul_transposed_in`]; `out` is then empty.
+pub fn matmul_transposed_into(
+    precision: Precision,
+    x: &[f32],
+    rows: usize,
+    w: &QuantMatrix,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    let path = SimdPath::active();
+    match precision {
+        Precision::Exact => cpu::matmul_transposed_into_on(path, x, rows, w, out),
+        Precision::Fast => int8::matmul_transposed_int8_into(path, x, rows, w, out),
+    }
+}
 pub use crate::quant::QuantFormat;
 pub use matrix::{GROUP_ROWS, QuantMatrix};
 

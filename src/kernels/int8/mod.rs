@@ -170,6 +170,28 @@ pub fn matmul_transposed_int8_on(
     matmul_int8(path, uses, x, rows, w)
 }
 
+/// [`matmul_transposed_int8_on`] into `out`, whose old values are dropped and whose
+/// allocation is reused where it is large enough (a caller's scratch buffer).
+///
+/// # Errors
+///
+/// As [`matmul_transposed_int8_on`]; `out` is then empty.
+pub fn matmul_transposed_int8_into(
+    path: SimdPath,
+    x: &[f32],
+    rows: usize,
+    w: &QuantMatrix,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    let amx = path.has_amx() && rows >= AMX_FROM_ROWS;
+    let uses = Extensions {
+        amx,
+        gfni: path.has_gfni(),
+        avx_vnni: path.has_avx_vnni(),
+    };
+    matmul_int8_into(path, uses, x, rows, w, out)
+}
+
 /// The instruction-set extensions a product may take beyond its path's base (each also
 /// checked against the CPU where it is used; the results are the same bits with or
 /// without each).
@@ -203,6 +225,21 @@ fn matmul_int8(
     rows: usize,
     w: &QuantMatrix,
 ) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    matmul_int8_into(path, uses, x, rows, w, &mut out)?;
+    Ok(out)
+}
+
+/// [`matmul_int8`] into `out` (see [`matmul_transposed_int8_into`]).
+fn matmul_int8_into(
+    path: SimdPath,
+    uses: Extensions,
+    x: &[f32],
+    rows: usize,
+    w: &QuantMatrix,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    out.clear();
     let (n_in, n_out) = (w.cols(), w.rows());
     // Activations are quantized in runs of `run` blocks (see `IntForm::run`).
     let run = w.format().int_form().run;
@@ -221,19 +258,19 @@ fn matmul_int8(
         ));
     }
     if rows == 0 || n_out == 0 {
-        return Ok(Vec::new());
+        return Ok(());
     }
     let acts = QuantizedRows::new_on(path, x, rows, n_in, run);
     let threads = rayon::current_num_threads().max(1);
     // Chunks of whole panels (16 outputs), guided: large first, small last.
     let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
-    let mut out = Vec::with_capacity(rows * n_out);
+    out.reserve(rows * n_out);
     // In the unit tests the spare capacity starts as NaN: a value no kernel wrote shows
     // (a freed buffer of an earlier path's call, reused, would hold the right bits).
     #[cfg(test)]
     out.spare_capacity_mut()
         .fill(std::mem::MaybeUninit::new(f32::NAN));
-    let target = Columns::spare(&mut out, n_out);
+    let target = Columns::spare(out, n_out);
     let Extensions {
         amx,
         gfni,
@@ -495,7 +532,7 @@ fn matmul_int8(
     // each branch above wrote its panel's columns of every row `0..rows`: all
     // `rows * n_out` values of the capacity are written.
     unsafe { out.set_len(rows * n_out) };
-    Ok(out)
+    Ok(())
 }
 
 thread_local! {
