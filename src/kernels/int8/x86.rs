@@ -359,12 +359,11 @@ impl Panel {
     pub(super) unsafe fn fill_in_registers(&mut self, w: &QuantMatrix, first: usize, gfni: bool) {
         // SAFETY: forwarded; `gfni` says the CPU has GFNI.
         unsafe {
-            if matches!(decoder_of(w.format()), Decoder::K4) {
-                self.fill_k4_wide(w, first)
-            } else if gfni && takes_gfni(w.format()) {
-                self.fill_in_registers_gfni(w, first)
-            } else {
-                self.fill_with::<Vnni>(w, first)
+            match decoder_of(w.format()) {
+                Decoder::K4 => self.fill_k4_wide(w, first),
+                Decoder::Q6K if gfni && takes_gfni(w.format()) => self.fill_q6k_wide_gfni(w, first),
+                Decoder::Q6K => self.fill_q6k_wide(w, first),
+                _ => self.fill_with::<Vnni>(w, first),
             }
         }
     }
@@ -485,18 +484,117 @@ impl Panel {
         }
     }
 
-    /// [`fill_in_registers`](Self::fill_in_registers) for Q6_K on a CPU with GFNI
-    /// ([`VnniGfni`]).
+    /// [`fill_in_registers`](Self::fill_in_registers) for Q6_K: both groups at once in
+    /// 512-bit vectors, as [`fill_k4_wide`](Self::fill_k4_wide) does, each step of
+    /// [`decode_step_q6k`] on sixteen lanes.
     ///
     /// # Safety
     ///
-    /// As [`fill_in_registers`](Self::fill_in_registers), the CPU also having GFNI; `w`
-    /// is Q6_K.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2,gfni")]
-    unsafe fn fill_in_registers_gfni(&mut self, w: &QuantMatrix, first: usize) {
-        debug_assert_eq!(w.format(), QuantFormat::Q6_K);
+    /// As [`fill_in_registers`](Self::fill_in_registers); `w` is Q6_K.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
+    unsafe fn fill_q6k_wide(&mut self, w: &QuantMatrix, first: usize) {
         // SAFETY: forwarded.
-        unsafe { self.fill_as::<VnniGfni, { QuantFormat::Q6_K as u8 }>(w, first) }
+        unsafe { self.fill_q6k_wide_with::<false>(w, first) }
+    }
+
+    /// [`fill_q6k_wide`](Self::fill_q6k_wide) on a CPU with GFNI: the high bits placed by
+    /// one bit-matrix product per byte, as [`VnniGfni`] places them.
+    ///
+    /// # Safety
+    ///
+    /// As [`fill_q6k_wide`](Self::fill_q6k_wide), the CPU also having GFNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2,gfni")]
+    unsafe fn fill_q6k_wide_gfni(&mut self, w: &QuantMatrix, first: usize) {
+        // SAFETY: forwarded.
+        unsafe { self.fill_q6k_wide_with::<true>(w, first) }
+    }
+
+    /// The body of [`fill_q6k_wide`](Self::fill_q6k_wide), with GFNI where `GFNI`.
+    ///
+    /// # Safety
+    ///
+    /// As [`fill_q6k_wide`](Self::fill_q6k_wide), and GFNI where `GFNI`.
+    #[inline(always)]
+    unsafe fn fill_q6k_wide_with<const GFNI: bool>(&mut self, w: &QuantMatrix, first: usize) {
+        use std::arch::x86_64::*;
+        debug_assert_eq!(w.format(), QuantFormat::Q6_K);
+        let subs = w.cols() / QK;
+        self.u.resize(subs * 8 * LANES, 0);
+        self.sc.resize(subs * 2 * LANES, 0);
+        self.d.resize(subs * LANES, 0.0);
+        self.m.resize(subs * LANES, 0.0);
+        let (u, sc_out, d_out, m_out) = (
+            self.u.as_mut_ptr(),
+            self.sc.as_mut_ptr(),
+            self.d.as_mut_ptr(),
+            self.m.as_mut_ptr(),
+        );
+        let step_bytes = GROUP_ROWS * w.format().block_bytes();
+        let groups = [w.group(first).0, w.group(first + GROUP_ROWS).0];
+        debug_assert!(groups.iter().all(|g| g.len() >= subs / 8 * step_bytes));
+        let prefetch = crate::kernels::tiling::GroupPrefetch::new(step_bytes);
+        // SAFETY: the caller's contract (AVX-512 F/BW/VL, F16C, GFNI where `GFNI`; both
+        // groups full, each step 52 words and the eight `d`); every store is inside the
+        // vectors sized above (sub-block `< subs`, sixteen lanes from lane 0).
+        unsafe {
+            for blk in 0..subs / 8 {
+                let steps = groups.map(|g| g.as_ptr().add(blk * step_bytes));
+                prefetch.ask(steps[0]);
+                prefetch.ask(steps[1]);
+                let d = _mm512_cvtph_ps(_mm256_set_m128i(
+                    _mm_loadu_si128(steps[1].add(32 * 52).cast()),
+                    _mm_loadu_si128(steps[0].add(32 * 52).cast()),
+                ));
+                let packed = [
+                    word16(steps, 48),
+                    word16(steps, 49),
+                    word16(steps, 50),
+                    word16(steps, 51),
+                ];
+                let mut scale = [_mm512_setzero_si512(); 16];
+                for (k, v) in scale.iter_mut().enumerate() {
+                    let count = _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32);
+                    *v = _mm512_srai_epi32::<24>(_mm512_sll_epi32(packed[k / 4], count));
+                }
+                let nibble = _mm512_set1_epi8(0x0F);
+                unrolled!(half in [0 1] => {
+                    let mut a = [_mm512_setzero_si512(); 8];
+                    let mut b = [_mm512_setzero_si512(); 8];
+                    let mut h = [_mm512_setzero_si512(); 8];
+                    for k in 0..8 {
+                        a[k] = word16(steps, 16 * half + k);
+                        b[k] = word16(steps, 16 * half + 8 + k);
+                        h[k] = word16(steps, 32 + 8 * half + k);
+                    }
+                    unrolled!(j in [0 1 2 3] => {
+                        let sub = blk * 8 + 4 * half + j;
+                        let src = if j.is_multiple_of(2) { &a } else { &b };
+                        for k in 0..8 {
+                            let low = if j < 2 {
+                                src[k]
+                            } else {
+                                _mm512_srli_epi16::<4>(src[k])
+                            };
+                            // 0xEA: (low & nibble) | high bits 2j, 2j + 1 at 4, 5.
+                            let v = _mm512_ternarylogic_epi32::<0xEA>(
+                                low,
+                                nibble,
+                                pair_to_bits45_wide::<GFNI, j>(h[k]),
+                            );
+                            _mm512_storeu_si512(u.add((sub * 8 + k) * LANES).cast(), v);
+                        }
+                        let s = 4 * half + j;
+                        _mm512_storeu_si512(sc_out.add(sub * 2 * LANES).cast(), scale[2 * s]);
+                        _mm512_storeu_si512(
+                            sc_out.add((sub * 2 + 1) * LANES).cast(),
+                            scale[2 * s + 1],
+                        );
+                        _mm512_storeu_ps(d_out.add(sub * LANES), d);
+                        _mm512_storeu_ps(m_out.add(sub * LANES), _mm512_setzero_ps());
+                    });
+                });
+            }
+        }
     }
 
     /// [`fill_in_registers`](Self::fill_in_registers) with AVX2's instructions.
@@ -737,6 +835,36 @@ unsafe fn words8(step: *const u8, w: usize) -> [std::arch::x86_64::__m256i; 8] {
             *v = _mm256_loadu_si256(step.add(32 * (w + j)).cast());
         }
         v
+    }
+}
+
+/// [`Isa::pair_to_bits45`] on sixteen lanes: one `vgf2p8affineqb` where `GFNI`, else a
+/// shift in 16-bit lanes and a mask. The same bits either way.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW, and GFNI where `GFNI`.
+#[inline(always)]
+unsafe fn pair_to_bits45_wide<const GFNI: bool, const J: usize>(
+    h: std::arch::x86_64::__m512i,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract.
+    unsafe {
+        if GFNI {
+            // As `VnniGfni::pair_to_bits45`: bit 4 takes input bit `2 J` (matrix byte 3),
+            // bit 5 input bit `2 J + 1` (matrix byte 2).
+            let matrix = ((1i64 << (2 * J)) << 24) | ((1i64 << (2 * J + 1)) << 16);
+            _mm512_gf2p8affine_epi64_epi8::<0>(h, _mm512_set1_epi64(matrix))
+        } else {
+            let moved = match J {
+                0 => _mm512_slli_epi16::<4>(h),
+                1 => _mm512_slli_epi16::<2>(h),
+                2 => h,
+                _ => _mm512_srli_epi16::<2>(h),
+            };
+            _mm512_and_si512(moved, _mm512_set1_epi8(0x30))
+        }
     }
 }
 
