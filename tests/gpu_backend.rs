@@ -1275,8 +1275,8 @@ fn the_tile_kernel_gives_the_cpu_fast_bits() {
             let x = values(rows * cols, 60 + rows as u64);
             let residual = values(rows * n_out, 61);
             let gate = cpu_product(&x, rows, &w);
-            let mut gated = vec![0f32; gate.len()];
-            llama_burn::kernels::activation::swiglu(&gate, &cpu_product(&x, rows, &up), &mut gated);
+            let mut gated = gate.clone();
+            llama_burn::kernels::activation::swiglu(&mut gated, &cpu_product(&x, rows, &up));
             let beside = cpu_product(&x, rows, &second);
             let both: Vec<f32> = (0..rows)
                 .flat_map(|r| {
