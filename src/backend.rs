@@ -1006,7 +1006,7 @@ thread_local! {
     /// [`quantized_swiglu`](LlamaBackend::quantized_swiglu), kept from one layer to the
     /// next. Fresh, a prompt chunk's (512 rows of 8,192 values on a 1B model, 16.8 MB)
     /// made the allocator map a new heap for each layer and the kernel clear its pages.
-    static UP_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static UP_SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// The most values [`UP_SCRATCH`] keeps between calls (64 MiB): a larger product's buffer
@@ -1081,14 +1081,15 @@ impl LlamaBackend for burn::backend::Flex {
         let device = x.device();
         let out = with_values(&x, |values| {
             let mut out = crate::kernels::matmul_transposed_in(precision, values, rows, gate)?;
-            UP_SCRATCH.with_borrow_mut(|scratch| {
-                crate::kernels::matmul_transposed_into(precision, values, rows, up, scratch)?;
-                crate::kernels::activation::swiglu(&mut out, scratch);
-                if scratch.capacity() > UP_SCRATCH_KEEP {
-                    *scratch = Vec::new();
-                }
-                Ok::<_, LlamaError>(())
-            })?;
+            // Taken out for the call, not borrowed across it: a product's split may run
+            // on rayon's pool, whose waiting worker can take another request's forward
+            // pass on this thread, and that pass's gate then finds an empty buffer.
+            let mut scratch = UP_SCRATCH.take();
+            crate::kernels::matmul_transposed_into(precision, values, rows, up, &mut scratch)?;
+            crate::kernels::activation::swiglu(&mut out, &scratch);
+            if scratch.capacity() <= UP_SCRATCH_KEEP {
+                UP_SCRATCH.set(scratch);
+            }
             Ok(out)
         })?;
         Ok(Some(Tensor::from_data(
