@@ -102,6 +102,17 @@ async fn read_to_close(s: &TcpStream) {
     }
 }
 
+/// How one of the half-header attack's connections ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum HalfHeader {
+    /// The server closed it (EOF or an error).
+    Closed,
+    /// Still open after 120 s.
+    StillOpen,
+    /// The connect failed.
+    NotConnected,
+}
+
 /// Sends `request` on a new connection and returns the response's head (up to the blank
 /// line, or whatever came before the server closed the connection).
 async fn response_head(addr: &str, request: &[u8]) -> String {
@@ -395,7 +406,11 @@ async fn hostile_clients_cannot_bring_the_server_down() {
         })
     };
 
-    // 2. 2,000 connections that send half a header and wait.
+    // 2. 2,000 connections that send half a header and wait. Each ends closed by the
+    // server (its header timeout: EOF or an error), still open after 120 s (the server
+    // kept it: a failure), or never connected: 2,000 connections outrun the listen
+    // backlog (1,024) beside the 512 the server holds, and a connect that the kernel
+    // dropped past its retries is the operating system's refusal, not the server's.
     let half_headers = {
         let addr = base.trim_start_matches("http://").to_string();
         tokio::spawn(async move {
@@ -404,21 +419,22 @@ async fn hostile_clients_cannot_bring_the_server_down() {
                 let addr = addr.clone();
                 tasks.push(tokio::spawn(async move {
                     let Ok(s) = TcpStream::connect(&addr).await else {
-                        return false;
+                        return HalfHeader::NotConnected;
                     };
                     let half = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-";
                     let _ = write_all(&s, half).await;
-                    // Closed by the server's header timeout: EOF or an error.
-                    tokio::time::timeout(Duration::from_secs(120), read_to_close(&s))
-                        .await
-                        .is_ok()
+                    match tokio::time::timeout(Duration::from_secs(120), read_to_close(&s)).await {
+                        Ok(()) => HalfHeader::Closed,
+                        Err(_) => HalfHeader::StillOpen,
+                    }
                 }));
             }
-            let mut closed = 0;
+            let mut ends = std::collections::BTreeMap::new();
             for t in tasks {
-                closed += usize::from(t.await.unwrap_or(false));
+                let end = t.await.unwrap_or(HalfHeader::NotConnected);
+                *ends.entry(end).or_insert(0usize) += 1;
             }
-            closed
+            ends
         })
     };
 
@@ -572,10 +588,16 @@ async fn hostile_clients_cannot_bring_the_server_down() {
         "tenant a's share (96 choices) holds one request of 64 at a time: {statuses:?}"
     );
     assert_eq!(never_read.await.expect("never-read"), 200);
+    let ends = half_headers.await.expect("half headers");
+    let count = |end| ends.get(&end).copied().unwrap_or(0);
     assert_eq!(
-        half_headers.await.expect("half headers"),
-        2000,
-        "every half-header connection was closed by the server"
+        count(HalfHeader::StillOpen),
+        0,
+        "every half-header connection was closed by the server: {ends:?}"
+    );
+    assert!(
+        count(HalfHeader::Closed) >= 1500,
+        "the half-header attack connected at scale: {ends:?}"
     );
     assert!(server.alive(), "the server survived the attack");
 
