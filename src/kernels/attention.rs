@@ -829,14 +829,16 @@ fn attend<'a, V: KvView<'a>>(
     // Scores: query `g`'s are `values[g * n..(g + 1) * n]`.
     values.clear();
     values.resize(group.len() * n, 0.0);
-    let keys_of = BlockSource {
-        view: first.k,
+    // This row and head's keys or values (`view`), kept decoded where `decoded` is.
+    let source = |view, decoded| BlockSource {
+        view,
         b: first.b,
         h: first.h,
         at: &at,
         run: run.as_ref().map(|r| r.start),
-        decoded: kept.map(|kept| &kept.keys[..n * dim]),
+        decoded,
     };
+    let keys_of = source(first.k, kept.map(|kept| &kept.keys[..n * dim]));
     for block in (0..n).step_by(KEY_BLOCK) {
         let end = (block + KEY_BLOCK).min(n);
         // The block's keys, looked up once for every query of the group.
@@ -853,14 +855,7 @@ fn attend<'a, V: KvView<'a>>(
         }
         *sum = sum_of(s);
     }
-    let values_of = BlockSource {
-        view: first.v,
-        b: first.b,
-        h: first.h,
-        at: &at,
-        run: run.as_ref().map(|r| r.start),
-        decoded: kept.map(|kept| &kept.values[..n * dim]),
-    };
+    let values_of = source(first.v, kept.map(|kept| &kept.values[..n * dim]));
     // The usual head sizes accumulate in registers (local arrays the compiler keeps in
     // vector registers); others in `out`. Same operations, same order either way.
     match dim {

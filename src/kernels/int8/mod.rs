@@ -161,13 +161,9 @@ pub fn matmul_transposed_int8_on(
     rows: usize,
     w: &QuantMatrix,
 ) -> Result<Vec<f32>> {
-    let amx = path.has_amx() && rows >= AMX_FROM_ROWS;
-    let uses = Extensions {
-        amx,
-        gfni: path.has_gfni(),
-        avx_vnni: path.has_avx_vnni(),
-    };
-    matmul_int8(path, uses, x, rows, w)
+    let mut out = Vec::new();
+    matmul_transposed_int8_into(path, x, rows, w, &mut out)?;
+    Ok(out)
 }
 
 /// [`matmul_transposed_int8_on`] into `out`, whose old values are dropped and whose
@@ -214,10 +210,8 @@ struct Extensions {
 /// 1.52x; at 24 rows (padded to 32) 0.90-1.28x; at 16 rows Q6_K 0.87-0.94x.
 const AMX_FROM_ROWS: usize = 32;
 
-/// [`matmul_transposed_int8_on`] with each of [`Extensions`] on or off (`amx` only where
-/// the path [has](SimdPath::has_amx) it, or where `amx_granted` says the CPU runs it:
-/// the tests run both, from sixteen rows, whatever `LLAMA_BURN_AMX` says; the same for
-/// GFNI and AVX-VNNI).
+/// [`matmul_int8_into`] returning its output, for the tests.
+#[cfg(test)]
 fn matmul_int8(
     path: SimdPath,
     uses: Extensions,
@@ -230,7 +224,10 @@ fn matmul_int8(
     Ok(out)
 }
 
-/// [`matmul_int8`] into `out` (see [`matmul_transposed_int8_into`]).
+/// [`matmul_transposed_int8_into`] with each of [`Extensions`] on or off (`amx` only
+/// where the path [has](SimdPath::has_amx) it, or where `amx_granted` says the CPU runs
+/// it: the tests run both, from sixteen rows, whatever `LLAMA_BURN_AMX` says; the same
+/// for GFNI and AVX-VNNI).
 fn matmul_int8_into(
     path: SimdPath,
     uses: Extensions,
