@@ -106,18 +106,6 @@ impl QuantizedRows {
         out
     }
 
-    /// Pads the blocks' scales `d` and sums `sx` with zeros up to `rows` rows, for a
-    /// kernel that reads whole groups of rows (the AMX kernel's sixteen); the values `q`
-    /// are not padded.
-    #[cfg(target_arch = "x86_64")]
-    pub(super) fn pad_scales(&mut self, rows: usize) {
-        let blocks = rows * self.blocks();
-        if self.d.len() < blocks {
-            self.d.resize(blocks, 0.0);
-            self.sx.resize(blocks, 0.0);
-        }
-    }
-
     /// Sub-blocks per row.
     pub(super) fn blocks(&self) -> usize {
         self.n_in / QK

@@ -296,13 +296,10 @@ fn matmul_int8_into(
     #[cfg(target_arch = "x86_64")]
     let padded = rows.next_multiple_of(x86::AMX_ROWS);
     #[cfg(target_arch = "x86_64")]
-    let (acts, tiled) = if amx {
-        let mut acts = acts;
-        acts.pad_scales(padded);
-        let tiled = x86::tiled_rows(&acts, w.format());
-        (acts, tiled)
+    let tiled = if amx {
+        x86::tiled_rows(&acts, w.format())
     } else {
-        (acts, x86::Lines::default())
+        x86::Tiled::default()
     };
     super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
         let (start, end) = (
@@ -395,7 +392,7 @@ fn matmul_int8_into(
                         res.resize(padded, [0f32; LANES]);
                         // SAFETY: as above (AMX, AVX-512 with VNNI); this thread's tiles
                         // are configured for the format; the panel's AMX words are made;
-                        // `tiled` and the scales of `acts` hold `padded` rows.
+                        // `tiled` holds `padded` rows of `acts`.
                         unsafe { x86::amx_panel(panel, w.format(), &acts, &tiled, res) };
                         for (i, row) in res.iter().take(rows).enumerate() {
                             // SAFETY: row `i < rows`; columns `first .. first + 16` lie in

@@ -308,20 +308,36 @@ struct Sums([[[i32; LANES]; AMX_ROWS]; CHUNK]);
 /// Bytes of one sub-block of sixteen rows in [`tiled_rows`]' layout of 32-byte tiles.
 const TILE_BYTES: usize = AMX_ROWS * QK;
 
+/// The activation rows of one product laid out for the AMX kernel ([`tiled_rows`]).
+#[derive(Default)]
+pub(in crate::kernels::int8) struct Tiled {
+    /// The quantized values, in tiles (see [`tiled_rows`]).
+    values: Lines,
+    /// Each group's scales, sub-block by sub-block: the sixteen rows' block scales `d`,
+    /// then their sums `sx` (group `g`, sub-block `s`: `d` from `(g * subs + s) * 32`,
+    /// `sx` sixteen further), zeros for the padding rows. One pointer reaches a group's
+    /// sixteen rows at fixed offsets; read from the rows' own layout (`(g * 16 + i) *
+    /// subs + s`), the kernel kept a pointer per row, sixteen more than the registers it
+    /// had, and reloaded one from the stack for every fused multiply-add.
+    scales: Vec<f32>,
+}
+
 /// The quantized values of the activation rows, laid out for the tile loads of
 /// `format`'s products, in groups of sixteen rows (the last one padded with rows of
 /// zeros), in tiles of `w` = [`unit_bytes`] bytes (one or two sub-blocks) of sixteen
 /// rows: group `g`, tile `t`, row `i`, value `v` at `((g * tiles + t) * 16 + i) * w + v`.
 /// A tile's sixteen rows are then contiguous (their rows `w` bytes apart), not sixteen
 /// lines a row's length apart, which for rows of 2 KiB or more fall in the same few sets
-/// of the first-level cache. Built once per product, read by every panel.
-pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFormat) -> Lines {
+/// of the first-level cache. With them, the rows' scales group by group
+/// ([`Tiled::scales`]). Built once per product, read by every panel.
+pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFormat) -> Tiled {
     let w = unit_bytes(format.int_form().scales);
     let (n_in, rows) = (acts.n_in, acts.q.len() / acts.n_in.max(1));
-    let mut out = Lines::default();
+    let subs = acts.blocks();
+    let mut values = Lines::default();
     // Zeros where new: the padding rows stay zero.
-    out.sized(rows.div_ceil(AMX_ROWS) * AMX_ROWS * n_in);
-    for (g, group) in out
+    values.sized(rows.div_ceil(AMX_ROWS) * AMX_ROWS * n_in);
+    for (g, group) in values
         .bytes_mut()
         .chunks_exact_mut(AMX_ROWS * n_in)
         .enumerate()
@@ -338,7 +354,22 @@ pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFo
             }
         }
     }
-    out
+    let mut scales = vec![0f32; rows.div_ceil(AMX_ROWS) * subs * 2 * AMX_ROWS];
+    for (r, (d, sx)) in acts
+        .d
+        .chunks_exact(subs)
+        .zip(acts.sx.chunks_exact(subs))
+        .take(rows)
+        .enumerate()
+    {
+        let (g, i) = (r / AMX_ROWS, r % AMX_ROWS);
+        let group = &mut scales[g * subs * 2 * AMX_ROWS..][..subs * 2 * AMX_ROWS];
+        for (s, at) in group.chunks_exact_mut(2 * AMX_ROWS).enumerate() {
+            at[i] = d[s];
+            at[AMX_ROWS + i] = sx[s];
+        }
+    }
+    Tiled { values, scales }
 }
 
 /// The results of activation rows `0 .. out.len()` (a multiple of 16; every row is
@@ -349,19 +380,18 @@ pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFo
 ///
 /// The CPU has AVX-512 F/BW/VL, FMA, AMX-TILE and AMX-INT8; this thread's [`Tiles`] are
 /// configured for `format`; the panel and the rows come from one matrix of `format`;
-/// `tiled` holds at least `out.len()` rows, and `acts` the scales of as many
-/// ([`QuantizedRows::pad_scales`]).
+/// `tiled` (built from `acts`) holds at least `out.len()` rows, values and scales.
 pub(in crate::kernels::int8) unsafe fn amx_panel(
     panel: &Panel,
     format: QuantFormat,
     acts: &QuantizedRows,
-    tiled: &Lines,
+    tiled: &Tiled,
     out: &mut [[f32; LANES]],
 ) {
     debug_assert!(
         out.len().is_multiple_of(AMX_ROWS)
-            && tiled.bytes().len() >= out.len() * acts.n_in
-            && acts.d.len().min(acts.sx.len()) >= out.len() * acts.blocks()
+            && tiled.values.bytes().len() >= out.len() * acts.n_in
+            && tiled.scales.len() >= out.len() * acts.blocks() * 2
     );
     // SAFETY: forwarded.
     unsafe {
@@ -386,7 +416,7 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
 unsafe fn amx_panel_of<const F: u8>(
     panel: &Panel,
     acts: &QuantizedRows,
-    tiled: &Lines,
+    tiled: &Tiled,
     out: &mut [[f32; LANES]],
 ) {
     let f = const { format_at(F).int_form() };
@@ -409,7 +439,6 @@ unsafe fn amx_panel_of<const F: u8>(
     let mut sums = std::mem::MaybeUninit::<ChunkSums>::uninit();
     let sp = sums.as_mut_ptr().cast::<Sums>();
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
-    let (ad, asx) = (acts.d.as_ptr(), acts.sx.as_ptr());
     let chunks = subs.div_ceil(CHUNK);
     for g in 0..groups {
         // The products of chunk `c` of this group into `sums[c % 2]`.
@@ -422,6 +451,7 @@ unsafe fn amx_panel_of<const F: u8>(
             unsafe {
                 products(
                     tiled
+                        .values
                         .bytes()
                         .as_ptr()
                         .add((g * subs + s0) * TILE_BYTES)
@@ -435,11 +465,11 @@ unsafe fn amx_panel_of<const F: u8>(
         chunk_products(0);
         // SAFETY (every access): `out` has rows `g * 16 ..` + 16; `sums[c % 2]` was
         // written by `chunk_products(c)`; the panel holds `subs * 16` of `d` and `m`;
-        // the group's rows have `subs` block scales and sums `x * d`.
+        // the group's scales hold `subs` sub-blocks of sixteen `d` and `sx`.
         unsafe {
             // The sixteen rows' float sums, in registers through the whole row.
             let mut acc = [_mm512_setzero_ps(); AMX_ROWS];
-            let row = |i: usize| (g * AMX_ROWS + i) * subs;
+            let sc = tiled.scales.as_ptr().add(g * subs * 2 * AMX_ROWS);
             for c in 0..chunks {
                 if c + 1 < chunks {
                     chunk_products(c + 1);
@@ -451,10 +481,10 @@ unsafe fn amx_panel_of<const F: u8>(
                     let m = _mm512_loadu_ps(mp.add(s * LANES));
                     each_row!(@ AMX_ROWS, i, {
                         let dot = _mm512_loadu_si512(chunk[s - s0][i].as_ptr().cast());
-                        let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(row(i) + s)));
+                        let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + i)));
                         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
                         if f.mins {
-                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(row(i) + s)), acc[i]);
+                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + AMX_ROWS + i)), acc[i]);
                         }
                     }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
                 }
@@ -486,7 +516,7 @@ unsafe fn amx_panel_of<const F: u8>(
 unsafe fn amx_runs_of<const F: u8>(
     panel: &Panel,
     acts: &QuantizedRows,
-    tiled: &Lines,
+    tiled: &Tiled,
     out: &mut [[f32; LANES]],
 ) {
     let f = const { format_at(F).int_form() };
@@ -511,7 +541,6 @@ unsafe fn amx_runs_of<const F: u8>(
     let mut sums = std::mem::MaybeUninit::<RunSums>::uninit();
     let sp = sums.as_mut_ptr();
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
-    let (ad, asx) = (acts.d.as_ptr(), acts.sx.as_ptr());
     // A run of sixteen rows: 256 values, four tiles of 64 bytes a row (1 KiB each).
     const RUN_BYTES: usize = 4 * AMX_ROWS * 64;
     let runs = subs / 8;
@@ -523,7 +552,11 @@ unsafe fn amx_runs_of<const F: u8>(
             // bytes); `sums[r % 2]` holds two 1 KiB results. The tiles are configured
             // for 64-byte products.
             unsafe {
-                let a = tiled.bytes().as_ptr().add((g * runs + r) * RUN_BYTES);
+                let a = tiled
+                    .values
+                    .bytes()
+                    .as_ptr()
+                    .add((g * runs + r) * RUN_BYTES);
                 let d = |i: usize| panel.amx[i].bytes().as_ptr().add(r * RUN_BYTES);
                 let c = sp.cast::<[[[i32; LANES]; AMX_ROWS]; 3]>().add(r % 2);
                 if count == 2 {
@@ -626,7 +659,7 @@ unsafe fn amx_runs_of<const F: u8>(
         unsafe {
             // The sixteen rows' float sums, in registers through the whole row.
             let mut acc = [_mm512_setzero_ps(); AMX_ROWS];
-            let row = |i: usize| (g * AMX_ROWS + i) * subs;
+            let sc = tiled.scales.as_ptr().add(g * subs * 2 * AMX_ROWS);
             for r in 0..runs {
                 if r + 1 < runs {
                     products(r + 1);
@@ -636,7 +669,7 @@ unsafe fn amx_runs_of<const F: u8>(
                     if f.mins {
                         let m = _mm512_loadu_ps(mp.add(s * LANES));
                         each_row!(@ AMX_ROWS, i, {
-                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(row(i) + s)), acc[i]);
+                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + AMX_ROWS + i)), acc[i]);
                         }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
                     }
                 }
@@ -660,10 +693,10 @@ unsafe fn amx_runs_of<const F: u8>(
                         };
                         isum = _mm512_add_epi32(times, low);
                     }
-                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*ad.add(row(i) + s)));
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + i)));
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
                     if f.mins {
-                        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*asx.add(row(i) + s)), acc[i]);
+                        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + AMX_ROWS + i)), acc[i]);
                     }
                 }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
             }
