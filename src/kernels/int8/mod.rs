@@ -294,8 +294,6 @@ fn matmul_int8_into(
     #[cfg(not(target_arch = "x86_64"))]
     let _ = amx;
     #[cfg(target_arch = "x86_64")]
-    let padded = rows.next_multiple_of(x86::AMX_ROWS);
-    #[cfg(target_arch = "x86_64")]
     let tiled = if amx {
         x86::tiled_rows(&acts, w.format())
     } else {
@@ -386,20 +384,17 @@ fn matmul_int8_into(
                     // SAFETY: `amx` says this CPU has AVX-512 with VNNI (and AMX);
                     // `first` starts two full groups.
                     unsafe { x86::fill_amx(panel, w, first) };
-                    AMX_OUT.with_borrow_mut(|res| {
-                        // Sized, not cleared: `amx_panel` writes every row, so zeroing
-                        // them first for each panel was a pass over them for nothing.
-                        res.resize(padded, [0f32; LANES]);
-                        // SAFETY: as above (AMX, AVX-512 with VNNI); this thread's tiles
-                        // are configured for the format; the panel's AMX words are made;
-                        // `tiled` holds `padded` rows of `acts`.
-                        unsafe { x86::amx_panel(panel, w.format(), &acts, &tiled, res) };
-                        for (i, row) in res.iter().take(rows).enumerate() {
-                            // SAFETY: row `i < rows`; columns `first .. first + 16` lie in
-                            // this chunk's `start..end`, which no other chunk writes.
-                            unsafe { target.write(i, first, row) };
-                        }
-                    });
+                    let out = x86::Dest {
+                        target: &target,
+                        rows,
+                        first,
+                    };
+                    // SAFETY: as above (AMX, AVX-512 with VNNI); this thread's tiles are
+                    // configured for the format; the panel's AMX words are made; `tiled`
+                    // was built from `acts`; `target` holds `rows` rows, and columns
+                    // `first .. first + 16` lie in this chunk's `start..end`, which no
+                    // other chunk writes.
+                    unsafe { x86::amx_panel(panel, w.format(), &acts, &tiled, &out) };
                     continue;
                 }
                 // Two full panels at once on AVX-512 with VNNI (each activation word
@@ -535,9 +530,6 @@ thread_local! {
     /// Each worker thread's second panel of a pair (`x86::vnni_panel_pair`).
     #[cfg(target_arch = "x86_64")]
     static PAIR: std::cell::RefCell<Panel> = std::cell::RefCell::new(Panel::default());
-    /// Each worker thread's results of the AMX kernel for a panel, kept between calls.
-    #[cfg(target_arch = "x86_64")]
-    static AMX_OUT: std::cell::RefCell<Vec<[f32; LANES]>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Each worker thread's partial results of the AVX2 panel kernel, kept between calls.
     #[cfg(target_arch = "x86_64")]
     static SUMS: std::cell::RefCell<Vec<RowSums>> = const { std::cell::RefCell::new(Vec::new()) };

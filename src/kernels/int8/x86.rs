@@ -2155,4 +2155,4 @@ unsafe fn avx2_panel_rows<const T: usize, const F: u8>(
 
 // Declared after the macros above, which it uses.
 mod amx;
-pub(super) use amx::{AMX_ROWS, Lines, Tiled, Tiles, amx_panel, fill_amx, tiled_rows};
+pub(super) use amx::{AMX_ROWS, Dest, Lines, Tiled, Tiles, amx_panel, fill_amx, tiled_rows};

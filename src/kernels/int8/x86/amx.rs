@@ -40,6 +40,7 @@ use super::super::activations::QuantizedRows;
 use super::super::{LANES, Panel, QK};
 use super::{SubScales, SubSink, Vnni, decode_group, format_at, same_form};
 use crate::kernels::matrix::{GROUP_ROWS, QuantMatrix};
+use crate::kernels::tiling::Columns;
 use crate::quant::{IntForm, IntScales, QuantFormat, with_format};
 
 /// Activation rows per tile: the tile unit's sixteen rows.
@@ -372,26 +373,41 @@ pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFo
     Tiled { values, scales }
 }
 
-/// The results of activation rows `0 .. out.len()` (a multiple of 16; every row is
-/// written, whatever `out` held) against the panel's sixteen rows, whose AMX words
-/// ([`fill_amx`]) are in place; `tiled` is the rows' [`tiled_rows`].
+/// Where a panel's results go: rows `0 .. rows` of `target`, columns `first .. first +
+/// 16`. The kernel stores each group's sixteen rows from its registers as the group
+/// ends, so the stores' cache misses (a line per row: the rows are a product's output,
+/// megabytes) wait in the store buffer while the tile unit goes on; copied there from a
+/// buffer of the panel's results after it, all rows' stores came at once, filled the
+/// store buffer and stalled (the copy was 7.5% of a 450-token prefill's samples).
+pub(in crate::kernels::int8) struct Dest<'a> {
+    /// The product's output.
+    pub target: &'a Columns,
+    /// Activation rows (the padding rows of the last group are not stored).
+    pub rows: usize,
+    /// The panel's first column.
+    pub first: usize,
+}
+
+/// The results of activation rows `0 .. dest.rows` against the panel's sixteen rows,
+/// whose AMX words ([`fill_amx`]) are in place, stored at `dest`; `tiled` is the rows'
+/// [`tiled_rows`].
 ///
 /// # Safety
 ///
 /// The CPU has AVX-512 F/BW/VL, FMA, AMX-TILE and AMX-INT8; this thread's [`Tiles`] are
 /// configured for `format`; the panel and the rows come from one matrix of `format`;
-/// `tiled` (built from `acts`) holds at least `out.len()` rows, values and scales.
+/// `tiled` was built from `acts`; `dest.target` holds `dest.rows` rows, and columns
+/// `dest.first ..` + 16 of them are this thread's to write.
 pub(in crate::kernels::int8) unsafe fn amx_panel(
     panel: &Panel,
     format: QuantFormat,
     acts: &QuantizedRows,
     tiled: &Tiled,
-    out: &mut [[f32; LANES]],
+    out: &Dest,
 ) {
     debug_assert!(
-        out.len().is_multiple_of(AMX_ROWS)
-            && tiled.values.bytes().len() >= out.len() * acts.n_in
-            && tiled.scales.len() >= out.len() * acts.blocks() * 2
+        tiled.values.bytes().len() >= out.rows.next_multiple_of(AMX_ROWS) * acts.n_in
+            && tiled.scales.len() >= out.rows.next_multiple_of(AMX_ROWS) * acts.blocks() * 2
     );
     // SAFETY: forwarded.
     unsafe {
@@ -417,7 +433,7 @@ unsafe fn amx_panel_of<const F: u8>(
     panel: &Panel,
     acts: &QuantizedRows,
     tiled: &Tiled,
-    out: &mut [[f32; LANES]],
+    out: &Dest,
 ) {
     let f = const { format_at(F).int_form() };
     // Compiled for every format (`with_format!`), run for those without an integer
@@ -430,7 +446,7 @@ unsafe fn amx_panel_of<const F: u8>(
         assert!(!matches!(f.scales, IntScales::One) || f.run == 1);
     };
     let subs = acts.blocks();
-    let groups = out.len() / AMX_ROWS;
+    let groups = out.rows.div_ceil(AMX_ROWS);
     debug_assert!(panel.amx[0].bytes().len() >= subs * 8 * LANES * 4);
     // The sums of a chunk of sub-blocks, for two chunks: the tile unit computes the
     // next chunk's while the vector units scale this one's.
@@ -463,8 +479,8 @@ unsafe fn amx_panel_of<const F: u8>(
             };
         };
         chunk_products(0);
-        // SAFETY (every access): `out` has rows `g * 16 ..` + 16; `sums[c % 2]` was
-        // written by `chunk_products(c)`; the panel holds `subs * 16` of `d` and `m`;
+        // SAFETY (every access): `out` takes the group's rows below `out.rows`;
+        // `sums[c % 2]` was written by `chunk_products(c)`; the panel holds `subs * 16` of `d` and `m`;
         // the group's scales hold `subs` sub-blocks of sixteen `d` and `sx`.
         unsafe {
             // The sixteen rows' float sums, in registers through the whole row.
@@ -490,7 +506,10 @@ unsafe fn amx_panel_of<const F: u8>(
                 }
             }
             for (i, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out[g * AMX_ROWS + i].as_mut_ptr(), *a);
+                let r = g * AMX_ROWS + i;
+                if r < out.rows {
+                    _mm512_storeu_ps(out.target.at(r, out.first), *a);
+                }
             }
         }
     }
@@ -513,12 +532,7 @@ unsafe fn amx_panel_of<const F: u8>(
 /// As [`amx_panel`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline(never)]
-unsafe fn amx_runs_of<const F: u8>(
-    panel: &Panel,
-    acts: &QuantizedRows,
-    tiled: &Tiled,
-    out: &mut [[f32; LANES]],
-) {
+unsafe fn amx_runs_of<const F: u8>(panel: &Panel, acts: &QuantizedRows, tiled: &Tiled, out: &Dest) {
     let f = const { format_at(F).int_form() };
     // Compiled for every format (`with_format!`), run for those with integer scales:
     // the others' copies are this return.
@@ -532,7 +546,7 @@ unsafe fn amx_runs_of<const F: u8>(
     };
     let (base, count) = const { digits(format_at(F).int_form()) };
     let subs = acts.blocks();
-    let groups = out.len() / AMX_ROWS;
+    let groups = out.rows.div_ceil(AMX_ROWS);
     debug_assert!(panel.amx[count - 1].bytes().len() >= subs * 8 * LANES * 4);
     // Each digit's sums of a run, `[digit][row][lane]`, for two runs: the tile unit
     // computes the next run's while the vector units scale this one's.
@@ -653,9 +667,9 @@ unsafe fn amx_runs_of<const F: u8>(
             }
         };
         products(0);
-        // SAFETY (every access): `out` has rows `g * 16 ..` + 16; `sums[r % 2]` was
-        // written by `products(r)`; the panel holds `subs * 16` of `d` and `m`; the
-        // group's rows have `subs` block scales and sums `x * d`.
+        // SAFETY (every access): `out` takes the group's rows below `out.rows`;
+        // `sums[r % 2]` was written by `products(r)`; the panel holds `subs * 16` of `d`
+        // and `m`; the group's scales hold `subs` sub-blocks of sixteen `d` and `sx`.
         unsafe {
             // The sixteen rows' float sums, in registers through the whole row.
             let mut acc = [_mm512_setzero_ps(); AMX_ROWS];
@@ -701,7 +715,10 @@ unsafe fn amx_runs_of<const F: u8>(
                 }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
             }
             for (i, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out[g * AMX_ROWS + i].as_mut_ptr(), *a);
+                let r = g * AMX_ROWS + i;
+                if r < out.rows {
+                    _mm512_storeu_ps(out.target.at(r, out.first), *a);
+                }
             }
         }
     }
