@@ -394,7 +394,7 @@ fn matmul_int8_into(
                     // was built from `acts`; `target` holds `rows` rows, and columns
                     // `first .. first + 16` lie in this chunk's `start..end`, which no
                     // other chunk writes.
-                    unsafe { x86::amx_panel(panel, w.format(), &acts, &tiled, &out) };
+                    unsafe { x86::amx_panel(panel, w.format(), &tiled, &out) };
                     continue;
                 }
                 // Two full panels at once on AVX-512 with VNNI (each activation word

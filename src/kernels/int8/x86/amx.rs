@@ -314,13 +314,64 @@ const TILE_BYTES: usize = AMX_ROWS * QK;
 pub(in crate::kernels::int8) struct Tiled {
     /// The quantized values, in tiles (see [`tiled_rows`]).
     values: Lines,
-    /// Each group's scales, sub-block by sub-block: the sixteen rows' block scales `d`,
-    /// then their sums `sx` (group `g`, sub-block `s`: `d` from `(g * subs + s) * 32`,
-    /// `sx` sixteen further), zeros for the padding rows. One pointer reaches a group's
-    /// sixteen rows at fixed offsets; read from the rows' own layout (`(g * 16 + i) *
-    /// subs + s`), the kernel kept a pointer per row, sixteen more than the registers it
-    /// had, and reloaded one from the stack for every fused multiply-add.
+    /// Each group's scales, sub-block by sub-block ([`GroupScales`]), zeros for the
+    /// padding rows.
     scales: Vec<f32>,
+    /// Values per row.
+    n_in: usize,
+    /// Sub-blocks (of 32 values) per row.
+    subs: usize,
+}
+
+impl Tiled {
+    /// The scales of group `g` (rows `16 g ..` + 16).
+    ///
+    /// # Safety
+    ///
+    /// Group `g` is one of the rows' groups.
+    #[inline(always)]
+    unsafe fn group(&self, g: usize) -> GroupScales {
+        // SAFETY: the caller's contract; each group holds `subs * 2 * 16` scales.
+        GroupScales(unsafe { self.scales.as_ptr().add(g * self.subs * 2 * AMX_ROWS) })
+    }
+}
+
+/// The scales of one group of sixteen rows, sub-block by sub-block: the sixteen rows'
+/// block scales `d`, then their sums `sx`. One pointer reaches the group's sixteen rows
+/// at fixed offsets; read from the rows' own layout (`(g * 16 + i) * subs + s`), the
+/// kernel kept a pointer per row, sixteen more than the registers it had, and reloaded
+/// one from the stack for every fused multiply-add.
+#[derive(Clone, Copy)]
+struct GroupScales(*const f32);
+
+impl GroupScales {
+    /// Where row `i`'s `d` of sub-block `s` is, from the group's first scale (its `sx`
+    /// is [`AMX_ROWS`] further).
+    const fn at(s: usize, i: usize) -> usize {
+        s * 2 * AMX_ROWS + i
+    }
+
+    /// Row `i`'s block scale `d` of sub-block `s`.
+    ///
+    /// # Safety
+    ///
+    /// `s` is one of the row's sub-blocks and `i < 16`.
+    #[inline(always)]
+    unsafe fn d(self, s: usize, i: usize) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe { *self.0.add(Self::at(s, i)) }
+    }
+
+    /// Row `i`'s sum of quantized values `sx` of sub-block `s`.
+    ///
+    /// # Safety
+    ///
+    /// As [`GroupScales::d`].
+    #[inline(always)]
+    unsafe fn sx(self, s: usize, i: usize) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe { *self.0.add(Self::at(s, i) + AMX_ROWS) }
+    }
 }
 
 /// The quantized values of the activation rows, laid out for the tile loads of
@@ -365,12 +416,17 @@ pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFo
     {
         let (g, i) = (r / AMX_ROWS, r % AMX_ROWS);
         let group = &mut scales[g * subs * 2 * AMX_ROWS..][..subs * 2 * AMX_ROWS];
-        for (s, at) in group.chunks_exact_mut(2 * AMX_ROWS).enumerate() {
-            at[i] = d[s];
-            at[AMX_ROWS + i] = sx[s];
+        for s in 0..subs {
+            group[GroupScales::at(s, i)] = d[s];
+            group[GroupScales::at(s, i) + AMX_ROWS] = sx[s];
         }
     }
-    Tiled { values, scales }
+    Tiled {
+        values,
+        scales,
+        n_in,
+        subs,
+    }
 }
 
 /// Where a panel's results go: rows `0 .. rows` of `target`, columns `first .. first +
@@ -396,25 +452,24 @@ pub(in crate::kernels::int8) struct Dest<'a> {
 ///
 /// The CPU has AVX-512 F/BW/VL, FMA, AMX-TILE and AMX-INT8; this thread's [`Tiles`] are
 /// configured for `format`; the panel and the rows come from one matrix of `format`;
-/// `tiled` was built from `acts`; `dest.target` holds `dest.rows` rows, and columns
+/// `tiled` holds at least `dest.rows` rows; `dest.target` holds `dest.rows` rows, and columns
 /// `dest.first ..` + 16 of them are this thread's to write.
 pub(in crate::kernels::int8) unsafe fn amx_panel(
     panel: &Panel,
     format: QuantFormat,
-    acts: &QuantizedRows,
     tiled: &Tiled,
     out: &Dest,
 ) {
     debug_assert!(
-        tiled.values.bytes().len() >= out.rows.next_multiple_of(AMX_ROWS) * acts.n_in
-            && tiled.scales.len() >= out.rows.next_multiple_of(AMX_ROWS) * acts.blocks() * 2
+        tiled.values.bytes().len() >= out.rows.next_multiple_of(AMX_ROWS) * tiled.n_in
+            && tiled.scales.len() >= out.rows.next_multiple_of(AMX_ROWS) * tiled.subs * 2
     );
     // SAFETY: forwarded.
     unsafe {
         if !matches!(format.int_form().scales, IntScales::One) {
-            with_format!(format, F => amx_runs_of::<{ same_form(F) }>(panel, acts, tiled, out))
+            with_format!(format, F => amx_runs_of::<{ same_form(F) }>(panel, tiled, out))
         } else {
-            with_format!(format, F => amx_panel_of::<{ same_form(F) }>(panel, acts, tiled, out))
+            with_format!(format, F => amx_panel_of::<{ same_form(F) }>(panel, tiled, out))
         }
     }
 }
@@ -429,12 +484,7 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
 /// As [`amx_panel`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline(never)]
-unsafe fn amx_panel_of<const F: u8>(
-    panel: &Panel,
-    acts: &QuantizedRows,
-    tiled: &Tiled,
-    out: &Dest,
-) {
+unsafe fn amx_panel_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest) {
     let f = const { format_at(F).int_form() };
     // Compiled for every format (`with_format!`), run for those without an integer
     // scale: the others' copies are this return.
@@ -445,7 +495,7 @@ unsafe fn amx_panel_of<const F: u8>(
         let f = format_at(F).int_form();
         assert!(!matches!(f.scales, IntScales::One) || f.run == 1);
     };
-    let subs = acts.blocks();
+    let subs = tiled.subs;
     let groups = out.rows.div_ceil(AMX_ROWS);
     debug_assert!(panel.amx[0].bytes().len() >= subs * 8 * LANES * 4);
     // The sums of a chunk of sub-blocks, for two chunks: the tile unit computes the
@@ -480,12 +530,13 @@ unsafe fn amx_panel_of<const F: u8>(
         };
         chunk_products(0);
         // SAFETY (every access): `out` takes the group's rows below `out.rows`;
-        // `sums[c % 2]` was written by `chunk_products(c)`; the panel holds `subs * 16` of `d` and `m`;
-        // the group's scales hold `subs` sub-blocks of sixteen `d` and `sx`.
+        // `sums[c % 2]` was written by `chunk_products(c)`; the panel holds `subs * 16`
+        // of `d` and `m`; the group's scales hold `subs` sub-blocks of sixteen `d` and
+        // `sx`.
         unsafe {
             // The sixteen rows' float sums, in registers through the whole row.
             let mut acc = [_mm512_setzero_ps(); AMX_ROWS];
-            let sc = tiled.scales.as_ptr().add(g * subs * 2 * AMX_ROWS);
+            let sc = tiled.group(g);
             for c in 0..chunks {
                 if c + 1 < chunks {
                     chunk_products(c + 1);
@@ -497,10 +548,10 @@ unsafe fn amx_panel_of<const F: u8>(
                     let m = _mm512_loadu_ps(mp.add(s * LANES));
                     each_row!(@ AMX_ROWS, i, {
                         let dot = _mm512_loadu_si512(chunk[s - s0][i].as_ptr().cast());
-                        let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + i)));
+                        let scale = _mm512_mul_ps(dw, _mm512_set1_ps(sc.d(s, i)));
                         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
                         if f.mins {
-                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + AMX_ROWS + i)), acc[i]);
+                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sc.sx(s, i)), acc[i]);
                         }
                     }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
                 }
@@ -532,7 +583,7 @@ unsafe fn amx_panel_of<const F: u8>(
 /// As [`amx_panel`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline(never)]
-unsafe fn amx_runs_of<const F: u8>(panel: &Panel, acts: &QuantizedRows, tiled: &Tiled, out: &Dest) {
+unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest) {
     let f = const { format_at(F).int_form() };
     // Compiled for every format (`with_format!`), run for those with integer scales:
     // the others' copies are this return.
@@ -545,7 +596,7 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, acts: &QuantizedRows, tiled: &
         assert!(unit_bytes(IntScales::PerBlock) == 64 && unit_bytes(IntScales::PerHalf) == 64);
     };
     let (base, count) = const { digits(format_at(F).int_form()) };
-    let subs = acts.blocks();
+    let subs = tiled.subs;
     let groups = out.rows.div_ceil(AMX_ROWS);
     debug_assert!(panel.amx[count - 1].bytes().len() >= subs * 8 * LANES * 4);
     // Each digit's sums of a run, `[digit][row][lane]`, for two runs: the tile unit
@@ -673,7 +724,7 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, acts: &QuantizedRows, tiled: &
         unsafe {
             // The sixteen rows' float sums, in registers through the whole row.
             let mut acc = [_mm512_setzero_ps(); AMX_ROWS];
-            let sc = tiled.scales.as_ptr().add(g * subs * 2 * AMX_ROWS);
+            let sc = tiled.group(g);
             for r in 0..runs {
                 if r + 1 < runs {
                     products(r + 1);
@@ -683,7 +734,7 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, acts: &QuantizedRows, tiled: &
                     if f.mins {
                         let m = _mm512_loadu_ps(mp.add(s * LANES));
                         each_row!(@ AMX_ROWS, i, {
-                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + AMX_ROWS + i)), acc[i]);
+                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sc.sx(s, i)), acc[i]);
                         }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
                     }
                 }
@@ -707,10 +758,10 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, acts: &QuantizedRows, tiled: &
                         };
                         isum = _mm512_add_epi32(times, low);
                     }
-                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + i)));
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(sc.d(s, i)));
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
                     if f.mins {
-                        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sc.add(s * 2 * AMX_ROWS + AMX_ROWS + i)), acc[i]);
+                        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sc.sx(s, i)), acc[i]);
                     }
                 }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
             }
