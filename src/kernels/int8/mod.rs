@@ -383,18 +383,20 @@ fn matmul_int8_into(
                 if amx && n == LANES {
                     // SAFETY: `amx` says this CPU has AVX-512 with VNNI (and AMX);
                     // `first` starts two full groups.
-                    unsafe { x86::fill_amx(panel, w, first) };
+                    unsafe { x86::fill_amx(panel, w, first, gfni) };
                     let out = x86::Dest {
                         target: &target,
                         rows,
                         first,
                     };
+                    // The next panel's weights, a share per run of the tile unit.
+                    let next = (first + LANES < end).then(|| w.panel_bytes(first + LANES));
                     // SAFETY: as above (AMX, AVX-512 with VNNI); this thread's tiles are
                     // configured for the format; the panel's AMX words are made; `tiled`
                     // was built from `acts`; `target` holds `rows` rows, and columns
                     // `first .. first + 16` lie in this chunk's `start..end`, which no
                     // other chunk writes.
-                    unsafe { x86::amx_panel(panel, w.format(), &tiled, &out) };
+                    unsafe { x86::amx_panel(panel, w.format(), &tiled, &out, next) };
                     continue;
                 }
                 // Two full panels at once on AVX-512 with VNNI (each activation word

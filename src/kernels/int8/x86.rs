@@ -368,119 +368,31 @@ impl Panel {
         }
     }
 
-    /// [`fill_in_registers`](Self::fill_in_registers) for Q4_K and Q5_K: both groups at
-    /// once in 512-bit vectors (lanes 0-7 the first group's rows, 8-15 the second's, the
-    /// panel's own layout), each step of [`decode_step_k4`] on sixteen lanes: half the
-    /// instructions and stores, the same values. The panel decode was 5-6% of a 1B
-    /// Q4_K_M or Q5_K_M prompt's samples.
+    /// [`fill_in_registers`](Self::fill_in_registers) for Q4_K and Q5_K, by
+    /// [`decode_k4_wide`].
     ///
     /// # Safety
     ///
     /// As [`fill_in_registers`](Self::fill_in_registers); `w` is Q4_K or Q5_K.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
     unsafe fn fill_k4_wide(&mut self, w: &QuantMatrix, first: usize) {
-        use std::arch::x86_64::*;
-        let format = w.format();
-        debug_assert!(matches!(decoder_of(format), Decoder::K4));
-        let five = format == QuantFormat::Q5_K;
-        // The first word of the values (`qs`): bytes 48 (Q5_K) or 16 (Q4_K).
-        let qs = if five { 12 } else { 4 };
+        let mut sink = self.wide_sink(w);
+        // SAFETY: forwarded.
+        unsafe { decode_k4_wide(w, first, &mut sink) }
+    }
+
+    /// The panel sized for `w`'s rows, as a [`WideSink`] that stores into it.
+    fn wide_sink(&mut self, w: &QuantMatrix) -> PanelWide {
         let subs = w.cols() / QK;
         self.u.resize(subs * 8 * LANES, 0);
         self.sc.resize(subs * 2 * LANES, 0);
         self.d.resize(subs * LANES, 0.0);
         self.m.resize(subs * LANES, 0.0);
-        let (u, sc_out, d_out, m_out) = (
-            self.u.as_mut_ptr(),
-            self.sc.as_mut_ptr(),
-            self.d.as_mut_ptr(),
-            self.m.as_mut_ptr(),
-        );
-        let step_bytes = GROUP_ROWS * format.block_bytes();
-        let groups = [w.group(first).0, w.group(first + GROUP_ROWS).0];
-        debug_assert!(groups.iter().all(|g| g.len() >= subs / 8 * step_bytes));
-        let prefetch = crate::kernels::tiling::GroupPrefetch::new(step_bytes);
-        // SAFETY: the caller's contract (AVX-512 F/BW/VL, F16C; both groups full, so
-        // each holds `subs / 8` steps of 36 or 44 words); every store is inside the
-        // vectors sized above (sub-block `< subs`, sixteen lanes from lane 0).
-        unsafe {
-            for blk in 0..subs / 8 {
-                let steps = groups.map(|g| g.as_ptr().add(blk * step_bytes));
-                prefetch.ask(steps[0]);
-                prefetch.ask(steps[1]);
-                let head0 = word16(steps, 0);
-                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head0));
-                let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(head0)));
-                // ggml's packing of the scales and minimums, as in `decode_step_k4`.
-                let (a, b, c) = (word16(steps, 1), word16(steps, 2), word16(steps, 3));
-                let (six, four, two) = (
-                    _mm512_set1_epi32(63),
-                    _mm512_set1_epi32(15),
-                    _mm512_set1_epi32(3),
-                );
-                let mut sc = [_mm512_setzero_si512(); 8];
-                let mut mn = [_mm512_setzero_ps(); 8];
-                unrolled!(j in [0 1 2 3] => {
-                    let k = _mm_cvtsi32_si128(8 * j as i32);
-                    let (k4, k6) = (
-                        _mm_cvtsi32_si128(8 * j as i32 + 4),
-                        _mm_cvtsi32_si128(8 * j as i32 + 6),
-                    );
-                    sc[j] = _mm512_and_si512(_mm512_srl_epi32(a, k), six);
-                    let m = _mm512_and_si512(_mm512_srl_epi32(b, k), six);
-                    sc[j + 4] = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srl_epi32(c, k), four),
-                        _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srl_epi32(a, k6), two)),
-                    );
-                    let m4 = _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srl_epi32(c, k4), four),
-                        _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srl_epi32(b, k6), two)),
-                    );
-                    mn[j] = negated_product(dmin, m);
-                    mn[j + 4] = negated_product(dmin, m4);
-                });
-                let mut high = [_mm512_setzero_si512(); 8];
-                if five {
-                    for (k, h) in high.iter_mut().enumerate() {
-                        *h = word16(steps, 4 + k);
-                    }
-                }
-                let (nibble, fifth) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
-                unrolled!(chunk in [0 1 2 3] => {
-                    let mut t = [_mm512_setzero_si512(); 8];
-                    for (k, t) in t.iter_mut().enumerate() {
-                        *t = word16(steps, qs + 8 * chunk + k);
-                    }
-                    unrolled!(half in [0 1] => {
-                        let s = 2 * chunk + half;
-                        let sub = blk * 8 + s;
-                        for (k, &t) in t.iter().enumerate() {
-                            let q = if half == 0 { t } else { _mm512_srli_epi16::<4>(t) };
-                            let v = if five {
-                                // Bit `s` of each `qh` byte moved to bit 4.
-                                let moved = if s <= 4 {
-                                    _mm512_sll_epi16(high[k], _mm_cvtsi32_si128(4 - s as i32))
-                                } else {
-                                    _mm512_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32 - 4))
-                                };
-                                // 0xEA: (q & nibble) | (moved & fifth).
-                                _mm512_ternarylogic_epi32::<0xEA>(
-                                    q,
-                                    nibble,
-                                    _mm512_and_si512(moved, fifth),
-                                )
-                            } else {
-                                _mm512_and_si512(q, nibble)
-                            };
-                            _mm512_storeu_si512(u.add((sub * 8 + k) * LANES).cast(), v);
-                        }
-                        _mm512_storeu_si512(sc_out.add(sub * 2 * LANES).cast(), sc[s]);
-                        _mm512_storeu_si512(sc_out.add((sub * 2 + 1) * LANES).cast(), sc[s]);
-                        _mm512_storeu_ps(d_out.add(sub * LANES), d);
-                        _mm512_storeu_ps(m_out.add(sub * LANES), mn[s]);
-                    });
-                });
-            }
+        PanelWide {
+            u: self.u.as_mut_ptr(),
+            sc: self.sc.as_mut_ptr(),
+            d: self.d.as_mut_ptr(),
+            m: self.m.as_mut_ptr(),
         }
     }
 
@@ -516,85 +428,9 @@ impl Panel {
     /// As [`fill_q6k_wide`](Self::fill_q6k_wide), and GFNI where `GFNI`.
     #[inline(always)]
     unsafe fn fill_q6k_wide_with<const GFNI: bool>(&mut self, w: &QuantMatrix, first: usize) {
-        use std::arch::x86_64::*;
-        debug_assert_eq!(w.format(), QuantFormat::Q6_K);
-        let subs = w.cols() / QK;
-        self.u.resize(subs * 8 * LANES, 0);
-        self.sc.resize(subs * 2 * LANES, 0);
-        self.d.resize(subs * LANES, 0.0);
-        self.m.resize(subs * LANES, 0.0);
-        let (u, sc_out, d_out, m_out) = (
-            self.u.as_mut_ptr(),
-            self.sc.as_mut_ptr(),
-            self.d.as_mut_ptr(),
-            self.m.as_mut_ptr(),
-        );
-        let step_bytes = GROUP_ROWS * w.format().block_bytes();
-        let groups = [w.group(first).0, w.group(first + GROUP_ROWS).0];
-        debug_assert!(groups.iter().all(|g| g.len() >= subs / 8 * step_bytes));
-        let prefetch = crate::kernels::tiling::GroupPrefetch::new(step_bytes);
-        // SAFETY: the caller's contract (AVX-512 F/BW/VL, F16C, GFNI where `GFNI`; both
-        // groups full, each step 52 words and the eight `d`); every store is inside the
-        // vectors sized above (sub-block `< subs`, sixteen lanes from lane 0).
-        unsafe {
-            for blk in 0..subs / 8 {
-                let steps = groups.map(|g| g.as_ptr().add(blk * step_bytes));
-                prefetch.ask(steps[0]);
-                prefetch.ask(steps[1]);
-                let d = _mm512_cvtph_ps(_mm256_set_m128i(
-                    _mm_loadu_si128(steps[1].add(32 * 52).cast()),
-                    _mm_loadu_si128(steps[0].add(32 * 52).cast()),
-                ));
-                let packed = [
-                    word16(steps, 48),
-                    word16(steps, 49),
-                    word16(steps, 50),
-                    word16(steps, 51),
-                ];
-                let mut scale = [_mm512_setzero_si512(); 16];
-                for (k, v) in scale.iter_mut().enumerate() {
-                    let count = _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32);
-                    *v = _mm512_srai_epi32::<24>(_mm512_sll_epi32(packed[k / 4], count));
-                }
-                let nibble = _mm512_set1_epi8(0x0F);
-                unrolled!(half in [0 1] => {
-                    let mut a = [_mm512_setzero_si512(); 8];
-                    let mut b = [_mm512_setzero_si512(); 8];
-                    let mut h = [_mm512_setzero_si512(); 8];
-                    for k in 0..8 {
-                        a[k] = word16(steps, 16 * half + k);
-                        b[k] = word16(steps, 16 * half + 8 + k);
-                        h[k] = word16(steps, 32 + 8 * half + k);
-                    }
-                    unrolled!(j in [0 1 2 3] => {
-                        let sub = blk * 8 + 4 * half + j;
-                        let src = if j.is_multiple_of(2) { &a } else { &b };
-                        for k in 0..8 {
-                            let low = if j < 2 {
-                                src[k]
-                            } else {
-                                _mm512_srli_epi16::<4>(src[k])
-                            };
-                            // 0xEA: (low & nibble) | high bits 2j, 2j + 1 at 4, 5.
-                            let v = _mm512_ternarylogic_epi32::<0xEA>(
-                                low,
-                                nibble,
-                                pair_to_bits45_wide::<GFNI, j>(h[k]),
-                            );
-                            _mm512_storeu_si512(u.add((sub * 8 + k) * LANES).cast(), v);
-                        }
-                        let s = 4 * half + j;
-                        _mm512_storeu_si512(sc_out.add(sub * 2 * LANES).cast(), scale[2 * s]);
-                        _mm512_storeu_si512(
-                            sc_out.add((sub * 2 + 1) * LANES).cast(),
-                            scale[2 * s + 1],
-                        );
-                        _mm512_storeu_ps(d_out.add(sub * LANES), d);
-                        _mm512_storeu_ps(m_out.add(sub * LANES), _mm512_setzero_ps());
-                    });
-                });
-            }
-        }
+        let mut sink = self.wide_sink(w);
+        // SAFETY: forwarded.
+        unsafe { decode_q6k_wide::<GFNI>(w, first, &mut sink) }
     }
 
     /// [`fill_in_registers`](Self::fill_in_registers) with AVX2's instructions.
@@ -645,6 +481,256 @@ impl Panel {
             // above (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`).
             unsafe { decode_group::<I, F>(group, subs, &mut sink) };
         }
+    }
+}
+
+/// Decodes rows `first .. first + 16` of `w` (Q4_K or Q5_K) into `sink`: both groups at
+/// once in 512-bit vectors (lanes 0-7 the first group's rows, 8-15 the second's, the
+/// panel's own layout), each step of [`decode_step_k4`] on sixteen lanes: half the
+/// instructions and stores of two groups in turn, the same values. The panel decode was
+/// 5-6% of a 1B Q4_K_M or Q5_K_M prompt's samples.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW/VL and F16C; `first` starts two full groups of `w`, which is
+/// Q4_K or Q5_K.
+#[inline(always)]
+unsafe fn decode_k4_wide(w: &QuantMatrix, first: usize, sink: &mut impl WideSink) {
+    use std::arch::x86_64::*;
+    let format = w.format();
+    debug_assert!(matches!(decoder_of(format), Decoder::K4));
+    let five = format == QuantFormat::Q5_K;
+    // The first word of the values (`qs`): bytes 48 (Q5_K) or 16 (Q4_K).
+    let qs = if five { 12 } else { 4 };
+    let subs = w.cols() / QK;
+    let step_bytes = GROUP_ROWS * format.block_bytes();
+    let groups = [w.group(first).0, w.group(first + GROUP_ROWS).0];
+    debug_assert!(groups.iter().all(|g| g.len() >= subs / 8 * step_bytes));
+    let prefetch = crate::kernels::tiling::GroupPrefetch::new(step_bytes);
+    // SAFETY: the caller's contract (AVX-512 F/BW/VL, F16C; both groups full, so
+    // each holds `subs / 8` steps of 36 or 44 words); the sink takes every
+    // sub-block `< subs`.
+    unsafe {
+        for blk in 0..subs / 8 {
+            let steps = groups.map(|g| g.as_ptr().add(blk * step_bytes));
+            prefetch.ask(steps[0]);
+            prefetch.ask(steps[1]);
+            let head0 = word16(steps, 0);
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head0));
+            let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(head0)));
+            // ggml's packing of the scales and minimums, as in `decode_step_k4`.
+            let (a, b, c) = (word16(steps, 1), word16(steps, 2), word16(steps, 3));
+            let (six, four, two) = (
+                _mm512_set1_epi32(63),
+                _mm512_set1_epi32(15),
+                _mm512_set1_epi32(3),
+            );
+            let mut sc = [_mm512_setzero_si512(); 8];
+            let mut mn = [_mm512_setzero_ps(); 8];
+            unrolled!(j in [0 1 2 3] => {
+                let k = _mm_cvtsi32_si128(8 * j as i32);
+                let (k4, k6) = (
+                    _mm_cvtsi32_si128(8 * j as i32 + 4),
+                    _mm_cvtsi32_si128(8 * j as i32 + 6),
+                );
+                sc[j] = _mm512_and_si512(_mm512_srl_epi32(a, k), six);
+                let m = _mm512_and_si512(_mm512_srl_epi32(b, k), six);
+                sc[j + 4] = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srl_epi32(c, k), four),
+                    _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srl_epi32(a, k6), two)),
+                );
+                let m4 = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srl_epi32(c, k4), four),
+                    _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srl_epi32(b, k6), two)),
+                );
+                mn[j] = negated_product(dmin, m);
+                mn[j + 4] = negated_product(dmin, m4);
+            });
+            let mut high = [_mm512_setzero_si512(); 8];
+            if five {
+                for (k, h) in high.iter_mut().enumerate() {
+                    *h = word16(steps, 4 + k);
+                }
+            }
+            let (nibble, fifth) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
+            unrolled!(chunk in [0 1 2 3] => {
+                let mut t = [_mm512_setzero_si512(); 8];
+                for (k, t) in t.iter_mut().enumerate() {
+                    *t = word16(steps, qs + 8 * chunk + k);
+                }
+                unrolled!(half in [0 1] => {
+                    let s = 2 * chunk + half;
+                    let sub = blk * 8 + s;
+                    sink.scales(sub, sc[s], sc[s], d, mn[s]);
+                    for (k, &t) in t.iter().enumerate() {
+                        let q = if half == 0 { t } else { _mm512_srli_epi16::<4>(t) };
+                        let v = if five {
+                            // Bit `s` of each `qh` byte moved to bit 4.
+                            let moved = if s <= 4 {
+                                _mm512_sll_epi16(high[k], _mm_cvtsi32_si128(4 - s as i32))
+                            } else {
+                                _mm512_srl_epi16(high[k], _mm_cvtsi32_si128(s as i32 - 4))
+                            };
+                            // 0xEA: (q & nibble) | (moved & fifth).
+                            _mm512_ternarylogic_epi32::<0xEA>(
+                                q,
+                                nibble,
+                                _mm512_and_si512(moved, fifth),
+                            )
+                        } else {
+                            _mm512_and_si512(q, nibble)
+                        };
+                        sink.word(sub, k, v);
+                    }
+                });
+            });
+        }
+    }
+}
+
+/// Decodes rows `first .. first + 16` of `w` (Q6_K) into `sink`: both groups at once in
+/// 512-bit vectors, as [`decode_k4_wide`] does, each step of [`decode_step_q6k`] on
+/// sixteen lanes, with GFNI where `GFNI` (the high bits placed by one bit-matrix product
+/// per byte, as [`VnniGfni`] places them).
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW/VL and F16C, and GFNI where `GFNI`; `first` starts two full
+/// groups of `w`, which is Q6_K.
+#[inline(always)]
+unsafe fn decode_q6k_wide<const GFNI: bool>(
+    w: &QuantMatrix,
+    first: usize,
+    sink: &mut impl WideSink,
+) {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(w.format(), QuantFormat::Q6_K);
+    let subs = w.cols() / QK;
+    let step_bytes = GROUP_ROWS * w.format().block_bytes();
+    let groups = [w.group(first).0, w.group(first + GROUP_ROWS).0];
+    debug_assert!(groups.iter().all(|g| g.len() >= subs / 8 * step_bytes));
+    let prefetch = crate::kernels::tiling::GroupPrefetch::new(step_bytes);
+    // SAFETY: the caller's contract (AVX-512 F/BW/VL, F16C, GFNI where `GFNI`; both
+    // groups full, each step 52 words and the eight `d`); every store is inside the
+    // vectors sized above (sub-block `< subs`, sixteen lanes from lane 0).
+    unsafe {
+        for blk in 0..subs / 8 {
+            let steps = groups.map(|g| g.as_ptr().add(blk * step_bytes));
+            prefetch.ask(steps[0]);
+            prefetch.ask(steps[1]);
+            let d = _mm512_cvtph_ps(_mm256_set_m128i(
+                _mm_loadu_si128(steps[1].add(32 * 52).cast()),
+                _mm_loadu_si128(steps[0].add(32 * 52).cast()),
+            ));
+            let packed = [
+                word16(steps, 48),
+                word16(steps, 49),
+                word16(steps, 50),
+                word16(steps, 51),
+            ];
+            let mut scale = [_mm512_setzero_si512(); 16];
+            for (k, v) in scale.iter_mut().enumerate() {
+                let count = _mm_cvtsi32_si128(24 - 8 * (k % 4) as i32);
+                *v = _mm512_srai_epi32::<24>(_mm512_sll_epi32(packed[k / 4], count));
+            }
+            let nibble = _mm512_set1_epi8(0x0F);
+            unrolled!(half in [0 1] => {
+                let mut a = [_mm512_setzero_si512(); 8];
+                let mut b = [_mm512_setzero_si512(); 8];
+                let mut h = [_mm512_setzero_si512(); 8];
+                for k in 0..8 {
+                    a[k] = word16(steps, 16 * half + k);
+                    b[k] = word16(steps, 16 * half + 8 + k);
+                    h[k] = word16(steps, 32 + 8 * half + k);
+                }
+                unrolled!(j in [0 1 2 3] => {
+                    let sub = blk * 8 + 4 * half + j;
+                    let s = 4 * half + j;
+                    sink.scales(sub, scale[2 * s], scale[2 * s + 1], d, _mm512_setzero_ps());
+                    let src = if j.is_multiple_of(2) { &a } else { &b };
+                    for k in 0..8 {
+                        let low = if j < 2 {
+                            src[k]
+                        } else {
+                            _mm512_srli_epi16::<4>(src[k])
+                        };
+                        // 0xEA: (low & nibble) | high bits 2j, 2j + 1 at 4, 5.
+                        let v = _mm512_ternarylogic_epi32::<0xEA>(
+                            low,
+                            nibble,
+                            pair_to_bits45_wide::<GFNI, j>(h[k]),
+                        );
+                        sink.word(sub, k, v);
+                    }
+                });
+            });
+        }
+    }
+}
+
+/// What takes a panel of sixteen rows decoded in 512-bit vectors ([`decode_k4_wide`],
+/// [`decode_q6k_wide`]): the plain panel ([`PanelWide`]) or the AMX kernel's words
+/// (`amx::AmxWide`). Lane `l` of every vector is the panel's row `l`.
+trait WideSink {
+    /// Sub-block `sub`'s scales, before its words: the integer scales of its two halves
+    /// of sixteen values (the same one twice for a scale per sub-block), the block scale
+    /// `d` and the negated minimum `m` (zero where the format has none).
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512 F/BW/VL; `sub` is a sub-block of the panel the sink holds.
+    unsafe fn scales(
+        &mut self,
+        sub: usize,
+        sc0: std::arch::x86_64::__m512i,
+        sc1: std::arch::x86_64::__m512i,
+        d: std::arch::x86_64::__m512,
+        m: std::arch::x86_64::__m512,
+    );
+
+    /// Word `k` of sub-block `sub`: values `4k .. 4k + 4` of each row, unsigned bytes.
+    ///
+    /// # Safety
+    ///
+    /// As [`WideSink::scales`], and `k < 8`.
+    unsafe fn word(&mut self, sub: usize, k: usize, v: std::arch::x86_64::__m512i);
+}
+
+/// Stores a panel decoded in 512-bit vectors into its plain words, integer scales (one
+/// per half), `d` and `m` ([`Panel::wide_sink`]).
+struct PanelWide {
+    u: *mut u32,
+    sc: *mut i32,
+    d: *mut f32,
+    m: *mut f32,
+}
+
+impl WideSink for PanelWide {
+    #[inline(always)]
+    unsafe fn scales(
+        &mut self,
+        sub: usize,
+        sc0: std::arch::x86_64::__m512i,
+        sc1: std::arch::x86_64::__m512i,
+        d: std::arch::x86_64::__m512,
+        m: std::arch::x86_64::__m512,
+    ) {
+        use std::arch::x86_64::*;
+        // SAFETY: the panel was sized for every sub-block ([`Panel::wide_sink`]).
+        unsafe {
+            _mm512_storeu_si512(self.sc.add(sub * 2 * LANES).cast(), sc0);
+            _mm512_storeu_si512(self.sc.add((sub * 2 + 1) * LANES).cast(), sc1);
+            _mm512_storeu_ps(self.d.add(sub * LANES), d);
+            _mm512_storeu_ps(self.m.add(sub * LANES), m);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn word(&mut self, sub: usize, k: usize, v: std::arch::x86_64::__m512i) {
+        // SAFETY: as in `scales`.
+        unsafe {
+            std::arch::x86_64::_mm512_storeu_si512(self.u.add((sub * 8 + k) * LANES).cast(), v)
+        };
     }
 }
 

@@ -38,9 +38,12 @@ use std::arch::x86_64::*;
 
 use super::super::activations::QuantizedRows;
 use super::super::{LANES, Panel, QK};
-use super::{SubScales, SubSink, Vnni, decode_group, format_at, same_form};
+use super::{
+    SubScales, SubSink, Vnni, WideSink, decode_group, decode_k4_wide, decode_q6k_wide, format_at,
+    same_form,
+};
 use crate::kernels::matrix::{GROUP_ROWS, QuantMatrix};
-use crate::kernels::tiling::Columns;
+use crate::kernels::tiling::{Columns, prefetch_share};
 use crate::quant::{IntForm, IntScales, QuantFormat, with_format};
 
 /// Activation rows per tile: the tile unit's sixteen rows.
@@ -100,15 +103,25 @@ const fn digits(f: IntForm) -> (i32, usize) {
 /// signed bytes `(u - offset) * digit` for a scale per half; for the others, the signed
 /// words `u - offset` in each byte (`amx[0]`; every format's signed values fit a byte:
 /// `-128..=127` for Q8_0, whose offset is 128). The same words as decoding the panel and
-/// then deriving them, in one pass instead of two; it costs about what the two did (16%
-/// of a 150-token prefill against 17%): the decoding, not the stored panel, is the cost.
+/// then deriving them, in one pass.
+///
+/// Q4_K, Q5_K and Q6_K are decoded both groups at once in 512-bit vectors
+/// ([`decode_k4_wide`], [`decode_q6k_wide`], with GFNI where `gfni`) and their digits'
+/// words made sixteen lanes at a time ([`AmxWide`]); the others a group at a time in
+/// 256-bit vectors ([`AmxStore`]). On a 150-token prefill of a 1B Q6_K file, the
+/// 256-bit decode was a fifth of the samples.
 ///
 /// # Safety
 ///
-/// The CPU has AVX-512 F/BW/VL, FMA, F16C and AVX2; `first` starts two full groups of
-/// `w`.
+/// The CPU has AVX-512 F/BW/VL, FMA, F16C and AVX2, and GFNI where `gfni`; `first`
+/// starts two full groups of `w`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2")]
-pub(in crate::kernels::int8) unsafe fn fill_amx(panel: &mut Panel, w: &QuantMatrix, first: usize) {
+pub(in crate::kernels::int8) unsafe fn fill_amx(
+    panel: &mut Panel,
+    w: &QuantMatrix,
+    first: usize,
+    gfni: bool,
+) {
     let subs = w.cols() / QK;
     let words = subs * 8 * LANES;
     let (_, count) = digits(w.format().int_form());
@@ -122,19 +135,207 @@ pub(in crate::kernels::int8) unsafe fn fill_amx(panel: &mut Panel, w: &QuantMatr
     for (o, v) in out.iter_mut().zip(panel.amx.iter_mut()) {
         *o = v.bytes_mut().as_mut_ptr();
     }
-    for half in 0..2 {
-        let (group, _) = w.group(first + half * GROUP_ROWS);
-        let (d, m) = (panel.d.as_mut_ptr(), panel.m.as_mut_ptr());
-        let lane = half * GROUP_ROWS;
-        // SAFETY: the caller's contract; every store is inside the panels sized above
-        // (sub-block `s < subs`, lanes `lane .. lane + 8 <= 16`, digit `i < count`).
-        unsafe {
-            with_format!(w.format(), F => decode_group::<Vnni, F>(
-                group,
-                subs,
-                &mut AmxStore::<F> { out, d, m, lane }
-            ))
+    let (d, m) = (panel.d.as_mut_ptr(), panel.m.as_mut_ptr());
+    const Q4_K: u8 = QuantFormat::Q4_K as u8;
+    const Q5_K: u8 = QuantFormat::Q5_K as u8;
+    const Q6_K: u8 = QuantFormat::Q6_K as u8;
+    // SAFETY (each arm): the caller's contract; every store is inside the panels sized
+    // above (sub-block `s < subs`, lanes `0 .. 16`, digit `i < count`).
+    unsafe {
+        match w.format() {
+            QuantFormat::Q4_K => decode_k4_wide(w, first, &mut AmxWide::<Q4_K>::new(out, d, m)),
+            QuantFormat::Q5_K => decode_k4_wide(w, first, &mut AmxWide::<Q5_K>::new(out, d, m)),
+            QuantFormat::Q6_K if gfni => {
+                fill_q6k_gfni(w, first, &mut AmxWide::<Q6_K>::new(out, d, m))
+            }
+            QuantFormat::Q6_K => {
+                decode_q6k_wide::<false>(w, first, &mut AmxWide::<Q6_K>::new(out, d, m))
+            }
+            _ => {
+                for half in 0..2 {
+                    let (group, _) = w.group(first + half * GROUP_ROWS);
+                    let lane = half * GROUP_ROWS;
+                    with_format!(w.format(), F => decode_group::<Vnni, F>(
+                        group,
+                        subs,
+                        &mut AmxStore::<F> { out, d, m, lane }
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// [`decode_q6k_wide`] with GFNI, into the AMX kernel's words.
+///
+/// # Safety
+///
+/// As [`fill_amx`], the CPU having GFNI; `w` is Q6_K.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c,avx2,gfni")]
+unsafe fn fill_q6k_gfni(
+    w: &QuantMatrix,
+    first: usize,
+    sink: &mut AmxWide<{ QuantFormat::Q6_K as u8 }>,
+) {
+    // SAFETY: forwarded.
+    unsafe { decode_q6k_wide::<true>(w, first, sink) }
+}
+
+/// How a panel's words are multiplied by one digit of their scale ([`digits`]), lane by
+/// lane (a lane: four values of one row).
+#[derive(Clone, Copy)]
+struct Factor {
+    /// `|digit|` in both 16-bit halves of the lane: `vpmullw` then multiplies the
+    /// lane's four bytes in pairs, and as each byte's product is below 256 no carry
+    /// reaches its neighbour.
+    both: __m512i,
+    /// `offset * |digit|` in each byte of the lane (below 128).
+    off: __m512i,
+    /// The bytes of the lanes whose digit is negative.
+    negative: __mmask64,
+}
+
+/// The [`Factor`]s of the digits of the scales `sc` (one per lane) of the format whose id
+/// is `F`, which has integer scales.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW.
+#[inline(always)]
+unsafe fn factors<const F: u8>(sc: __m512i) -> [Factor; 3] {
+    // SAFETY: the caller's contract (the CPU's features).
+    unsafe {
+        let f = const { format_at(F).int_form() };
+        let (base, count) = const { digits(format_at(F).int_form()) };
+        let ds = if base == 7 {
+            // Balanced digits in base 7: `q = round(sc / 7)` and `sc - 7 q`, twice (exact in
+            // floats: `sc / 7` is never a half, and far from one).
+            let seventh = _mm512_set1_ps(1.0 / 7.0);
+            let q1 = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(sc), seventh),
+            );
+            let q2 = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q1), seventh),
+            );
+            let seven = |q: __m512i| _mm512_sub_epi32(_mm512_slli_epi32::<3>(q), q);
+            [
+                _mm512_sub_epi32(sc, seven(q1)),
+                _mm512_sub_epi32(q1, seven(q2)),
+                q2,
+            ]
+        } else {
+            // Two digits in base 8: the low one unsigned, the high one by an arithmetic
+            // shift (signed where the scale is: Q3_K's).
+            let low = _mm512_and_si512(sc, _mm512_set1_epi32(base - 1));
+            [low, _mm512_srai_epi32::<3>(sc), _mm512_setzero_si512()]
         };
+        let ones = _mm512_set1_epi32(0x0101_0101);
+        let mut out = [Factor {
+            both: _mm512_setzero_si512(),
+            off: _mm512_setzero_si512(),
+            negative: 0,
+        }; 3];
+        for (o, &d) in out.iter_mut().zip(&ds).take(count) {
+            let size = _mm512_abs_epi32(d);
+            *o = Factor {
+                both: _mm512_or_si512(size, _mm512_slli_epi32::<16>(size)),
+                off: _mm512_mullo_epi32(
+                    _mm512_mullo_epi32(size, _mm512_set1_epi32(f.offset)),
+                    ones,
+                ),
+                negative: _mm512_movepi8_mask(_mm512_srai_epi32::<31>(d)),
+            };
+        }
+        out
+    }
+}
+
+/// The words `v` (unsigned bytes `u`) times one digit of their scale: `u * digit` for
+/// a scale per sub-block (offset 0, digits from 0), `(u - offset) * digit` for a scale
+/// per half, signed bytes.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW.
+#[inline(always)]
+unsafe fn times_digit<const F: u8>(v: __m512i, f: &Factor) -> __m512i {
+    // SAFETY: the caller's contract (the CPU's features).
+    unsafe {
+        let p = _mm512_mullo_epi16(v, f.both);
+        if const { matches!(format_at(F).int_form().scales, IntScales::PerBlock) } {
+            return p;
+        }
+        let p = _mm512_sub_epi8(p, f.off);
+        _mm512_mask_sub_epi8(p, f.negative, _mm512_setzero_si512(), p)
+    }
+}
+
+/// Takes a panel decoded in 512-bit vectors ([`WideSink`]) into the AMX words of the
+/// format whose id is `F` ([`fill_amx`]).
+struct AmxWide<const F: u8> {
+    out: [*mut u8; 3],
+    d: *mut f32,
+    m: *mut f32,
+    /// The current sub-block's digits, for each half.
+    factors: [[Factor; 3]; 2],
+}
+
+impl<const F: u8> AmxWide<F> {
+    /// A sink into the panels at `out` and the float scales at `d` and `m`.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512 F.
+    #[inline(always)]
+    unsafe fn new(out: [*mut u8; 3], d: *mut f32, m: *mut f32) -> Self {
+        // SAFETY: the caller's contract (AVX-512 F).
+        let zero = unsafe {
+            Factor {
+                both: _mm512_setzero_si512(),
+                off: _mm512_setzero_si512(),
+                negative: 0,
+            }
+        };
+        Self {
+            out,
+            d,
+            m,
+            factors: [[zero; 3]; 2],
+        }
+    }
+}
+
+impl<const F: u8> WideSink for AmxWide<F> {
+    #[inline(always)]
+    unsafe fn scales(&mut self, sub: usize, sc0: __m512i, sc1: __m512i, d: __m512, m: __m512) {
+        // SAFETY: the caller's contract; the scales hold sub-block `sub` for sixteen
+        // lanes ([`fill_amx`]).
+        unsafe {
+            _mm512_storeu_ps(self.d.add(sub * LANES), d);
+            _mm512_storeu_ps(self.m.add(sub * LANES), m);
+            self.factors[0] = factors::<F>(sc0);
+            self.factors[1] = if const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) }
+            {
+                factors::<F>(sc1)
+            } else {
+                self.factors[0]
+            };
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn word(&mut self, sub: usize, k: usize, v: __m512i) {
+        let (_, count) = const { digits(format_at(F).int_form()) };
+        for (&o, f) in self.out.iter().zip(&self.factors[k / 4]).take(count) {
+            // SAFETY: the caller's contract; the panels hold sub-block `sub` for sixteen
+            // lanes ([`fill_amx`]).
+            unsafe {
+                _mm512_storeu_si512(
+                    o.add(4 * (sub * 8 + k) * LANES).cast(),
+                    times_digit::<F>(v, f),
+                )
+            };
+        }
     }
 }
 
@@ -151,7 +352,7 @@ impl<const F: u8> SubSink for AmxStore<F> {
     #[inline(always)]
     unsafe fn take(&mut self, wv: &[__m256i; 8], scales: &SubScales, s: usize) {
         let f = const { format_at(F).int_form() };
-        let (base, count) = const { digits(format_at(F).int_form()) };
+        let (_, count) = const { digits(format_at(F).int_form()) };
         let signed = const { matches!(format_at(F).int_form().scales, IntScales::PerHalf) };
         let lane = self.lane;
         let at = |t: usize| 4 * ((s * 8 + t) * LANES + lane);
@@ -170,53 +371,20 @@ impl<const F: u8> SubSink for AmxStore<F> {
                 IntScales::PerBlock => f.offset == 0 && f.max < 32,
                 _ => (f.offset, f.max) == (32, 63) || (f.offset, f.max) == (4, 7),
             });
-            let ones = _mm256_set1_epi32(0x0101_0101);
             for h in 0..2 {
                 // A scale per sub-block is in `sc0` (for both halves); a scale per half
-                // in `sc0` and `sc1`.
+                // in `sc0` and `sc1`. The eight lanes in the low half of 512-bit
+                // vectors, the digits' steps shared with [`AmxWide`].
                 let sc = if signed && h == 1 {
                     scales.sc1
                 } else {
                     scales.sc0
                 };
-                let ds = if base == 7 {
-                    // Balanced digits in base 7: `q = round(sc / 7)` and `sc - 7 q`, twice
-                    // (exact in floats: `sc / 7` is never a half, and far from one).
-                    let round = |v: __m256i| {
-                        let x = _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(1.0 / 7.0));
-                        _mm256_cvttps_epi32(_mm256_round_ps::<
-                            { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
-                        >(x))
-                    };
-                    let rest = |v: __m256i, q: __m256i| {
-                        _mm256_sub_epi32(v, _mm256_sub_epi32(_mm256_slli_epi32::<3>(q), q))
-                    };
-                    let q1 = round(sc);
-                    let q2 = round(q1);
-                    [rest(sc, q1), rest(q1, q2), q2]
-                } else {
-                    // Two digits in base 8: the low one unsigned, the high one by an
-                    // arithmetic shift (signed where the scale is: Q3_K's).
-                    let low = _mm256_and_si256(sc, _mm256_set1_epi32(base - 1));
-                    [low, _mm256_srai_epi32::<3>(sc), _mm256_setzero_si256()]
-                };
-                for (&o, &d) in self.out.iter().zip(&ds).take(count) {
-                    let size = _mm256_abs_epi32(d);
-                    // `|digit|` in both 16-bit halves of its lane: `vpmullw` then
-                    // multiplies the lane's four bytes in pairs, and as each byte's
-                    // product is below 256 no carry reaches its neighbour.
-                    let both = _mm256_or_si256(size, _mm256_slli_epi32::<16>(size));
-                    // `offset * |digit|` in each byte of its lane (below 128).
-                    let off = _mm256_mullo_epi32(
-                        _mm256_mullo_epi32(size, _mm256_set1_epi32(f.offset)),
-                        ones,
-                    );
-                    // The lanes of negative digits, byte by byte.
-                    let negative = _mm256_movepi8_mask(_mm256_srai_epi32::<31>(d));
+                let fs = factors::<F>(_mm512_zextsi256_si512(sc));
+                for (&o, f) in self.out.iter().zip(&fs).take(count) {
                     for (t, &v) in wv.iter().enumerate().skip(h * 4).take(4) {
-                        let p = _mm256_sub_epi8(_mm256_mullo_epi16(v, both), off);
-                        let p = _mm256_mask_sub_epi8(p, negative, _mm256_setzero_si256(), p);
-                        _mm256_storeu_si256(o.add(at(t)).cast(), p);
+                        let p = times_digit::<F>(_mm512_zextsi256_si512(v), f);
+                        _mm256_storeu_si256(o.add(at(t)).cast(), _mm512_castsi512_si256(p));
                     }
                 }
             }
@@ -446,7 +614,9 @@ pub(in crate::kernels::int8) struct Dest<'a> {
 
 /// The results of activation rows `0 .. dest.rows` against the panel's sixteen rows,
 /// whose AMX words ([`fill_amx`]) are in place, stored at `dest`; `tiled` is the rows'
-/// [`tiled_rows`].
+/// [`tiled_rows`]. `next`, the next panel's weights, is asked for into the second-level
+/// cache a share per run (or chunk) of products, so it comes from memory while the tile
+/// unit computes rather than when [`fill_amx`] decodes it.
 ///
 /// # Safety
 ///
@@ -459,6 +629,7 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
     format: QuantFormat,
     tiled: &Tiled,
     out: &Dest,
+    next: Option<&[u8]>,
 ) {
     debug_assert!(
         tiled.values.bytes().len() >= out.rows.next_multiple_of(AMX_ROWS) * tiled.n_in
@@ -467,9 +638,9 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
     // SAFETY: forwarded.
     unsafe {
         if !matches!(format.int_form().scales, IntScales::One) {
-            with_format!(format, F => amx_runs_of::<{ same_form(F) }>(panel, tiled, out))
+            with_format!(format, F => amx_runs_of::<{ same_form(F) }>(panel, tiled, out, next))
         } else {
-            with_format!(format, F => amx_panel_of::<{ same_form(F) }>(panel, tiled, out))
+            with_format!(format, F => amx_panel_of::<{ same_form(F) }>(panel, tiled, out, next))
         }
     }
 }
@@ -484,7 +655,7 @@ pub(in crate::kernels::int8) unsafe fn amx_panel(
 /// As [`amx_panel`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline(never)]
-unsafe fn amx_panel_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest) {
+unsafe fn amx_panel_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, next: Option<&[u8]>) {
     let f = const { format_at(F).int_form() };
     // Compiled for every format (`with_format!`), run for those without an integer
     // scale: the others' copies are this return.
@@ -541,6 +712,9 @@ unsafe fn amx_panel_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest) {
                 if c + 1 < chunks {
                     chunk_products(c + 1);
                 }
+                if let Some(next) = next {
+                    prefetch_share(next, g * chunks + c, groups * chunks);
+                }
                 let s0 = c * CHUNK;
                 let chunk = &(*sp.add(c % 2)).0;
                 for s in s0..s0 + CHUNK.min(subs - s0) {
@@ -583,7 +757,7 @@ unsafe fn amx_panel_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest) {
 /// As [`amx_panel`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 #[inline(never)]
-unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest) {
+unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, next: Option<&[u8]>) {
     let f = const { format_at(F).int_form() };
     // Compiled for every format (`with_format!`), run for those with integer scales:
     // the others' copies are this return.
@@ -728,6 +902,9 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest) {
             for r in 0..runs {
                 if r + 1 < runs {
                     products(r + 1);
+                }
+                if let Some(next) = next {
+                    prefetch_share(next, g * runs + r, groups * runs);
                 }
                 let s0 = r * 8;
                 for s in s0..s0 + 7 {
