@@ -381,8 +381,8 @@ fn matmul_int8_into(
                 // every row multiplied.
                 #[cfg(target_arch = "x86_64")]
                 if amx && n == LANES {
-                    // SAFETY: `amx` says this CPU has AVX-512 with VNNI (and AMX);
-                    // `first` starts two full groups.
+                    // SAFETY: `amx` says this CPU has AVX-512 with VNNI (and AMX),
+                    // `gfni` that it has GFNI; `first` starts two full groups.
                     unsafe { x86::fill_amx(panel, w, first, gfni) };
                     let out = x86::Dest {
                         target: &target,

@@ -195,6 +195,25 @@ struct Factor {
     negative: __mmask64,
 }
 
+impl Factor {
+    /// The factor of a digit of zero, where a format has fewer digits than three.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512 F.
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY: the caller's contract (AVX-512 F).
+        unsafe {
+            Self {
+                both: _mm512_setzero_si512(),
+                off: _mm512_setzero_si512(),
+                negative: 0,
+            }
+        }
+    }
+}
+
 /// The [`Factor`]s of the digits of the scales `sc` (one per lane) of the format whose id
 /// is `F`, which has integer scales.
 ///
@@ -230,11 +249,7 @@ unsafe fn factors<const F: u8>(sc: __m512i) -> [Factor; 3] {
             [low, _mm512_srai_epi32::<3>(sc), _mm512_setzero_si512()]
         };
         let ones = _mm512_set1_epi32(0x0101_0101);
-        let mut out = [Factor {
-            both: _mm512_setzero_si512(),
-            off: _mm512_setzero_si512(),
-            negative: 0,
-        }; 3];
+        let mut out = [Factor::zero(); 3];
         for (o, &d) in out.iter_mut().zip(&ds).take(count) {
             let size = _mm512_abs_epi32(d);
             *o = Factor {
@@ -289,13 +304,7 @@ impl<const F: u8> AmxWide<F> {
     #[inline(always)]
     unsafe fn new(out: [*mut u8; 3], d: *mut f32, m: *mut f32) -> Self {
         // SAFETY: the caller's contract (AVX-512 F).
-        let zero = unsafe {
-            Factor {
-                both: _mm512_setzero_si512(),
-                off: _mm512_setzero_si512(),
-                negative: 0,
-            }
-        };
+        let zero = unsafe { Factor::zero() };
         Self {
             out,
             d,
@@ -492,6 +501,23 @@ pub(in crate::kernels::int8) struct Tiled {
 }
 
 impl Tiled {
+    /// The values of group `g` (rows `16 g ..` + 16) from sub-block `s` on: a tile of
+    /// [`TILE_BYTES`] per sub-block, the group's sub-blocks in order.
+    ///
+    /// # Safety
+    ///
+    /// Group `g` is one of the rows' groups and `s` at most its sub-blocks.
+    #[inline(always)]
+    unsafe fn values_at(&self, g: usize, s: usize) -> *const u8 {
+        // SAFETY: the caller's contract; each group holds `subs` tiles.
+        unsafe {
+            self.values
+                .bytes()
+                .as_ptr()
+                .add((g * self.subs + s) * TILE_BYTES)
+        }
+    }
+
     /// The scales of group `g` (rows `16 g ..` + 16).
     ///
     /// # Safety
@@ -687,12 +713,7 @@ unsafe fn amx_panel_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, ne
             // products, within both and within `sums[c % 2]`.
             unsafe {
                 products(
-                    tiled
-                        .values
-                        .bytes()
-                        .as_ptr()
-                        .add((g * subs + s0) * TILE_BYTES)
-                        .cast(),
+                    tiled.values_at(g, s0).cast(),
                     panel.amx[0].bytes().as_ptr().add(s0 * TILE_BYTES),
                     CHUNK.min(subs - s0),
                     sp.add(c % 2),
@@ -791,11 +812,7 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
             // bytes); `sums[r % 2]` holds two 1 KiB results. The tiles are configured
             // for 64-byte products.
             unsafe {
-                let a = tiled
-                    .values
-                    .bytes()
-                    .as_ptr()
-                    .add((g * runs + r) * RUN_BYTES);
+                let a = tiled.values_at(g, r * 8);
                 let d = |i: usize| panel.amx[i].bytes().as_ptr().add(r * RUN_BYTES);
                 let c = sp.cast::<[[[i32; LANES]; AMX_ROWS]; 3]>().add(r % 2);
                 if count == 2 {
