@@ -493,6 +493,21 @@ pub trait LlamaBackend: Backend {
         rope_by_slicing(x, cos, sin, swap.dims()[0])
     }
 
+    /// [`rope`](Self::rope) of `x` `[rows, heads * head_dim]` by `rotation`: row `i` at
+    /// the angles of position `rotation.angles.positions()[i]`. The default gathers the
+    /// angles for every row and head ([`RopeAngles::gathered`](crate::model::rope::RopeAngles::gathered),
+    /// once per forward pass) and calls [`rope`](Self::rope); the CPU backend reads the
+    /// tables at each row's position instead, with the same bits.
+    ///
+    /// # Errors
+    ///
+    /// As [`rope`](Self::rope): [`LlamaError::ShapeMismatch`] if `x` does not have the
+    /// angles' shape.
+    fn rope_rotation(x: Tensor<Self, 2>, rotation: &Rotation<'_, Self>) -> Result<Tensor<Self, 2>> {
+        let (cos, sin) = rotation.angles.gathered();
+        Self::rope(x, cos, sin, rotation.swap)
+    }
+
     /// Attention of a paged step: `q` `[tokens, n_heads * head_dim]` (the sequences'
     /// new tokens one after another, RoPE applied) over a layer's pool `keys`/`values`
     /// `[blocks, kv_heads, block_size, head_dim]`, each sequence through its block table
@@ -776,8 +791,7 @@ impl<B: LlamaBackend> Rotation<'_, B> {
                 actual: vec![q_width],
             });
         }
-        let (cos, sin) = self.angles.gathered();
-        let qk = B::rope(qk, cos, sin, self.swap)?;
+        let qk = B::rope_rotation(qk, self)?;
         let q = qk.clone().slice([0..rows, 0..q_width]);
         Ok((q, qk.slice([0..rows, q_width..width])))
     }
@@ -1219,6 +1233,53 @@ impl LlamaBackend for burn::backend::Flex {
             })
         })?;
         Ok(Tensor::from_data(TensorData::new(out, dims), &device))
+    }
+
+    fn rope_rotation(x: Tensor<Self, 2>, rotation: &Rotation<'_, Self>) -> Result<Tensor<Self, 2>> {
+        let angles = rotation.angles;
+        let (cos_table, sin_table) = angles.tables();
+        let [rows, width] = x.dims();
+        let [head_dim, _] = rotation.swap.dims();
+        let positions = angles.positions();
+        // The shapes `rope` would check on the gathered angles, `[rows, heads *
+        // head_dim]`, checked on the tables.
+        if cos_table.dims() != [cos_table.dims()[0], head_dim]
+            || sin_table.dims() != cos_table.dims()
+            || head_dim < 2
+            || !head_dim.is_multiple_of(2)
+            || positions.len() != rows
+            || width != angles.heads() * head_dim
+        {
+            return Err(LlamaError::ShapeMismatch {
+                name: "rope cos".into(),
+                expected: vec![rows, width],
+                actual: vec![positions.len(), angles.heads() * cos_table.dims()[1]],
+            });
+        }
+        let max = cos_table.dims()[0];
+        if let Some(&p) = positions.iter().find(|&&p| p >= max) {
+            return Err(LlamaError::PromptTooLong { tokens: p + 1, max });
+        }
+        let device = x.device();
+        let out = with_values(cos_table, |cos| {
+            with_values(sin_table, |sin| {
+                crate::cache::host::with_rows(&x, |x| {
+                    crate::kernels::activation::rope_at(
+                        &|r| x.row(r),
+                        width,
+                        cos,
+                        sin,
+                        positions,
+                        head_dim,
+                    )
+                })
+                .ok_or_else(|| LlamaError::Runtime("reading the rows to rotate".into()))
+            })
+        })?;
+        Ok(Tensor::from_data(
+            TensorData::new(out, [rows, width]),
+            &device,
+        ))
     }
 
     fn paged_attention(

@@ -234,4 +234,58 @@ mod tests {
             LlamaError::ShapeMismatch { name, .. } if name == "rope cos"
         );
     }
+
+    /// The backend's rotation at each row's position (the CPU backend reads the tables
+    /// there, split across threads for a prompt's rows) against `rope` over the angles
+    /// gathered for every row and head, on a column view of a wider tensor as a fused
+    /// projection's queries and keys are.
+    #[test]
+    fn a_rotation_at_positions_gives_the_bits_of_the_gathered_angles() {
+        let (rows, heads, head_dim, table) = (300, 4, 32, 50);
+        let width = heads * head_dim;
+        let device = default_device();
+        let values = |n: usize, f: &dyn Fn(usize) -> f32| (0..n).map(f).collect::<Vec<f32>>();
+        let cos = values(table * head_dim, &|i| (i as f32 * 0.013).cos());
+        let sin = values(table * head_dim, &|i| {
+            (i as f32 * 0.013).sin()
+                * if i % head_dim < head_dim / 2 {
+                    -1.0
+                } else {
+                    1.0
+                }
+        });
+        let tensor =
+            |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [table, head_dim]), &device);
+        let positions: Vec<usize> = (0..rows).map(|i| (i * 7 + 3) % table).collect();
+        let angles = RopeAngles::new(tensor(cos), tensor(sin), positions, heads).unwrap();
+        let mut swap = vec![0f32; head_dim * head_dim];
+        for j in 0..head_dim {
+            swap[j * head_dim + (j + head_dim / 2) % head_dim] = 1.0;
+        }
+        let swap = Tensor::<B, 2>::from_data(TensorData::new(swap, [head_dim, head_dim]), &device);
+        let wide = Tensor::<B, 2>::from_data(
+            TensorData::new(
+                values(rows * (width + 16), &|i| (i as f32 * 0.37).sin() * 3.0),
+                [rows, width + 16],
+            ),
+            &device,
+        );
+        let x = wide.slice([0..rows, 8..8 + width]);
+        let rotation = crate::backend::Rotation {
+            angles: &angles,
+            swap: &swap,
+        };
+        let bits = |t: Tensor<B, 2>| -> Vec<u32> {
+            let v = t.into_data().to_vec::<f32>().unwrap();
+            v.iter().map(|v| v.to_bits()).collect()
+        };
+        let (cos, sin) = angles.gathered();
+        let want = bits(B::rope(x.clone(), cos, sin, &swap).unwrap());
+        assert_eq!(bits(B::rope_rotation(x.clone(), &rotation).unwrap()), want);
+        let narrow = x.slice([0..rows, 0..width - head_dim]);
+        assert_err!(
+            B::rope_rotation(narrow, &rotation),
+            LlamaError::ShapeMismatch { name, .. } if name == "rope cos"
+        );
+    }
 }
