@@ -400,6 +400,10 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
+/// From this many values, [`write_columns`] copies on the pool's threads (a decode
+/// step's few stay on the calling thread).
+const SPLIT_WRITE_VALUES: usize = 64 * 1024;
+
 /// Writes `new` (`[batch, heads, seq, dim]`) into `cache` at `region` (columns
 /// `start..start + seq` of a `capacity`-column cache): in place on the CPU backend,
 /// with `slice_assign` elsewhere.
@@ -413,16 +417,33 @@ fn write_columns<B: Backend>(
     let (start, seq) = (region[2].start, region[2].len());
     // Token `s` of row `b` goes to column `start + s` of every head's `[capacity, dim]`
     // plane: the transposition is done by the copy itself.
+    // Head by head, each head's columns in order (written one after another), the
+    // heads of a prompt split across the pool's threads: token by token on one thread,
+    // this copy was 1.7% of a 450-token prefill while the other core waited.
     let written = super::host::write_in_place(cache, &new, |memory, rows| {
         debug_assert_eq!(rows.len(), batch * seq);
-        for b in 0..batch {
-            for s in 0..seq.min(rows.len().saturating_sub(b * seq)) {
-                let row = rows.row(b * seq + s);
-                for h in 0..heads {
-                    let at = ((b * heads + h) * capacity + start + s) * dim;
-                    memory[at..at + dim].copy_from_slice(&row[h * dim..(h + 1) * dim]);
-                }
+        let planes = batch * heads;
+        // The region is the cache's own shape (its caller's checks).
+        let fits = memory.len() >= planes * capacity * dim && start + seq <= capacity;
+        debug_assert!(fits, "a cache write outside the cache");
+        if !fits {
+            return;
+        }
+        let target = crate::kernels::pool::Disjoint::new(memory);
+        let plane = |p: usize| {
+            let (b, h) = (p / heads, p % heads);
+            // SAFETY: plane `p < planes` (its `capacity * dim` values, inside `memory`)
+            // belongs to this call alone; columns `start..start + seq` lie in it.
+            let columns = unsafe { target.part((p * capacity + start) * dim, seq * dim) };
+            let tokens = seq.min(rows.len().saturating_sub(b * seq));
+            for (s, column) in columns.chunks_exact_mut(dim).take(tokens).enumerate() {
+                column.copy_from_slice(&rows.row(b * seq + s)[h * dim..(h + 1) * dim]);
             }
+        };
+        if batch * seq * heads * dim < SPLIT_WRITE_VALUES {
+            (0..planes).for_each(plane);
+        } else {
+            crate::kernels::pool::for_each_chunk(planes, &plane);
         }
     });
     match written {

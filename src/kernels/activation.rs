@@ -2,7 +2,7 @@
 //! gate, RoPE and RMSNorm.
 
 use super::attention::exp;
-use super::cpu::{SimdPath, on_simd_path};
+use super::cpu::{SimdPath, Slot, on_simd_path};
 
 /// `gate = silu(gate) * up = gate / (1 + e^-gate) * up`, element by element and in
 /// place (the gate's buffer becomes the output: a prompt's gate is megabytes, and a fresh
@@ -71,30 +71,10 @@ fn rope_plain(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f
     }
 }
 
-/// A place a kernel writes one value to: an `f32`, or one not yet written.
-trait Slot {
-    /// Writes `v`.
-    fn set(&mut self, v: f32);
-}
-
-impl Slot for f32 {
-    #[inline(always)]
-    fn set(&mut self, v: f32) {
-        *self = v;
-    }
-}
-
-impl Slot for std::mem::MaybeUninit<f32> {
-    #[inline(always)]
-    fn set(&mut self, v: f32) {
-        self.write(v);
-    }
-}
-
 /// One head of [`rope`]: `x`, its cosines `c` and sines `s` (`head_dim` values each,
 /// an even number) into `o`, every value written.
 #[inline(always)]
-fn rope_head<O: Slot>(x: &[f32], c: &[f32], s: &[f32], o: &mut [O]) {
+fn rope_head<O: Slot<f32>>(x: &[f32], c: &[f32], s: &[f32], o: &mut [O]) {
     let half = x.len() / 2;
     let (x1, x2) = x.split_at(half);
     let (o1, o2) = o.split_at_mut(half);
@@ -131,39 +111,39 @@ pub fn rope_at<'a>(
     assert!(head_dim >= 2 && head_dim.is_multiple_of(2) && width.is_multiple_of(head_dim));
     let rows = positions.len();
     let n = rows * width;
-    let mut out: Vec<f32> = Vec::with_capacity(n);
     if n == 0 {
-        return out;
+        return Vec::new();
     }
     let path = SimdPath::active();
-    let target = super::pool::Disjoint::new(&mut out.spare_capacity_mut()[..n]);
-    let run = |start: usize, end: usize| {
-        // SAFETY: rows `start..end <= rows` own values `start * width ..` of the `n`
-        // reserved, and only this run writes them.
-        let out = unsafe { target.part(start * width, (end - start) * width) };
-        let angles = &Angles {
-            cos: cos_table,
-            sin: sin_table,
-            positions,
-            head_dim,
+    let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
+        let target = super::pool::Disjoint::new(out);
+        let run = |start: usize, end: usize| {
+            // SAFETY: rows `start..end <= rows` own values `start * width ..` of the `n`
+            // reserved, and only this run writes them.
+            let out = unsafe { target.part(start * width, (end - start) * width) };
+            let angles = &Angles {
+                cos: cos_table,
+                sin: sin_table,
+                positions,
+                head_dim,
+            };
+            on_simd_path!(path, rope_rows['a](
+                row: &(dyn Fn(usize) -> &'a [f32] + Sync),
+                start: usize,
+                width: usize,
+                angles: &Angles<'_>,
+                out: &mut [std::mem::MaybeUninit<f32>],
+            ));
         };
-        on_simd_path!(path, rope_rows['a](
-            row: &(dyn Fn(usize) -> &'a [f32] + Sync),
-            start: usize,
-            width: usize,
-            angles: &Angles<'_>,
-            out: &mut [std::mem::MaybeUninit<f32>],
-        ));
+        if n < ROPE_SPLIT {
+            run(0, rows);
+        } else {
+            super::pool::for_each_run(rows, (ROPE_SPLIT / 2 / width.max(1)).max(1), &run);
+        }
     };
-    if n < ROPE_SPLIT {
-        run(0, rows);
-    } else {
-        super::pool::for_each_run(rows, (ROPE_SPLIT / 2 / width.max(1)).max(1), &run);
-    }
-    // SAFETY: every row's `width` values were written above (`rope_rows` writes every
-    // head of every row it is given, and the runs cover `0..rows`).
-    unsafe { out.set_len(n) };
-    out
+    // SAFETY: `rope_rows` writes every head of every row it is given, and the runs cover
+    // `0..rows`: all `rows * width` values.
+    unsafe { super::cpu::written(n, fill) }
 }
 
 /// Values from which [`rope_at`] is split across threads (a decode step stays on one).
@@ -221,6 +201,64 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         .for_each(|(out, x)| rms_norm_rows(x, weight, eps, out));
 }
 
+/// [`rms_norm`] into a fresh vector, each value written once (no clearing pass), a
+/// prompt's rows split across the pool's threads: the same bits.
+pub fn rms_norm_new(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let d = weight.len();
+    let rows = x.len().checked_div(d).unwrap_or(0);
+    let n = rows * d;
+    if n == 0 {
+        return Vec::new();
+    }
+    let path = SimdPath::active();
+    let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
+        let target = super::pool::Disjoint::new(out);
+        let run = |start: usize, end: usize| {
+            // SAFETY: rows `start..end <= rows` own values `start * d ..` of the `n`, and
+            // only this run writes them.
+            let out = unsafe { target.part(start * d, (end - start) * d) };
+            let x = &x[start * d..end * d];
+            on_simd_path!(path, rms_norm_plain[O: Slot<f32>](
+                x: &[f32],
+                weight: &[f32],
+                eps: f32,
+                out: &mut [O],
+            ));
+        };
+        if n < 65_536 {
+            run(0, rows);
+        } else {
+            super::pool::for_each_run(rows, (32_768 / d).max(1), &run);
+        }
+    };
+    // SAFETY: `rms_norm_plain` writes every value of each whole row it is given, and the
+    // runs cover `0..rows`.
+    unsafe { super::cpu::written(n, fill) }
+}
+
+/// `sum += row(r)` for each of the `width`-value rows of `sum` (a residual add in place),
+/// a prompt's rows split across the pool's threads. Element-wise adds: the bits of any
+/// other order.
+pub fn add_rows<'a>(sum: &mut [f32], width: usize, row: &(dyn Fn(usize) -> &'a [f32] + Sync)) {
+    let rows = sum.len().checked_div(width).unwrap_or(0);
+    let target = super::pool::Disjoint::new(sum);
+    let run = |start: usize, end: usize| {
+        // SAFETY: rows `start..end <= rows` own values `start * width ..` of `sum`, and
+        // only this run writes them.
+        let sum = unsafe { target.part(start * width, (end - start) * width) };
+        for (r, s) in (start..).zip(sum.chunks_exact_mut(width)) {
+            for (s, &d) in s.iter_mut().zip(row(r)) {
+                *s += d;
+            }
+        }
+    };
+    if rows * width < 65_536 {
+        run(0, rows);
+    } else {
+        super::pool::for_each_run(rows, (32_768 / width.max(1)).max(1), &run);
+    }
+}
+
 fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     on_simd_path!(
         SimdPath::active(),
@@ -230,7 +268,7 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn rms_norm_plain(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+fn rms_norm_plain<O: Slot<f32>>(x: &[f32], weight: &[f32], eps: f32, out: &mut [O]) {
     let d = weight.len();
     for (o, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
         let mut acc = [0f32; 16];
@@ -252,7 +290,7 @@ fn rms_norm_plain(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         }
         let inv = 1.0 / (acc[0] / d as f32 + eps).sqrt();
         for ((o, &x), &w) in o.iter_mut().zip(x).zip(weight) {
-            *o = x * inv * w;
+            o.set(x * inv * w);
         }
     }
 }

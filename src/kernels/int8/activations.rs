@@ -1,7 +1,7 @@
 //! The activations of a `fast` product quantized to 8 bits: runs of 32-value blocks that
 //! share one scale, each block's scale and sums kept beside its values.
 
-use super::super::cpu::{SimdPath, on_simd_path};
+use super::super::cpu::{SimdPath, Slot, on_simd_path};
 use super::QK;
 
 /// Activation rows quantized in runs of 32-value blocks that share one scale (a run of
@@ -59,13 +59,13 @@ impl QuantizedRows {
     /// the remainder, which gives its bits and vectorizes).
     pub(crate) fn new_on(path: SimdPath, x: &[f32], rows: usize, n_in: usize, run: usize) -> Self {
         let blocks = rows * n_in / QK;
-        let mut out = Self {
-            n_in,
-            q: vec![0; rows * n_in],
-            d: vec![0.0; blocks],
-            sx: vec![0.0; blocks],
-            sum16: vec![0; 2 * blocks],
-        };
+        // Written once, with no clearing pass (a prompt's values are megabytes).
+        let (mut q, mut d, mut sx, mut sum16) = (
+            Vec::<i8>::with_capacity(blocks * QK),
+            Vec::<f32>::with_capacity(blocks),
+            Vec::<f32>::with_capacity(blocks),
+            Vec::<i32>::with_capacity(2 * blocks),
+        );
         // A prompt's rows are split between the pool's threads in runs of whole blocks
         // (each run of blocks is quantized alone, so the split changes no bit); a decode
         // step's few rows are not worth a split. The split's runs are whole runs of
@@ -75,35 +75,74 @@ impl QuantizedRows {
         } else {
             blocks
         };
-        let (q, d, sx, sum16) = (
-            super::super::pool::Disjoint::new(&mut out.q),
-            super::super::pool::Disjoint::new(&mut out.d),
-            super::super::pool::Disjoint::new(&mut out.sx),
-            super::super::pool::Disjoint::new(&mut out.sum16),
-        );
-        super::super::pool::for_each_run(blocks, per, &|first, end| {
-            let n = end - first;
-            let x = &x[first * QK..end * QK];
-            // SAFETY: this run alone writes blocks `first..end` of each buffer, all inside
-            // them (`end <= blocks`), and the buffers outlive the split.
-            let (q, d, sx, sum16) = unsafe {
-                (
-                    q.part(first * QK, n * QK),
-                    d.part(first, n),
-                    sx.part(first, n),
-                    sum16.part(2 * first, 2 * n),
-                )
-            };
-            on_simd_path!(path, quantize_blocks(
-                x: &[f32],
-                q: &mut [i8],
-                d: &mut [f32],
-                sx: &mut [f32],
-                sum16: &mut [i32],
-                run: usize,
-            ));
-        });
-        out
+        let run = run.max(1);
+        // The blocks in whole runs (all of them where `n_in` is a multiple of `32 * run`,
+        // as the callers' weights make it); any others are zeros.
+        let covered = blocks / run * run;
+        {
+            let (qs, ds, sxs, sums) = (
+                &mut q.spare_capacity_mut()[..blocks * QK],
+                &mut d.spare_capacity_mut()[..blocks],
+                &mut sx.spare_capacity_mut()[..blocks],
+                &mut sum16.spare_capacity_mut()[..2 * blocks],
+            );
+            for v in &mut qs[covered * QK..] {
+                v.write(0);
+            }
+            for v in ds[covered..].iter_mut().chain(&mut sxs[covered..]) {
+                v.write(0.0);
+            }
+            for v in &mut sums[2 * covered..] {
+                v.write(0);
+            }
+            let (q, d, sx, sum16) = (
+                super::super::pool::Disjoint::new(qs),
+                super::super::pool::Disjoint::new(ds),
+                super::super::pool::Disjoint::new(sxs),
+                super::super::pool::Disjoint::new(sums),
+            );
+            super::super::pool::for_each_run(covered, per, &|first, end| {
+                let n = end - first;
+                let x = &x[first * QK..end * QK];
+                // SAFETY: this run alone writes blocks `first..end` of each buffer, all
+                // inside them (`end <= covered <= blocks`), and the buffers outlive the
+                // split.
+                let (q, d, sx, sum16) = unsafe {
+                    (
+                        q.part(first * QK, n * QK),
+                        d.part(first, n),
+                        sx.part(first, n),
+                        sum16.part(2 * first, 2 * n),
+                    )
+                };
+                on_simd_path!(path, quantize_blocks[
+                    Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>
+                ](
+                    x: &[f32],
+                    q: &mut [Q],
+                    d: &mut [F],
+                    sx: &mut [F],
+                    sum16: &mut [S],
+                    run: usize,
+                ));
+            });
+        }
+        // SAFETY: the runs of the split cover blocks `0..covered` (`per` is a multiple of
+        // `run`, or all the blocks), and `quantize_blocks` writes every value, scale and
+        // sum of the whole runs it is given; the rest were zeroed above.
+        unsafe {
+            q.set_len(blocks * QK);
+            d.set_len(blocks);
+            sx.set_len(blocks);
+            sum16.set_len(2 * blocks);
+        }
+        Self {
+            n_in,
+            q,
+            d,
+            sx,
+            sum16,
+        }
     }
 
     /// Sub-blocks per row.
@@ -124,12 +163,12 @@ const PARALLEL_QUANTIZE_BLOCKS: usize = 2048;
 /// `round` (half away from zero) as `t = trunc(y)`, plus `sign(y)` where `|y - t| >=
 /// 0.5` (`y - t` is exact).
 #[inline(always)]
-fn quantize_blocks(
+fn quantize_blocks<Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>>(
     x: &[f32],
-    q: &mut [i8],
-    d: &mut [f32],
-    sx: &mut [f32],
-    sum16: &mut [i32],
+    q: &mut [Q],
+    d: &mut [F],
+    sx: &mut [F],
+    sum16: &mut [S],
     run: usize,
 ) {
     let runs = x
@@ -174,15 +213,16 @@ fn quantize_blocks(
                 };
                 // SAFETY: `r` is a finite whole number in `-127..=127`.
                 *int = unsafe { r.to_int_unchecked::<i32>() };
-                *q = *int as i8;
+                q.set(*int as i8);
             }
             let (lo, hi) = (
                 ints[..16].iter().sum::<i32>(),
                 ints[16..].iter().sum::<i32>(),
             );
-            *d = scale;
-            *sx = scale * (lo + hi) as f32;
-            sums.copy_from_slice(&[lo, hi]);
+            d.set(scale);
+            sx.set(scale * (lo + hi) as f32);
+            sums[0].set(lo);
+            sums[1].set(hi);
         }
     }
 }
