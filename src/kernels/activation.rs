@@ -109,40 +109,61 @@ pub fn rope_at<'a>(
     head_dim: usize,
 ) -> Vec<f32> {
     assert!(head_dim >= 2 && head_dim.is_multiple_of(2) && width.is_multiple_of(head_dim));
-    let rows = positions.len();
+    let path = SimdPath::active();
+    let angles = &Angles {
+        cos: cos_table,
+        sin: sin_table,
+        positions,
+        head_dim,
+    };
+    let write = |start: usize, out: &mut [std::mem::MaybeUninit<f32>]| {
+        on_simd_path!(path, rope_rows['a](
+            row: &(dyn Fn(usize) -> &'a [f32] + Sync),
+            start: usize,
+            width: usize,
+            angles: &Angles<'_>,
+            out: &mut [std::mem::MaybeUninit<f32>],
+        ));
+    };
+    // SAFETY: `rope_rows` writes every head of every row it is given.
+    unsafe { rows_written(positions.len(), width, ROPE_SPLIT, &write) }
+}
+
+/// A fresh vector of `rows` rows of `width` values, each written once by `write(start,
+/// out)`, which is given rows `start ..` (as many whole rows as `out` holds) not yet
+/// written: on the calling thread below `split` values, else in runs of rows of about
+/// half as many values across the pool's threads.
+///
+/// # Safety
+///
+/// `write` writes every value it is given.
+unsafe fn rows_written(
+    rows: usize,
+    width: usize,
+    split: usize,
+    write: &(dyn Fn(usize, &mut [std::mem::MaybeUninit<f32>]) + Sync),
+) -> Vec<f32> {
     let n = rows * width;
     if n == 0 {
         return Vec::new();
     }
-    let path = SimdPath::active();
     let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
         let target = super::pool::Disjoint::new(out);
         let run = |start: usize, end: usize| {
-            // SAFETY: rows `start..end <= rows` own values `start * width ..` of the `n`
-            // reserved, and only this run writes them.
-            let out = unsafe { target.part(start * width, (end - start) * width) };
-            let angles = &Angles {
-                cos: cos_table,
-                sin: sin_table,
-                positions,
-                head_dim,
-            };
-            on_simd_path!(path, rope_rows['a](
-                row: &(dyn Fn(usize) -> &'a [f32] + Sync),
-                start: usize,
-                width: usize,
-                angles: &Angles<'_>,
-                out: &mut [std::mem::MaybeUninit<f32>],
-            ));
+            // SAFETY: rows `start..end <= rows` own values `start * width ..` of the `n`,
+            // and only this run writes them.
+            write(start, unsafe {
+                target.part(start * width, (end - start) * width)
+            });
         };
-        if n < ROPE_SPLIT {
+        if n < split {
             run(0, rows);
         } else {
-            super::pool::for_each_run(rows, (ROPE_SPLIT / 2 / width.max(1)).max(1), &run);
+            super::pool::for_each_run(rows, (split / 2 / width).max(1), &run);
         }
     };
-    // SAFETY: `rope_rows` writes every head of every row it is given, and the runs cover
-    // `0..rows`: all `rows * width` values.
+    // SAFETY: the runs cover rows `0..rows`, and `write` writes every value of each
+    // (the caller's contract).
     unsafe { super::cpu::written(n, fill) }
 }
 
@@ -206,34 +227,18 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rms_norm_new(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let d = weight.len();
     let rows = x.len().checked_div(d).unwrap_or(0);
-    let n = rows * d;
-    if n == 0 {
-        return Vec::new();
-    }
     let path = SimdPath::active();
-    let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
-        let target = super::pool::Disjoint::new(out);
-        let run = |start: usize, end: usize| {
-            // SAFETY: rows `start..end <= rows` own values `start * d ..` of the `n`, and
-            // only this run writes them.
-            let out = unsafe { target.part(start * d, (end - start) * d) };
-            let x = &x[start * d..end * d];
-            on_simd_path!(path, rms_norm_plain[O: Slot<f32>](
-                x: &[f32],
-                weight: &[f32],
-                eps: f32,
-                out: &mut [O],
-            ));
-        };
-        if n < 65_536 {
-            run(0, rows);
-        } else {
-            super::pool::for_each_run(rows, (32_768 / d).max(1), &run);
-        }
+    let write = |start: usize, out: &mut [std::mem::MaybeUninit<f32>]| {
+        let x = &x[start * d..][..out.len()];
+        on_simd_path!(path, rms_norm_plain[O: Slot<f32>](
+            x: &[f32],
+            weight: &[f32],
+            eps: f32,
+            out: &mut [O],
+        ));
     };
-    // SAFETY: `rms_norm_plain` writes every value of each whole row it is given, and the
-    // runs cover `0..rows`.
-    unsafe { super::cpu::written(n, fill) }
+    // SAFETY: `rms_norm_plain` writes every value of each whole row it is given.
+    unsafe { rows_written(rows, d, 65_536, &write) }
 }
 
 /// `sum += row(r)` for each of the `width`-value rows of `sum` (a residual add in place),
