@@ -1265,9 +1265,9 @@ impl LlamaBackend for burn::backend::Flex {
         let [head_dim, _] = rotation.swap.dims();
         let positions = angles.positions();
         // The shapes `rope` would check on the gathered angles, `[rows, heads *
-        // head_dim]`, checked on the tables.
-        if cos_table.dims() != [cos_table.dims()[0], head_dim]
-            || sin_table.dims() != cos_table.dims()
+        // head_dim]`, checked on the tables (`RopeAngles::new` has checked that both
+        // tables have one shape and that every position lies in them).
+        if cos_table.dims()[1] != head_dim
             || head_dim < 2
             || !head_dim.is_multiple_of(2)
             || positions.len() != rows
@@ -1278,10 +1278,6 @@ impl LlamaBackend for burn::backend::Flex {
                 expected: vec![rows, width],
                 actual: vec![positions.len(), angles.heads() * cos_table.dims()[1]],
             });
-        }
-        let max = cos_table.dims()[0];
-        if let Some(&p) = positions.iter().find(|&&p| p >= max) {
-            return Err(LlamaError::PromptTooLong { tokens: p + 1, max });
         }
         let device = x.device();
         let out = with_values(cos_table, |cos| {

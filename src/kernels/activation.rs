@@ -149,26 +149,36 @@ unsafe fn rows_written(
     }
     let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
         let target = super::pool::Disjoint::new(out);
-        let run = |start: usize, end: usize| {
+        for_row_runs(rows, width, split, &|start, end| {
             // SAFETY: rows `start..end <= rows` own values `start * width ..` of the `n`,
             // and only this run writes them.
             write(start, unsafe {
                 target.part(start * width, (end - start) * width)
             });
-        };
-        if n < split {
-            run(0, rows);
-        } else {
-            super::pool::for_each_run(rows, (split / 2 / width).max(1), &run);
-        }
+        });
     };
     // SAFETY: the runs cover rows `0..rows`, and `write` writes every value of each
     // (the caller's contract).
     unsafe { super::cpu::written(n, fill) }
 }
 
+/// Calls `run(start, end)` for runs of rows that cover `0..rows` (rows of `width`
+/// values): all of them on the calling thread below `split` values (a decode step's few
+/// rows: a hand-over costs more than it saves), else runs of about half as many values
+/// across the pool's threads.
+fn for_row_runs(rows: usize, width: usize, split: usize, run: &(dyn Fn(usize, usize) + Sync)) {
+    if rows * width < split {
+        run(0, rows);
+    } else {
+        super::pool::for_each_run(rows, (split / 2 / width.max(1)).max(1), run);
+    }
+}
+
 /// Values from which [`rope_at`] is split across threads (a decode step stays on one).
 const ROPE_SPLIT: usize = 32 * 1024;
+
+/// Values from which RMSNorm and the residual add are split across threads.
+const ROW_SPLIT: usize = 64 * 1024;
 
 /// [`rope_at`]'s tables and each row's position in them.
 struct Angles<'a> {
@@ -208,18 +218,20 @@ fn rope_rows<'a>(
 ///
 /// `x` and `out` must hold the same whole number of rows (extra values are ignored).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    use rayon::prelude::*;
     let d = weight.len();
     if d == 0 {
         return;
     }
     let rows = (x.len() / d).min(out.len() / d);
-    let (x, out) = (&x[..rows * d], &mut out[..rows * d]);
-    // Rows per task: about 64 Ki values, so a decode step's few rows stay on one thread.
-    let per_task = (65_536 / d).max(1);
-    out.par_chunks_mut(per_task * d)
-        .zip(x.par_chunks(per_task * d))
-        .for_each(|(out, x)| rms_norm_rows(x, weight, eps, out));
+    let path = SimdPath::active();
+    let target = super::pool::Disjoint::new(&mut out[..rows * d]);
+    for_row_runs(rows, d, ROW_SPLIT, &|start, end| {
+        // SAFETY: rows `start..end <= rows` own values `start * d ..` of `out`, and only
+        // this run writes them.
+        let out = unsafe { target.part(start * d, (end - start) * d) };
+        let x = &x[start * d..end * d];
+        on_simd_path!(path, rms_norm_plain(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]));
+    });
 }
 
 /// [`rms_norm`] into a fresh vector, each value written once (no clearing pass), a
@@ -238,7 +250,7 @@ pub fn rms_norm_new(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
         ));
     };
     // SAFETY: `rms_norm_plain` writes every value of each whole row it is given.
-    unsafe { rows_written(rows, d, 65_536, &write) }
+    unsafe { rows_written(rows, d, ROW_SPLIT, &write) }
 }
 
 /// `sum += row(r)` for each of the `width`-value rows of `sum` (a residual add in place),
@@ -247,7 +259,7 @@ pub fn rms_norm_new(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
 pub fn add_rows<'a>(sum: &mut [f32], width: usize, row: &(dyn Fn(usize) -> &'a [f32] + Sync)) {
     let rows = sum.len().checked_div(width).unwrap_or(0);
     let target = super::pool::Disjoint::new(sum);
-    let run = |start: usize, end: usize| {
+    for_row_runs(rows, width, ROW_SPLIT, &|start, end| {
         // SAFETY: rows `start..end <= rows` own values `start * width ..` of `sum`, and
         // only this run writes them.
         let sum = unsafe { target.part(start * width, (end - start) * width) };
@@ -256,19 +268,7 @@ pub fn add_rows<'a>(sum: &mut [f32], width: usize, row: &(dyn Fn(usize) -> &'a [
                 *s += d;
             }
         }
-    };
-    if rows * width < 65_536 {
-        run(0, rows);
-    } else {
-        super::pool::for_each_run(rows, (32_768 / width.max(1)).max(1), &run);
-    }
-}
-
-fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    on_simd_path!(
-        SimdPath::active(),
-        rms_norm_plain(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32])
-    );
+    });
 }
 
 #[inline(always)]
@@ -363,6 +363,27 @@ mod tests {
             let mut alone = vec![0f32; d];
             rms_norm(row, &w, 1e-5, &mut alone);
             assert_eq!(alone, out[r * d..(r + 1) * d]);
+        }
+    }
+
+    /// A prompt's rows (split across the pool's threads) give each row's bits alone, into
+    /// a given buffer or a fresh one.
+    #[test]
+    fn rms_norm_split_or_fresh_gives_each_rows_bits() {
+        let (rows, d) = (1000, 100);
+        let x: Vec<f32> = (0..rows * d)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03)
+            .collect();
+        let w: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 * 0.01).collect();
+        let mut out = vec![0f32; x.len()];
+        rms_norm(&x, &w, 1e-5, &mut out);
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&rms_norm_new(&x, &w, 1e-5)), bits(&out));
+        for (r, row) in x.chunks(d).enumerate() {
+            assert_eq!(
+                bits(&rms_norm_new(row, &w, 1e-5)),
+                bits(&out[r * d..(r + 1) * d])
+            );
         }
     }
 }

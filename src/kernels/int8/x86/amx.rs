@@ -468,21 +468,14 @@ impl Lines {
 
     /// `lines` lines, every byte written by `write` (given them all, not yet written).
     fn written(lines: usize, write: impl FnOnce(&mut [std::mem::MaybeUninit<u8>])) -> Self {
-        let mut v: Vec<Line> = Vec::with_capacity(lines);
-        let bytes = v.spare_capacity_mut();
-        // SAFETY: the `lines` reserved lines, 64 bytes each with no padding, seen as bytes
-        // not yet written (`MaybeUninit<u8>` has `u8`'s size and alignment).
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(
-                bytes.as_mut_ptr().cast::<std::mem::MaybeUninit<u8>>(),
-                lines * 64,
-            )
+        let fill = |v: &mut [std::mem::MaybeUninit<Line>]| {
+            // SAFETY: the lines, 64 bytes each with no padding, seen as bytes not yet
+            // written (`MaybeUninit<u8>` has `u8`'s size and alignment).
+            write(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 64) });
         };
-        write(bytes);
-        // SAFETY: `write` wrote every byte of the `lines` lines (its contract), and any
-        // bytes are a valid `Line`.
-        unsafe { v.set_len(lines) };
-        Self(v)
+        // SAFETY: `write` writes every byte of the lines (its contract), and any bytes are
+        // a valid `Line`.
+        Self(unsafe { crate::kernels::cpu::written(lines, fill) })
     }
 
     /// The bytes.
