@@ -1028,6 +1028,39 @@ thread_local! {
 #[cfg(feature = "flex")]
 const UP_SCRATCH_KEEP: usize = 16 << 20;
 
+/// Runs `f` on this thread's [`UP_SCRATCH`], taken out for the call and put back after it
+/// unless it grew past [`UP_SCRATCH_KEEP`]. Taken, not borrowed across the call: a
+/// product's split may run on rayon's pool, whose waiting worker can take another
+/// request's forward pass on this thread, and that pass's gate then finds an empty
+/// buffer.
+#[cfg(feature = "flex")]
+fn with_up_scratch<R>(f: impl FnOnce(&mut Vec<f32>) -> Result<R>) -> Result<R> {
+    let mut scratch = UP_SCRATCH.take();
+    let out = f(&mut scratch);
+    if scratch.capacity() <= UP_SCRATCH_KEEP {
+        UP_SCRATCH.set(scratch);
+    }
+    out
+}
+
+/// `silu(x @ gate^T) * (x @ up^T)` of activation rows quantized once for both products,
+/// SwiGLU in the gate's own output.
+#[cfg(feature = "flex")]
+fn gated_on(
+    acts: &crate::kernels::int8::FastRows,
+    gate: &QuantMatrix,
+    up: &QuantMatrix,
+) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    acts.product_into(gate, &mut out)?;
+    with_up_scratch(|scratch| {
+        acts.product_into(up, scratch)?;
+        crate::kernels::activation::swiglu(&mut out, scratch);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
 #[cfg(feature = "flex")]
 impl LlamaBackend for burn::backend::Flex {
     fn keeps_quantized_weights() -> bool {
@@ -1077,7 +1110,7 @@ impl LlamaBackend for burn::backend::Flex {
     /// Both products, then SwiGLU in the gate's own output: one buffer of `[rows,
     /// hidden]` fewer than the separate operations (a 450-token prompt's is 14.7 MB a
     /// layer, whose fresh pages the allocator mapped and the kernel cleared each time),
-    /// the same bits.
+    /// and in `fast` the activations quantized once for both: the same bits.
     fn quantized_swiglu(
         x: Tensor<Self, 2>,
         gate: &QuantMatrix,
@@ -1091,23 +1124,113 @@ impl LlamaBackend for burn::backend::Flex {
                 actual: vec![up.rows(), up.cols()],
             });
         }
-        let [rows, _] = x.dims();
+        let [rows, n_in] = x.dims();
         let device = x.device();
+        let run = gate.format().int_form().run;
         let out = with_values(&x, |values| {
-            let mut out = crate::kernels::matmul_transposed_in(precision, values, rows, gate)?;
-            // Taken out for the call, not borrowed across it: a product's split may run
-            // on rayon's pool, whose waiting worker can take another request's forward
-            // pass on this thread, and that pass's gate then finds an empty buffer.
-            let mut scratch = UP_SCRATCH.take();
-            crate::kernels::matmul_transposed_into(precision, values, rows, up, &mut scratch)?;
-            crate::kernels::activation::swiglu(&mut out, &scratch);
-            if scratch.capacity() <= UP_SCRATCH_KEEP {
-                UP_SCRATCH.set(scratch);
+            if precision == Precision::Fast && up.format().int_form().run == run {
+                let path = crate::kernels::SimdPath::active();
+                let acts = crate::kernels::int8::FastRows::quantize(path, values, rows, n_in, run)?;
+                return gated_on(&acts, gate, up);
             }
+            let mut out = crate::kernels::matmul_transposed_in(precision, values, rows, gate)?;
+            with_up_scratch(|scratch| {
+                crate::kernels::matmul_transposed_into(precision, values, rows, up, scratch)?;
+                crate::kernels::activation::swiglu(&mut out, scratch);
+                Ok(())
+            })?;
             Ok(out)
         })?;
         Ok(Some(Tensor::from_data(
             TensorData::new(out, [rows, gate.rows()]),
+            &device,
+        )))
+    }
+
+    /// In `fast`, the activations quantized once for the product's matrices (both of
+    /// [`Beside::Second`] and [`Beside::SwiGluUp`]), RMSNorm taken row by row where they
+    /// are quantized (no normalized rows in memory), and the residual added to the
+    /// product's own output: the bits of the separate operations. `Ok(None)` in `exact`,
+    /// and where the two matrices quantize their activations in runs of different
+    /// lengths.
+    fn fused_quantized_matmul(
+        x: Tensor<Self, 2>,
+        w: &QuantMatrix,
+        beside: Beside<'_>,
+        around: Around<'_, Self>,
+        precision: Precision,
+    ) -> Result<Option<Tensor<Self, 2>>> {
+        let [rows, n_in] = x.dims();
+        let (second, beside_outputs) = match beside {
+            Beside::Nothing => (None, 0),
+            Beside::Second(m) => (Some(m), m.rows()),
+            Beside::SwiGluUp(m) => (Some(m), 0),
+        };
+        for m in std::iter::once(w).chain(second) {
+            if m.cols() != n_in {
+                return Err(LlamaError::ShapeMismatch {
+                    name: "quantized matmul input".into(),
+                    expected: vec![m.cols()],
+                    actual: vec![n_in],
+                });
+            }
+        }
+        if let Beside::SwiGluUp(up) = beside
+            && (up.rows(), up.cols()) != (w.rows(), w.cols())
+        {
+            return Err(LlamaError::ShapeMismatch {
+                name: "swiglu up".into(),
+                expected: vec![w.rows(), w.cols()],
+                actual: vec![up.rows(), up.cols()],
+            });
+        }
+        let outputs = w.rows() + beside_outputs;
+        match &around {
+            Around::Norm(weight, _) => check_norm(&x, weight)?,
+            Around::Residual(residual) if residual.dims() != [rows, outputs] => {
+                return Err(LlamaError::ShapeMismatch {
+                    name: "residual of a quantized product".into(),
+                    expected: vec![rows, outputs],
+                    actual: residual.dims().to_vec(),
+                });
+            }
+            Around::Residual(_) => {}
+        }
+        let run = w.format().int_form().run;
+        if precision != Precision::Fast || second.is_some_and(|m| m.format().int_form().run != run)
+        {
+            return Ok(None);
+        }
+        let path = crate::kernels::SimdPath::active();
+        let device = x.device();
+        let acts = with_values(&x, |values| match &around {
+            Around::Norm(weight, eps) => with_values(weight, |weight| {
+                crate::kernels::int8::FastRows::normed(path, values, weight, *eps as f32, rows, run)
+            }),
+            Around::Residual(_) => {
+                crate::kernels::int8::FastRows::quantize(path, values, rows, n_in, run)
+            }
+        })?;
+        drop(x);
+        let mut out = match beside {
+            Beside::Nothing => {
+                let mut out = Vec::new();
+                acts.product_into(w, &mut out)?;
+                out
+            }
+            Beside::Second(b) => acts.products_beside(w, b)?,
+            Beside::SwiGluUp(up) => gated_on(&acts, w, up)?,
+        };
+        drop(acts);
+        if let Around::Residual(residual) = &around {
+            with_values(residual, |residual| {
+                let row = |r: usize| &residual[r * outputs..(r + 1) * outputs];
+                crate::kernels::activation::add_rows(&mut out, outputs, &row);
+                Ok(())
+            })?;
+        }
+        Ok(Some(Tensor::from_data(
+            TensorData::new(out, [rows, outputs]),
             &device,
         )))
     }
@@ -1466,6 +1589,122 @@ mod tests {
         let got = Flex::quantized_swiglu(x, &gate, &short, Precision::Fast);
         assert!(
             matches!(&got, Err(LlamaError::ShapeMismatch { name, .. }) if name == "swiglu up"),
+            "{got:?}"
+        );
+    }
+
+    /// The CPU backend's fused products in `fast` (the activations quantized once for
+    /// both matrices, RMSNorm taken where they are quantized, the residual added to the
+    /// output) give the bits of the separate operations, for one matrix, two beside each
+    /// other (formats of one run length) and the feed-forward gate, from one row to the
+    /// AMX kernel's forty; `exact`, and two matrices whose activations are quantized in
+    /// runs of different lengths, are left to the separate operations; the shapes are
+    /// checked.
+    #[test]
+    fn fused_products_give_the_separate_operations_bits() {
+        let device = Default::default();
+        let n_in = 512;
+        let fast = Precision::Fast;
+        let norm_weight: Vec<f32> = (0..n_in).map(|i| 0.5 + (i % 13) as f32 * 0.07).collect();
+        let norm_weight =
+            Tensor::<Flex, 1>::from_data(TensorData::new(norm_weight, [n_in]), &device);
+        let eps = 1e-5;
+        for (a, b) in [
+            (QuantFormat::Q4_K, QuantFormat::Q6_K),
+            (QuantFormat::Q8_0, QuantFormat::Q4_0),
+        ] {
+            let (w, beside, up) = (
+                random_matrix(a, 48, n_in, 1),
+                random_matrix(b, 32, n_in, 2),
+                random_matrix(a, 48, n_in, 3),
+            );
+            for rows in [19, 1, 5, 40] {
+                let x: Vec<f32> = (0..rows * n_in)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013 * (1 + i / n_in % 3) as f32)
+                    .collect();
+                let x = Tensor::<Flex, 2>::from_data(TensorData::new(x, [rows, n_in]), &device);
+                let h = Flex::rms_norm(x.clone(), &norm_weight, eps).expect("norm");
+                let product = |x: &Tensor<Flex, 2>, m: &QuantMatrix| {
+                    Flex::quantized_matmul(x.clone(), m, fast).expect("product")
+                };
+                let norm = || Around::Norm(&norm_weight, eps);
+                let fused = |beside: Beside<'_>, around: Around<'_, Flex>| {
+                    Flex::fused_quantized_matmul(x.clone(), &w, beside, around, fast)
+                        .expect("fused")
+                        .expect("the CPU backend fuses in fast")
+                };
+                let residual = product(&x, &w).mul_scalar(-0.75);
+                let cases = [
+                    ("norm", fused(Beside::Nothing, norm()), product(&h, &w)),
+                    (
+                        "norm, two beside",
+                        fused(Beside::Second(&beside), norm()),
+                        Tensor::cat(vec![product(&h, &w), product(&h, &beside)], 1),
+                    ),
+                    (
+                        "norm, gate",
+                        fused(Beside::SwiGluUp(&up), norm()),
+                        Flex::swiglu(product(&h, &w), product(&h, &up)).expect("swiglu"),
+                    ),
+                    (
+                        "residual",
+                        fused(Beside::Nothing, Around::Residual(residual.clone())),
+                        residual.clone() + product(&x, &w),
+                    ),
+                ];
+                for (case, fused, apart) in cases {
+                    assert_eq!(fused.dims(), apart.dims(), "{case}");
+                    let (fused, apart) = (values(fused), values(apart));
+                    let first = fused.iter().zip(&apart).position(|(a, b)| a != b);
+                    assert_eq!(first, None, "{a:?} {case}, {rows} rows");
+                }
+                let exact = Flex::fused_quantized_matmul(
+                    x.clone(),
+                    &w,
+                    Beside::Nothing,
+                    norm(),
+                    Precision::Exact,
+                );
+                assert!(matches!(exact, Ok(None)), "{exact:?}");
+            }
+        }
+        let x = Tensor::<Flex, 2>::ones([3, n_in], &device);
+        let (w, q8) = (
+            random_matrix(QuantFormat::Q4_K, 48, n_in, 1),
+            random_matrix(QuantFormat::Q8_0, 32, n_in, 2),
+        );
+        let norm = || Around::Norm(&norm_weight, 1e-5);
+        let runs_differ =
+            Flex::fused_quantized_matmul(x.clone(), &w, Beside::Second(&q8), norm(), fast);
+        assert!(matches!(runs_differ, Ok(None)), "{runs_differ:?}");
+        let short = Tensor::<Flex, 2>::ones([3, 47], &device);
+        let got = Flex::fused_quantized_matmul(
+            x.clone(),
+            &w,
+            Beside::Nothing,
+            Around::Residual(short),
+            fast,
+        );
+        assert!(
+            matches!(&got, Err(LlamaError::ShapeMismatch { name, .. }) if name == "residual of a quantized product"),
+            "{got:?}"
+        );
+        let narrow = Tensor::<Flex, 1>::ones([n_in - 1], &device);
+        let got = Flex::fused_quantized_matmul(
+            x.clone(),
+            &w,
+            Beside::Nothing,
+            Around::Norm(&narrow, 1e-5),
+            fast,
+        );
+        assert!(
+            matches!(&got, Err(LlamaError::ShapeMismatch { name, .. }) if name == "rms_norm weight"),
+            "{got:?}"
+        );
+        let other = random_matrix(QuantFormat::Q4_K, 48, 2 * n_in, 4);
+        let got = Flex::fused_quantized_matmul(x, &w, Beside::SwiGluUp(&other), norm(), fast);
+        assert!(
+            matches!(&got, Err(LlamaError::ShapeMismatch { name, .. }) if name == "quantized matmul input"),
             "{got:?}"
         );
     }

@@ -271,9 +271,10 @@ pub fn add_rows<'a>(sum: &mut [f32], width: usize, row: &(dyn Fn(usize) -> &'a [
     });
 }
 
+/// [`rms_norm`]'s steps on the whole rows of `x` into `out`, on the caller's path.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn rms_norm_plain<O: Slot<f32>>(x: &[f32], weight: &[f32], eps: f32, out: &mut [O]) {
+pub(crate) fn rms_norm_plain<O: Slot<f32>>(x: &[f32], weight: &[f32], eps: f32, out: &mut [O]) {
     let d = weight.len();
     for (o, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
         let mut acc = [0f32; 16];

@@ -145,6 +145,90 @@ impl QuantizedRows {
         }
     }
 
+    /// [`new_on`](Self::new_on) of `rms_norm(x, weight, eps)` (as
+    /// [`activation::rms_norm`](crate::kernels::activation::rms_norm) computes it) without
+    /// the normalized rows in memory: each row normalized into a buffer of one row, which
+    /// stays in the first-level cache, and quantized from there. The same bits as the
+    /// norm and then the quantization; a prompt's rows split between the pool's threads.
+    /// `n_in` is `weight.len()`, a multiple of `32 * run`, and `x` holds `rows` rows of it.
+    pub(crate) fn normed_on(
+        path: SimdPath,
+        x: &[f32],
+        weight: &[f32],
+        eps: f32,
+        rows: usize,
+        run: usize,
+    ) -> Self {
+        let n_in = weight.len();
+        let run = run.max(1);
+        debug_assert!(n_in.is_multiple_of(QK * run) && x.len() >= rows * n_in);
+        let blocks = rows * n_in / QK;
+        let per_row = n_in / QK;
+        let (mut q, mut d, mut sx, mut sum16) = (
+            Vec::<i8>::with_capacity(blocks * QK),
+            Vec::<f32>::with_capacity(blocks),
+            Vec::<f32>::with_capacity(blocks),
+            Vec::<i32>::with_capacity(2 * blocks),
+        );
+        {
+            let (q, d, sx, sum16) = (
+                super::super::pool::Disjoint::new(&mut q.spare_capacity_mut()[..blocks * QK]),
+                super::super::pool::Disjoint::new(&mut d.spare_capacity_mut()[..blocks]),
+                super::super::pool::Disjoint::new(&mut sx.spare_capacity_mut()[..blocks]),
+                super::super::pool::Disjoint::new(&mut sum16.spare_capacity_mut()[..2 * blocks]),
+            );
+            let rows_per = if blocks >= PARALLEL_QUANTIZE_BLOCKS {
+                (PARALLEL_QUANTIZE_BLOCKS / 2 / per_row.max(1)).max(1)
+            } else {
+                rows.max(1)
+            };
+            super::super::pool::for_each_run(rows, rows_per, &|first, end| {
+                let n = end - first;
+                let x = &x[first * n_in..end * n_in];
+                // SAFETY: these rows alone write blocks `first * per_row ..` + `n *
+                // per_row` of each buffer, all inside them (`end <= rows`), and the
+                // buffers outlive the split.
+                let (q, d, sx, sum16) = unsafe {
+                    (
+                        q.part(first * n_in, n * n_in),
+                        d.part(first * per_row, n * per_row),
+                        sx.part(first * per_row, n * per_row),
+                        sum16.part(2 * first * per_row, 2 * n * per_row),
+                    )
+                };
+                let mut buffer = vec![0f32; n_in];
+                let row = buffer.as_mut_slice();
+                let out = Outputs { q, d, sx, sum16 };
+                on_simd_path!(path, norm_quantize_rows[
+                    Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>
+                ](
+                    x: &[f32],
+                    weight: &[f32],
+                    eps: f32,
+                    row: &mut [f32],
+                    out: Outputs<'_, Q, F, S>,
+                    run: usize,
+                ));
+            });
+        }
+        // SAFETY: the runs of rows cover rows `0..rows`, and `norm_quantize_rows` writes
+        // every value, scale and sum of each row it is given (whole runs: `n_in` is a
+        // multiple of `32 * run`).
+        unsafe {
+            q.set_len(blocks * QK);
+            d.set_len(blocks);
+            sx.set_len(blocks);
+            sum16.set_len(2 * blocks);
+        }
+        Self {
+            n_in,
+            q,
+            d,
+            sx,
+            sum16,
+        }
+    }
+
     /// Sub-blocks per row.
     pub(super) fn blocks(&self) -> usize {
         self.n_in / QK
@@ -156,6 +240,43 @@ impl QuantizedRows {
 /// (a decode step) on the calling thread. A prompt of 150 tokens spent 7% of its
 /// projections' time quantizing on one thread while the other waited.
 const PARALLEL_QUANTIZE_BLOCKS: usize = 2048;
+
+/// Where [`norm_quantize_rows`] writes some rows' quantized values, block scales, scales
+/// times sums and half sums.
+struct Outputs<'a, Q, F, S> {
+    q: &'a mut [Q],
+    d: &'a mut [F],
+    sx: &'a mut [F],
+    sum16: &'a mut [S],
+}
+
+/// [`QuantizedRows::normed_on`]'s rows: each row of `x` normalized into `row` (one
+/// row's values) by RMSNorm's own steps, then quantized from there into its values,
+/// scales and sums.
+#[inline(always)]
+fn norm_quantize_rows<Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>>(
+    x: &[f32],
+    weight: &[f32],
+    eps: f32,
+    row: &mut [f32],
+    out: Outputs<'_, Q, F, S>,
+    run: usize,
+) {
+    let Outputs { q, d, sx, sum16 } = out;
+    let (n_in, per_row) = (weight.len(), weight.len() / QK);
+    let rows = x
+        .chunks_exact(n_in)
+        .zip(q.chunks_exact_mut(n_in))
+        .zip(
+            d.chunks_exact_mut(per_row)
+                .zip(sx.chunks_exact_mut(per_row)),
+        )
+        .zip(sum16.chunks_exact_mut(2 * per_row));
+    for (((x, q), (d, sx)), sum16) in rows {
+        crate::kernels::activation::rms_norm_plain(x, weight, eps, row);
+        quantize_blocks(row, q, d, sx, sum16, run);
+    }
+}
 
 /// [`QuantizedRows::new`]'s quantization of the 32-value blocks of `x` into `q`, each
 /// block's scale into `d`, scale times sum into `sx` and half sums into `sum16`, written

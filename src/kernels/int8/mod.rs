@@ -179,13 +179,7 @@ pub fn matmul_transposed_int8_into(
     w: &QuantMatrix,
     out: &mut Vec<f32>,
 ) -> Result<()> {
-    let amx = path.has_amx() && rows >= AMX_FROM_ROWS;
-    let uses = Extensions {
-        amx,
-        gfni: path.has_gfni(),
-        avx_vnni: path.has_avx_vnni(),
-    };
-    matmul_int8_into(path, uses, x, rows, w, out)
+    matmul_int8_into(path, Extensions::of(path, rows), x, rows, w, out)
 }
 
 /// The instruction-set extensions a product may take beyond its path's base (each also
@@ -199,6 +193,18 @@ struct Extensions {
     gfni: bool,
     /// AVX-VNNI's 256-bit `vpdpbusd` in the AVX2 kernels.
     avx_vnni: bool,
+}
+
+impl Extensions {
+    /// What a product of `rows` rows takes on `path`: each extension the path has, AMX
+    /// from [`AMX_FROM_ROWS`].
+    fn of(path: SimdPath, rows: usize) -> Self {
+        Self {
+            amx: path.has_amx() && rows >= AMX_FROM_ROWS,
+            gfni: path.has_gfni(),
+            avx_vnni: path.has_avx_vnni(),
+        }
+    }
 }
 
 /// Activation rows from which a product takes the AMX kernel where the CPU has it. Its
@@ -237,293 +243,473 @@ fn matmul_int8_into(
     out: &mut Vec<f32>,
 ) -> Result<()> {
     out.clear();
-    let (n_in, n_out) = (w.cols(), w.rows());
-    // Activations are quantized in runs of `run` blocks (see `IntForm::run`).
-    let run = w.format().int_form().run;
-    if Some(x.len()) != rows.checked_mul(n_in) || !n_in.is_multiple_of(QK * run) {
-        return Err(LlamaError::ShapeMismatch {
+    let acts = FastRows::quantize(path, x, rows, w.cols(), w.format().int_form().run)?;
+    acts.product_with(uses, w, out)
+}
+
+/// Activation rows quantized once for the `fast` products that read them (a layer's
+/// queries, keys and values; its gate and up), in runs of one length: each product of a
+/// matrix whose formats quantize in runs of that length reads them as they are, and the
+/// AMX kernel's layout of them is made once, by the first product that takes it.
+pub(crate) struct FastRows {
+    /// The path every product runs on.
+    path: SimdPath,
+    /// Activation rows.
+    rows: usize,
+    /// 32-value blocks per run of one scale.
+    run: usize,
+    /// The quantized rows.
+    acts: QuantizedRows,
+    /// The rows laid out for the AMX kernel, once a product has taken it.
+    #[cfg(target_arch = "x86_64")]
+    tiled: std::cell::OnceCell<x86::Tiled>,
+}
+
+impl FastRows {
+    /// `rows` rows of `x` (`n_in` values each) quantized for products on `path` whose
+    /// matrices quantize their activations in runs of `run` blocks
+    /// ([`IntForm::run`](crate::quant::IntForm)).
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] if `x` is not `rows` rows of `n_in` values or
+    /// `n_in` not whole runs, and [`LlamaError::InvalidParameter`] if this CPU cannot run
+    /// `path`.
+    pub(crate) fn quantize(
+        path: SimdPath,
+        x: &[f32],
+        rows: usize,
+        n_in: usize,
+        run: usize,
+    ) -> Result<Self> {
+        Self::check(path, x.len(), rows, n_in, run)?;
+        Ok(Self::made(
+            path,
+            rows,
+            run,
+            QuantizedRows::new_on(path, x, rows, n_in, run),
+        ))
+    }
+
+    /// [`quantize`](Self::quantize) of `rms_norm(x, weight, eps)` (the bits of
+    /// [`activation::rms_norm`](crate::kernels::activation::rms_norm)), without the
+    /// normalized rows in memory: each row normalized where it is quantized.
+    ///
+    /// # Errors
+    ///
+    /// As [`quantize`](Self::quantize), with `n_in` the width of `weight`.
+    pub(crate) fn normed(
+        path: SimdPath,
+        x: &[f32],
+        weight: &[f32],
+        eps: f32,
+        rows: usize,
+        run: usize,
+    ) -> Result<Self> {
+        Self::check(path, x.len(), rows, weight.len(), run)?;
+        let acts = QuantizedRows::normed_on(path, x, weight, eps, rows, run);
+        Ok(Self::made(path, rows, run, acts))
+    }
+
+    /// The checks of [`quantize`](Self::quantize) for `len` values.
+    fn check(path: SimdPath, len: usize, rows: usize, n_in: usize, run: usize) -> Result<()> {
+        if Some(len) != rows.checked_mul(n_in) || !n_in.is_multiple_of(QK * run.max(1)) {
+            return Err(LlamaError::ShapeMismatch {
+                name: "quantized matmul input".into(),
+                expected: vec![rows, n_in],
+                actual: vec![len],
+            });
+        }
+        if !path.is_supported() {
+            return Err(LlamaError::invalid(
+                "simd path",
+                path.name(),
+                "not supported by this CPU",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The rows `acts`, quantized in runs of `run` blocks, for products on `path`.
+    fn made(path: SimdPath, rows: usize, run: usize, acts: QuantizedRows) -> Self {
+        Self {
+            path,
+            rows,
+            run: run.max(1),
+            acts,
+            #[cfg(target_arch = "x86_64")]
+            tiled: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// Whether `w`'s products read these rows: its inputs are their values and its
+    /// format quantizes activations in runs of their length.
+    pub(crate) fn takes(&self, w: &QuantMatrix) -> bool {
+        w.cols() == self.acts.n_in && w.format().int_form().run.max(1) == self.run
+    }
+
+    /// `rows @ w^T` (`[rows, w.rows()]`) into `out`, whose old values are dropped and
+    /// whose allocation is reused where it is large enough.
+    ///
+    /// # Errors
+    ///
+    /// [`LlamaError::ShapeMismatch`] unless [`takes`](Self::takes) `w`.
+    pub(crate) fn product_into(&self, w: &QuantMatrix, out: &mut Vec<f32>) -> Result<()> {
+        self.product_with(Extensions::of(self.path, self.rows), w, out)
+    }
+
+    /// `rows @ [a | b]^T`: each row's outputs of `a` then of `b` (`[rows, a.rows() +
+    /// b.rows()]`), each the bits of [`product_into`](Self::product_into).
+    ///
+    /// # Errors
+    ///
+    /// As [`product_into`](Self::product_into), for either matrix.
+    pub(crate) fn products_beside(&self, a: &QuantMatrix, b: &QuantMatrix) -> Result<Vec<f32>> {
+        self.check_takes(a)?;
+        self.check_takes(b)?;
+        let width = a.rows() + b.rows();
+        let mut out = Vec::with_capacity(self.rows * width);
+        #[cfg(test)]
+        out.spare_capacity_mut()
+            .fill(std::mem::MaybeUninit::new(f32::NAN));
+        let uses = Extensions::of(self.path, self.rows);
+        let left = Columns::spare(&mut out, width);
+        let right = Columns {
+            // SAFETY: `a.rows() <= width`: inside the reserved capacity.
+            out: unsafe { left.out.add(a.rows()) },
+            n_out: width,
+        };
+        // SAFETY: `out` holds `rows * width` values; the products write columns `0 ..
+        // a.rows()` and `a.rows() .. width` of every row.
+        unsafe {
+            self.product_columns(uses, a, &left);
+            self.product_columns(uses, b, &right);
+            out.set_len(self.rows * width);
+        }
+        Ok(out)
+    }
+
+    /// [`LlamaError::ShapeMismatch`] unless [`takes`](Self::takes) `w`.
+    fn check_takes(&self, w: &QuantMatrix) -> Result<()> {
+        if self.takes(w) {
+            return Ok(());
+        }
+        Err(LlamaError::ShapeMismatch {
             name: "quantized matmul input".into(),
-            expected: vec![rows, n_in],
-            actual: vec![x.len()],
-        });
+            expected: vec![w.cols(), w.format().int_form().run.max(1)],
+            actual: vec![self.acts.n_in, self.run],
+        })
     }
-    if !path.is_supported() {
-        return Err(LlamaError::invalid(
-            "simd path",
-            path.name(),
-            "not supported by this CPU",
-        ));
+
+    /// [`product_into`](Self::product_into) with `uses`.
+    fn product_with(&self, uses: Extensions, w: &QuantMatrix, out: &mut Vec<f32>) -> Result<()> {
+        out.clear();
+        self.check_takes(w)?;
+        let (rows, n_out) = (self.rows, w.rows());
+        out.reserve(rows * n_out);
+        // In the unit tests the spare capacity starts as NaN: a value no kernel wrote shows
+        // (a freed buffer of an earlier path's call, reused, would hold the right bits).
+        #[cfg(test)]
+        out.spare_capacity_mut()
+            .fill(std::mem::MaybeUninit::new(f32::NAN));
+        let target = Columns::spare(out, n_out);
+        // SAFETY: the capacity holds `rows * n_out` values, all written by the product.
+        unsafe {
+            self.product_columns(uses, w, &target);
+            out.set_len(rows * n_out);
+        }
+        Ok(())
     }
-    if rows == 0 || n_out == 0 {
-        return Ok(());
-    }
-    let acts = QuantizedRows::new_on(path, x, rows, n_in, run);
-    let threads = rayon::current_num_threads().max(1);
-    // Chunks of whole panels (16 outputs), guided: large first, small last.
-    let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
-    out.reserve(rows * n_out);
-    // In the unit tests the spare capacity starts as NaN: a value no kernel wrote shows
-    // (a freed buffer of an earlier path's call, reused, would hold the right bits).
-    #[cfg(test)]
-    out.spare_capacity_mut()
-        .fill(std::mem::MaybeUninit::new(f32::NAN));
-    let target = Columns::spare(out, n_out);
-    let Extensions {
-        amx,
-        gfni,
-        avx_vnni,
-    } = uses;
-    let vnni = path.has_vnni();
-    let gfni = gfni && vnni && path.has_gfni();
-    let in_registers = vnni;
-    let avx2_registers = !vnni && path.has_avx2_integer();
-    // `avx_vnni_supported` implies `avx2_registers` (the AVX2 integer path, no VNNI).
-    let avx_vnni = avx_vnni && super::cpu::avx_vnni_supported(path);
-    // More rows than a group tile: decoded once into the panel, reused for every row
-    // (by the AVX-VNNI panel kernel where the CPU has it, else AVX2's).
-    let avx2_family_panel = avx2_registers && rows > GROUP_TILE;
-    let avx_vnni_panel = avx2_family_panel && avx_vnni;
-    let avx2_panel = avx2_family_panel && !avx_vnni;
-    // Sixteen rows or more, where the CPU has AMX: the tile kernel takes every row, in
-    // groups of sixteen, the last one padded with rows of zeros (whose results are
-    // dropped). A remainder on the VNNI kernel would need the panel decoded for it too;
-    // 150 rows ran faster padded (one group more of the tile unit) than as nine groups
-    // and six rows of VNNI.
-    #[cfg(target_arch = "x86_64")]
-    let amx = amx && vnni && rows >= x86::AMX_ROWS;
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = amx;
-    #[cfg(target_arch = "x86_64")]
-    let tiled = if amx {
-        x86::tiled_rows(&acts, w.format())
-    } else {
-        x86::Tiled::default()
-    };
-    super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
-        let (start, end) = (
-            bounds[chunk] * LANES,
-            (bounds[chunk + 1] * LANES).min(n_out),
-        );
-        // SAFETY: `amx` says this CPU has AMX and the kernel granted the tile data
-        // (`SimdPath::has_amx`, or the tests' `amx_granted`); the tiles are released
-        // when this chunk's work ends.
+
+    /// The product with `w` (which [`takes`](Self::takes) these rows) written into
+    /// `target`'s columns `0 .. w.rows()` of rows `0 .. rows`.
+    ///
+    /// # Safety
+    ///
+    /// `target` holds those columns of every row, and nothing else reads or writes them
+    /// during the call.
+    unsafe fn product_columns(&self, uses: Extensions, w: &QuantMatrix, target: &Columns) {
+        let (path, rows, acts) = (self.path, self.rows, &self.acts);
+        let n_out = w.rows();
+        if rows == 0 || n_out == 0 {
+            return;
+        }
+        let threads = rayon::current_num_threads().max(1);
+        // Chunks of whole panels (16 outputs), guided: large first, small last.
+        let bounds = super::tiling::guided_chunks(n_out.div_ceil(LANES), threads, 2);
+        let Extensions {
+            amx,
+            gfni,
+            avx_vnni,
+        } = uses;
+        let vnni = path.has_vnni();
+        let gfni = gfni && vnni && path.has_gfni();
+        let in_registers = vnni;
+        let avx2_registers = !vnni && path.has_avx2_integer();
+        // `avx_vnni_supported` implies `avx2_registers` (the AVX2 integer path, no VNNI).
+        let avx_vnni = avx_vnni && super::cpu::avx_vnni_supported(path);
+        // More rows than a group tile: decoded once into the panel, reused for every row
+        // (by the AVX-VNNI panel kernel where the CPU has it, else AVX2's).
+        let avx2_family_panel = avx2_registers && rows > GROUP_TILE;
+        let avx_vnni_panel = avx2_family_panel && avx_vnni;
+        let avx2_panel = avx2_family_panel && !avx_vnni;
+        // Sixteen rows or more, where the CPU has AMX: the tile kernel takes every row, in
+        // groups of sixteen, the last one padded with rows of zeros (whose results are
+        // dropped). A remainder on the VNNI kernel would need the panel decoded for it too;
+        // 150 rows ran faster padded (one group more of the tile unit) than as nine groups
+        // and six rows of VNNI.
         #[cfg(target_arch = "x86_64")]
-        let _tiles = amx.then(|| unsafe { x86::Tiles::start(w.format()) });
-        // One tile's results (of a panel, of a group), made once per chunk: each kernel
-        // writes rows `0..tile` of it, and only those are read. Zeroed per tile (a
-        // 512-byte `memset` call for every eight rows of every panel) it took 4% of a
-        // 128-row product's samples.
-        let mut res = [[0f32; LANES]; ROW_TILE];
+        let amx = amx && vnni && rows >= x86::AMX_ROWS;
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = amx;
+        // The AMX layout of the rows: made by the first product that takes it, for the
+        // width of its tiles (a product of another width lays them out for itself).
         #[cfg(target_arch = "x86_64")]
-        let mut group_res = [[0f32; GROUP_ROWS]; GROUP_TILE];
-        PANEL.with_borrow_mut(|panel| {
-            // The second panel of a pair, taken with the first.
-            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-            let mut paired = usize::MAX;
-            for first in (start..end).step_by(LANES) {
-                if first == paired {
-                    continue;
-                }
-                let n = LANES.min(end - first);
-                #[cfg(target_arch = "x86_64")]
-                if n == LANES && (in_registers || avx2_registers) && rows <= GROUP_TILE {
-                    // Each group decoded in registers and multiplied at once, for few
-                    // rows.
-                    for g in [first, first + GROUP_ROWS] {
-                        let group = w.group(g).0;
-                        for r in (0..rows).step_by(GROUP_TILE) {
-                            let tile = GROUP_TILE.min(rows - r);
-                            // SAFETY: `in_registers` (`avx2_registers`) says this CPU
-                            // has AVX-512 with VNNI (AVX2, FMA and F16C) and the format
-                            // is one `group_tile` reads; the group is full (8 rows of
-                            // `w.cols()` values) and `r + tile <= rows`.
-                            unsafe {
-                                if in_registers {
-                                    x86::group_tile_vnni(
-                                        w.format(),
-                                        gfni,
-                                        group,
-                                        &acts,
-                                        r,
-                                        tile,
-                                        &mut group_res,
-                                    )
-                                } else if avx_vnni {
-                                    x86::group_tile_avx_vnni(
-                                        w.format(),
-                                        group,
-                                        &acts,
-                                        r,
-                                        tile,
-                                        &mut group_res,
-                                    )
-                                } else {
-                                    x86::group_tile_avx2(
-                                        w.format(),
-                                        group,
-                                        &acts,
-                                        r,
-                                        tile,
-                                        &mut group_res,
-                                    )
+        let own_tiled;
+        #[cfg(target_arch = "x86_64")]
+        let tiled = if !amx {
+            &x86::Tiled::default()
+        } else if let Some(t) = self.tiled.get().filter(|t| t.fits(w.format())) {
+            t
+        } else if self.tiled.get().is_none() {
+            self.tiled.get_or_init(|| x86::tiled_rows(acts, w.format()))
+        } else {
+            own_tiled = x86::tiled_rows(acts, w.format());
+            &own_tiled
+        };
+        super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
+            let (start, end) = (
+                bounds[chunk] * LANES,
+                (bounds[chunk + 1] * LANES).min(n_out),
+            );
+            // SAFETY: `amx` says this CPU has AMX and the kernel granted the tile data
+            // (`SimdPath::has_amx`, or the tests' `amx_granted`); the tiles are released
+            // when this chunk's work ends.
+            #[cfg(target_arch = "x86_64")]
+            let _tiles = amx.then(|| unsafe { x86::Tiles::start(w.format()) });
+            // One tile's results (of a panel, of a group), made once per chunk: each kernel
+            // writes rows `0..tile` of it, and only those are read. Zeroed per tile (a
+            // 512-byte `memset` call for every eight rows of every panel) it took 4% of a
+            // 128-row product's samples.
+            let mut res = [[0f32; LANES]; ROW_TILE];
+            #[cfg(target_arch = "x86_64")]
+            let mut group_res = [[0f32; GROUP_ROWS]; GROUP_TILE];
+            PANEL.with_borrow_mut(|panel| {
+                // The second panel of a pair, taken with the first.
+                #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+                let mut paired = usize::MAX;
+                for first in (start..end).step_by(LANES) {
+                    if first == paired {
+                        continue;
+                    }
+                    let n = LANES.min(end - first);
+                    #[cfg(target_arch = "x86_64")]
+                    if n == LANES && (in_registers || avx2_registers) && rows <= GROUP_TILE {
+                        // Each group decoded in registers and multiplied at once, for few
+                        // rows.
+                        for g in [first, first + GROUP_ROWS] {
+                            let group = w.group(g).0;
+                            for r in (0..rows).step_by(GROUP_TILE) {
+                                let tile = GROUP_TILE.min(rows - r);
+                                // SAFETY: `in_registers` (`avx2_registers`) says this CPU
+                                // has AVX-512 with VNNI (AVX2, FMA and F16C) and the format
+                                // is one `group_tile` reads; the group is full (8 rows of
+                                // `w.cols()` values) and `r + tile <= rows`.
+                                unsafe {
+                                    if in_registers {
+                                        x86::group_tile_vnni(
+                                            w.format(),
+                                            gfni,
+                                            group,
+                                            acts,
+                                            r,
+                                            tile,
+                                            &mut group_res,
+                                        )
+                                    } else if avx_vnni {
+                                        x86::group_tile_avx_vnni(
+                                            w.format(),
+                                            group,
+                                            acts,
+                                            r,
+                                            tile,
+                                            &mut group_res,
+                                        )
+                                    } else {
+                                        x86::group_tile_avx2(
+                                            w.format(),
+                                            group,
+                                            acts,
+                                            r,
+                                            tile,
+                                            &mut group_res,
+                                        )
+                                    }
+                                };
+                                for (i, row) in group_res.iter().take(tile).enumerate() {
+                                    // SAFETY: row `r + i < rows`; columns `g .. g + 8` lie in
+                                    // this chunk's `start..end`, which no other chunk writes.
+                                    unsafe { target.write(r + i, g, row) };
                                 }
-                            };
-                            for (i, row) in group_res.iter().take(tile).enumerate() {
-                                // SAFETY: row `r + i < rows`; columns `g .. g + 8` lie in
-                                // this chunk's `start..end`, which no other chunk writes.
-                                unsafe { target.write(r + i, g, row) };
                             }
                         }
+                        continue;
                     }
-                    continue;
-                }
-                // The AMX kernel, on a full panel: decoded straight into its words, and
-                // every row multiplied.
-                #[cfg(target_arch = "x86_64")]
-                if amx && n == LANES {
-                    // SAFETY: `amx` says this CPU has AVX-512 with VNNI (and AMX),
-                    // `gfni` that it has GFNI; `first` starts two full groups.
-                    unsafe { x86::fill_amx(panel, w, first, gfni) };
-                    let out = x86::Dest {
-                        target: &target,
-                        rows,
-                        first,
-                    };
-                    // The next panel's weights, a share per run of the tile unit.
-                    let next = (first + LANES < end).then(|| w.panel_bytes(first + LANES));
-                    // SAFETY: as above (AMX, AVX-512 with VNNI); this thread's tiles are
-                    // configured for the format; the panel's AMX words are made; `tiled`
-                    // was built from `acts`; `target` holds `rows` rows, and columns
-                    // `first .. first + 16` lie in this chunk's `start..end`, which no
-                    // other chunk writes.
-                    unsafe { x86::amx_panel(panel, w.format(), &tiled, &out, next) };
-                    continue;
-                }
-                // Two full panels at once on AVX-512 with VNNI (each activation word
-                // broadcast once for both); the second is then passed over.
-                #[cfg(target_arch = "x86_64")]
-                if in_registers && !amx && rows > GROUP_TILE && first + 2 * LANES <= end {
-                    PAIR.with_borrow_mut(|second| {
-                        let next = [2, 3].map(|k| {
-                            (first + k * LANES < end).then(|| w.panel_bytes(first + k * LANES))
+                    // The AMX kernel, on a full panel: decoded straight into its words, and
+                    // every row multiplied.
+                    #[cfg(target_arch = "x86_64")]
+                    if amx && n == LANES {
+                        // SAFETY: `amx` says this CPU has AVX-512 with VNNI (and AMX),
+                        // `gfni` that it has GFNI; `first` starts two full groups.
+                        unsafe { x86::fill_amx(panel, w, first, gfni) };
+                        let out = x86::Dest {
+                            target,
+                            rows,
+                            first,
+                        };
+                        // The next panel's weights, a share per run of the tile unit.
+                        let next = (first + LANES < end).then(|| w.panel_bytes(first + LANES));
+                        // SAFETY: as above (AMX, AVX-512 with VNNI); this thread's tiles are
+                        // configured for the format; the panel's AMX words are made; `tiled`
+                        // was built from `acts`; `target` holds `rows` rows, and columns
+                        // `first .. first + 16` lie in this chunk's `start..end`, which no
+                        // other chunk writes.
+                        unsafe { x86::amx_panel(panel, w.format(), tiled, &out, next) };
+                        continue;
+                    }
+                    // Two full panels at once on AVX-512 with VNNI (each activation word
+                    // broadcast once for both); the second is then passed over.
+                    #[cfg(target_arch = "x86_64")]
+                    if in_registers && !amx && rows > GROUP_TILE && first + 2 * LANES <= end {
+                        PAIR.with_borrow_mut(|second| {
+                            let next = [2, 3].map(|k| {
+                                (first + k * LANES < end).then(|| w.panel_bytes(first + k * LANES))
+                            });
+                            // SAFETY: `in_registers` says this CPU has AVX-512 with VNNI, and
+                            // `gfni` GFNI; `first` and `first + 16` start two full groups
+                            // each (`first + 32 <= end`); the rows were built for `w`;
+                            // `target` holds `rows` rows of `n_out` columns, and `first ..
+                            // first + 32` lie in this chunk's `start..end`, which no other
+                            // chunk writes.
+                            unsafe {
+                                panel.fill_in_registers(w, first, gfni);
+                                second.fill_in_registers(w, first + LANES, gfni);
+                                x86::vnni_panel_pair(
+                                    [panel, second],
+                                    w.format(),
+                                    acts,
+                                    rows,
+                                    target,
+                                    first,
+                                    next,
+                                )
+                            }
                         });
-                        // SAFETY: `in_registers` says this CPU has AVX-512 with VNNI, and
-                        // `gfni` GFNI; `first` and `first + 16` start two full groups
-                        // each (`first + 32 <= end`); the rows were built for `w`;
-                        // `target` holds `rows` rows of `n_out` columns, and `first ..
-                        // first + 32` lie in this chunk's `start..end`, which no other
-                        // chunk writes.
+                        paired = first + LANES;
+                        continue;
+                    }
+                    // More rows: decoded once into the panel, reused for every row.
+                    #[cfg(target_arch = "x86_64")]
+                    if avx2_family_panel && n == LANES {
+                        // SAFETY: `avx2_family_panel` says this CPU has AVX2, FMA and F16C;
+                        // `first` starts two full groups.
+                        unsafe { panel.fill_in_registers_avx2(w, first) };
+                    } else if in_registers && n == LANES {
+                        // SAFETY: as above (AVX-512 with VNNI), and `gfni` says the CPU has
+                        // GFNI.
+                        unsafe { panel.fill_in_registers(w, first, gfni) };
+                    } else {
+                        panel.fill(w, first, n);
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    panel.fill(w, first, n);
+                    #[cfg(target_arch = "x86_64")]
+                    if avx2_panel {
+                        SUMS.with_borrow_mut(|sums| {
+                            sums.clear();
+                            sums.resize(rows, RowSums::default());
+                            let subs = w.cols() / QK;
+                            for s0 in (0..subs).step_by(AVX2_PASS) {
+                                let pass = s0..(s0 + AVX2_PASS).min(subs);
+                                for (t, tile) in sums.chunks_mut(AVX2_TILE).enumerate() {
+                                    // SAFETY: as above; the panel and the rows come from `w`,
+                                    // rows `t * AVX2_TILE ..` + `tile.len()` exist and the
+                                    // pass lies within their sub-blocks.
+                                    unsafe {
+                                        x86::avx2_panel_tile(
+                                            panel,
+                                            w.format(),
+                                            acts,
+                                            t * AVX2_TILE,
+                                            pass.clone(),
+                                            tile,
+                                        )
+                                    };
+                                }
+                            }
+                            for (r, row) in sums.iter().enumerate() {
+                                // SAFETY: row `r < rows`; columns `first .. first + n` lie in
+                                // this chunk's `start..end`, which no other chunk writes.
+                                unsafe { target.write(r, first, &row.acc[..n]) };
+                            }
+                        });
+                        continue;
+                    }
+                    // The next panel's weights, a share per row tile.
+                    let next = (first + LANES < end).then(|| w.panel_bytes(first + LANES));
+                    #[cfg(target_arch = "x86_64")]
+                    if avx_vnni_panel {
+                        // SAFETY: `avx_vnni_panel` says this CPU has AVX2, AVX-VNNI, FMA and
+                        // F16C; the panel and the rows were built for `w`; `target` holds
+                        // `rows` rows of `n_out` columns, and `first .. first + n` lie in this
+                        // chunk's `start..end`, which no other chunk writes.
                         unsafe {
-                            panel.fill_in_registers(w, first, gfni);
-                            second.fill_in_registers(w, first + LANES, gfni);
-                            x86::vnni_panel_pair(
-                                [panel, second],
+                            x86::avx_vnni_panel(
+                                panel,
                                 w.format(),
-                                &acts,
+                                acts,
                                 rows,
-                                &target,
+                                target,
                                 first,
+                                n,
                                 next,
                             )
+                        };
+                        continue;
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    if vnni {
+                        // SAFETY: `vnni` says this CPU has AVX-512 with VNNI; the panel and
+                        // the rows were built for `w`; `target` holds `rows` rows of `n_out`
+                        // columns, and `first .. first + n` lie in this chunk's `start..end`,
+                        // which no other chunk writes.
+                        unsafe {
+                            x86::vnni_panel(panel, w.format(), acts, rows, target, first, n, next)
+                        };
+                        continue;
+                    }
+                    let tiles = rows.div_ceil(ROW_TILE);
+                    let mut r = 0;
+                    while r < rows {
+                        let tile = ROW_TILE.min(rows - r);
+                        if let Some(next) = next {
+                            super::tiling::prefetch_share(next, r / ROW_TILE, tiles);
                         }
-                    });
-                    paired = first + LANES;
-                    continue;
-                }
-                // More rows: decoded once into the panel, reused for every row.
-                #[cfg(target_arch = "x86_64")]
-                if avx2_family_panel && n == LANES {
-                    // SAFETY: `avx2_family_panel` says this CPU has AVX2, FMA and F16C;
-                    // `first` starts two full groups.
-                    unsafe { panel.fill_in_registers_avx2(w, first) };
-                } else if in_registers && n == LANES {
-                    // SAFETY: as above (AVX-512 with VNNI), and `gfni` says the CPU has
-                    // GFNI.
-                    unsafe { panel.fill_in_registers(w, first, gfni) };
-                } else {
-                    panel.fill(w, first, n);
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                panel.fill(w, first, n);
-                #[cfg(target_arch = "x86_64")]
-                if avx2_panel {
-                    SUMS.with_borrow_mut(|sums| {
-                        sums.clear();
-                        sums.resize(rows, RowSums::default());
-                        let subs = w.cols() / QK;
-                        for s0 in (0..subs).step_by(AVX2_PASS) {
-                            let pass = s0..(s0 + AVX2_PASS).min(subs);
-                            for (t, tile) in sums.chunks_mut(AVX2_TILE).enumerate() {
-                                // SAFETY: as above; the panel and the rows come from `w`,
-                                // rows `t * AVX2_TILE ..` + `tile.len()` exist and the
-                                // pass lies within their sub-blocks.
-                                unsafe {
-                                    x86::avx2_panel_tile(
-                                        panel,
-                                        w.format(),
-                                        &acts,
-                                        t * AVX2_TILE,
-                                        pass.clone(),
-                                        tile,
-                                    )
-                                };
-                            }
-                        }
-                        for (r, row) in sums.iter().enumerate() {
-                            // SAFETY: row `r < rows`; columns `first .. first + n` lie in
+                        run_tile(path, panel, w.format(), acts, r, tile, &mut res);
+                        for (i, row) in res.iter().take(tile).enumerate() {
+                            // SAFETY: row `r + i < rows`; columns `first .. first + n` lie in
                             // this chunk's `start..end`, which no other chunk writes.
-                            unsafe { target.write(r, first, &row.acc[..n]) };
+                            unsafe { target.write(r + i, first, &row[..n]) };
                         }
-                    });
-                    continue;
-                }
-                // The next panel's weights, a share per row tile.
-                let next = (first + LANES < end).then(|| w.panel_bytes(first + LANES));
-                #[cfg(target_arch = "x86_64")]
-                if avx_vnni_panel {
-                    // SAFETY: `avx_vnni_panel` says this CPU has AVX2, AVX-VNNI, FMA and
-                    // F16C; the panel and the rows were built for `w`; `target` holds
-                    // `rows` rows of `n_out` columns, and `first .. first + n` lie in this
-                    // chunk's `start..end`, which no other chunk writes.
-                    unsafe {
-                        x86::avx_vnni_panel(panel, w.format(), &acts, rows, &target, first, n, next)
-                    };
-                    continue;
-                }
-                #[cfg(target_arch = "x86_64")]
-                if vnni {
-                    // SAFETY: `vnni` says this CPU has AVX-512 with VNNI; the panel and
-                    // the rows were built for `w`; `target` holds `rows` rows of `n_out`
-                    // columns, and `first .. first + n` lie in this chunk's `start..end`,
-                    // which no other chunk writes.
-                    unsafe {
-                        x86::vnni_panel(panel, w.format(), &acts, rows, &target, first, n, next)
-                    };
-                    continue;
-                }
-                let tiles = rows.div_ceil(ROW_TILE);
-                let mut r = 0;
-                while r < rows {
-                    let tile = ROW_TILE.min(rows - r);
-                    if let Some(next) = next {
-                        super::tiling::prefetch_share(next, r / ROW_TILE, tiles);
+                        r += tile;
                     }
-                    run_tile(path, panel, w.format(), &acts, r, tile, &mut res);
-                    for (i, row) in res.iter().take(tile).enumerate() {
-                        // SAFETY: row `r + i < rows`; columns `first .. first + n` lie in
-                        // this chunk's `start..end`, which no other chunk writes.
-                        unsafe { target.write(r + i, first, &row[..n]) };
-                    }
-                    r += tile;
                 }
-            }
+            });
         });
-    });
-    // SAFETY: the chunks cover the panels `0..n_out.div_ceil(16)` (`guided_chunks`), and
-    // each branch above wrote its panel's columns of every row `0..rows`: all
-    // `rows * n_out` values of the capacity are written.
-    unsafe { out.set_len(rows * n_out) };
-    Ok(())
+        // The chunks cover the panels `0..n_out.div_ceil(16)` (`guided_chunks`), and each
+        // branch above wrote its panel's columns of every row `0..rows`: all `rows * n_out`
+        // values of the target's columns are written.
+    }
 }
 
 thread_local! {

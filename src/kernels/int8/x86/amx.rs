@@ -514,9 +514,16 @@ pub(in crate::kernels::int8) struct Tiled {
     n_in: usize,
     /// Sub-blocks (of 32 values) per row.
     subs: usize,
+    /// Bytes of one product's values ([`unit_bytes`]): the width of the tiles.
+    unit: usize,
 }
 
 impl Tiled {
+    /// Whether the rows are laid out for `format`'s products (tiles of its width).
+    pub(in crate::kernels::int8) fn fits(&self, format: QuantFormat) -> bool {
+        self.unit == unit_bytes(format.int_form().scales)
+    }
+
     /// The values of group `g` (rows `16 g ..` + 16) from sub-block `s` on: a tile of
     /// [`TILE_BYTES`] per sub-block, the group's sub-blocks in order.
     ///
@@ -654,6 +661,7 @@ pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFo
         scales,
         n_in,
         subs,
+        unit: w,
     }
 }
 
