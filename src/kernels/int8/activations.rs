@@ -2,7 +2,9 @@
 //! share one scale, each block's scale and sums kept beside its values.
 
 use super::super::cpu::{SimdPath, Slot, on_simd_path};
+use super::super::pool::Disjoint;
 use super::QK;
+use std::mem::MaybeUninit;
 
 /// Activation rows quantized in runs of 32-value blocks that share one scale (a run of
 /// one block for the 32-value weight formats, as ggml's `Q8_0`; of eight for the
@@ -59,13 +61,6 @@ impl QuantizedRows {
     /// the remainder, which gives its bits and vectorizes).
     pub(crate) fn new_on(path: SimdPath, x: &[f32], rows: usize, n_in: usize, run: usize) -> Self {
         let blocks = rows * n_in / QK;
-        // Written once, with no clearing pass (a prompt's values are megabytes).
-        let (mut q, mut d, mut sx, mut sum16) = (
-            Vec::<i8>::with_capacity(blocks * QK),
-            Vec::<f32>::with_capacity(blocks),
-            Vec::<f32>::with_capacity(blocks),
-            Vec::<i32>::with_capacity(2 * blocks),
-        );
         // A prompt's rows are split between the pool's threads in runs of whole blocks
         // (each run of blocks is quantized alone, so the split changes no bit); a decode
         // step's few rows are not worth a split. The split's runs are whole runs of
@@ -79,70 +74,25 @@ impl QuantizedRows {
         // The blocks in whole runs (all of them where `n_in` is a multiple of `32 * run`,
         // as the callers' weights make it); any others are zeros.
         let covered = blocks / run * run;
-        {
-            let (qs, ds, sxs, sums) = (
-                &mut q.spare_capacity_mut()[..blocks * QK],
-                &mut d.spare_capacity_mut()[..blocks],
-                &mut sx.spare_capacity_mut()[..blocks],
-                &mut sum16.spare_capacity_mut()[..2 * blocks],
-            );
-            for v in &mut qs[covered * QK..] {
-                v.write(0);
-            }
-            for v in ds[covered..].iter_mut().chain(&mut sxs[covered..]) {
-                v.write(0.0);
-            }
-            for v in &mut sums[2 * covered..] {
-                v.write(0);
-            }
-            let (q, d, sx, sum16) = (
-                super::super::pool::Disjoint::new(qs),
-                super::super::pool::Disjoint::new(ds),
-                super::super::pool::Disjoint::new(sxs),
-                super::super::pool::Disjoint::new(sums),
-            );
+        let fill = |target: &Blocks| {
             super::super::pool::for_each_run(covered, per, &|first, end| {
-                let n = end - first;
                 let x = &x[first * QK..end * QK];
-                // SAFETY: this run alone writes blocks `first..end` of each buffer, all
-                // inside them (`end <= covered <= blocks`), and the buffers outlive the
-                // split.
-                let (q, d, sx, sum16) = unsafe {
-                    (
-                        q.part(first * QK, n * QK),
-                        d.part(first, n),
-                        sx.part(first, n),
-                        sum16.part(2 * first, 2 * n),
-                    )
-                };
+                // SAFETY: this run alone writes blocks `first..end`, inside the buffers
+                // (`end <= covered <= blocks`).
+                let out = unsafe { target.part(first, end - first) };
                 on_simd_path!(path, quantize_blocks[
                     Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>
                 ](
                     x: &[f32],
-                    q: &mut [Q],
-                    d: &mut [F],
-                    sx: &mut [F],
-                    sum16: &mut [S],
+                    out: Outputs<'_, Q, F, S>,
                     run: usize,
                 ));
             });
-        }
+        };
         // SAFETY: the runs of the split cover blocks `0..covered` (`per` is a multiple of
         // `run`, or all the blocks), and `quantize_blocks` writes every value, scale and
-        // sum of the whole runs it is given; the rest were zeroed above.
-        unsafe {
-            q.set_len(blocks * QK);
-            d.set_len(blocks);
-            sx.set_len(blocks);
-            sum16.set_len(2 * blocks);
-        }
-        Self {
-            n_in,
-            q,
-            d,
-            sx,
-            sum16,
-        }
+        // sum of the whole runs it is given.
+        unsafe { Self::written(n_in, blocks, covered, fill) }
     }
 
     /// [`new_on`](Self::new_on) of `rms_norm(x, weight, eps)` (as
@@ -160,45 +110,21 @@ impl QuantizedRows {
         run: usize,
     ) -> Self {
         let n_in = weight.len();
-        let run = run.max(1);
-        debug_assert!(n_in.is_multiple_of(QK * run) && x.len() >= rows * n_in);
-        let blocks = rows * n_in / QK;
-        let per_row = n_in / QK;
-        let (mut q, mut d, mut sx, mut sum16) = (
-            Vec::<i8>::with_capacity(blocks * QK),
-            Vec::<f32>::with_capacity(blocks),
-            Vec::<f32>::with_capacity(blocks),
-            Vec::<i32>::with_capacity(2 * blocks),
-        );
-        {
-            let (q, d, sx, sum16) = (
-                super::super::pool::Disjoint::new(&mut q.spare_capacity_mut()[..blocks * QK]),
-                super::super::pool::Disjoint::new(&mut d.spare_capacity_mut()[..blocks]),
-                super::super::pool::Disjoint::new(&mut sx.spare_capacity_mut()[..blocks]),
-                super::super::pool::Disjoint::new(&mut sum16.spare_capacity_mut()[..2 * blocks]),
-            );
-            let rows_per = if blocks >= PARALLEL_QUANTIZE_BLOCKS {
-                (PARALLEL_QUANTIZE_BLOCKS / 2 / per_row.max(1)).max(1)
-            } else {
-                rows.max(1)
-            };
+        debug_assert!(n_in.is_multiple_of(QK * run.max(1)) && x.len() >= rows * n_in);
+        let (blocks, per_row) = (rows * n_in / QK, n_in / QK);
+        let rows_per = if blocks >= PARALLEL_QUANTIZE_BLOCKS {
+            (PARALLEL_QUANTIZE_BLOCKS / 2 / per_row.max(1)).max(1)
+        } else {
+            rows.max(1)
+        };
+        let fill = |target: &Blocks| {
             super::super::pool::for_each_run(rows, rows_per, &|first, end| {
-                let n = end - first;
                 let x = &x[first * n_in..end * n_in];
-                // SAFETY: these rows alone write blocks `first * per_row ..` + `n *
-                // per_row` of each buffer, all inside them (`end <= rows`), and the
-                // buffers outlive the split.
-                let (q, d, sx, sum16) = unsafe {
-                    (
-                        q.part(first * n_in, n * n_in),
-                        d.part(first * per_row, n * per_row),
-                        sx.part(first * per_row, n * per_row),
-                        sum16.part(2 * first * per_row, 2 * n * per_row),
-                    )
-                };
+                // SAFETY: these rows alone write their blocks, inside the buffers (`end
+                // <= rows`).
+                let out = unsafe { target.part(first * per_row, (end - first) * per_row) };
                 let mut buffer = vec![0f32; n_in];
                 let row = buffer.as_mut_slice();
-                let out = Outputs { q, d, sx, sum16 };
                 on_simd_path!(path, norm_quantize_rows[
                     Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>
                 ](
@@ -210,10 +136,55 @@ impl QuantizedRows {
                     run: usize,
                 ));
             });
-        }
+        };
         // SAFETY: the runs of rows cover rows `0..rows`, and `norm_quantize_rows` writes
         // every value, scale and sum of each row it is given (whole runs: `n_in` is a
         // multiple of `32 * run`).
+        unsafe { Self::written(n_in, blocks, blocks, fill) }
+    }
+
+    /// Rows of `n_in` values, `blocks` blocks in all, each block's values, scale and sums
+    /// written once: blocks `0..covered` by `fill` (given the buffers unwritten, to split
+    /// between the pool's threads), the others zeros. No clearing pass: a prompt's
+    /// values are megabytes.
+    ///
+    /// # Safety
+    ///
+    /// `fill` writes every value, scale and sum of blocks `0..covered <= blocks`.
+    unsafe fn written(
+        n_in: usize,
+        blocks: usize,
+        covered: usize,
+        fill: impl FnOnce(&Blocks),
+    ) -> Self {
+        let (mut q, mut d, mut sx, mut sum16) = (
+            Vec::<i8>::with_capacity(blocks * QK),
+            Vec::<f32>::with_capacity(blocks),
+            Vec::<f32>::with_capacity(blocks),
+            Vec::<i32>::with_capacity(2 * blocks),
+        );
+        {
+            let target = Blocks {
+                q: Disjoint::new(&mut q.spare_capacity_mut()[..blocks * QK]),
+                d: Disjoint::new(&mut d.spare_capacity_mut()[..blocks]),
+                sx: Disjoint::new(&mut sx.spare_capacity_mut()[..blocks]),
+                sum16: Disjoint::new(&mut sum16.spare_capacity_mut()[..2 * blocks]),
+            };
+            // SAFETY: blocks `covered..blocks` lie inside the buffers, written here alone.
+            let rest = unsafe { target.part(covered, blocks - covered) };
+            rest.q.iter_mut().for_each(|v| {
+                v.write(0);
+            });
+            rest.d.iter_mut().chain(rest.sx).for_each(|v| {
+                v.write(0.0);
+            });
+            rest.sum16.iter_mut().for_each(|v| {
+                v.write(0);
+            });
+            fill(&target);
+        }
+        // SAFETY: blocks `0..covered` written by `fill` (the caller's contract), the rest
+        // above.
         unsafe {
             q.set_len(blocks * QK);
             d.set_len(blocks);
@@ -241,13 +212,47 @@ impl QuantizedRows {
 /// projections' time quantizing on one thread while the other waited.
 const PARALLEL_QUANTIZE_BLOCKS: usize = 2048;
 
-/// Where [`norm_quantize_rows`] writes some rows' quantized values, block scales, scales
-/// times sums and half sums.
+/// Where some blocks' quantized values, scales, scales times sums and half sums are
+/// written.
 struct Outputs<'a, Q, F, S> {
     q: &'a mut [Q],
     d: &'a mut [F],
     sx: &'a mut [F],
     sum16: &'a mut [S],
+}
+
+/// The buffers of [`QuantizedRows`] being written, split between the pool's threads by
+/// blocks.
+struct Blocks {
+    q: Disjoint<MaybeUninit<i8>>,
+    d: Disjoint<MaybeUninit<f32>>,
+    sx: Disjoint<MaybeUninit<f32>>,
+    sum16: Disjoint<MaybeUninit<i32>>,
+}
+
+impl Blocks {
+    /// Blocks `first .. first + n`.
+    ///
+    /// # Safety
+    ///
+    /// They lie inside the buffers, and no other part given out overlaps them while this
+    /// one lives.
+    #[allow(clippy::type_complexity)]
+    unsafe fn part(
+        &self,
+        first: usize,
+        n: usize,
+    ) -> Outputs<'_, MaybeUninit<i8>, MaybeUninit<f32>, MaybeUninit<i32>> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            Outputs {
+                q: self.q.part(first * QK, n * QK),
+                d: self.d.part(first, n),
+                sx: self.sx.part(first, n),
+                sum16: self.sum16.part(2 * first, 2 * n),
+            }
+        }
+    }
 }
 
 /// [`QuantizedRows::normed_on`]'s rows: each row of `x` normalized into `row` (one
@@ -262,8 +267,8 @@ fn norm_quantize_rows<Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>>(
     out: Outputs<'_, Q, F, S>,
     run: usize,
 ) {
-    let Outputs { q, d, sx, sum16 } = out;
     let (n_in, per_row) = (weight.len(), weight.len() / QK);
+    let Outputs { q, d, sx, sum16 } = out;
     let rows = x
         .chunks_exact(n_in)
         .zip(q.chunks_exact_mut(n_in))
@@ -274,7 +279,7 @@ fn norm_quantize_rows<Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>>(
         .zip(sum16.chunks_exact_mut(2 * per_row));
     for (((x, q), (d, sx)), sum16) in rows {
         crate::kernels::activation::rms_norm_plain(x, weight, eps, row);
-        quantize_blocks(row, q, d, sx, sum16, run);
+        quantize_blocks(row, Outputs { q, d, sx, sum16 }, run);
     }
 }
 
@@ -286,12 +291,10 @@ fn norm_quantize_rows<Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>>(
 #[inline(always)]
 fn quantize_blocks<Q: Slot<i8>, F: Slot<f32>, S: Slot<i32>>(
     x: &[f32],
-    q: &mut [Q],
-    d: &mut [F],
-    sx: &mut [F],
-    sum16: &mut [S],
+    out: Outputs<'_, Q, F, S>,
     run: usize,
 ) {
+    let Outputs { q, d, sx, sum16 } = out;
     let runs = x
         .chunks_exact(QK * run)
         .zip(q.chunks_exact_mut(QK * run))
