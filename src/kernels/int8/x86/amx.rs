@@ -832,7 +832,7 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
         assert!(matches!(f.scales, IntScales::One) || f.run == 8);
         assert!(unit_bytes(IntScales::PerBlock) == 64 && unit_bytes(IntScales::PerHalf) == 64);
     };
-    let (base, count) = const { digits(format_at(F).int_form()) };
+    let (_, count) = const { digits(format_at(F).int_form()) };
     let subs = tiled.subs;
     let groups = out.rows.div_ceil(AMX_ROWS);
     debug_assert!(panel.amx[count - 1].bytes().len() >= subs * 8 * LANES * 4);
@@ -846,7 +846,19 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
     // A run of sixteen rows: 256 values, four tiles of 64 bytes a row (1 KiB each).
     const RUN_BYTES: usize = 4 * AMX_ROWS * 64;
     let runs = subs / 8;
-    for g in 0..groups {
+    // Two groups at once where the format has two digits: each digit's weight tile loaded
+    // once for both (four loads for four products instead of six), the two groups' float
+    // sums kept in memory between their runs.
+    let mut g = 0;
+    if count == 2 {
+        while g + 1 < groups {
+            // SAFETY: the caller's contract (`amx_panel`); groups `g` and `g + 1` are
+            // both the rows'.
+            unsafe { amx_run_pairs::<F>(panel, tiled, out, next, g) };
+            g += 2;
+        }
+    }
+    for g in g..groups {
         // Both digits' products of run `r` of this group into `sums[r % 2]`.
         let products = |r: usize| {
             // SAFETY: run `r` of group `g` is 4 KiB of `tiled` (four tiles of 16 rows of
@@ -965,41 +977,7 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
                 if let Some(next) = next {
                     prefetch_share(next, g * runs + r, groups * runs);
                 }
-                let s0 = r * 8;
-                for s in s0..s0 + 7 {
-                    if f.mins {
-                        let m = _mm512_loadu_ps(mp.add(s * LANES));
-                        each_row!(@ AMX_ROWS, i, {
-                            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sc.sx(s, i)), acc[i]);
-                        }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
-                    }
-                }
-                let s = s0 + 7;
-                let (m, dw) = (
-                    _mm512_loadu_ps(mp.add(s * LANES)),
-                    _mm512_loadu_ps(dp.add(s * LANES)),
-                );
-                let run = &(*sp).0[r % 2];
-                each_row!(@ AMX_ROWS, i, {
-                    // The digits' sums, highest first: `isum = isum * base + sum_i`
-                    // (base 8: a shift; base 7: `(isum << 3) - isum`).
-                    let mut isum = _mm512_loadu_si512(run[count - 1][i].as_ptr().cast());
-                    for k in (0..count - 1).rev() {
-                        let low = _mm512_loadu_si512(run[k][i].as_ptr().cast());
-                        let eight = _mm512_slli_epi32::<3>(isum);
-                        let times = if base == 8 {
-                            eight
-                        } else {
-                            _mm512_sub_epi32(eight, isum)
-                        };
-                        isum = _mm512_add_epi32(times, low);
-                    }
-                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(sc.d(s, i)));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
-                    if f.mins {
-                        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sc.sx(s, i)), acc[i]);
-                    }
-                }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+                run_steps::<F>(&mut acc, &(*sp).0[r % 2], sc, dp, mp, r * 8);
             }
             for (i, a) in acc.iter().enumerate() {
                 let r = g * AMX_ROWS + i;
@@ -1008,6 +986,199 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
                 }
             }
         }
+    }
+}
+
+/// [`amx_runs_of`] for groups `g` and `g + 1` at once, for a format with two digits: in
+/// each step the weight tile of each digit is loaded once and multiplied with both
+/// groups' activation tiles (four loads for four products, where a group alone takes
+/// three for two), and the tile unit computes the next run of both while the vector
+/// units take this one's float steps, group after group. The same integer sums and the
+/// same float steps in the same order as a group alone ([`run_steps`]), so the same bits.
+///
+/// # Safety
+///
+/// As [`amx_panel`], the format `F` having two digits ([`digits`]); groups `g` and `g + 1`
+/// are both the rows'.
+#[inline(always)]
+unsafe fn amx_run_pairs<const F: u8>(
+    panel: &Panel,
+    tiled: &Tiled,
+    out: &Dest,
+    next: Option<&[u8]>,
+    g: usize,
+) {
+    let f = const { format_at(F).int_form() };
+    let groups = out.rows.div_ceil(AMX_ROWS);
+    let runs = tiled.subs / 8;
+    // Each group's digits' sums of a run, `[group][digit][row][lane]` (the third digit
+    // unused), for two runs.
+    #[repr(C, align(64))]
+    struct PairSums([[[[[i32; LANES]; AMX_ROWS]; 3]; 2]; 2]);
+    const GROUP_SUMS: usize = 3 * AMX_ROWS * LANES * 4;
+    const RUN_BYTES: usize = 4 * AMX_ROWS * 64;
+    let mut sums = std::mem::MaybeUninit::<PairSums>::uninit();
+    let sp = sums.as_mut_ptr();
+    let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
+    let products = |r: usize| {
+        // SAFETY: run `r` of groups `g` and `g + 1` is 4 KiB of `tiled` each; the digits'
+        // words of the run are 4 KiB each; `sums[r % 2]` holds both groups' two 1 KiB
+        // results, the second group's `GROUP_SUMS` bytes after the first's. The tiles
+        // are configured for 64-byte products.
+        unsafe {
+            let (a0, a1) = (tiled.values_at(g, r * 8), tiled.values_at(g + 1, r * 8));
+            let d = |i: usize| panel.amx[i].bytes().as_ptr().add(r * RUN_BYTES);
+            let c = sp
+                .cast::<[[[[i32; LANES]; AMX_ROWS]; 3]; 2]>()
+                .add(r % 2)
+                .cast::<u8>();
+            macro_rules! pair {
+                ($dp:literal) => {
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm1",
+                        "tilezero tmm2",
+                        "tilezero tmm3",
+                        "tileloadd tmm4, [{a0} + {row}]",
+                        "tileloadd tmm6, [{d0} + {row}]",
+                        concat!($dp, " tmm0, tmm4, tmm6"),
+                        "tileloadd tmm5, [{a1} + {row}]",
+                        concat!($dp, " tmm2, tmm5, tmm6"),
+                        "tileloadd tmm7, [{d1} + {row}]",
+                        concat!($dp, " tmm1, tmm4, tmm7"),
+                        concat!($dp, " tmm3, tmm5, tmm7"),
+                        "tileloadd tmm4, [{a0} + {row} + 1024]",
+                        "tileloadd tmm6, [{d0} + {row} + 1024]",
+                        concat!($dp, " tmm0, tmm4, tmm6"),
+                        "tileloadd tmm5, [{a1} + {row} + 1024]",
+                        concat!($dp, " tmm2, tmm5, tmm6"),
+                        "tileloadd tmm7, [{d1} + {row} + 1024]",
+                        concat!($dp, " tmm1, tmm4, tmm7"),
+                        concat!($dp, " tmm3, tmm5, tmm7"),
+                        "tileloadd tmm4, [{a0} + {row} + 2048]",
+                        "tileloadd tmm6, [{d0} + {row} + 2048]",
+                        concat!($dp, " tmm0, tmm4, tmm6"),
+                        "tileloadd tmm5, [{a1} + {row} + 2048]",
+                        concat!($dp, " tmm2, tmm5, tmm6"),
+                        "tileloadd tmm7, [{d1} + {row} + 2048]",
+                        concat!($dp, " tmm1, tmm4, tmm7"),
+                        concat!($dp, " tmm3, tmm5, tmm7"),
+                        "tileloadd tmm4, [{a0} + {row} + 3072]",
+                        "tileloadd tmm6, [{d0} + {row} + 3072]",
+                        concat!($dp, " tmm0, tmm4, tmm6"),
+                        "tileloadd tmm5, [{a1} + {row} + 3072]",
+                        concat!($dp, " tmm2, tmm5, tmm6"),
+                        "tileloadd tmm7, [{d1} + {row} + 3072]",
+                        concat!($dp, " tmm1, tmm4, tmm7"),
+                        concat!($dp, " tmm3, tmm5, tmm7"),
+                        "tilestored [{c0} + {row}], tmm0",
+                        "tilestored [{c0} + {row} + 1024], tmm1",
+                        "tilestored [{c1} + {row}], tmm2",
+                        "tilestored [{c1} + {row} + 1024], tmm3",
+                        a0 = in(reg) a0,
+                        a1 = in(reg) a1,
+                        d0 = in(reg) d(0),
+                        d1 = in(reg) d(1),
+                        row = in(reg) 64usize,
+                        c0 = in(reg) c,
+                        c1 = in(reg) c.add(GROUP_SUMS),
+                        options(nostack),
+                    )
+                };
+            }
+            // Unsigned words (offset 0: Q4_K, Q5_K) by `tdpbsud`, signed (Q3_K) by
+            // `tdpbssd`.
+            if f.offset == 0 {
+                pair!("tdpbsud");
+            } else {
+                pair!("tdpbssd");
+            }
+        }
+    };
+    products(0);
+    // SAFETY (every access): `out` takes the groups' rows below `out.rows`;
+    // `sums[r % 2]` was written by `products(r)`; the panel holds `subs * 16` of `d` and
+    // `m`; each group's scales hold `subs` sub-blocks of sixteen `d` and `sx`.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); AMX_ROWS]; 2];
+        let sc = [tiled.group(g), tiled.group(g + 1)];
+        for r in 0..runs {
+            if r + 1 < runs {
+                products(r + 1);
+            }
+            if let Some(next) = next {
+                prefetch_share(next, g * runs + r, groups * runs);
+                prefetch_share(next, (g + 1) * runs + r, groups * runs);
+            }
+            for (h, (acc, &sc)) in acc.iter_mut().zip(&sc).enumerate() {
+                run_steps::<F>(acc, &(*sp).0[r % 2][h], sc, dp, mp, r * 8);
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            for (i, a) in acc.iter().enumerate() {
+                let r = (g + h) * AMX_ROWS + i;
+                if r < out.rows {
+                    _mm512_storeu_ps(out.target.at(r, out.first), *a);
+                }
+            }
+        }
+    }
+}
+
+/// The float steps of run `s0 / 8` for a group of sixteen rows, in the other kernels'
+/// order, on the digits' sums of the run (`run[digit][row]`): each sub-block's minimum,
+/// with the run's scale before the last, into the rows' float sums `acc`.
+///
+/// # Safety
+///
+/// The CPU has AVX-512 F/BW; the panel's `d` and `m` at `dp` and `mp`, and the group's
+/// scales `sc`, hold the run's sub-blocks; `F` has integer scales.
+#[inline(always)]
+unsafe fn run_steps<const F: u8>(
+    acc: &mut [__m512; AMX_ROWS],
+    run: &[[[i32; LANES]; AMX_ROWS]; 3],
+    sc: GroupScales,
+    dp: *const f32,
+    mp: *const f32,
+    s0: usize,
+) {
+    let f = const { format_at(F).int_form() };
+    let (base, count) = const { digits(format_at(F).int_form()) };
+    // SAFETY: the caller's contract.
+    unsafe {
+        for s in s0..s0 + 7 {
+            if f.mins {
+                let m = _mm512_loadu_ps(mp.add(s * LANES));
+                each_row!(@ AMX_ROWS, i, {
+                    acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sc.sx(s, i)), acc[i]);
+                }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+            }
+        }
+        let s = s0 + 7;
+        let (m, dw) = (
+            _mm512_loadu_ps(mp.add(s * LANES)),
+            _mm512_loadu_ps(dp.add(s * LANES)),
+        );
+        each_row!(@ AMX_ROWS, i, {
+            // The digits' sums, highest first: `isum = isum * base + sum_i`
+            // (base 8: a shift; base 7: `(isum << 3) - isum`).
+            let mut isum = _mm512_loadu_si512(run[count - 1][i].as_ptr().cast());
+            for k in (0..count - 1).rev() {
+                let low = _mm512_loadu_si512(run[k][i].as_ptr().cast());
+                let eight = _mm512_slli_epi32::<3>(isum);
+                let times = if base == 8 {
+                    eight
+                } else {
+                    _mm512_sub_epi32(eight, isum)
+                };
+                isum = _mm512_add_epi32(times, low);
+            }
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(sc.d(s, i)));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
+            if f.mins {
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(sc.sx(s, i)), acc[i]);
+            }
+        }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
     }
 }
 
