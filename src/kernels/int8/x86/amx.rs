@@ -26,7 +26,9 @@
 //! unit multiplies ([`fill_amx`]), in their own layout (a tile row is four values of
 //! each of the sixteen lanes), and every tile load reads whole 64-byte lines
 //! ([`Lines`]). A group of sixteen rows runs through the whole row with its float sums
-//! in registers while the tile unit computes the next chunk (or run) of products.
+//! in registers while the tile unit computes the next chunk (or run) of products; for
+//! the formats whose scales are two digits, two groups at once ([`amx_run_pairs`]),
+//! each weight tile loaded once for both.
 //!
 //! **Where it runs.** Linux gives a process the tile unit's state only when asked
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `cpu.rs` asks once and says whether it was
@@ -813,7 +815,8 @@ unsafe fn amx_panel_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, ne
 /// A group of sixteen rows runs through the whole row with its float sums in registers,
 /// and the tile unit computes a run ahead: with the sums in memory (a load and a store
 /// per row and run) and no run ahead, each run waited for the last one's stores, and the
-/// kernel was no faster than the VNNI one.
+/// kernel was no faster than the VNNI one. With two digits, the groups are taken two at
+/// a time ([`amx_run_pairs`]) and a last odd one alone.
 ///
 /// # Safety
 ///
