@@ -217,14 +217,7 @@ pub trait LlamaBackend: Backend {
         precision: Precision,
     ) -> Result<Tensor<Self, 2>> {
         let _ = precision;
-        let [_, n_in] = x.dims();
-        if n_in != w.cols() {
-            return Err(LlamaError::ShapeMismatch {
-                name: "quantized matmul input".into(),
-                expected: vec![w.cols()],
-                actual: vec![n_in],
-            });
-        }
+        check_quantized_input(x.dims()[1], w)?;
         let dense = Tensor::<Self, 2>::from_data(
             TensorData::new(w.dequantize()?, [w.rows(), w.cols()]),
             (&x.device(), x.dtype()),
@@ -723,6 +716,64 @@ pub enum Around<'a, B: Backend> {
     Residual(Tensor<B, 2>),
 }
 
+/// [`LlamaError::ShapeMismatch`] (`quantized matmul input`) unless activations of `n_in`
+/// values are `w`'s inputs.
+pub(crate) fn check_quantized_input(n_in: usize, w: &QuantMatrix) -> Result<()> {
+    if n_in != w.cols() {
+        return Err(LlamaError::ShapeMismatch {
+            name: "quantized matmul input".into(),
+            expected: vec![w.cols()],
+            actual: vec![n_in],
+        });
+    }
+    Ok(())
+}
+
+/// The shapes every backend's [`LlamaBackend::fused_quantized_matmul`] checks: `x` is
+/// `w`'s input, and what goes `around` the product fits it (the norm's weight `x`'s
+/// width, the residual the product's `[rows, outputs]`, the outputs `w`'s and those of a
+/// [`Beside::Second`] matrix). Returns the outputs per row.
+pub(crate) fn check_fused_product<B: Backend>(
+    x: &Tensor<B, 2>,
+    w: &QuantMatrix,
+    beside: Beside<'_>,
+    around: &Around<'_, B>,
+) -> Result<usize> {
+    let [rows, n_in] = x.dims();
+    check_quantized_input(n_in, w)?;
+    let outputs = w.rows()
+        + match beside {
+            Beside::Second(m) => m.rows(),
+            Beside::Nothing | Beside::SwiGluUp(_) => 0,
+        };
+    match around {
+        Around::Norm(weight, _) => check_norm(x, weight)?,
+        Around::Residual(residual) if residual.dims() != [rows, outputs] => {
+            return Err(LlamaError::ShapeMismatch {
+                name: "residual of a quantized product".into(),
+                expected: vec![rows, outputs],
+                actual: residual.dims().to_vec(),
+            });
+        }
+        Around::Residual(_) => {}
+    }
+    Ok(outputs)
+}
+
+/// [`LlamaError::ShapeMismatch`] (`swiglu up`) unless the feed-forward's `up` matrix has
+/// `gate`'s shape.
+#[cfg(feature = "flex")]
+fn check_swiglu_matrices(gate: &QuantMatrix, up: &QuantMatrix) -> Result<()> {
+    if (up.rows(), up.cols()) != (gate.rows(), gate.cols()) {
+        return Err(LlamaError::ShapeMismatch {
+            name: "swiglu up".into(),
+            expected: vec![gate.rows(), gate.cols()],
+            actual: vec![up.rows(), up.cols()],
+        });
+    }
+    Ok(())
+}
+
 /// [`LlamaError::ShapeMismatch`] unless `b` has `a`'s shape.
 pub(crate) fn check_same_shape<B: Backend>(
     name: &str,
@@ -1117,13 +1168,7 @@ impl LlamaBackend for burn::backend::Flex {
         up: &QuantMatrix,
         precision: Precision,
     ) -> Result<Option<Tensor<Self, 2>>> {
-        if (up.rows(), up.cols()) != (gate.rows(), gate.cols()) {
-            return Err(LlamaError::ShapeMismatch {
-                name: "swiglu up".into(),
-                expected: vec![gate.rows(), gate.cols()],
-                actual: vec![up.rows(), up.cols()],
-            });
-        }
+        check_swiglu_matrices(gate, up)?;
         let [rows, n_in] = x.dims();
         let device = x.device();
         let run = gate.format().int_form().run;
@@ -1161,40 +1206,16 @@ impl LlamaBackend for burn::backend::Flex {
         precision: Precision,
     ) -> Result<Option<Tensor<Self, 2>>> {
         let [rows, n_in] = x.dims();
-        let (second, beside_outputs) = match beside {
-            Beside::Nothing => (None, 0),
-            Beside::Second(m) => (Some(m), m.rows()),
-            Beside::SwiGluUp(m) => (Some(m), 0),
+        let outputs = check_fused_product(&x, w, beside, &around)?;
+        let second = match beside {
+            Beside::Nothing => None,
+            Beside::Second(m) | Beside::SwiGluUp(m) => Some(m),
         };
-        for m in std::iter::once(w).chain(second) {
-            if m.cols() != n_in {
-                return Err(LlamaError::ShapeMismatch {
-                    name: "quantized matmul input".into(),
-                    expected: vec![m.cols()],
-                    actual: vec![n_in],
-                });
-            }
+        if let Some(m) = second {
+            check_quantized_input(n_in, m)?;
         }
-        if let Beside::SwiGluUp(up) = beside
-            && (up.rows(), up.cols()) != (w.rows(), w.cols())
-        {
-            return Err(LlamaError::ShapeMismatch {
-                name: "swiglu up".into(),
-                expected: vec![w.rows(), w.cols()],
-                actual: vec![up.rows(), up.cols()],
-            });
-        }
-        let outputs = w.rows() + beside_outputs;
-        match &around {
-            Around::Norm(weight, _) => check_norm(&x, weight)?,
-            Around::Residual(residual) if residual.dims() != [rows, outputs] => {
-                return Err(LlamaError::ShapeMismatch {
-                    name: "residual of a quantized product".into(),
-                    expected: vec![rows, outputs],
-                    actual: residual.dims().to_vec(),
-                });
-            }
-            Around::Residual(_) => {}
+        if let Beside::SwiGluUp(up) = beside {
+            check_swiglu_matrices(w, up)?;
         }
         let run = w.format().int_form().run;
         if precision != Precision::Fast || second.is_some_and(|m| m.format().int_form().run != run)

@@ -65,7 +65,7 @@ use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive, backend::Backend};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 
-use crate::backend::{Around, Beside, LlamaBackend};
+use crate::backend::{Around, Beside, LlamaBackend, check_quantized_input};
 use crate::cache::paged::DeviceKvPool;
 use crate::config::Precision;
 use crate::error::{LlamaError, Result};
@@ -1982,19 +1982,6 @@ fn device_weight<B: LlamaBackend + CubeKernels>(
     )
 }
 
-/// `[rows, n_in]` against a quantized matrix: [`LlamaError::ShapeMismatch`] unless the
-/// matrix takes `n_in` inputs.
-fn check_quantized_input(n_in: usize, w: &QuantMatrix) -> Result<()> {
-    if n_in != w.cols() {
-        return Err(LlamaError::ShapeMismatch {
-            name: "quantized matmul input".into(),
-            expected: vec![w.cols()],
-            actual: vec![n_in],
-        });
-    }
-    Ok(())
-}
-
 /// One quantized product launch on the device (the matrices' copies there): `w` and what
 /// goes `beside` it, in `precision`, with `io` on either side (checked by the caller).
 fn product_launch<B: LlamaBackend + CubeKernels>(
@@ -2142,15 +2129,9 @@ fn fused_quantized_matmul<B: LlamaBackend + CubeKernels>(
     precision: Precision,
 ) -> Result<Option<Tensor<B, 2>>> {
     let [rows, n_in] = x.dims();
-    check_quantized_input(n_in, w)?;
-    let outputs = w.rows()
-        + match beside {
-            Beside::Second(m) => m.rows(),
-            Beside::Nothing | Beside::SwiGluUp(_) => 0,
-        };
+    crate::backend::check_fused_product(&x, w, beside, &around)?;
     let io = match around {
         Around::Norm(weight, eps) => {
-            crate::backend::check_norm(&x, weight)?;
             if weight.dtype() != x.dtype() {
                 return Ok(None);
             }
@@ -2160,13 +2141,6 @@ fn fused_quantized_matmul<B: LlamaBackend + CubeKernels>(
             }
         }
         Around::Residual(residual) => {
-            if residual.dims() != [rows, outputs] {
-                return Err(LlamaError::ShapeMismatch {
-                    name: "residual of a quantized product".into(),
-                    expected: vec![rows, outputs],
-                    actual: residual.dims().to_vec(),
-                });
-            }
             if residual.dtype() != x.dtype() {
                 return Ok(None);
             }

@@ -166,7 +166,12 @@ unsafe fn rows_written(
 /// values): all of them on the calling thread below `split` values (a decode step's few
 /// rows: a hand-over costs more than it saves), else runs of about half as many values
 /// across the pool's threads.
-fn for_row_runs(rows: usize, width: usize, split: usize, run: &(dyn Fn(usize, usize) + Sync)) {
+pub(crate) fn for_row_runs(
+    rows: usize,
+    width: usize,
+    split: usize,
+    run: &(dyn Fn(usize, usize) + Sync),
+) {
     if rows * width < split {
         run(0, rows);
     } else {

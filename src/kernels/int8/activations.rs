@@ -112,13 +112,11 @@ impl QuantizedRows {
         let n_in = weight.len();
         debug_assert!(n_in.is_multiple_of(QK * run.max(1)) && x.len() >= rows * n_in);
         let (blocks, per_row) = (rows * n_in / QK, n_in / QK);
-        let rows_per = if blocks >= PARALLEL_QUANTIZE_BLOCKS {
-            (PARALLEL_QUANTIZE_BLOCKS / 2 / per_row.max(1)).max(1)
-        } else {
-            rows.max(1)
-        };
         let fill = |target: &Blocks| {
-            super::super::pool::for_each_run(rows, rows_per, &|first, end| {
+            // Split as the plain quantization splits (from the same number of blocks, in
+            // runs of rows of about half as many).
+            let split = PARALLEL_QUANTIZE_BLOCKS * QK;
+            crate::kernels::activation::for_row_runs(rows, n_in, split, &|first, end| {
                 let x = &x[first * n_in..end * n_in];
                 // SAFETY: these rows alone write their blocks, inside the buffers (`end
                 // <= rows`).

@@ -462,20 +462,16 @@ impl FastRows {
         let amx = amx && vnni && rows >= x86::AMX_ROWS;
         #[cfg(not(target_arch = "x86_64"))]
         let _ = amx;
-        // The AMX layout of the rows: made by the first product that takes it, for the
-        // width of its tiles (a product of another width lays them out for itself).
+        // The AMX layout of the rows, made by the first product that takes it: every
+        // matrix these rows take has their run length, and so the first one's tile width
+        // (runs of one block are the formats without an integer scale, whose tiles are
+        // one sub-block wide; runs of eight those with, two sub-blocks: the AMX kernels
+        // assert both).
         #[cfg(target_arch = "x86_64")]
-        let own_tiled;
-        #[cfg(target_arch = "x86_64")]
-        let tiled = if !amx {
-            &x86::Tiled::default()
-        } else if let Some(t) = self.tiled.get().filter(|t| t.fits(w.format())) {
-            t
-        } else if self.tiled.get().is_none() {
+        let tiled = if amx {
             self.tiled.get_or_init(|| x86::tiled_rows(acts, w.format()))
         } else {
-            own_tiled = x86::tiled_rows(acts, w.format());
-            &own_tiled
+            &x86::Tiled::default()
         };
         super::pool::for_each_chunk(bounds.len() - 1, &|chunk| {
             let (start, end) = (

@@ -500,6 +500,11 @@ struct Sums([[[i32; LANES]; AMX_ROWS]; CHUNK]);
 /// Bytes of one sub-block of sixteen rows in [`tiled_rows`]' layout of 32-byte tiles.
 const TILE_BYTES: usize = AMX_ROWS * QK;
 
+/// Bytes of a run (256 values) of sixteen rows in the tiles of the formats with integer
+/// scales: four tiles of 64 bytes a row, 1 KiB each (the activations', and each digit's
+/// words').
+const RUN_BYTES: usize = 4 * AMX_ROWS * 64;
+
 /// From this many bytes of tiled rows, [`tiled_rows`] lays them out on the pool's
 /// threads (a batch of a few groups stays on the calling thread).
 const SPLIT_TILED_BYTES: usize = 256 * 1024;
@@ -516,16 +521,9 @@ pub(in crate::kernels::int8) struct Tiled {
     n_in: usize,
     /// Sub-blocks (of 32 values) per row.
     subs: usize,
-    /// Bytes of one product's values ([`unit_bytes`]): the width of the tiles.
-    unit: usize,
 }
 
 impl Tiled {
-    /// Whether the rows are laid out for `format`'s products (tiles of its width).
-    pub(in crate::kernels::int8) fn fits(&self, format: QuantFormat) -> bool {
-        self.unit == unit_bytes(format.int_form().scales)
-    }
-
     /// The values of group `g` (rows `16 g ..` + 16) from sub-block `s` on: a tile of
     /// [`TILE_BYTES`] per sub-block, the group's sub-blocks in order.
     ///
@@ -663,7 +661,6 @@ pub(in crate::kernels::int8) fn tiled_rows(acts: &QuantizedRows, format: QuantFo
         scales,
         n_in,
         subs,
-        unit: w,
     }
 }
 
@@ -680,6 +677,25 @@ pub(in crate::kernels::int8) struct Dest<'a> {
     pub rows: usize,
     /// The panel's first column.
     pub first: usize,
+}
+
+impl Dest<'_> {
+    /// Stores group `g`'s sixteen rows of results `acc`, those below [`Dest::rows`].
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512 F; columns `first ..` + 16 of the target's rows are this
+    /// thread's to write.
+    #[inline(always)]
+    unsafe fn store_group(&self, g: usize, acc: &[__m512; AMX_ROWS]) {
+        for (i, a) in acc.iter().enumerate() {
+            let r = g * AMX_ROWS + i;
+            if r < self.rows {
+                // SAFETY: the caller's contract; row `r` is one of the target's.
+                unsafe { _mm512_storeu_ps(self.target.at(r, self.first), *a) };
+            }
+        }
+    }
 }
 
 /// The results of activation rows `0 .. dest.rows` against the panel's sixteen rows,
@@ -795,12 +811,7 @@ unsafe fn amx_panel_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, ne
                     }, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
                 }
             }
-            for (i, a) in acc.iter().enumerate() {
-                let r = g * AMX_ROWS + i;
-                if r < out.rows {
-                    _mm512_storeu_ps(out.target.at(r, out.first), *a);
-                }
-            }
+            out.store_group(g, &acc);
         }
     }
 }
@@ -846,8 +857,6 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
     let mut sums = std::mem::MaybeUninit::<RunSums>::uninit();
     let sp = sums.as_mut_ptr();
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
-    // A run of sixteen rows: 256 values, four tiles of 64 bytes a row (1 KiB each).
-    const RUN_BYTES: usize = 4 * AMX_ROWS * 64;
     let runs = subs / 8;
     // Two groups at once where the format has two digits: each digit's weight tile loaded
     // once for both (four loads for four products instead of six), the two groups' float
@@ -982,12 +991,7 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
                 }
                 run_steps::<F>(&mut acc, &(*sp).0[r % 2], sc, dp, mp, r * 8);
             }
-            for (i, a) in acc.iter().enumerate() {
-                let r = g * AMX_ROWS + i;
-                if r < out.rows {
-                    _mm512_storeu_ps(out.target.at(r, out.first), *a);
-                }
-            }
+            out.store_group(g, &acc);
         }
     }
 }
@@ -1019,7 +1023,6 @@ unsafe fn amx_run_pairs<const F: u8>(
     #[repr(C, align(64))]
     struct PairSums([[[[[i32; LANES]; AMX_ROWS]; 3]; 2]; 2]);
     const GROUP_SUMS: usize = 3 * AMX_ROWS * LANES * 4;
-    const RUN_BYTES: usize = 4 * AMX_ROWS * 64;
     let mut sums = std::mem::MaybeUninit::<PairSums>::uninit();
     let sp = sums.as_mut_ptr();
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
@@ -1118,12 +1121,7 @@ unsafe fn amx_run_pairs<const F: u8>(
             }
         }
         for (h, acc) in acc.iter().enumerate() {
-            for (i, a) in acc.iter().enumerate() {
-                let r = (g + h) * AMX_ROWS + i;
-                if r < out.rows {
-                    _mm512_storeu_ps(out.target.at(r, out.first), *a);
-                }
-            }
+            out.store_group(g + h, acc);
         }
     }
 }
