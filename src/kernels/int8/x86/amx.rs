@@ -27,8 +27,9 @@
 //! each of the sixteen lanes), and every tile load reads whole 64-byte lines
 //! ([`Lines`]). A group of sixteen rows runs through the whole row with its float sums
 //! in registers while the tile unit computes the next chunk (or run) of products; for
-//! the formats whose scales are two digits, two groups at once ([`amx_run_pairs`]),
-//! each weight tile loaded once for both.
+//! the formats with integer scales, two groups at once ([`amx_run_pairs`]), each weight
+//! tile loaded once for both (Q6_K's three digits in a snake's order: six sums and one
+//! tile each for the activations and the weights).
 //!
 //! **Where it runs.** Linux gives a process the tile unit's state only when asked
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `cpu.rs` asks once and says whether it was
@@ -826,8 +827,8 @@ unsafe fn amx_panel_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, ne
 /// A group of sixteen rows runs through the whole row with its float sums in registers,
 /// and the tile unit computes a run ahead: with the sums in memory (a load and a store
 /// per row and run) and no run ahead, each run waited for the last one's stores, and the
-/// kernel was no faster than the VNNI one. With two digits, the groups are taken two at
-/// a time ([`amx_run_pairs`]) and a last odd one alone.
+/// kernel was no faster than the VNNI one. The groups are taken two at a time
+/// ([`amx_run_pairs`]) and a last odd one alone.
 ///
 /// # Safety
 ///
@@ -858,17 +859,15 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
     let sp = sums.as_mut_ptr();
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
     let runs = subs / 8;
-    // Two groups at once where the format has two digits: each digit's weight tile loaded
-    // once for both (four loads for four products instead of six), the two groups' float
-    // sums kept in memory between their runs.
+    // Two groups at once: each digit's weight tile loaded once for both (two digits:
+    // four loads for four products instead of six; three: seven for six instead of
+    // eight), the two groups' float sums kept in memory between their runs.
     let mut g = 0;
-    if count == 2 {
-        while g + 1 < groups {
-            // SAFETY: the caller's contract (`amx_panel`); groups `g` and `g + 1` are
-            // both the rows'.
-            unsafe { amx_run_pairs::<F>(panel, tiled, out, next, g) };
-            g += 2;
-        }
+    while g + 1 < groups {
+        // SAFETY: the caller's contract (`amx_panel`); groups `g` and `g + 1` are both the
+        // rows'.
+        unsafe { amx_run_pairs::<F>(panel, tiled, out, next, g) };
+        g += 2;
     }
     for g in g..groups {
         // Both digits' products of run `r` of this group into `sums[r % 2]`.
@@ -996,17 +995,23 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
     }
 }
 
-/// [`amx_runs_of`] for groups `g` and `g + 1` at once, for a format with two digits: in
-/// each step the weight tile of each digit is loaded once and multiplied with both
-/// groups' activation tiles (four loads for four products, where a group alone takes
-/// three for two), and the tile unit computes the next run of both while the vector
-/// units take this one's float steps, group after group. The same integer sums and the
-/// same float steps in the same order as a group alone ([`run_steps`]), so the same bits.
+/// [`amx_runs_of`] for groups `g` and `g + 1` at once: in each step the weight tile of
+/// each digit is loaded once and multiplied with both groups' activation tiles, and the
+/// tile unit computes the next run of both while the vector units take this one's float
+/// steps, group after group. With two digits, four tile loads for four products where a
+/// group alone takes three for two; with three (Q6_K), six sums leave one tile for the
+/// activations and one for the weights, and a snake's order (the first group's digits
+/// up, the second's down, the last digit's weights kept between them) loads seven tiles
+/// for six products where a group alone loads four for three (kernel bench, 1B Q6_K,
+/// `fast`, two rounds alternated: 128 rows 512-537 -> 559-580 G multiply-adds/s, 32 rows
+/// 288 -> 305-316; 150-token prefill of the 1B Q6_K file 385 -> 427 tokens/s). The same
+/// integer sums and the same float steps in the same order as a group alone
+/// ([`run_steps`]), so the same bits.
 ///
 /// # Safety
 ///
-/// As [`amx_panel`], the format `F` having two digits ([`digits`]); groups `g` and `g + 1`
-/// are both the rows'.
+/// As [`amx_panel`], the format `F` having integer scales ([`digits`]); groups `g` and
+/// `g + 1` are both the rows'.
 #[inline(always)]
 unsafe fn amx_run_pairs<const F: u8>(
     panel: &Panel,
@@ -1016,10 +1021,11 @@ unsafe fn amx_run_pairs<const F: u8>(
     g: usize,
 ) {
     let f = const { format_at(F).int_form() };
+    let (_, count) = const { digits(format_at(F).int_form()) };
     let groups = out.rows.div_ceil(AMX_ROWS);
     let runs = tiled.subs / 8;
     // Each group's digits' sums of a run, `[group][digit][row][lane]` (the third digit
-    // unused), for two runs.
+    // unused where there are two), for two runs.
     #[repr(C, align(64))]
     struct PairSums([[[[[i32; LANES]; AMX_ROWS]; 3]; 2]; 2]);
     const GROUP_SUMS: usize = 3 * AMX_ROWS * LANES * 4;
@@ -1094,7 +1100,87 @@ unsafe fn amx_run_pairs<const F: u8>(
             }
             // Unsigned words (offset 0: Q4_K, Q5_K) by `tdpbsud`, signed (Q3_K) by
             // `tdpbssd`.
-            if f.offset == 0 {
+            if count == 3 {
+                // Three signed digits' words (Q6_K): six sums in tiles 0 to 5, one tile
+                // for the activations and one for the weights, in a snake's order (the
+                // first group's digits up, the second's down), so each step loads seven
+                // tiles for six products where a group alone loads four for three.
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    "tilezero tmm4",
+                    "tilezero tmm5",
+                    "tileloadd tmm6, [{a0} + {row}]",
+                    "tileloadd tmm7, [{d0} + {row}]",
+                    "tdpbssd tmm0, tmm6, tmm7",
+                    "tileloadd tmm7, [{d1} + {row}]",
+                    "tdpbssd tmm1, tmm6, tmm7",
+                    "tileloadd tmm7, [{d2} + {row}]",
+                    "tdpbssd tmm2, tmm6, tmm7",
+                    "tileloadd tmm6, [{a1} + {row}]",
+                    "tdpbssd tmm5, tmm6, tmm7",
+                    "tileloadd tmm7, [{d1} + {row}]",
+                    "tdpbssd tmm4, tmm6, tmm7",
+                    "tileloadd tmm7, [{d0} + {row}]",
+                    "tdpbssd tmm3, tmm6, tmm7",
+                    "tileloadd tmm6, [{a0} + {row} + 1024]",
+                    "tileloadd tmm7, [{d0} + {row} + 1024]",
+                    "tdpbssd tmm0, tmm6, tmm7",
+                    "tileloadd tmm7, [{d1} + {row} + 1024]",
+                    "tdpbssd tmm1, tmm6, tmm7",
+                    "tileloadd tmm7, [{d2} + {row} + 1024]",
+                    "tdpbssd tmm2, tmm6, tmm7",
+                    "tileloadd tmm6, [{a1} + {row} + 1024]",
+                    "tdpbssd tmm5, tmm6, tmm7",
+                    "tileloadd tmm7, [{d1} + {row} + 1024]",
+                    "tdpbssd tmm4, tmm6, tmm7",
+                    "tileloadd tmm7, [{d0} + {row} + 1024]",
+                    "tdpbssd tmm3, tmm6, tmm7",
+                    "tileloadd tmm6, [{a0} + {row} + 2048]",
+                    "tileloadd tmm7, [{d0} + {row} + 2048]",
+                    "tdpbssd tmm0, tmm6, tmm7",
+                    "tileloadd tmm7, [{d1} + {row} + 2048]",
+                    "tdpbssd tmm1, tmm6, tmm7",
+                    "tileloadd tmm7, [{d2} + {row} + 2048]",
+                    "tdpbssd tmm2, tmm6, tmm7",
+                    "tileloadd tmm6, [{a1} + {row} + 2048]",
+                    "tdpbssd tmm5, tmm6, tmm7",
+                    "tileloadd tmm7, [{d1} + {row} + 2048]",
+                    "tdpbssd tmm4, tmm6, tmm7",
+                    "tileloadd tmm7, [{d0} + {row} + 2048]",
+                    "tdpbssd tmm3, tmm6, tmm7",
+                    "tileloadd tmm6, [{a0} + {row} + 3072]",
+                    "tileloadd tmm7, [{d0} + {row} + 3072]",
+                    "tdpbssd tmm0, tmm6, tmm7",
+                    "tileloadd tmm7, [{d1} + {row} + 3072]",
+                    "tdpbssd tmm1, tmm6, tmm7",
+                    "tileloadd tmm7, [{d2} + {row} + 3072]",
+                    "tdpbssd tmm2, tmm6, tmm7",
+                    "tileloadd tmm6, [{a1} + {row} + 3072]",
+                    "tdpbssd tmm5, tmm6, tmm7",
+                    "tileloadd tmm7, [{d1} + {row} + 3072]",
+                    "tdpbssd tmm4, tmm6, tmm7",
+                    "tileloadd tmm7, [{d0} + {row} + 3072]",
+                    "tdpbssd tmm3, tmm6, tmm7",
+                    "tilestored [{c0} + {row}], tmm0",
+                    "tilestored [{c0} + {row} + 1024], tmm1",
+                    "tilestored [{c0} + {row} + 2048], tmm2",
+                    "tilestored [{c1} + {row}], tmm3",
+                    "tilestored [{c1} + {row} + 1024], tmm4",
+                    "tilestored [{c1} + {row} + 2048], tmm5",
+                    a0 = in(reg) a0,
+                    a1 = in(reg) a1,
+                    d0 = in(reg) d(0),
+                    d1 = in(reg) d(1),
+                    d2 = in(reg) d(2),
+                    row = in(reg) 64usize,
+                    c0 = in(reg) c,
+                    c1 = in(reg) c.add(GROUP_SUMS),
+                    options(nostack),
+                );
+            } else if f.offset == 0 {
                 pair!("tdpbsud");
             } else {
                 pair!("tdpbssd");
