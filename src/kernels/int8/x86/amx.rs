@@ -1098,13 +1098,33 @@ unsafe fn amx_run_pairs<const F: u8>(
                     )
                 };
             }
-            // Unsigned words (offset 0: Q4_K, Q5_K) by `tdpbsud`, signed (Q3_K) by
-            // `tdpbssd`.
             if count == 3 {
                 // Three signed digits' words (Q6_K): six sums in tiles 0 to 5, one tile
                 // for the activations and one for the weights, in a snake's order (the
-                // first group's digits up, the second's down), so each step loads seven
-                // tiles for six products where a group alone loads four for three.
+                // first group's digits up, the second's down, the last digit's weight
+                // tile kept between them), so each step loads seven tiles for six
+                // products where a group alone loads four for three. One step of 64
+                // values, at byte `$off` of the run's tiles:
+                #[rustfmt::skip]
+                macro_rules! snake_step {
+                    ($off:literal) => {
+                        concat!(
+                            "tileloadd tmm6, [{a0} + {row}", $off, "]\n",
+                            "tileloadd tmm7, [{d0} + {row}", $off, "]\n",
+                            "tdpbssd tmm0, tmm6, tmm7\n",
+                            "tileloadd tmm7, [{d1} + {row}", $off, "]\n",
+                            "tdpbssd tmm1, tmm6, tmm7\n",
+                            "tileloadd tmm7, [{d2} + {row}", $off, "]\n",
+                            "tdpbssd tmm2, tmm6, tmm7\n",
+                            "tileloadd tmm6, [{a1} + {row}", $off, "]\n",
+                            "tdpbssd tmm5, tmm6, tmm7\n",
+                            "tileloadd tmm7, [{d1} + {row}", $off, "]\n",
+                            "tdpbssd tmm4, tmm6, tmm7\n",
+                            "tileloadd tmm7, [{d0} + {row}", $off, "]\n",
+                            "tdpbssd tmm3, tmm6, tmm7",
+                        )
+                    };
+                }
                 asm!(
                     "tilezero tmm0",
                     "tilezero tmm1",
@@ -1112,58 +1132,10 @@ unsafe fn amx_run_pairs<const F: u8>(
                     "tilezero tmm3",
                     "tilezero tmm4",
                     "tilezero tmm5",
-                    "tileloadd tmm6, [{a0} + {row}]",
-                    "tileloadd tmm7, [{d0} + {row}]",
-                    "tdpbssd tmm0, tmm6, tmm7",
-                    "tileloadd tmm7, [{d1} + {row}]",
-                    "tdpbssd tmm1, tmm6, tmm7",
-                    "tileloadd tmm7, [{d2} + {row}]",
-                    "tdpbssd tmm2, tmm6, tmm7",
-                    "tileloadd tmm6, [{a1} + {row}]",
-                    "tdpbssd tmm5, tmm6, tmm7",
-                    "tileloadd tmm7, [{d1} + {row}]",
-                    "tdpbssd tmm4, tmm6, tmm7",
-                    "tileloadd tmm7, [{d0} + {row}]",
-                    "tdpbssd tmm3, tmm6, tmm7",
-                    "tileloadd tmm6, [{a0} + {row} + 1024]",
-                    "tileloadd tmm7, [{d0} + {row} + 1024]",
-                    "tdpbssd tmm0, tmm6, tmm7",
-                    "tileloadd tmm7, [{d1} + {row} + 1024]",
-                    "tdpbssd tmm1, tmm6, tmm7",
-                    "tileloadd tmm7, [{d2} + {row} + 1024]",
-                    "tdpbssd tmm2, tmm6, tmm7",
-                    "tileloadd tmm6, [{a1} + {row} + 1024]",
-                    "tdpbssd tmm5, tmm6, tmm7",
-                    "tileloadd tmm7, [{d1} + {row} + 1024]",
-                    "tdpbssd tmm4, tmm6, tmm7",
-                    "tileloadd tmm7, [{d0} + {row} + 1024]",
-                    "tdpbssd tmm3, tmm6, tmm7",
-                    "tileloadd tmm6, [{a0} + {row} + 2048]",
-                    "tileloadd tmm7, [{d0} + {row} + 2048]",
-                    "tdpbssd tmm0, tmm6, tmm7",
-                    "tileloadd tmm7, [{d1} + {row} + 2048]",
-                    "tdpbssd tmm1, tmm6, tmm7",
-                    "tileloadd tmm7, [{d2} + {row} + 2048]",
-                    "tdpbssd tmm2, tmm6, tmm7",
-                    "tileloadd tmm6, [{a1} + {row} + 2048]",
-                    "tdpbssd tmm5, tmm6, tmm7",
-                    "tileloadd tmm7, [{d1} + {row} + 2048]",
-                    "tdpbssd tmm4, tmm6, tmm7",
-                    "tileloadd tmm7, [{d0} + {row} + 2048]",
-                    "tdpbssd tmm3, tmm6, tmm7",
-                    "tileloadd tmm6, [{a0} + {row} + 3072]",
-                    "tileloadd tmm7, [{d0} + {row} + 3072]",
-                    "tdpbssd tmm0, tmm6, tmm7",
-                    "tileloadd tmm7, [{d1} + {row} + 3072]",
-                    "tdpbssd tmm1, tmm6, tmm7",
-                    "tileloadd tmm7, [{d2} + {row} + 3072]",
-                    "tdpbssd tmm2, tmm6, tmm7",
-                    "tileloadd tmm6, [{a1} + {row} + 3072]",
-                    "tdpbssd tmm5, tmm6, tmm7",
-                    "tileloadd tmm7, [{d1} + {row} + 3072]",
-                    "tdpbssd tmm4, tmm6, tmm7",
-                    "tileloadd tmm7, [{d0} + {row} + 3072]",
-                    "tdpbssd tmm3, tmm6, tmm7",
+                    snake_step!(""),
+                    snake_step!(" + 1024"),
+                    snake_step!(" + 2048"),
+                    snake_step!(" + 3072"),
                     "tilestored [{c0} + {row}], tmm0",
                     "tilestored [{c0} + {row} + 1024], tmm1",
                     "tilestored [{c0} + {row} + 2048], tmm2",
@@ -1181,6 +1153,8 @@ unsafe fn amx_run_pairs<const F: u8>(
                     options(nostack),
                 );
             } else if f.offset == 0 {
+                // Unsigned words (offset 0: Q4_K, Q5_K) by `tdpbsud`, signed (Q3_K) by
+                // `tdpbssd`.
                 pair!("tdpbsud");
             } else {
                 pair!("tdpbssd");
