@@ -881,33 +881,29 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
                 let d = |i: usize| panel.amx[i].bytes().as_ptr().add(r * RUN_BYTES);
                 let c = sp.cast::<[[[i32; LANES]; AMX_ROWS]; 3]>().add(r % 2);
                 if count == 2 {
-                    // Two digits' words: unsigned (offset 0: Q4_K, Q5_K) by `tdpbsud`,
-                    // signed (Q3_K) by `tdpbssd`.
+                    // One step of 64 values of both digits, at byte `$off` of the run's
+                    // tiles, the activations in tile `$ta`.
+                    #[rustfmt::skip]
+                    macro_rules! step {
+                        ($dp:literal, $ta:literal, $off:literal) => {
+                            concat!(
+                                "tileloadd ", $ta, ", [{a} + {row}", $off, "]\n",
+                                "tileloadd tmm6, [{d0} + {row}", $off, "]\n",
+                                $dp, " tmm0, ", $ta, ", tmm6\n",
+                                "tileloadd tmm7, [{d1} + {row}", $off, "]\n",
+                                $dp, " tmm1, ", $ta, ", tmm7",
+                            )
+                        };
+                    }
                     macro_rules! two_digits {
                         ($dp:literal) => {
                             asm!(
                                 "tilezero tmm0",
                                 "tilezero tmm1",
-                                "tileloadd tmm4, [{a} + {row}]",
-                                "tileloadd tmm6, [{d0} + {row}]",
-                                concat!($dp, " tmm0, tmm4, tmm6"),
-                                "tileloadd tmm7, [{d1} + {row}]",
-                                concat!($dp, " tmm1, tmm4, tmm7"),
-                                "tileloadd tmm5, [{a} + {row} + 1024]",
-                                "tileloadd tmm6, [{d0} + {row} + 1024]",
-                                concat!($dp, " tmm0, tmm5, tmm6"),
-                                "tileloadd tmm7, [{d1} + {row} + 1024]",
-                                concat!($dp, " tmm1, tmm5, tmm7"),
-                                "tileloadd tmm4, [{a} + {row} + 2048]",
-                                "tileloadd tmm6, [{d0} + {row} + 2048]",
-                                concat!($dp, " tmm0, tmm4, tmm6"),
-                                "tileloadd tmm7, [{d1} + {row} + 2048]",
-                                concat!($dp, " tmm1, tmm4, tmm7"),
-                                "tileloadd tmm5, [{a} + {row} + 3072]",
-                                "tileloadd tmm6, [{d0} + {row} + 3072]",
-                                concat!($dp, " tmm0, tmm5, tmm6"),
-                                "tileloadd tmm7, [{d1} + {row} + 3072]",
-                                concat!($dp, " tmm1, tmm5, tmm7"),
+                                step!($dp, "tmm4", ""),
+                                step!($dp, "tmm5", " + 1024"),
+                                step!($dp, "tmm4", " + 2048"),
+                                step!($dp, "tmm5", " + 3072"),
                                 "tilestored [{c} + {row}], tmm0",
                                 "tilestored [{c} + {row} + 1024], tmm1",
                                 a = in(reg) a,
@@ -919,6 +915,8 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
                             )
                         };
                     }
+                    // Two digits' words: unsigned (offset 0: Q4_K, Q5_K) by `tdpbsud`,
+                    // signed (Q3_K) by `tdpbssd`.
                     if f.offset == 0 {
                         two_digits!("tdpbsud");
                     } else {
@@ -926,39 +924,32 @@ unsafe fn amx_runs_of<const F: u8>(panel: &Panel, tiled: &Tiled, out: &Dest, nex
                     }
                 } else {
                     // Three signed digits' words: `tdpbssd`, the activations' tile read
-                    // once per step for the three.
+                    // once per step for the three. One step of 64 values, at byte `$off`
+                    // of the run's tiles: the activations in tile `$ta`, the digits' words
+                    // in `$tx`, `$ty`, `$tx` (the next step loads its first digit into
+                    // `$ty` while the last product of this one reads `$tx`).
+                    #[rustfmt::skip]
+                    macro_rules! step {
+                        ($ta:literal, $tx:literal, $ty:literal, $off:literal) => {
+                            concat!(
+                                "tileloadd ", $ta, ", [{a} + {row}", $off, "]\n",
+                                "tileloadd ", $tx, ", [{d0} + {row}", $off, "]\n",
+                                "tdpbssd tmm0, ", $ta, ", ", $tx, "\n",
+                                "tileloadd ", $ty, ", [{d1} + {row}", $off, "]\n",
+                                "tdpbssd tmm1, ", $ta, ", ", $ty, "\n",
+                                "tileloadd ", $tx, ", [{d2} + {row}", $off, "]\n",
+                                "tdpbssd tmm2, ", $ta, ", ", $tx,
+                            )
+                        };
+                    }
                     asm!(
                         "tilezero tmm0",
                         "tilezero tmm1",
                         "tilezero tmm2",
-                        "tileloadd tmm4, [{a} + {row}]",
-                        "tileloadd tmm6, [{d0} + {row}]",
-                        "tdpbssd tmm0, tmm4, tmm6",
-                        "tileloadd tmm7, [{d1} + {row}]",
-                        "tdpbssd tmm1, tmm4, tmm7",
-                        "tileloadd tmm6, [{d2} + {row}]",
-                        "tdpbssd tmm2, tmm4, tmm6",
-                        "tileloadd tmm5, [{a} + {row} + 1024]",
-                        "tileloadd tmm7, [{d0} + {row} + 1024]",
-                        "tdpbssd tmm0, tmm5, tmm7",
-                        "tileloadd tmm6, [{d1} + {row} + 1024]",
-                        "tdpbssd tmm1, tmm5, tmm6",
-                        "tileloadd tmm7, [{d2} + {row} + 1024]",
-                        "tdpbssd tmm2, tmm5, tmm7",
-                        "tileloadd tmm4, [{a} + {row} + 2048]",
-                        "tileloadd tmm6, [{d0} + {row} + 2048]",
-                        "tdpbssd tmm0, tmm4, tmm6",
-                        "tileloadd tmm7, [{d1} + {row} + 2048]",
-                        "tdpbssd tmm1, tmm4, tmm7",
-                        "tileloadd tmm6, [{d2} + {row} + 2048]",
-                        "tdpbssd tmm2, tmm4, tmm6",
-                        "tileloadd tmm5, [{a} + {row} + 3072]",
-                        "tileloadd tmm7, [{d0} + {row} + 3072]",
-                        "tdpbssd tmm0, tmm5, tmm7",
-                        "tileloadd tmm6, [{d1} + {row} + 3072]",
-                        "tdpbssd tmm1, tmm5, tmm6",
-                        "tileloadd tmm7, [{d2} + {row} + 3072]",
-                        "tdpbssd tmm2, tmm5, tmm7",
+                        step!("tmm4", "tmm6", "tmm7", ""),
+                        step!("tmm5", "tmm7", "tmm6", " + 1024"),
+                        step!("tmm4", "tmm6", "tmm7", " + 2048"),
+                        step!("tmm5", "tmm7", "tmm6", " + 3072"),
                         "tilestored [{c} + {row}], tmm0",
                         "tilestored [{c} + {row} + 1024], tmm1",
                         "tilestored [{c} + {row} + 2048], tmm2",
@@ -1044,6 +1035,24 @@ unsafe fn amx_run_pairs<const F: u8>(
                 .cast::<[[[[i32; LANES]; AMX_ROWS]; 3]; 2]>()
                 .add(r % 2)
                 .cast::<u8>();
+            // One step of 64 values for both groups, at byte `$off` of the run's tiles:
+            // each digit's weight tile loaded once, multiplied with both groups'
+            // activations (tiles 4 and 5).
+            #[rustfmt::skip]
+            macro_rules! pair_step {
+                ($dp:literal, $off:literal) => {
+                    concat!(
+                        "tileloadd tmm4, [{a0} + {row}", $off, "]\n",
+                        "tileloadd tmm6, [{d0} + {row}", $off, "]\n",
+                        $dp, " tmm0, tmm4, tmm6\n",
+                        "tileloadd tmm5, [{a1} + {row}", $off, "]\n",
+                        $dp, " tmm2, tmm5, tmm6\n",
+                        "tileloadd tmm7, [{d1} + {row}", $off, "]\n",
+                        $dp, " tmm1, tmm4, tmm7\n",
+                        $dp, " tmm3, tmm5, tmm7",
+                    )
+                };
+            }
             macro_rules! pair {
                 ($dp:literal) => {
                     asm!(
@@ -1051,38 +1060,10 @@ unsafe fn amx_run_pairs<const F: u8>(
                         "tilezero tmm1",
                         "tilezero tmm2",
                         "tilezero tmm3",
-                        "tileloadd tmm4, [{a0} + {row}]",
-                        "tileloadd tmm6, [{d0} + {row}]",
-                        concat!($dp, " tmm0, tmm4, tmm6"),
-                        "tileloadd tmm5, [{a1} + {row}]",
-                        concat!($dp, " tmm2, tmm5, tmm6"),
-                        "tileloadd tmm7, [{d1} + {row}]",
-                        concat!($dp, " tmm1, tmm4, tmm7"),
-                        concat!($dp, " tmm3, tmm5, tmm7"),
-                        "tileloadd tmm4, [{a0} + {row} + 1024]",
-                        "tileloadd tmm6, [{d0} + {row} + 1024]",
-                        concat!($dp, " tmm0, tmm4, tmm6"),
-                        "tileloadd tmm5, [{a1} + {row} + 1024]",
-                        concat!($dp, " tmm2, tmm5, tmm6"),
-                        "tileloadd tmm7, [{d1} + {row} + 1024]",
-                        concat!($dp, " tmm1, tmm4, tmm7"),
-                        concat!($dp, " tmm3, tmm5, tmm7"),
-                        "tileloadd tmm4, [{a0} + {row} + 2048]",
-                        "tileloadd tmm6, [{d0} + {row} + 2048]",
-                        concat!($dp, " tmm0, tmm4, tmm6"),
-                        "tileloadd tmm5, [{a1} + {row} + 2048]",
-                        concat!($dp, " tmm2, tmm5, tmm6"),
-                        "tileloadd tmm7, [{d1} + {row} + 2048]",
-                        concat!($dp, " tmm1, tmm4, tmm7"),
-                        concat!($dp, " tmm3, tmm5, tmm7"),
-                        "tileloadd tmm4, [{a0} + {row} + 3072]",
-                        "tileloadd tmm6, [{d0} + {row} + 3072]",
-                        concat!($dp, " tmm0, tmm4, tmm6"),
-                        "tileloadd tmm5, [{a1} + {row} + 3072]",
-                        concat!($dp, " tmm2, tmm5, tmm6"),
-                        "tileloadd tmm7, [{d1} + {row} + 3072]",
-                        concat!($dp, " tmm1, tmm4, tmm7"),
-                        concat!($dp, " tmm3, tmm5, tmm7"),
+                        pair_step!($dp, ""),
+                        pair_step!($dp, " + 1024"),
+                        pair_step!($dp, " + 2048"),
+                        pair_step!($dp, " + 3072"),
                         "tilestored [{c0} + {row}], tmm0",
                         "tilestored [{c0} + {row} + 1024], tmm1",
                         "tilestored [{c1} + {row}], tmm2",
