@@ -179,7 +179,8 @@ pub fn matmul_transposed_int8_into(
     w: &QuantMatrix,
     out: &mut Vec<f32>,
 ) -> Result<()> {
-    matmul_int8_into(path, Extensions::of(path, rows), x, rows, w, out)
+    let uses = Extensions::of(path, rows, w.format());
+    matmul_int8_into(path, uses, x, rows, w, out)
 }
 
 /// The instruction-set extensions a product may take beyond its path's base (each also
@@ -187,7 +188,7 @@ pub fn matmul_transposed_int8_into(
 /// without each).
 #[derive(Debug, Clone, Copy, Default)]
 struct Extensions {
-    /// The AMX tile kernel for each sixteen rows (see [`AMX_FROM_ROWS`]).
+    /// The AMX tile kernel for each sixteen rows (see [`amx_from_rows`]).
     amx: bool,
     /// GFNI's bit matrices in the VNNI kernels' Q6_K decoding.
     gfni: bool,
@@ -196,25 +197,33 @@ struct Extensions {
 }
 
 impl Extensions {
-    /// What a product of `rows` rows takes on `path`: each extension the path has, AMX
-    /// from [`AMX_FROM_ROWS`].
-    fn of(path: SimdPath, rows: usize) -> Self {
+    /// What a product of `rows` rows of `format`'s weights takes on `path`: each extension
+    /// the path has, AMX from [`amx_from_rows`].
+    fn of(path: SimdPath, rows: usize, format: QuantFormat) -> Self {
         Self {
-            amx: path.has_amx() && rows >= AMX_FROM_ROWS,
+            amx: path.has_amx() && rows >= amx_from_rows(format),
             gfni: path.has_gfni(),
             avx_vnni: path.has_avx_vnni(),
         }
     }
 }
 
-/// Activation rows from which a product takes the AMX kernel where the CPU has it. Its
-/// per-panel work (decoding into the words times the scales' digits, a tile
-/// configuration per thread's share) pays back over many rows. On a 2-core Intel Xeon
-/// with AMX (`cargo bench --bench kernels -- real_sizes/1b`, the 1B shape's `ffn_up`,
-/// alternated with `LLAMA_BURN_AMX=off`, two rounds), against the VNNI kernel: at 32
-/// rows Q4_0 1.49-1.63x, Q4_K 1.23-1.25x, Q5_K 1.26-1.28x, Q6_K 1.14-1.19x, Q3_K
-/// 1.52x; at 24 rows (padded to 32) 0.90-1.28x; at 16 rows Q6_K 0.87-0.94x.
-const AMX_FROM_ROWS: usize = 32;
+/// Activation rows from which a product of `format` takes the AMX kernel where the CPU
+/// has it: its per-panel work (decoding into the words times the scales' digits, a tile
+/// configuration per thread's share) pays back over more rows where a panel has more
+/// digits. On a 2-core Intel Xeon with AMX (`cargo bench --bench kernels --
+/// real_sizes/1b`, the 1B shape's `ffn_up`, the same binary with `LLAMA_BURN_AMX=off` and
+/// on, two rounds, 2026-12-06), AMX against the VNNI kernel: at 16 rows (one group) Q4_0
+/// 1.26-1.29x, Q4_1 1.31x, Q5_0 1.39x, Q5_1 1.36x, Q8_0 1.33x, Q4_K 1.21-1.27x, Q5_K
+/// 1.26-1.29x, Q3_K 1.08x, but Q6_K (three digits) 0.92-0.96x; at 20 rows (two groups, the
+/// second padded) every format but Q6_K 1.06-1.19x, Q6_K 0.94x; at 24 rows Q6_K
+/// 1.04-1.05x, at 28 1.12-1.14x, at 32 1.17-1.19x.
+const fn amx_from_rows(format: QuantFormat) -> usize {
+    match format {
+        QuantFormat::Q6_K => 24,
+        _ => 16,
+    }
+}
 
 /// [`matmul_int8_into`] returning its output, for the tests.
 #[cfg(test)]
@@ -355,7 +364,7 @@ impl FastRows {
     ///
     /// [`LlamaError::ShapeMismatch`] unless [`takes`](Self::takes) `w`.
     pub(crate) fn product_into(&self, w: &QuantMatrix, out: &mut Vec<f32>) -> Result<()> {
-        self.product_with(Extensions::of(self.path, self.rows), w, out)
+        self.product_with(Extensions::of(self.path, self.rows, w.format()), w, out)
     }
 
     /// `rows @ [a | b]^T`: each row's outputs of `a` then of `b` (`[rows, a.rows() +
@@ -372,7 +381,7 @@ impl FastRows {
         #[cfg(test)]
         out.spare_capacity_mut()
             .fill(std::mem::MaybeUninit::new(f32::NAN));
-        let uses = Extensions::of(self.path, self.rows);
+        let uses = |w: &QuantMatrix| Extensions::of(self.path, self.rows, w.format());
         let left = Columns::spare(&mut out, width);
         let right = Columns {
             // SAFETY: `a.rows() <= width`: inside the reserved capacity.
@@ -382,8 +391,8 @@ impl FastRows {
         // SAFETY: `out` holds `rows * width` values; the products write columns `0 ..
         // a.rows()` and `a.rows() .. width` of every row.
         unsafe {
-            self.product_columns(uses, a, &left);
-            self.product_columns(uses, b, &right);
+            self.product_columns(uses(a), a, &left);
+            self.product_columns(uses(b), b, &right);
             out.set_len(self.rows * width);
         }
         Ok(out)
