@@ -21,22 +21,28 @@ fn f16(lo: u8, hi: u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
 }
 
-/// Dequantizes rows `first .. first + out.len() / cols` of `w` (the group at `first`)
-/// into `out`, row-major, bitwise as the loader does.
+/// Dequantizes rows `first .. first + count` of `w` (the group at `first`) into `out`,
+/// row `c` at `c * stride`, bitwise as the loader does.
 ///
 /// # Safety
 ///
-/// The CPU must support AVX2, FMA and F16C; `first` starts a group of `w` and `out`
-/// holds at most its rows.
+/// The CPU must support AVX2, FMA and F16C; `first` starts a group of `w`, `count` is at
+/// most its rows, `stride` at least `w.cols()`, and `out` holds `count` rows of `stride`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dequantize_group(w: &QuantMatrix, first: usize, out: &mut [f32]) {
-    let (cols, bv) = (w.cols(), w.format().block_values());
-    let count = out.len() / cols;
+pub(crate) unsafe fn dequantize_group(
+    w: &QuantMatrix,
+    first: usize,
+    count: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    let bv = w.format().block_values();
+    debug_assert!(stride >= w.cols() && out.len() >= count * stride);
     let base = out.as_mut_ptr();
-    let dst = |c: usize, blk: usize| base.wrapping_add(c * cols + blk * bv);
+    let dst = |c: usize, blk: usize| base.wrapping_add(c * stride + blk * bv);
     // One loop per format, so each block's code is inlined into it.
     // SAFETY (every arm): each call gets one block's scales and values and its `bv`
-    // values of `out` (row `c < count`, block `blk` of a row of `cols` values); the CPU
+    // values of `out` (row `c < count`, block `blk` of a row at `c * stride`); the CPU
     // features are this function's own.
     unsafe {
         match w.format() {
@@ -418,7 +424,7 @@ unsafe fn tile<const R: usize, const C: usize>(
 }
 
 /// Every column tile of `R` activation rows over the `cols` weight rows at `w` (`n`
-/// values each, one after another): 1 x 8 tiles for one row, R x 3 for several.
+/// values each, row `c` at `c * ws`): 1 x 8 tiles for one row, R x 3 for several.
 ///
 /// # Safety
 ///
@@ -427,6 +433,7 @@ unsafe fn tile<const R: usize, const C: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn panel_rows<const R: usize>(
     w: *const f32,
+    ws: usize,
     cols: usize,
     x: [*const f32; R],
     n: usize,
@@ -437,7 +444,7 @@ unsafe fn panel_rows<const R: usize>(
     // SAFETY: weight rows `c ..` exist and their outputs are columns of `out` (the
     // caller's contract).
     unsafe {
-        let rows_at = |c: usize| move |i: usize| w.add((c + i) * n);
+        let rows_at = |c: usize| move |i: usize| w.add((c + i) * ws);
         if R == 1 {
             while c + 8 <= cols {
                 tile::<R, 8>(std::array::from_fn(rows_at(c)), x, n, out.add(c), stride);
@@ -450,25 +457,27 @@ unsafe fn panel_rows<const R: usize>(
             }
         }
         while c < cols {
-            tile::<R, 1>([w.add(c * n)], x, n, out.add(c), stride);
+            tile::<R, 1>([w.add(c * ws)], x, n, out.add(c), stride);
             c += 1;
         }
     }
 }
 
-/// A panel of f32 weight rows (scratch rows) times every activation row:
-/// `out[r * stride + c] = x[r] . w[c]` for the `rows` rows of `x` and the `cols` rows of
-/// `w`, all of `n` values (a multiple of 8), in balanced row tiles of up to 4 rows, each
+/// A panel of f32 weight rows (scratch rows, row `c` at `c * ws`) times every activation
+/// row: `out[r * stride + c] = x[r] . w[c]` for the `rows` rows of `x` and the `cols` rows
+/// of `w`, all of `n` values (a multiple of 8), in balanced row tiles of up to 4 rows, each
 /// over all of the panel's column tiles, every result stored straight into `out`.
 ///
 /// # Safety
 ///
-/// AVX2, FMA and F16C; `w` holds `cols * n` values, `x` holds `rows * n`, and `out` has
-/// room for `rows` rows of `stride` values from `cols` columns on, which no other thread
-/// writes.
+/// AVX2, FMA and F16C; `w` holds `cols` rows of `ws >= n` values, `x` holds `rows * n`,
+/// and `out` has room for `rows` rows of `stride` values from `cols` columns on, which no
+/// other thread writes.
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn panel(
     w: &[f32],
+    ws: usize,
     cols: usize,
     x: &[f32],
     rows: usize,
@@ -476,7 +485,7 @@ pub(crate) unsafe fn panel(
     out: *mut f32,
     stride: usize,
 ) {
-    debug_assert!(n.is_multiple_of(8) && w.len() >= cols * n && x.len() >= rows * n);
+    debug_assert!(n.is_multiple_of(8) && ws >= n && w.len() >= cols * ws && x.len() >= rows * n);
     let (w, x) = (w.as_ptr(), x.as_ptr());
     for (r0, r1) in super::tiling::balanced_row_tiles(rows, 4) {
         // SAFETY: rows `r0..r1` of `x` and of `out` exist (the caller's contract).
@@ -484,10 +493,10 @@ pub(crate) unsafe fn panel(
             let xr = |i: usize| x.add((r0 + i) * n);
             let o = out.add(r0 * stride);
             match r1 - r0 {
-                4 => panel_rows::<4>(w, cols, std::array::from_fn(xr), n, o, stride),
-                3 => panel_rows::<3>(w, cols, std::array::from_fn(xr), n, o, stride),
-                2 => panel_rows::<2>(w, cols, std::array::from_fn(xr), n, o, stride),
-                _ => panel_rows::<1>(w, cols, std::array::from_fn(xr), n, o, stride),
+                4 => panel_rows::<4>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
+                3 => panel_rows::<3>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
+                2 => panel_rows::<2>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
+                _ => panel_rows::<1>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
             }
         }
     }

@@ -39,6 +39,14 @@ const TILE_COLS: usize = 4;
 /// Rows of a scratch tile.
 const TILE_ROWS: usize = 6;
 
+/// Values of each row that a scratch tile takes over [`SUM_COLS`] columns before the next
+/// part: its rows' part stays in L1 (6 rows of 512 values, 12 KiB).
+const PART: usize = 512;
+
+/// Columns whose sums a scratch tile carries from one part of the values to the next
+/// (32 columns of 6 rows of 16-lane sums: 12 KiB).
+const SUM_COLS: usize = 32;
+
 /// `0.0, 1.0, ..., 15.0`: the 4-bit values as f32.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -301,30 +309,44 @@ fn format_of(format: QuantFormat) -> u8 {
     }
 }
 
-/// Dequantizes rows `first .. first + out.len() / cols` of the group at `first` into
-/// `out` (row-major), bitwise as the loader does, reading the group's blocks in memory
+/// Dequantizes rows `first .. first + count` of the group at `first` into `out`, row `c`
+/// at `c * stride`, bitwise as the loader does, reading the group's blocks in memory
 /// order.
 ///
 /// # Safety
 ///
-/// This path's CPU features; `first` starts a group of `w` and the rows exist.
+/// This path's CPU features; `first` starts a group of `w`, `count` is at most its rows,
+/// `stride` at least `w.cols()`, and `out` holds `count` rows of `stride`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(crate) unsafe fn dequantize_group(w: &QuantMatrix, first: usize, out: &mut [f32]) {
+pub(crate) unsafe fn dequantize_group(
+    w: &QuantMatrix,
+    first: usize,
+    count: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(stride >= w.cols() && out.len() >= count * stride);
     // SAFETY: forwarded from this function's contract.
     unsafe {
         match format_of(w.format()) {
-            Q8_0 => dequantize_group_as::<Q8_0>(w, first, out),
-            Q4_0 => dequantize_group_as::<Q4_0>(w, first, out),
-            Q4_1 => dequantize_group_as::<Q4_1>(w, first, out),
-            Q4_K => dequantize_group_as::<Q4_K>(w, first, out),
-            _ => dequantize_group_as::<Q6_K>(w, first, out),
+            Q8_0 => dequantize_group_as::<Q8_0>(w, first, count, stride, out),
+            Q4_0 => dequantize_group_as::<Q4_0>(w, first, count, stride, out),
+            Q4_1 => dequantize_group_as::<Q4_1>(w, first, count, stride, out),
+            Q4_K => dequantize_group_as::<Q4_K>(w, first, count, stride, out),
+            _ => dequantize_group_as::<Q6_K>(w, first, count, stride, out),
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &mut [f32]) {
+unsafe fn dequantize_group_as<const F: u8>(
+    w: &QuantMatrix,
+    first: usize,
+    count: usize,
+    stride: usize,
+    out: &mut [f32],
+) {
     let format = w.format();
     let (bv, bb, hb) = (
         format.block_values(),
@@ -332,7 +354,6 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
         format.head_bytes(),
     );
     let (group, n) = w.group(first);
-    let (cols, count) = (w.cols(), out.len() / w.cols());
     debug_assert!(count <= n);
     let per_scale = (hb / 2).max(1);
     let mut scales = [0f32; 16];
@@ -343,7 +364,7 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
     for blk in 0..w.blocks_per_row() {
         // SAFETY: step `blk` of the group holds `n` blocks: their scales, then their
         // values (put back together into `whole` if interleaved); each row `c` writes
-        // its block's `bv` values at `c * cols + blk * bv`.
+        // its block's `bv` values at `c * stride + blk * bv`.
         unsafe {
             let mut step = group.as_ptr().add(blk * n * bb);
             if interleaved {
@@ -356,7 +377,7 @@ unsafe fn dequantize_group_as<const F: u8>(w: &QuantMatrix, first: usize, out: &
             }
             step_scales::<F>(step, n, &mut scales);
             for c in 0..count {
-                let dst = out.as_mut_ptr().add(c * cols + blk * bv);
+                let dst = out.as_mut_ptr().add(c * stride + blk * bv);
                 decode_block::<F>(
                     scales.as_ptr().add(c * per_scale),
                     step.add(n * hb + c * (bb - hb)),
@@ -554,27 +575,30 @@ unsafe fn fused_tile_as<const F: u8>(
     }
 }
 
-/// `out[r * stride + c] = x[r] . w[c]` for `R` activation rows and `C` weight rows of
-/// `n` values (a multiple of 16), stored straight into the output.
+/// The sums of `R` activation rows against `C` weight rows over values `k0..k1`, added
+/// to `sums[c][r]` (their 16-lane accumulators, carried from the part before): the
+/// multiply-adds of each accumulator are the whole row's, in order, whatever the parts.
 ///
 /// # Safety
 ///
-/// This path's CPU features; every row holds `n` values, and `out` has room for `R` rows
-/// of `stride` values from `C` columns on.
+/// This path's CPU features; every row holds at least `k1` values, `k1 - k0` is a
+/// multiple of 16, and `sums` points to `C` arrays of `R` accumulators.
 #[inline]
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn tile<const R: usize, const C: usize>(
+unsafe fn tile_part<const R: usize, const C: usize>(
     w: [*const f32; C],
     x: [*const f32; R],
-    n: usize,
-    out: *mut f32,
-    stride: usize,
+    k0: usize,
+    k1: usize,
+    sums: *mut [__m512; R],
 ) {
-    let mut acc = [[_mm512_setzero_ps(); C]; R];
-    let mut k = 0;
-    while k < n {
-        // SAFETY: `k + 16 <= n` values in every row (the caller's contract). The C weight
+    // SAFETY: `sums` holds `C` arrays of `R` accumulators (the caller's contract).
+    let mut acc: [[__m512; C]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|c| unsafe { (*sums.add(c))[r] }));
+    let mut k = k0;
+    while k < k1 {
+        // SAFETY: `k + 16 <= k1` values in every row (the caller's contract). The C weight
         // chunks stay loaded and each row's chunk is read once.
         unsafe {
             let wv: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(w[c].add(k)));
@@ -587,69 +611,97 @@ unsafe fn tile<const R: usize, const C: usize>(
         }
         k += 16;
     }
-    for r in 0..R {
-        // SAFETY: row `r` of the output has room for `C` values (the caller's contract).
-        unsafe {
-            let dst = out.add(r * stride);
-            if C == 4 {
-                let sums = reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-                _mm_storeu_ps(dst, sums);
-            } else {
-                for c in 0..C {
-                    *dst.add(c) = reduce(acc[r][c]);
-                }
-            }
+    for c in 0..C {
+        for r in 0..R {
+            // SAFETY: as above.
+            unsafe { (*sums.add(c))[r] = acc[r][c] };
         }
     }
 }
 
 /// Every column tile of `R` activation rows: `out[r * stride + c] = x[r] . w[c]` for the
-/// `cols` weight rows at `w` (`n` values each, one after another).
+/// `cols` weight rows at `w` (`n` values each, one after another). The columns are taken
+/// [`SUM_COLS`] at a time, and their values [`PART`] at a time over all of those columns
+/// (the rows' part then stays in L1 while the columns' parts come from L2), the sums
+/// carried between parts.
 ///
 /// # Safety
 ///
 /// As [`panel`], for these `R` rows.
 #[inline]
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn panel_rows<const R: usize>(
     w: *const f32,
+    ws: usize,
     cols: usize,
     x: [*const f32; R],
     n: usize,
     out: *mut f32,
     stride: usize,
 ) {
-    let mut c = 0;
-    // SAFETY: weight rows `c .. c + TILE_COLS` (or `c`) exist and their outputs are
-    // columns of `out` (the caller's contract).
-    unsafe {
-        while c + TILE_COLS <= cols {
-            let wc = std::array::from_fn(|i| w.add((c + i) * n));
-            tile::<R, TILE_COLS>(wc, x, n, out.add(c), stride);
-            c += TILE_COLS;
+    let mut c0 = 0;
+    while c0 < cols {
+        let count = SUM_COLS.min(cols - c0);
+        let mut sums = [[_mm512_setzero_ps(); R]; SUM_COLS];
+        let sp = sums.as_mut_ptr();
+        let mut k0 = 0;
+        while k0 < n {
+            let k1 = (k0 + PART).min(n);
+            let mut c = 0;
+            // SAFETY: weight rows `c0 + c ..` (+ 4, or 1) exist and hold `n` values; their
+            // sums are `sums[c ..]`, within `count <= SUM_COLS` (the caller's contract).
+            unsafe {
+                while c + TILE_COLS <= count {
+                    let wc = std::array::from_fn(|i| w.add((c0 + c + i) * ws));
+                    tile_part::<R, TILE_COLS>(wc, x, k0, k1, sp.add(c));
+                    c += TILE_COLS;
+                }
+                while c < count {
+                    tile_part::<R, 1>([w.add((c0 + c) * ws)], x, k0, k1, sp.add(c));
+                    c += 1;
+                }
+            }
+            k0 = k1;
         }
-        while c < cols {
-            tile::<R, 1>([w.add(c * n)], x, n, out.add(c), stride);
-            c += 1;
+        for r in 0..R {
+            // SAFETY: row `r` of the output has room for columns `c0 .. c0 + count` (the
+            // caller's contract).
+            unsafe {
+                let dst = out.add(r * stride + c0);
+                let mut c = 0;
+                while c + 4 <= count {
+                    let s = reduce4(sums[c][r], sums[c + 1][r], sums[c + 2][r], sums[c + 3][r]);
+                    _mm_storeu_ps(dst.add(c), s);
+                    c += 4;
+                }
+                while c < count {
+                    *dst.add(c) = reduce(sums[c][r]);
+                    c += 1;
+                }
+            }
         }
+        c0 += count;
     }
 }
 
-/// A panel of f32 weight rows (scratch rows) times every activation row:
+/// A panel of f32 weight rows (scratch rows, row `c` at `c * ws`) times every activation row:
 /// `out[r * stride + c] = x[r] . w[c]` for the `rows` rows of `x` and the `cols` rows of
 /// `w`, all of `n` values (a multiple of 16). Each row tile (up to [`TILE_ROWS`] rows,
 /// balanced so that none is much smaller than the others: 32 rows are 6, 6, 5, 5, 5, 5)
-/// runs over all of the panel's column tiles, so its activation rows stay in L1 while the
-/// panel's rows come from L2.
+/// runs over the panel's columns [`SUM_COLS`] at a time and [`PART`] values at a time, so
+/// its rows' part stays in L1 while the panel's rows come from L2.
 ///
 /// # Safety
 ///
-/// This path's CPU features; `w` holds `cols * n` values, `x` holds `rows * n`, and
-/// `out` has room for `rows` rows of `stride` values from `cols` columns on, which no
-/// other thread writes.
+/// This path's CPU features; `w` holds `cols` rows of `ws >= n` values, `x` holds `rows *
+/// n`, and `out` has room for `rows` rows of `stride` values from `cols` columns on, which
+/// no other thread writes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn panel(
     w: &[f32],
+    ws: usize,
     cols: usize,
     x: &[f32],
     rows: usize,
@@ -657,7 +709,7 @@ pub(crate) unsafe fn panel(
     out: *mut f32,
     stride: usize,
 ) {
-    debug_assert!(n.is_multiple_of(16) && w.len() >= cols * n && x.len() >= rows * n);
+    debug_assert!(n.is_multiple_of(16) && ws >= n && w.len() >= cols * ws && x.len() >= rows * n);
     let (w, x) = (w.as_ptr(), x.as_ptr());
     for (r0, r1) in super::tiling::balanced_row_tiles(rows, TILE_ROWS) {
         // SAFETY: rows `r0..r1` of `x` and of `out` exist (the caller's contract).
@@ -665,12 +717,12 @@ pub(crate) unsafe fn panel(
             let xr = |i: usize| x.add((r0 + i) * n);
             let o = out.add(r0 * stride);
             match r1 - r0 {
-                6 => panel_rows::<6>(w, cols, std::array::from_fn(xr), n, o, stride),
-                5 => panel_rows::<5>(w, cols, std::array::from_fn(xr), n, o, stride),
-                4 => panel_rows::<4>(w, cols, std::array::from_fn(xr), n, o, stride),
-                3 => panel_rows::<3>(w, cols, std::array::from_fn(xr), n, o, stride),
-                2 => panel_rows::<2>(w, cols, std::array::from_fn(xr), n, o, stride),
-                _ => panel_rows::<1>(w, cols, std::array::from_fn(xr), n, o, stride),
+                6 => panel_rows::<6>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
+                5 => panel_rows::<5>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
+                4 => panel_rows::<4>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
+                3 => panel_rows::<3>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
+                2 => panel_rows::<2>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
+                _ => panel_rows::<1>(w, ws, cols, std::array::from_fn(xr), n, o, stride),
             }
         }
     }
