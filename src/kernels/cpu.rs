@@ -485,12 +485,13 @@ impl Tiles {
 /// panel's weight rows come from L2.
 const PANEL_BYTES: usize = 192 * 1024;
 
-/// Values of padding after each scratch row: rows of 2,048 or 8,192 values (a 1B model's)
-/// are a multiple of 4 KiB apart without it, so the lines that a tile reads at once from
-/// its four weight rows (and six activation rows) all fall in one set of the first-level
-/// cache and evict each other. With one 64-byte line between rows, the AVX-512 `exact`
-/// product of 128 rows of the 1B `ffn_up` went from 86-93 to 106-110 G multiply-adds/s
-/// (2-core Intel Xeon with AMX, alternated).
+/// Values of padding after each scratch row (one 64-byte line), and the scratch rows
+/// start on a line. Rows of 2,048 or 8,192 values (a 1B model's) are a multiple of 4 KiB
+/// apart without it, so the lines that a tile reads at once from its four weight rows (and
+/// six activation rows) all fall in one set of the first-level cache and evict each
+/// other; and a vector load from rows not on a line reads two lines. The AVX-512 `exact`
+/// product of 128 rows of the 1B `ffn_up` (2-core Intel Xeon with AMX, alternated): 86-93
+/// G multiply-adds/s, 106-110 with the padding, 106-111 -> 120-135 with the rows on lines.
 const SCRATCH_PAD: usize = 16;
 
 /// Outputs `start..end` of every row, written into `target` (`start` starts a group of
@@ -533,10 +534,13 @@ fn columns(
         / GROUP_ROWS
         * GROUP_ROWS;
     SCRATCH.with_borrow_mut(|scratch| {
-        let len = panel_rows.min(end - start) * ws;
+        // A line more than the panel, so that its rows can start on a line.
+        let len = panel_rows.min(end - start) * ws + SCRATCH_PAD;
         if scratch.len() < len {
             scratch.resize(len, 0.0);
         }
+        let line = scratch.as_ptr().align_offset(64).min(SCRATCH_PAD);
+        let scratch = &mut scratch[line..];
         for first in (start..end).step_by(panel_rows) {
             let n = panel_rows.min(end - first);
             for g in (0..n).step_by(GROUP_ROWS) {
