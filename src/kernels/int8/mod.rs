@@ -97,7 +97,7 @@ pub(crate) struct RowSums {
 /// endian word; `sc`, `d` and `m` hold each lane's scales (`sc` per half).
 #[derive(Default)]
 pub(crate) struct Panel {
-    u: Vec<u32>,
+    u: Words,
     sc: Vec<i32>,
     d: Vec<f32>,
     m: Vec<f32>,
@@ -106,6 +106,46 @@ pub(crate) struct Panel {
     /// times each digit of their scale (two or three).
     #[cfg(target_arch = "x86_64")]
     amx: [x86::Lines; 3],
+}
+
+/// Sixteen words on one 64-byte line.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Line([u32; LANES]);
+
+/// A panel's words on whole 64-byte lines, so that each vector load of a sub-block's
+/// sixteen lanes reads one line, not two (a `Vec<u32>` starts 16 bytes into a line as
+/// the allocator gives it).
+#[derive(Default)]
+pub(crate) struct Words(Vec<Line>);
+
+impl Words {
+    /// Makes it `len` words (a multiple of 16), new words `value`, as `Vec::resize`.
+    fn resize(&mut self, len: usize, value: u32) {
+        debug_assert!(len.is_multiple_of(LANES));
+        self.0.resize(len / LANES, Line([value; LANES]));
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
+impl std::ops::Deref for Words {
+    type Target = [u32];
+
+    fn deref(&self) -> &[u32] {
+        // SAFETY: a `Line` is sixteen `u32` and nothing else (`repr(C)`, 64 bytes, no
+        // padding), so the lines are `len * 16` initialized words in a row.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * LANES) }
+    }
+}
+
+impl std::ops::DerefMut for Words {
+    fn deref_mut(&mut self) -> &mut [u32] {
+        // SAFETY: as in `deref`, borrowed mutably once.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * LANES) }
+    }
 }
 
 impl Panel {
