@@ -620,7 +620,7 @@ unsafe fn tile_part<const R: usize, const C: usize>(
 }
 
 /// Every column tile of `R` activation rows: `out[r * stride + c] = x[r] . w[c]` for the
-/// `cols` weight rows at `w` (`n` values each, one after another). The columns are taken
+/// `cols` weight rows at `w` (`n` values each, row `c` at `c * ws`). The columns are taken
 /// [`SUM_COLS`] at a time, and their values [`PART`] at a time over all of those columns
 /// (the rows' part then stays in L1 while the columns' parts come from L2), the sums
 /// carried between parts.
@@ -685,9 +685,9 @@ unsafe fn panel_rows<const R: usize>(
     }
 }
 
-/// A panel of f32 weight rows (scratch rows, row `c` at `c * ws`) times every activation row:
-/// `out[r * stride + c] = x[r] . w[c]` for the `rows` rows of `x` and the `cols` rows of
-/// `w`, all of `n` values (a multiple of 16). Each row tile (up to [`TILE_ROWS`] rows,
+/// A panel of f32 weight rows (scratch rows, row `c` at `c * ws`) times every activation
+/// row: `out[r * stride + c] = x[r] . w[c]` for the `rows` rows of `x` and the `cols` rows
+/// of `w`, all of `n` values (a multiple of 16). Each row tile (up to [`TILE_ROWS`] rows,
 /// balanced so that none is much smaller than the others: 32 rows are 6, 6, 5, 5, 5, 5)
 /// runs over the panel's columns [`SUM_COLS`] at a time and [`PART`] values at a time, so
 /// its rows' part stays in L1 while the panel's rows come from L2.
