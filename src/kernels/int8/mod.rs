@@ -97,7 +97,7 @@ pub(crate) struct RowSums {
 /// endian word; `sc`, `d` and `m` hold each lane's scales (`sc` per half).
 #[derive(Default)]
 pub(crate) struct Panel {
-    u: Words,
+    u: Lines,
     sc: Vec<i32>,
     d: Vec<f32>,
     m: Vec<f32>,
@@ -105,46 +105,71 @@ pub(crate) struct Panel {
     /// `u - offset` (in the first), or for the formats with integer scales the words
     /// times each digit of their scale (two or three).
     #[cfg(target_arch = "x86_64")]
-    amx: [x86::Lines; 3],
+    amx: [Lines; 3],
 }
 
-/// Sixteen words on one 64-byte line.
-#[derive(Clone, Copy, Default)]
+/// A 64-byte line of the caches.
+#[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u32; LANES]);
+pub(in crate::kernels::int8) struct Line([u8; 64]);
 
-/// A panel's words on whole 64-byte lines, so that each vector load of a sub-block's
-/// sixteen lanes reads one line, not two (a `Vec<u32>` starts 16 bytes into a line as
-/// the allocator gives it).
+/// Bytes on whole 64-byte lines, for what vectors and tiles load: a load must not straddle
+/// two lines (AMX tile loads of 64-byte rows 16 bytes off a line's start, as a plain
+/// vector's allocation is, took 3.3 times as long, measured in C on that kernel's loads;
+/// the VNNI kernel's 16-lane loads of a panel's words gained 1-10% on lines). Read as
+/// bytes (the AMX words) or as `u32` words (the panel's `u`).
 #[derive(Default)]
-pub(crate) struct Words(Vec<Line>);
+pub(in crate::kernels::int8) struct Lines(Vec<Line>);
 
-impl Words {
-    /// Makes it `len` words (a multiple of 16), new words `value`, as `Vec::resize`.
-    fn resize(&mut self, len: usize, value: u32) {
-        debug_assert!(len.is_multiple_of(LANES));
-        self.0.resize(len / LANES, Line([value; LANES]));
-    }
-
-    fn clear(&mut self) {
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+impl Lines {
+    /// `bytes` bytes (rounded up to whole lines), every one zero.
+    fn zeroed(&mut self, bytes: usize) {
         self.0.clear();
+        self.sized(bytes);
     }
-}
 
-impl std::ops::Deref for Words {
-    type Target = [u32];
-
-    fn deref(&self) -> &[u32] {
-        // SAFETY: a `Line` is sixteen `u32` and nothing else (`repr(C)`, 64 bytes, no
-        // padding), so the lines are `len * 16` initialized words in a row.
-        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * LANES) }
+    /// `bytes` bytes (rounded up to whole lines), left as they were where they were
+    /// already there (zeros where new): for a caller that writes every one.
+    fn sized(&mut self, bytes: usize) {
+        self.0.resize(bytes.div_ceil(64), Line([0; 64]));
     }
-}
 
-impl std::ops::DerefMut for Words {
-    fn deref_mut(&mut self) -> &mut [u32] {
-        // SAFETY: as in `deref`, borrowed mutably once.
-        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * LANES) }
+    /// `lines` lines, every byte written by `write` (given them all, not yet written).
+    fn written(lines: usize, write: impl FnOnce(&mut [std::mem::MaybeUninit<u8>])) -> Self {
+        let fill = |v: &mut [std::mem::MaybeUninit<Line>]| {
+            // SAFETY: the lines, 64 bytes each with no padding, seen as bytes not yet
+            // written (`MaybeUninit<u8>` has `u8`'s size and alignment).
+            write(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 64) });
+        };
+        // SAFETY: `write` writes every byte of the lines (its contract), and any bytes are
+        // a valid `Line`.
+        Self(unsafe { crate::kernels::cpu::written(lines, fill) })
+    }
+
+    /// The bytes.
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `Line` is 64 bytes with no padding; the lines are contiguous.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 64) }
+    }
+
+    /// The bytes, to write.
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`; any byte value is a valid `u8`.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * 64) }
+    }
+
+    /// The bytes as `u32` words (sixteen to a line).
+    fn words(&self) -> &[u32] {
+        // SAFETY: `Line` is 64 bytes with no padding, aligned to 64, so the lines are
+        // `len * 16` `u32` in a row; any bits are a valid `u32`.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 16) }
+    }
+
+    /// The words, to write.
+    fn words_mut(&mut self) -> &mut [u32] {
+        // SAFETY: as in `words`.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * 16) }
     }
 }
 
@@ -153,8 +178,7 @@ impl Panel {
     /// lanes past `n` hold zeros.
     fn fill(&mut self, w: &QuantMatrix, first: usize, n: usize) {
         let subs = w.cols() / QK;
-        self.u.clear();
-        self.u.resize(subs * 8 * LANES, 0);
+        self.u.zeroed(subs * 8 * LANES * 4);
         self.sc.clear();
         self.sc.resize(subs * 2 * LANES, 0);
         self.d.clear();
@@ -175,7 +199,7 @@ impl Panel {
                 for (i, sub) in decoded.iter().take(per_block).enumerate() {
                     let s = b * per_block + i;
                     for (t, word) in sub.u.chunks_exact(4).enumerate() {
-                        self.u[(s * 8 + t) * LANES + lane] =
+                        self.u.words_mut()[(s * 8 + t) * LANES + lane] =
                             u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
                     }
                     self.sc[(s * 2) * LANES + lane] = sub.sc[0];
@@ -811,7 +835,7 @@ fn plain_tile(
             let mut half = [[0i32; LANES]; 2];
             for t in 0..8 {
                 let x4 = &xq[4 * t..4 * t + 4];
-                let words = &panel.u[(s * 8 + t) * LANES..][..LANES];
+                let words = &panel.u.words()[(s * 8 + t) * LANES..][..LANES];
                 for (h, &w) in half[t / 4].iter_mut().zip(words) {
                     let w = w.to_le_bytes();
                     *h += (0..4)

@@ -384,12 +384,12 @@ impl Panel {
     /// The panel sized for `w`'s rows, as a [`WideSink`] that stores into it.
     fn wide_sink(&mut self, w: &QuantMatrix) -> PanelWide {
         let subs = w.cols() / QK;
-        self.u.resize(subs * 8 * LANES, 0);
+        self.u.sized(subs * 8 * LANES * 4);
         self.sc.resize(subs * 2 * LANES, 0);
         self.d.resize(subs * LANES, 0.0);
         self.m.resize(subs * LANES, 0.0);
         PanelWide {
-            u: self.u.as_mut_ptr(),
+            u: self.u.words_mut().as_mut_ptr(),
             sc: self.sc.as_mut_ptr(),
             d: self.d.as_mut_ptr(),
             m: self.m.as_mut_ptr(),
@@ -463,7 +463,7 @@ impl Panel {
     #[inline(always)]
     unsafe fn fill_as<I: Isa, const F: u8>(&mut self, w: &QuantMatrix, first: usize) {
         let subs = w.cols() / QK;
-        self.u.resize(subs * 8 * LANES, 0);
+        self.u.sized(subs * 8 * LANES * 4);
         self.sc.resize(subs * 2 * LANES, 0);
         self.d.resize(subs * LANES, 0.0);
         self.m.resize(subs * LANES, 0.0);
@@ -471,7 +471,7 @@ impl Panel {
             let (group, _) = w.group(first + half * GROUP_ROWS);
             let lane = half * GROUP_ROWS;
             let mut sink = Store {
-                u: self.u.as_mut_ptr(),
+                u: self.u.words_mut().as_mut_ptr(),
                 sc: self.sc.as_mut_ptr(),
                 d: self.d.as_mut_ptr(),
                 m: self.m.as_mut_ptr(),
@@ -1777,7 +1777,8 @@ unsafe fn panel_tile<V: PanelVector, const T: usize, const P: usize, const F: u8
     unsafe {
         let mut acc = [[V::zero_f(); P]; T];
         let mut iacc = [[V::splat_i(0); P]; T];
-        let up: [_; P] = std::array::from_fn(|k| panels[k].u.as_ptr().add(lanes[k]).cast::<i32>());
+        let up: [_; P] =
+            std::array::from_fn(|k| panels[k].u.words().as_ptr().add(lanes[k]).cast::<i32>());
         let scp: [_; P] = std::array::from_fn(|k| panels[k].sc.as_ptr().add(lanes[k]));
         let dp: [_; P] = std::array::from_fn(|k| panels[k].d.as_ptr().add(lanes[k]));
         let mp: [_; P] = std::array::from_fn(|k| panels[k].m.as_ptr().add(lanes[k]));
@@ -2115,7 +2116,7 @@ unsafe fn avx2_panel_rows<const T: usize, const F: u8>(
     let total = acts.blocks();
     debug_assert!(sums.len() == T && subs.end <= total);
     debug_assert!(acts.q.len() >= (r0 + T) * acts.n_in && acts.d.len() >= (r0 + T) * total);
-    let (up, scp) = (panel.u.as_ptr(), panel.sc.as_ptr());
+    let (up, scp) = (panel.u.words().as_ptr(), panel.sc.as_ptr());
     let (dp, mp) = (panel.d.as_ptr(), panel.m.as_ptr());
     let xq = acts.q.as_ptr();
     let (ad, asx, asum) = (acts.d.as_ptr(), acts.sx.as_ptr(), acts.sum16.as_ptr());
@@ -2241,4 +2242,4 @@ unsafe fn avx2_panel_rows<const T: usize, const F: u8>(
 
 // Declared after the macros above, which it uses.
 mod amx;
-pub(super) use amx::{AMX_ROWS, Dest, Lines, Tiled, Tiles, amx_panel, fill_amx, tiled_rows};
+pub(super) use amx::{AMX_ROWS, Dest, Tiled, Tiles, amx_panel, fill_amx, tiled_rows};

@@ -40,7 +40,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 
 use super::super::activations::QuantizedRows;
-use super::super::{LANES, Panel, QK};
+use super::super::{LANES, Lines, Panel, QK};
 use super::{
     SubScales, SubSink, Vnni, WideSink, decode_group, decode_k4_wide, decode_q6k_wide, format_at,
     same_form,
@@ -448,49 +448,6 @@ impl Drop for Tiles {
     fn drop(&mut self) {
         // SAFETY: a `Tiles` exists only after `start`, on a CPU with AMX-TILE.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
-    }
-}
-
-/// A 64-byte line of the caches.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-pub(in crate::kernels::int8) struct Line([u8; 64]);
-
-/// Bytes on whole 64-byte lines, for what tiles load: a tile's rows must not straddle
-/// two lines (tile loads of 64-byte rows 16 bytes off a line's start, as a plain
-/// vector's allocation is, took 3.3 times as long, measured in C on this kernel's loads).
-#[derive(Default)]
-pub(in crate::kernels::int8) struct Lines(Vec<Line>);
-
-impl Lines {
-    /// `bytes` bytes (rounded up to whole lines), left as they were where they were
-    /// already there (zeros where new): for a caller that writes every one.
-    fn sized(&mut self, bytes: usize) {
-        self.0.resize(bytes.div_ceil(64), Line([0; 64]));
-    }
-
-    /// `lines` lines, every byte written by `write` (given them all, not yet written).
-    fn written(lines: usize, write: impl FnOnce(&mut [std::mem::MaybeUninit<u8>])) -> Self {
-        let fill = |v: &mut [std::mem::MaybeUninit<Line>]| {
-            // SAFETY: the lines, 64 bytes each with no padding, seen as bytes not yet
-            // written (`MaybeUninit<u8>` has `u8`'s size and alignment).
-            write(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 64) });
-        };
-        // SAFETY: `write` writes every byte of the lines (its contract), and any bytes are
-        // a valid `Line`.
-        Self(unsafe { crate::kernels::cpu::written(lines, fill) })
-    }
-
-    /// The bytes.
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: `Line` is 64 bytes with no padding; the lines are contiguous.
-        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 64) }
-    }
-
-    /// The bytes, to write.
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `bytes`; any byte value is a valid `u8`.
-        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast(), self.0.len() * 64) }
     }
 }
 
